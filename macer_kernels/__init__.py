@@ -1,0 +1,40 @@
+"""macer-kernels: the ops of MACER (modality-aware capacity-explicit retention) for omnimodal LLM prefill.
+
+Public ops (each a plain function on tensors; the backend is picked per call, see ``macer_kernels.backend``):
+
+========================  ===========================================  ================================
+op                        definition (``macer_paper.tex`` label)       shapes
+========================  ===========================================  ================================
+``split_budget``          ``eq:capacity_nominal``, ``eq:capacity_split``  counts -> ``Budget``
+``modality_scores``       ``eq:macer_score`` (ANMS)                     q ``[B,Hq,Lq,D]``, k ``[B,Hkv,N,D]`` -> ``[B,N]``
+``topk_indices``          ``Top-k``                                     ``[n]`` -> ``[k]``
+``coverage_select``       ``eq:chunk_coverage_greedy``                  ``[n]``, ``[n]`` -> ``[k]``
+``temporal_chunks``       Appendix B (C coarse temporal chunks)         ``[n]`` -> ``[n]``
+``compact``               Sec. 4 (keep text + S_a + S_v in order)       ``x``, ``[k]`` -> ``x`` with k rows
+========================  ===========================================  ================================
+"""
+
+from macer_kernels.backend import available_backends, backend_status, current_backend, use_backend
+from macer_kernels.compact import compact
+from macer_kernels.modality_scores import MAX_MODALITIES, modality_scores
+from macer_kernels.select import coverage_select, topk_indices
+from macer_kernels.split_budget import split_budget
+from macer_kernels.temporal_chunks import temporal_chunks
+from macer_kernels.types import Budget
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MAX_MODALITIES",
+    "Budget",
+    "available_backends",
+    "backend_status",
+    "compact",
+    "coverage_select",
+    "current_backend",
+    "modality_scores",
+    "split_budget",
+    "temporal_chunks",
+    "topk_indices",
+    "use_backend",
+]

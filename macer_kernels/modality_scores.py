@@ -1,0 +1,117 @@
+"""Allocation-normalised modality scores (ANMS) read from a layer's post-RoPE queries and keys."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from macer_kernels._validate import check_float, check_int, check_real, check_same_device, check_tensor
+from macer_kernels.backend import dispatch, register
+
+MAX_MODALITIES = 8
+"""Largest modality label accepted (labels are 0..MAX_MODALITIES; 0 = not scored). Kernels size per-row state by it."""
+
+# Keys are processed in blocks of this many positions, so the fp32 copy of K made for the product is bounded by
+# one block (never a full-length copy, never one per query head).
+_KEY_BLOCK = 4096
+
+
+def modality_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    modality: torch.Tensor,
+    query_positions: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    r"""Allocation-normalised modality scores, ``eq:macer_score`` (ANMS).
+
+    With ``A_h(q, i)`` the causal softmax of ``scale * q . k_i`` over keys ``0..pos(q)`` of query row ``q`` and head
+    ``h``, a token ``i`` of modality ``m`` scores
+
+    ``s_i = 1 / (Lq Hq) * sum_{q, h} A_h(q, i) / (sum_{j in I_m} A_h(q, j) + eps)``
+
+    and tokens labelled 0 (text) score 0. Each (q, h) row is renormalised over its own modality only, so the scores of
+    one modality never depend on how much attention another modality receives (except through ``eps``).
+
+    Args:
+        query: ``[B, Hq, Lq, D]`` post-RoPE queries of the question span (fp32, bf16, fp16 or fp64).
+        key: ``[B, Hkv, N, D]`` post-RoPE keys with ``Hq % Hkv == 0`` (query head ``h`` reads KV head
+            ``h // (Hq // Hkv)``); any strides, so a ``[B, N, Hkv, D]`` cache passed as ``.transpose(1, 2)`` works
+            without a copy.
+        modality: ``[B, N]`` integer labels in ``0..MAX_MODALITIES``; 0 = not scored.
+        query_positions: ``[B, Lq]`` integer positions of the query rows among the N keys (default: the last Lq
+            positions, ``N - Lq .. N - 1``). Each row attends to keys ``0..position``.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        eps: the epsilon of ``eq:macer_score``, >= 0.
+
+    Returns:
+        ``[B, N]`` float32 scores. Accumulation is fp32 whatever the input dtype.
+    """
+    query = check_tensor("query", query, 4)
+    key = check_tensor("key", key, 4)
+    modality = check_tensor("modality", modality, 2)
+    check_float("query", query)
+    check_float("key", key)
+    check_int("modality", modality)
+    b, hq, lq, d = query.shape
+    bk, hkv, n, dk = key.shape
+    if bk != b or dk != d:
+        raise ValueError(f"key must be [B={b}, Hkv, N, D={d}], got {tuple(key.shape)}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads (Hq={hq}) must be a positive multiple of key heads (Hkv={hkv})")
+    if lq == 0 or d == 0:
+        raise ValueError(f"query must have at least one row and D > 0, got shape {tuple(query.shape)}")
+    if tuple(modality.shape) != (b, n):
+        raise ValueError(f"modality must be [B={b}, N={n}], got {tuple(modality.shape)}")
+    if n > 0 and (int(modality.min()) < 0 or int(modality.max()) > MAX_MODALITIES):
+        raise ValueError(f"modality labels must be in [0, {MAX_MODALITIES}], got range "
+                         f"[{int(modality.min())}, {int(modality.max())}]")
+    if query_positions is None:
+        if lq > n:
+            raise ValueError(f"query has Lq={lq} rows but key has only N={n} positions")
+        query_positions = torch.arange(n - lq, n, device=query.device).expand(b, lq)
+    else:
+        query_positions = check_tensor("query_positions", query_positions, 2)
+        check_int("query_positions", query_positions)
+        if tuple(query_positions.shape) != (b, lq):
+            raise ValueError(f"query_positions must be [B={b}, Lq={lq}], got {tuple(query_positions.shape)}")
+        if int(query_positions.min()) < 0 or int(query_positions.max()) >= n:
+            raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range "
+                             f"[{int(query_positions.min())}, {int(query_positions.max())}]")
+    check_same_device(query=query, key=key, modality=modality, query_positions=query_positions)
+    scale = 1.0 / math.sqrt(d) if scale is None else check_real("scale", scale, 0.0, math.inf, lo_open=True,
+                                                                 hi_open=True)
+    eps = check_real("eps", eps, 0.0, math.inf, hi_open=True)
+    if key.stride(-1) != 1:
+        raise ValueError(f"key must have a contiguous head dimension (stride(-1) == 1), got strides {key.stride()}")
+    return dispatch("modality_scores", query.device, query, key, modality, query_positions, scale, eps)
+
+
+@register("modality_scores", "torch")
+def _modality_scores_torch(query, key, modality, query_positions, scale, eps):
+    """GQA-aware PyTorch path: O(B Hq Lq N) memory, no per-head copy of K, keys upcast one block at a time."""
+    b, hq, lq, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    group = hq // hkv
+    # [B, Hkv, G*Lq, D]: the query heads that share a KV head are stacked as rows against that head's keys.
+    q = (query.to(torch.float32) * scale).reshape(b, hkv, group * lq, d)
+    logits = torch.empty(b, hkv, group * lq, n, dtype=torch.float32, device=query.device)
+    for start in range(0, n, _KEY_BLOCK):
+        stop = min(n, start + _KEY_BLOCK)
+        k_block = key[:, :, start:stop].to(torch.float32)
+        logits[..., start:stop] = torch.matmul(q, k_block.transpose(-1, -2))
+    logits = logits.view(b, hq, lq, n)
+    visible = torch.arange(n, device=query.device)[None, None, :] <= query_positions[:, :, None].long()
+    logits.masked_fill_(~visible[:, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # A_h(q, i), fp32
+    labels = modality.long()
+    num_labels = int(labels.max()) + 1 if n else 1
+    # mass[b, h, q, m] = sum_{j: label j = m} A_h(q, j): one segment sum over the keys.
+    mass = torch.zeros(b, hq, lq, num_labels, dtype=torch.float32, device=query.device)
+    mass.scatter_add_(-1, labels[:, None, None, :].expand(b, hq, lq, n), probs)
+    denom = mass.gather(-1, labels[:, None, None, :].expand(b, hq, lq, n)) + eps
+    scores = (probs / denom).sum(dim=(1, 2)) / (lq * hq)
+    return scores.masked_fill_(labels == 0, 0.0)

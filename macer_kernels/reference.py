@@ -1,0 +1,101 @@
+"""Literal definitions of every MACER op, in float64 PyTorch, following the paper's equations.
+
+These are the ground truth for the tests, the CPU-side check of every fast path, and the "naive PyTorch" provider
+of the benchmarks. They favour being obviously right over being fast: K is expanded per query head, the full
+causal softmax is materialised, and the coverage greedy runs its k steps literally. Equation labels refer to
+``macer_paper.tex``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from macer_kernels.types import Budget
+
+
+def split_budget_ref(n_audio: int, n_video: int, keep_ratio: float, audio_share: float) -> Budget:
+    """Sec. 4 K_mm, ``eq:capacity_nominal`` and ``eq:capacity_split``, with floor(x + 0.5) rounding."""
+    n = n_audio + n_video
+    total = min(n, math.floor(keep_ratio * n + 0.5))
+    nominal_audio = math.floor(audio_share * total + 0.5)
+    nominal_video = total - nominal_audio
+    audio = min(n_audio, nominal_audio + max(0, nominal_video - n_video))
+    return Budget(total=total, audio=audio, video=total - audio)
+
+
+def modality_scores_ref(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    modality: torch.Tensor,
+    query_positions: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    eps: float = 1e-6,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``eq:macer_score`` (ANMS), computed naively in ``dtype``.
+
+    query ``[B, Hq, Lq, D]``, key ``[B, Hkv, N, D]``, modality ``[B, N]`` (0 = unscored), query_positions ``[B, Lq]``.
+    Returns ``[B, N]`` in ``dtype``: ``s_i = mean_{q,h} A_h(q,i) / (sum_{j in m(i)} A_h(q,j) + eps)``, 0 for label 0.
+    """
+    b, hq, lq, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    if query_positions is None:
+        query_positions = torch.arange(n - lq, n, device=query.device).expand(b, lq)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    k = key.to(dtype).repeat_interleave(hq // hkv, dim=1)  # [B, Hq, N, D]: the naive GQA expansion
+    logits = scale * torch.einsum("bhqd,bhnd->bhqn", query.to(dtype), k)
+    visible = torch.arange(n, device=query.device)[None, None, :] <= query_positions[:, :, None]  # [B, Lq, N]
+    logits = logits.masked_fill(~visible[:, None], float("-inf"))
+    attn = torch.softmax(logits, dim=-1)  # A_h(q, i), [B, Hq, Lq, N]
+    scores = torch.zeros(b, n, dtype=dtype, device=query.device)
+    for m in modality.unique().tolist():
+        if m == 0:
+            continue
+        in_m = (modality == m)[:, None, None, :]  # [B, 1, 1, N]
+        mass = (attn * in_m).sum(-1, keepdim=True)  # sum_{j in I_m} A_h(q, j)
+        normalised = attn / (mass + eps) * in_m
+        scores += normalised.sum(dim=(1, 2)) / (lq * hq)
+    return scores
+
+
+def topk_indices_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``TopKIdx`` (eq. ``Top-k``): the k largest, ties to the lower index, returned sorted ascending."""
+    values = scores.to(torch.float64).tolist()
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+    return torch.tensor(sorted(order[:k]), dtype=torch.long)
+
+
+def coverage_select_ref(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, coverage_weight: float) -> torch.Tensor:
+    """``eq:chunk_coverage_greedy``, the literal k-step greedy in float64; ties to the lower index; sorted result."""
+    values = scores.to(torch.float64).tolist()
+    chunks = chunk_ids.tolist()
+    taken: set[int] = set()
+    counts: dict[int, int] = {}
+    for _ in range(k):
+        best, best_value = -1, -math.inf
+        for j, s in enumerate(values):
+            if j in taken:
+                continue
+            value = s + math.sqrt(coverage_weight / (1 + counts.get(chunks[j], 0)))
+            if best < 0 or value > best_value:
+                best, best_value = j, value
+        taken.add(best)
+        counts[chunks[best]] = counts.get(chunks[best], 0) + 1
+    return torch.tensor(sorted(taken), dtype=torch.long)
+
+
+def temporal_chunks_ref(temporal_positions: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """Chunk id ``floor(C (t - t_min) / (t_max - t_min + 1))`` per video token (Appendix B, coverage greedy)."""
+    t = temporal_positions.to(torch.float64).tolist()
+    if not t:
+        return torch.empty(0, dtype=torch.long)
+    lo, hi = min(t), max(t)
+    return torch.tensor([math.floor(num_chunks * (x - lo) / (hi - lo + 1)) for x in t], dtype=torch.long)
+
+
+def compact_ref(x: torch.Tensor, keep: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Keep the rows ``keep`` (sorted indices) of ``x`` along ``dim``."""
+    return torch.stack([x.select(dim, int(i)) for i in keep], dim=dim) if len(keep) else x.narrow(dim, 0, 0)

@@ -1,0 +1,117 @@
+"""Selection ops: modality-local top-K and the video chunk-coverage greedy."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from macer_kernels._validate import check_count, check_int, check_no_nan, check_real, check_same_device, check_tensor
+from macer_kernels.backend import dispatch, register
+
+
+def _check_k(k: int, n: int) -> int:
+    k = check_count("k", k)
+    if k > n:
+        raise ValueError(f"k must be in [0, {n}] (the number of scores), got {k}")
+    return k
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest scores (``TopKIdx``, eq. ``Top-k``), ties to the lower index, sorted ascending.
+
+    Args:
+        scores: 1-D floating tensor of n scores (no NaN).
+        k: integer in ``[0, n]``.
+
+    Returns:
+        int64 tensor ``[k]`` on the device of ``scores``, strictly increasing.
+    """
+    scores = check_tensor("scores", scores, 1)
+    if not scores.is_floating_point():
+        raise TypeError(f"scores must be a floating tensor, got {scores.dtype}")
+    k = _check_k(k, scores.numel())
+    check_no_nan("scores", scores)
+    return dispatch("topk_indices", scores.device, scores, k)
+
+
+def coverage_select(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, coverage_weight: float) -> torch.Tensor:
+    r"""Video chunk-coverage greedy, ``eq:chunk_coverage_greedy``, without a k-step loop.
+
+    The literal rule picks, k times, ``argmax_j s_j + sqrt(lambda_c / (1 + r_{c(j)}))`` among unpicked tokens, where
+    ``r_g`` counts tokens already picked from chunk ``g`` (ties to the lower index). Within a chunk every candidate
+    gets the same bonus, so the greedy takes each chunk's tokens in descending score order; giving the t-th token of
+    its chunk the value ``v = s + sqrt(lambda_c / (1 + t))`` turns the greedy into a merge of per-chunk non-increasing
+    sequences, and its k picks are the k largest values. Equal values are ordered exactly as the greedy's
+    lower-index tie-break would meet them (see ``_coverage_order``). ``coverage_weight = 0`` is plain top-k.
+
+    Args:
+        scores: 1-D floating tensor of n scores (no NaN).
+        chunk_ids: 1-D integer tensor of n non-negative chunk ids (e.g. from ``temporal_chunks``).
+        k: integer in ``[0, n]``.
+        coverage_weight: lambda_c, a finite number >= 0.
+
+    Returns:
+        int64 tensor ``[k]``, strictly increasing. Values are compared in float64.
+    """
+    scores = check_tensor("scores", scores, 1)
+    chunk_ids = check_tensor("chunk_ids", chunk_ids, 1)
+    if not scores.is_floating_point():
+        raise TypeError(f"scores must be a floating tensor, got {scores.dtype}")
+    check_int("chunk_ids", chunk_ids)
+    if chunk_ids.shape != scores.shape:
+        raise ValueError(f"chunk_ids must have the shape of scores {tuple(scores.shape)}, got {tuple(chunk_ids.shape)}")
+    check_same_device(scores=scores, chunk_ids=chunk_ids)
+    k = _check_k(k, scores.numel())
+    coverage_weight = check_real("coverage_weight", coverage_weight, 0.0, math.inf, hi_open=True)
+    check_no_nan("scores", scores)
+    if chunk_ids.numel() and int(chunk_ids.min()) < 0:
+        raise ValueError(f"chunk_ids must be non-negative, got minimum {int(chunk_ids.min())}")
+    return dispatch("coverage_select", scores.device, scores, chunk_ids, k, coverage_weight)
+
+
+def _stable_argsort(keys: torch.Tensor, *, descending: bool = False) -> torch.Tensor:
+    return torch.sort(keys, descending=descending, stable=True).indices
+
+
+@register("topk_indices", "torch")
+def _topk_indices_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
+    # A stable descending sort keeps equal scores in index order, which is the lower-index tie-break.
+    order = _stable_argsort(scores, descending=True)
+    return torch.sort(order[:k]).values
+
+
+def _coverage_order(scores: torch.Tensor, chunk_ids: torch.Tensor, coverage_weight: float) -> torch.Tensor:
+    """All n indices in the order the literal greedy would pick them (the first k are its k picks)."""
+    n = scores.numel()
+    device = scores.device
+    index = torch.arange(n, device=device)
+    s = scores.to(torch.float64)
+    # Group by chunk; inside a chunk, descending score, ties by lower index (two stable sorts = one lexsort).
+    by_score = _stable_argsort(s, descending=True)
+    by_chunk = by_score[_stable_argsort(chunk_ids[by_score])]
+    chunk_sorted = chunk_ids[by_chunk]
+    new_chunk = torch.ones(n, dtype=torch.bool, device=device)
+    new_chunk[1:] = chunk_sorted[1:] != chunk_sorted[:-1]
+    chunk_start = torch.cummax(torch.where(new_chunk, index, 0), dim=0).values
+    rank = index - chunk_start  # t: how many tokens of the same chunk come before this one
+    # The same float64 expression as the literal greedy, so equal values compare equal in both.
+    value = s[by_chunk] + torch.sqrt(coverage_weight / (1.0 + rank.to(torch.float64)))
+    # Values are non-increasing along each chunk. A run of equal values inside a chunk can have decreasing token
+    # indices (a larger score and a smaller bonus rounding to the same sum); the greedy cannot take a run member
+    # before the ones ahead of it, so each member competes in ties with the largest index seen so far in its run.
+    new_run = new_chunk.clone()
+    new_run[1:] |= value[1:] != value[:-1]
+    run_id = torch.cumsum(new_run.long(), dim=0) - 1
+    offset = run_id * n
+    tie_index = torch.cummax(offset + by_chunk, dim=0).values - offset
+    # Lexsort by (value descending, tie index ascending, rank ascending).
+    order = _stable_argsort(rank)
+    order = order[_stable_argsort(tie_index[order])]
+    order = order[_stable_argsort(value[order], descending=True)]
+    return by_chunk[order]
+
+
+@register("coverage_select", "torch")
+def _coverage_select_torch(scores, chunk_ids, k, coverage_weight):
+    return torch.sort(_coverage_order(scores, chunk_ids.long(), coverage_weight)[:k]).values

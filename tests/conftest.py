@@ -1,0 +1,45 @@
+"""Test gating: `cuda` tests need a GPU; `triton` tests need Triton and either a GPU or the interpreter.
+
+The Triton interpreter must be selected before `triton` is first imported, so on a machine without a GPU this file
+sets TRITON_INTERPRET=1 (unless the caller chose otherwise). Nothing here touches CUDA at import time beyond the
+driver query pytest needs to decide what to skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import pytest
+
+
+def _has_gpu() -> bool:
+    # nvidia-smi's presence is a cheap proxy that does not initialise CUDA in this process.
+    return shutil.which("nvidia-smi") is not None
+
+
+HAS_GPU = _has_gpu()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    cuda_ok = HAS_GPU and torch.cuda.is_available()
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_triton = pytest.mark.skip(reason="needs triton (and a GPU or TRITON_INTERPRET=1)")
+    triton_ok = HAS_TRITON and (cuda_ok or os.environ.get("TRITON_INTERPRET") == "1")
+    for item in items:
+        if "cuda" in item.keywords and not cuda_ok:
+            item.add_marker(skip_cuda)
+        if "triton" in item.keywords and not triton_ok:
+            item.add_marker(skip_triton)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request) -> str:
+    """Run a test on CPU, and on CUDA where a GPU is present."""
+    return request.param
