@@ -6,7 +6,7 @@ Public ops (each a plain function on tensors; the backend is picked per call, se
 op                        definition (``macer_paper.tex`` label)       shapes
 ========================  ===========================================  ================================
 ``split_budget``          ``eq:capacity_nominal``, ``eq:capacity_split``  counts -> ``Budget``
-``modality_scores``       ``eq:macer_score`` (ANMS)                     q ``[B,Hq,Lq,D]``, k ``[B,Hkv,N,D]`` -> ``[B,N]``
+``modality_scores``       ``eq:macer_score`` (ANMS)                     q, k ``[B,H,L,D]`` -> ``[B,N]``
 ``topk_indices``          ``Top-k``                                     ``[n]`` -> ``[k]``
 ``coverage_select``       ``eq:chunk_coverage_greedy``                  ``[n]``, ``[n]`` -> ``[k]``
 ``temporal_chunks``       Appendix B (C coarse temporal chunks)         ``[n]`` -> ``[n]``
@@ -15,7 +15,7 @@ op                        definition (``macer_paper.tex`` label)       shapes
 """
 
 from macer_kernels.backend import available_backends, backend_status, current_backend, use_backend
-from macer_kernels.compact import compact
+from macer_kernels.compact import compact, compact_many
 from macer_kernels.modality_scores import MAX_MODALITIES, modality_scores
 from macer_kernels.select import coverage_select, topk_indices
 from macer_kernels.split_budget import split_budget
@@ -30,6 +30,7 @@ __all__ = [
     "available_backends",
     "backend_status",
     "compact",
+    "compact_many",
     "coverage_select",
     "current_backend",
     "modality_scores",

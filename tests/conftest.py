@@ -43,3 +43,26 @@ def pytest_collection_modifyitems(config, items):
 def device(request) -> str:
     """Run a test on CPU, and on CUDA where a GPU is present."""
     return request.param
+
+
+_BACKEND_CASES = [
+    pytest.param(("torch", "cpu"), id="torch-cpu"),
+    pytest.param(("torch", "cuda"), id="torch-cuda", marks=pytest.mark.cuda),
+    # On a machine without a GPU the Triton kernels run in the interpreter on CPU tensors.
+    pytest.param(("triton", "cpu" if not HAS_GPU else "cuda"), id="triton", marks=pytest.mark.triton),
+    pytest.param(("cuda", "cuda"), id="cuda", marks=pytest.mark.cuda),
+]
+
+
+@pytest.fixture(params=_BACKEND_CASES)
+def backend(request):
+    """``(backend name, device)``: every op test runs with each backend forced, against the float64 reference.
+
+    Inside the test the backend is in force (``use_backend``). A backend whose dependency is installed but that
+    reports itself unavailable fails the test instead of skipping it.
+    """
+    from macer_kernels import use_backend
+
+    name, dev = request.param
+    with use_backend(name):
+        yield name, dev
