@@ -109,9 +109,10 @@ def _modality_scores_torch(query, key, modality, query_positions, scale, eps):
     probs = torch.softmax(logits, dim=-1)  # A_h(q, i), fp32
     labels = modality.long()
     num_labels = int(labels.max()) + 1 if n else 1
-    # mass[b, h, q, m] = sum_{j: label j = m} A_h(q, j): one segment sum over the keys.
-    mass = torch.zeros(b, hq, lq, num_labels, dtype=torch.float32, device=query.device)
-    mass.scatter_add_(-1, labels[:, None, None, :].expand(b, hq, lq, n), probs)
-    denom = mass.gather(-1, labels[:, None, None, :].expand(b, hq, lq, n)) + eps
-    scores = (probs / denom).sum(dim=(1, 2)) / (lq * hq)
+    # mass[b, (h, q), m] = sum_{j: label j = m} A_h(q, j): one product with the [N, labels] one-hot matrix.
+    one_hot = torch.nn.functional.one_hot(labels, num_labels).to(torch.float32)  # [B, N, labels]
+    rows = probs.view(b, hq * lq, n)
+    mass = torch.bmm(rows, one_hot)
+    denom = mass.gather(-1, labels[:, None, :].expand(b, hq * lq, n)).add_(eps)
+    scores = rows.div_(denom).sum(dim=1) / (lq * hq)
     return scores.masked_fill_(labels == 0, 0.0)

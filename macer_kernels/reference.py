@@ -69,19 +69,26 @@ def topk_indices_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def coverage_select_ref(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, coverage_weight: float) -> torch.Tensor:
-    """``eq:chunk_coverage_greedy``, the literal k-step greedy in float64; ties to the lower index; sorted result."""
+    """``eq:chunk_coverage_greedy``, the literal k-step greedy in float64; sorted result.
+
+    Each step takes the unpicked token with the largest value ``s_j + sqrt(lambda_c / (1 + r_{c(j)}))``. Equal
+    values go to the higher score, then to the lower index. For equal scores (and for ``lambda_c = 0``) this is
+    "ties to the lower index"; preferring the higher score first only matters where the float64 sum absorbs a score
+    difference (scores ~1e-16 times the bonus or smaller), and keeps the rule's exact-arithmetic property that a
+    token is never picked before a higher-scored token of its own chunk.
+    """
     values = scores.to(torch.float64).tolist()
     chunks = chunk_ids.tolist()
     taken: set[int] = set()
     counts: dict[int, int] = {}
     for _ in range(k):
-        best, best_value = -1, -math.inf
+        best, best_key = -1, None
         for j, s in enumerate(values):
             if j in taken:
                 continue
-            value = s + math.sqrt(coverage_weight / (1 + counts.get(chunks[j], 0)))
-            if best < 0 or value > best_value:
-                best, best_value = j, value
+            key = (s + math.sqrt(coverage_weight / (1 + counts.get(chunks[j], 0))), s, -j)
+            if best_key is None or key > best_key:
+                best, best_key = j, key
         taken.add(best)
         counts[chunks[best]] = counts.get(chunks[best], 0) + 1
     return torch.tensor(sorted(taken), dtype=torch.long)

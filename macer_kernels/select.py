@@ -42,8 +42,9 @@ def coverage_select(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, cover
     ``r_g`` counts tokens already picked from chunk ``g`` (ties to the lower index). Within a chunk every candidate
     gets the same bonus, so the greedy takes each chunk's tokens in descending score order; giving the t-th token of
     its chunk the value ``v = s + sqrt(lambda_c / (1 + t))`` turns the greedy into a merge of per-chunk non-increasing
-    sequences, and its k picks are the k largest values. Equal values are ordered exactly as the greedy's
-    lower-index tie-break would meet them (see ``_coverage_order``). ``coverage_weight = 0`` is plain top-k.
+    sequences, and its k picks are the k largest values. Equal values go to the higher score, then to the lower
+    index, as in the reference greedy (``reference.coverage_select_ref`` explains why). ``coverage_weight = 0`` is
+    plain top-k.
 
     Args:
         scores: 1-D floating tensor of n scores (no NaN).
@@ -82,34 +83,31 @@ def _topk_indices_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _coverage_order(scores: torch.Tensor, chunk_ids: torch.Tensor, coverage_weight: float) -> torch.Tensor:
-    """All n indices in the order the literal greedy would pick them (the first k are its k picks)."""
+    """All n indices in the order the literal greedy picks them (its first k picks are the first k here).
+
+    Inside a chunk every candidate gets the same bonus, so the greedy takes a chunk's tokens in the order
+    (score descending, index ascending); the t-th of them gets the value ``v = s + sqrt(lambda / (1 + t))``. Along a
+    chunk that sequence is sorted by the greedy's key (v descending, score descending, index ascending) -- v because
+    scores fall and bonuses shrink, the rest by construction -- so the greedy is a merge of sorted sequences, i.e.
+    one global sort by that key.
+    """
     n = scores.numel()
-    device = scores.device
-    index = torch.arange(n, device=device)
+    index = torch.arange(n, device=scores.device)
     s = scores.to(torch.float64)
-    # Group by chunk; inside a chunk, descending score, ties by lower index (two stable sorts = one lexsort).
+    # Chunk order: by chunk, then score descending, then index (stable sorts compose into a lexsort).
     by_score = _stable_argsort(s, descending=True)
     by_chunk = by_score[_stable_argsort(chunk_ids[by_score])]
     chunk_sorted = chunk_ids[by_chunk]
-    new_chunk = torch.ones(n, dtype=torch.bool, device=device)
+    new_chunk = torch.ones(n, dtype=torch.bool, device=scores.device)
     new_chunk[1:] = chunk_sorted[1:] != chunk_sorted[:-1]
     chunk_start = torch.cummax(torch.where(new_chunk, index, 0), dim=0).values
-    rank = index - chunk_start  # t: how many tokens of the same chunk come before this one
-    # The same float64 expression as the literal greedy, so equal values compare equal in both.
-    value = s[by_chunk] + torch.sqrt(coverage_weight / (1.0 + rank.to(torch.float64)))
-    # Values are non-increasing along each chunk. A run of equal values inside a chunk can have decreasing token
-    # indices (a larger score and a smaller bonus rounding to the same sum); the greedy cannot take a run member
-    # before the ones ahead of it, so each member competes in ties with the largest index seen so far in its run.
-    new_run = new_chunk.clone()
-    new_run[1:] |= value[1:] != value[:-1]
-    run_id = torch.cumsum(new_run.long(), dim=0) - 1
-    offset = run_id * n
-    tie_index = torch.cummax(offset + by_chunk, dim=0).values - offset
-    # Lexsort by (value descending, tie index ascending, rank ascending).
-    order = _stable_argsort(rank)
-    order = order[_stable_argsort(tie_index[order])]
-    order = order[_stable_argsort(value[order], descending=True)]
-    return by_chunk[order]
+    rank = (index - chunk_start).to(torch.float64)  # t: tokens of the same chunk ahead of this one
+    value = torch.empty(n, dtype=torch.float64, device=scores.device)
+    # The same float64 expression as the literal greedy, so both compare the same numbers.
+    value[by_chunk] = s[by_chunk] + torch.sqrt(coverage_weight / (1.0 + rank))
+    # Global key: value descending, score descending, index ascending.
+    order = by_score  # score descending, index ascending
+    return order[_stable_argsort(value[order], descending=True)]
 
 
 @register("coverage_select", "torch")

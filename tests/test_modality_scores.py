@@ -1,0 +1,194 @@
+"""modality_scores (eq:macer_score) against the float64 reference, under every backend."""
+
+import math
+
+import pytest
+import torch
+
+from macer_kernels import MAX_MODALITIES, modality_scores
+from macer_kernels.reference import modality_scores_ref
+
+
+def _inputs(b, hq, hkv, lq, n, d, *, labels=3, dtype=torch.float32, device="cpu", seed=None, kv_layout="bhnd"):
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    query = torch.randn(b, hq, lq, d, generator=g).to(dtype).to(device)
+    if kv_layout == "bhnd":
+        key = torch.randn(b, hkv, n, d, generator=g).to(dtype).to(device)
+    else:  # a FlashAttention-layout cache [B, N, Hkv, D] seen as [B, Hkv, N, D] without a copy
+        key = torch.randn(b, n, hkv, d, generator=g).to(dtype).to(device).transpose(1, 2)
+    modality = torch.randint(0, labels, (b, n), generator=g).to(device)
+    return query, key, modality
+
+
+def _rel_err(a, ref):
+    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize(
+    ("b", "hq", "hkv", "lq", "n", "d"),
+    [(1, 4, 4, 4, 37, 16), (2, 7, 1, 3, 65, 32), (1, 8, 2, 1, 129, 64), (1, 4, 2, 4, 5, 8)],
+    ids=["mha", "gqa7", "gqa4-lq1", "tiny"],
+)
+def test_matches_reference_fp32(backend, b, hq, hkv, lq, n, d):
+    _, device = backend
+    q, k, m = _inputs(b, hq, hkv, lq, n, d, device=device)
+    out = modality_scores(q, k, m)
+    assert out.dtype == torch.float32 and out.shape == (b, n) and out.device == q.device
+    ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu())
+    assert _rel_err(out.cpu(), ref) < 1e-5
+
+
+def test_transposed_key_view_without_copy(backend):
+    _, device = backend
+    q, k, m = _inputs(1, 8, 2, 4, 53, 32, device=device, kv_layout="bnhd")
+    assert not k.is_contiguous()
+    out = modality_scores(q, k, m)
+    ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu())
+    assert _rel_err(out.cpu(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_accumulate_in_fp32(backend, dtype):
+    _, device = backend
+    q, k, m = _inputs(1, 8, 2, 4, 61, 64, dtype=dtype, device=device)
+    out = modality_scores(q, k, m)
+    assert out.dtype == torch.float32
+    # Reference on the same (rounded) inputs in float64: only fp32 accumulation error may remain.
+    ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu())
+    err = _rel_err(out.cpu(), ref)
+    # FlashAttention's rule: no worse than twice what PyTorch itself makes computing in this dtype.
+    torch_err = _rel_err(modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), dtype=dtype).float(), ref)
+    assert err < max(2 * torch_err, 1e-5)
+
+
+def test_query_rows_not_at_the_end_mask_later_keys(backend):
+    _, device = backend
+    q, k, m = _inputs(1, 4, 2, 3, 40, 16, device=device)
+    positions = torch.tensor([[12, 20, 27]], device=device)
+    out = modality_scores(q, k, m, positions)
+    ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), positions.cpu())
+    assert _rel_err(out.cpu(), ref) < 1e-5
+    # Keys after the last query row are invisible to every row: they score exactly 0.
+    assert torch.all(out[0, 28:] == 0)
+    # And causal masking matters: the unmasked default (last rows) gives different scores.
+    assert not torch.allclose(out.cpu().double(), modality_scores_ref(q.cpu(), k.cpu(), m.cpu()), atol=1e-3)
+
+
+def test_text_scores_zero_and_each_modality_sums_to_one_per_row(backend):
+    _, device = backend
+    q, k, m = _inputs(2, 4, 4, 1, 50, 16, labels=MAX_MODALITIES + 1, device=device)
+    out = modality_scores(q, k, m, eps=0.0).cpu()
+    assert torch.all(out[m.cpu() == 0] == 0)
+    # With eps = 0 the normalised rows of a modality sum to 1 per (q, h), so its scores (a mean over rows) sum to 1.
+    for label in range(1, MAX_MODALITIES + 1):
+        for bi in range(2):
+            sel = m[bi].cpu() == label
+            if sel.any():
+                assert math.isclose(out[bi, sel].sum().item(), 1.0, rel_tol=1e-5)
+
+
+def test_scores_of_one_modality_ignore_the_others_mass(backend):
+    # ANMS removes the modality-level mass: moving attention onto audio keys does not change video scores (eps=0).
+    _, device = backend
+    q, k, m = _inputs(1, 4, 4, 1, 30, 16, device=device, seed=3)
+    m[0, :10], m[0, 10:20], m[0, 20:] = 1, 2, 0
+    base = modality_scores(q, k, m, eps=0.0)
+    k2 = k.clone()
+    k2[:, :, :5] += q[:, :, 0:1].mean(dim=1, keepdim=True)  # make some audio keys more attractive
+    moved = modality_scores(q, k2, m, eps=0.0)
+    torch.testing.assert_close(moved[0, 10:20], base[0, 10:20], rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(moved[0, :10], base[0, :10])
+
+
+def test_empty_modality_and_no_scored_tokens(backend):
+    _, device = backend
+    q, k, _ = _inputs(1, 4, 2, 2, 16, 8, device=device)
+    text_only = torch.zeros(1, 16, dtype=torch.long, device=device)
+    assert torch.all(modality_scores(q, k, text_only) == 0)
+
+
+def test_custom_scale_and_eps(backend):
+    _, device = backend
+    q, k, m = _inputs(1, 4, 2, 2, 33, 16, device=device)
+    out = modality_scores(q, k, m, scale=0.3, eps=1e-2)
+    ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), scale=0.3, eps=1e-2)
+    assert _rel_err(out.cpu(), ref) < 1e-5
+
+
+def test_memory_stays_linear_in_rows_times_keys():
+    # 7B shapes at N = 32k: one [Hq, N, D] copy of K in bf16 is 28*32768*128*2 = 235 MB. The path must stay far below.
+    hq, hkv, d, n, lq = 28, 4, 128, 32 * 1024, 4
+    q = torch.randn(1, hq, lq, d, dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, n, d, dtype=torch.bfloat16)
+    m = torch.randint(0, 3, (1, n))
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        modality_scores(q, k, m)
+    peak = _peak_bytes(prof)
+    per_head_copy = hq * n * d * 2
+    rows_times_keys = hq * lq * n * 4
+    assert peak < per_head_copy / 3, (peak, per_head_copy)
+    assert peak < 5 * rows_times_keys  # a few [Hq, Lq, N] fp32 temporaries and one key block, nothing larger
+
+
+def _peak_bytes(prof) -> int:
+    """Largest live allocation total seen by the profiler (sum of allocations minus frees, in event order)."""
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage != 0), key=lambda e: e.time_range.start)
+    live = peak = 0
+    for e in events:
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda q, k, m: (q[0], k, m), ValueError, "query must have 4 dimensions"),
+        (lambda q, k, m: (q, k[:, :, :, :4], m), ValueError, r"key must be \[B=1, Hkv, N, D=8\]"),
+        (lambda q, k, m: (q[:, :3], k, m), ValueError, r"must be a positive multiple of key heads"),
+        (lambda q, k, m: (q, k, m[:, :5]), ValueError, r"modality must be \[B=1, N=12\]"),
+        (lambda q, k, m: (q, k, m.float()), TypeError, "modality must be an integer tensor"),
+        (lambda q, k, m: (q.long(), k, m), TypeError, "query must be float32"),
+        (lambda q, k, m: (q, k, m + MAX_MODALITIES), ValueError, r"modality labels must be in \[0, 8\]"),
+        (lambda q, k, m: (q, k, m - 1), ValueError, r"modality labels must be in \[0, 8\]"),
+        (lambda q, k, m: (q, k[..., :6, :], m[:, :6]), ValueError, None),  # fine: Lq=4 <= N=6
+        (lambda q, k, m: (q, k[..., :3, :], m[:, :3]), ValueError, "query has Lq=4 rows but key has only N=3"),
+        (lambda q, k, m: (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), m), ValueError,
+         "key must have a contiguous head dimension"),
+        (lambda q, k, m: (q, "k", m), TypeError, "key must be a torch.Tensor"),
+    ],
+)
+def test_errors(make, error, message):
+    q, k, m = _inputs(1, 4, 2, 4, 12, 8, seed=0)
+    args = make(q, k, m)
+    if message is None:
+        modality_scores(*args)
+        return
+    with pytest.raises(error, match=message):
+        modality_scores(*args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"query_positions": torch.tensor([[1, 2, 3, 12]])}, r"query_positions must be in \[0, N-1=11\]"),
+        ({"query_positions": torch.tensor([[-1, 2, 3, 4]])}, r"query_positions must be in \[0, N-1=11\]"),
+        ({"query_positions": torch.tensor([[1, 2, 3]])}, r"query_positions must be \[B=1, Lq=4\]"),
+                ({"scale": 0.0}, r"scale must be in \(0.0, inf\)"),
+        ({"scale": float("inf")}, r"scale must be in \(0.0, inf\)"),
+        ({"eps": -1e-6}, r"eps must be in \[0.0, inf\)"),
+        ({"eps": float("nan")}, "eps must be a real number"),
+    ],
+)
+def test_keyword_errors(kwargs, message):
+    q, k, m = _inputs(1, 4, 2, 4, 12, 8, seed=0)
+    with pytest.raises(ValueError, match=message):
+        modality_scores(q, k, m, **kwargs)
+
+
+def test_float_query_positions_are_rejected():
+    q, k, m = _inputs(1, 4, 2, 4, 12, 8, seed=0)
+    with pytest.raises(TypeError, match="query_positions must be an integer tensor"):
+        modality_scores(q, k, m, torch.tensor([[1.0, 2, 3, 4]]))
