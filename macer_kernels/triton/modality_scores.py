@@ -1,0 +1,243 @@
+"""Fused allocation-normalised modality scores (``eq:macer_score``) in three Triton launches.
+
+For one query row ``r = (q, h)`` with logits ``l_i = scale * q . k_i`` over its visible keys ``i <= pos(q)``, the
+row maximum ``M``, the all-keys sum ``Z = sum_i exp(l_i - M)`` and the per-modality sums
+``S_m = sum_{i in I_m} exp(l_i - M)``, the softmax normaliser cancels except inside ``eps``:
+
+``A(i) / (sum_{j in m} A(j) + eps) = exp(l_i - M) / (S_m + eps * Z)``                                  (1)
+
+so a token's score is ``sum_r exp(l_ri - M_r) / (S_{r,m(i)} + eps Z_r) / (Lq Hq)`` and no probability is ever
+normalised. The kernels follow flash-decoding:
+
+1. ``_partial_stats_kernel``, grid ``(B * Hkv, key tiles)``: loads one ``[BLOCK_N, D]`` tile of K for one KV head
+   and scores it against all ``G * Lq`` query rows that share the head (GQA: K is read once per KV head, never
+   once per query head), applies each row's causal limit, and writes the tile's per-row maximum and its
+   rescaled ``Z`` and ``S_m`` (an online softmax per modality, split over tiles).
+2. ``_combine_kernel``, grid ``(B * Hq * Lq,)``: merges the tiles of one row into ``M`` and the weights
+   ``1 / ((S_m + eps Z) Lq Hq)`` of (1).
+3. ``_scores_kernel``, grid ``(B, key tiles)``: recomputes the logits of its tile for every KV head (or reads them
+   back, see ``STORE_LOGITS``) and writes ``sum_r exp(l_ri - M_r) * weight_{r, m(i)}``, one fp32 per key, without
+   atomics (so results are deterministic).
+
+All arithmetic after the dot product is fp32; products of bf16/fp16 inputs are exact in fp32, fp32 inputs use the
+IEEE (not TF32) dot. Logits are kept in base 2 (``exp2`` with ``log2(e)`` folded into the scale).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from macer_kernels.backend import register
+
+STORE_LOGITS = False
+"""Default strategy of phase 3: recompute the logits from K (False) or store fp32 logits in phase 1 and read them
+back (True). Recomputing re-reads ``Hkv * N * D`` elements of K; storing writes and reads ``Hq * Lq * N`` fp32, which
+for the 7B shapes (28 / 4 heads, D = 128, Lq = 4, bf16) is 224 vs 256 bytes per key, but grows with Lq and needs an
+O(Hq Lq N) workspace. ``docs/triton.md`` gives the reasoning; ``benchmarks/bench_modality_scores.py`` times both."""
+
+_LOG2E = 1.4426950408889634
+_INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
+                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Base-2 logits ``[ROWS, BLOCK_N]`` of the query rows at ``q_rows`` (``R`` rows of ``D``, contiguous) against
+    keys ``offs_n`` of the KV head at ``k_head``; -inf where a key is beyond the row's causal limit or past N.
+    Padded rows (``rows >= R``) give finite values that callers mask."""
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    d_ok = offs_d < D
+    n_ok = offs_n < N
+    q = tl.load(q_rows + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k = tl.load(k_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        # fp32/fp64 (or mixed) inputs: the IEEE fp32 product, not TF32, keeps the fp32-accumulation error bound.
+        acc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        # bf16 x bf16 and fp16 x fp16 products are exact in the fp32 accumulator.
+        acc = tl.dot(q, tl.trans(k))
+    pos = tl.load(pos_row + (rows % LQ) * stride_pl, mask=row_ok, other=-1)
+    visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
+    return tl.where(visible, acc * scale_log2, float("-inf"))
+
+
+@triton.jit
+def _partial_stats_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, max_ptr, sum_ptr, logit_ptr,
+                          N, R, LQ, D, T, stride_kb, stride_kh, stride_kn, stride_lb, stride_ln, stride_pb, stride_pl,
+                          scale_log2,
+                          HKV: tl.constexpr, NUM_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, STORE: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < R
+    offs_n = pid_t * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The rows of one (b, kv head) are contiguous: (b * Hq + h) * Lq + q for the G heads h of the group.
+    row0 = pid_bh.to(tl.int64) * R
+    k_head = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    l2 = _tile_logits(q_ptr + row0 * D, k_head, pos_ptr + b.to(tl.int64) * stride_pb, offs_n, rows, N, R, LQ, D,
+                      stride_kn, stride_pl, scale_log2, ROWS, BLOCK_D, DOT_FP32)
+    if STORE:
+        tl.store(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :], l2,
+                 mask=row_ok[:, None] & (offs_n < N)[None, :])
+    m = tl.max(l2, axis=1)
+    # A row that sees no key of this tile keeps max -inf and zero sums; subtracting 0 instead avoids inf - inf.
+    p = tl.exp2(l2 - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    out_row = row0 + rows
+    tl.store(max_ptr + out_row * T + pid_t, m, mask=row_ok)
+    # sums[row, 0, t] = Z (all visible keys: the eps term needs it), sums[row, m, t] = S_m.
+    tl.store(sum_ptr + (out_row * (NUM_M + 1)) * T + pid_t, tl.sum(p, axis=1), mask=row_ok)
+    labels = tl.load(lab_ptr + b.to(tl.int64) * stride_lb + offs_n * stride_ln, mask=offs_n < N, other=0)
+    for mod in tl.static_range(1, NUM_M + 1):
+        s_m = tl.sum(tl.where(labels[None, :] == mod, p, 0.0), axis=1)
+        tl.store(sum_ptr + (out_row * (NUM_M + 1) + mod) * T + pid_t, s_m, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(max_ptr, sum_ptr, rowmax_ptr, weight_ptr, T, eps, inv_rows,
+                    NUM_M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_t = tl.arange(0, BLOCK_T)
+    mods = tl.arange(0, M_PAD)
+    mod_ok = mods <= NUM_M
+    # Pass 1: the row maximum over all tiles (finite: every row sees at least key 0).
+    run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + offs_t
+        run_max = tl.maximum(run_max, tl.load(max_ptr + row * T + t, mask=t < T, other=float("-inf")))
+    row_max = tl.max(run_max, axis=0)
+    # Pass 2: rescale each tile's sums to the row maximum and add them up, all modalities at once.
+    acc = tl.zeros([M_PAD], tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + offs_t
+        tile_max = tl.load(max_ptr + row * T + t, mask=t < T, other=float("-inf"))
+        factor = tl.exp2(tile_max - row_max)  # 0 for tiles the row cannot see
+        sums = tl.load(sum_ptr + (row * (NUM_M + 1) + mods[:, None]) * T + t[None, :],
+                       mask=mod_ok[:, None] & (t < T)[None, :], other=0.0)
+        acc += tl.sum(sums * factor[None, :], axis=1)
+    z = tl.sum(tl.where(mods == 0, acc, 0.0), axis=0)
+    # Weight of eq. (1), with the 1 / (Lq Hq) mean folded in. A modality with no visible mass gets weight 0: its
+    # keys all have exp(l - M) = 0 in this row, and 0 * (1 / 0) must not become NaN when eps = 0.
+    weight = tl.where((mods >= 1) & (acc > 0.0), inv_rows / (acc + eps * z), 0.0)
+    tl.store(rowmax_ptr + row, row_max)
+    tl.store(weight_ptr + row * M_PAD + mods, weight)
+
+
+@triton.jit
+def _scores_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, rowmax_ptr, weight_ptr, logit_ptr, out_ptr,
+                   N, R, LQ, D, stride_kb, stride_kh, stride_kn, stride_lb, stride_ln, stride_pb, stride_pl,
+                   scale_log2,
+                   HKV: tl.constexpr, NUM_M: tl.constexpr, M_PAD: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, STORE: tl.constexpr):
+    b = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < R
+    labels = tl.load(lab_ptr + b.to(tl.int64) * stride_lb + offs_n * stride_ln, mask=n_ok, other=0)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    b64 = b.to(tl.int64)
+    k_head = k_ptr + b64 * stride_kb
+    pos_row = pos_ptr + b64 * stride_pb
+    row0 = b64 * HKV * R
+    # One program covers every KV head of its key tile, so the sum over (q, h) needs no atomics.
+    for _ in range(HKV):
+        if STORE:
+            l2 = tl.load(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :],
+                         mask=row_ok[:, None] & n_ok[None, :], other=float("-inf"))
+        else:
+            l2 = _tile_logits(q_ptr + row0 * D, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl,
+                              scale_log2, ROWS, BLOCK_D, DOT_FP32)
+        row_max = tl.load(rowmax_ptr + row0 + rows, mask=row_ok, other=0.0)
+        p = tl.exp2(l2 - row_max[:, None])
+        # weight[r, label of key]: a select per label (NUM_M is the largest label present, usually 2).
+        w = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for mod in tl.static_range(1, NUM_M + 1):
+            w_m = tl.load(weight_ptr + (row0 + rows) * M_PAD + mod, mask=row_ok, other=0.0)
+            w = tl.where(labels[None, :] == mod, w_m[:, None], w)
+        acc += tl.sum(p * w, axis=0)
+        k_head += stride_kh
+        row0 += R
+    tl.store(out_ptr + b64 * N + offs_n, acc, mask=n_ok)
+
+
+def _block_n(d: int, tiles_wanted: int, n: int, batch: int) -> int:
+    """Key-tile width: 128 keys (64 for D > 128, to bound registers), halved down to 32 while the grid is too small
+    to fill the GPU (short sequences)."""
+    block = 128 if d <= 128 else 64
+    while block > 32 and batch * triton.cdiv(n, block) < tiles_wanted:
+        block //= 2
+    return block
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the interpreter: any small grid
+
+
+@register("modality_scores", "triton")
+def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: torch.Tensor,
+                           query_positions: torch.Tensor, scale: float, eps: float, *,
+                           store_logits: bool | None = None) -> torch.Tensor:
+    """Triton ``eq:macer_score``; arguments as validated by ``macer_kernels.modality_scores``.
+
+    ``store_logits`` overrides ``STORE_LOGITS`` (the benchmark times both strategies). Returns ``[B, N]`` fp32.
+    """
+    b, hq, lq, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    out = torch.zeros(b, n, dtype=torch.float32, device=query.device)
+    num_m = int(modality.max()) if n else 0  # the largest label present sizes the per-row state (<= MAX_MODALITIES)
+    if num_m == 0:
+        return out
+    store = STORE_LOGITS if store_logits is None else store_logits
+    group = hq // hkv
+    rows_per_kv = group * lq  # the query rows that share one KV head
+    rows_pad = max(16, triton.next_power_of_2(rows_per_kv))  # compiled tl.dot needs >= 16 rows
+    block_d = max(16, triton.next_power_of_2(d))
+    m_pad = triton.next_power_of_2(num_m + 1)
+    # Tensor-core dot for matching half types; the IEEE fp32 dot otherwise. Triton 3.9's interpreter computes bf16
+    # tl.dot wrongly, so there bf16 is upcast first (the same numbers: bf16 products are exact in fp32).
+    half = query.dtype == key.dtype and query.dtype in (torch.bfloat16, torch.float16)
+    dot_fp32 = not half or (_INTERPRETED and query.dtype == torch.bfloat16)
+    query = query.contiguous()  # [B, Hq, Lq, D] is small; K is never copied
+    sms = _num_sms(query.device)
+    block_n1 = _block_n(d, 2 * sms, n, b * hkv)
+    tiles = triton.cdiv(n, block_n1)
+    total_rows = b * hq * lq
+    dev = query.device
+    tile_max = torch.empty(total_rows, tiles, dtype=torch.float32, device=dev)
+    tile_sums = torch.empty(total_rows, num_m + 1, tiles, dtype=torch.float32, device=dev)
+    logits = torch.empty(total_rows, n, dtype=torch.float32, device=dev) if store else tile_max  # unused when False
+    row_max = torch.empty(total_rows, dtype=torch.float32, device=dev)
+    weight = torch.empty(total_rows, m_pad, dtype=torch.float32, device=dev)
+    scale_log2 = scale * _LOG2E
+    common = (n, rows_per_kv, lq, d)
+    k_strides = (key.stride(0), key.stride(1), key.stride(2))
+    lab_strides = (modality.stride(0), modality.stride(1))
+    pos_strides = (query_positions.stride(0), query_positions.stride(1))
+    _partial_stats_kernel[(b * hkv, tiles)](
+        query, key, modality, query_positions, tile_max, tile_sums, logits, *common, tiles, *k_strides,
+        *lab_strides, *pos_strides, scale_log2,
+        HKV=hkv, NUM_M=num_m, ROWS=rows_pad, BLOCK_N=block_n1, BLOCK_D=block_d, DOT_FP32=dot_fp32, STORE=store,
+        num_warps=8 if block_d >= 128 else 4,
+    )
+    _combine_kernel[(total_rows,)](
+        tile_max, tile_sums, row_max, weight, tiles, eps, 1.0 / (lq * hq),
+        NUM_M=num_m, M_PAD=m_pad, BLOCK_T=min(1024, triton.next_power_of_2(tiles)), num_warps=4,
+    )
+    block_n3 = _block_n(d, 2 * sms, n, b)
+    _scores_kernel[(b, triton.cdiv(n, block_n3))](
+        query, key, modality, query_positions, row_max, weight, logits, out, *common, *k_strides, *lab_strides,
+        *pos_strides, scale_log2,
+        HKV=hkv, NUM_M=num_m, M_PAD=m_pad, ROWS=rows_pad, BLOCK_N=block_n3, BLOCK_D=block_d, DOT_FP32=dot_fp32,
+        STORE=store, num_warps=8 if block_d >= 128 else 4,
+    )
+    return out
+
