@@ -1,0 +1,155 @@
+// pybind11 module macer_kernels._C. Plain C++: it sees no CUDA header and no libtorch. Tensors arrive as integer
+// data pointers with shapes, strides and dtype codes; the stream arrives as an integer (torch's
+// `torch.cuda.current_stream().cuda_stream`). Launchers throw std::invalid_argument (-> ValueError) for arguments the
+// Python wrappers should have rejected and std::runtime_error (-> RuntimeError) for CUDA errors, each naming the op.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "launchers.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+T* ptr(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+void* stream_ptr(std::uintptr_t stream) { return reinterpret_cast<void*>(stream); }
+
+void modality_scores(std::uintptr_t query, std::uintptr_t key, std::uintptr_t modality, std::uintptr_t positions,
+                     std::uintptr_t out, std::uintptr_t workspace, int q_dtype, int modality_dtype,
+                     int positions_dtype, const std::array<int64_t, 6>& sizes, const std::array<int64_t, 4>& q_stride,
+                     const std::array<int64_t, 3>& k_stride, const std::array<int64_t, 2>& mod_stride,
+                     const std::array<int64_t, 2>& pos_stride, float scale, float eps, std::uintptr_t stream) {
+  macer::ModalityScoresParams p{};
+  p.query = ptr<const void>(query);
+  p.key = ptr<const void>(key);
+  p.modality = ptr<const void>(modality);
+  p.query_positions = ptr<const void>(positions);
+  p.out = ptr<float>(out);
+  p.workspace = ptr<void>(workspace);
+  p.q_dtype = q_dtype;
+  p.modality_dtype = modality_dtype;
+  p.positions_dtype = positions_dtype;
+  p.batch = sizes[0];
+  p.q_heads = sizes[1];
+  p.q_len = sizes[2];
+  p.head_dim = sizes[3];
+  p.kv_heads = sizes[4];
+  p.num_keys = sizes[5];
+  for (int i = 0; i < 4; ++i) p.q_stride[i] = q_stride[i];
+  for (int i = 0; i < 3; ++i) p.k_stride[i] = k_stride[i];
+  for (int i = 0; i < 2; ++i) p.mod_stride[i] = mod_stride[i];
+  for (int i = 0; i < 2; ++i) p.pos_stride[i] = pos_stride[i];
+  p.scale = scale;
+  p.eps = eps;
+  p.stream = stream_ptr(stream);
+  macer::modality_scores(p);
+}
+
+macer::SelectParams select_params(std::uintptr_t scores, int scores_dtype, int64_t n, int64_t scores_stride, int64_t k,
+                                  std::uintptr_t out, std::uintptr_t workspace, size_t workspace_bytes,
+                                  std::uintptr_t stream) {
+  macer::SelectParams p{};
+  p.scores = ptr<const void>(scores);
+  p.scores_dtype = scores_dtype;
+  p.n = n;
+  p.scores_stride = scores_stride;
+  p.k = k;
+  p.out = ptr<int64_t>(out);
+  p.workspace = ptr<void>(workspace);
+  p.workspace_bytes = workspace_bytes;
+  p.stream = stream_ptr(stream);
+  return p;
+}
+
+void topk_indices(std::uintptr_t scores, int scores_dtype, int64_t n, int64_t scores_stride, int64_t k,
+                  std::uintptr_t out, std::uintptr_t workspace, size_t workspace_bytes, std::uintptr_t stream) {
+  macer::topk_indices(select_params(scores, scores_dtype, n, scores_stride, k, out, workspace, workspace_bytes, stream));
+}
+
+void coverage_select(std::uintptr_t scores, int scores_dtype, int64_t n, int64_t scores_stride,
+                     std::uintptr_t chunk_ids, int chunk_dtype, int64_t chunk_stride, int64_t k,
+                     double coverage_weight, std::uintptr_t out, std::uintptr_t workspace, size_t workspace_bytes,
+                     std::uintptr_t stream) {
+  macer::SelectParams p =
+      select_params(scores, scores_dtype, n, scores_stride, k, out, workspace, workspace_bytes, stream);
+  p.chunk_ids = ptr<const void>(chunk_ids);
+  p.chunk_dtype = chunk_dtype;
+  p.chunk_stride = chunk_stride;
+  p.coverage_weight = coverage_weight;
+  macer::coverage_select(p);
+}
+
+// (src, dst, outer, row_units, unit_bytes, outer_stride, seq_stride, unit_stride), strides in bytes.
+using CompactSpec =
+    std::tuple<std::uintptr_t, std::uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+void compact_many(const std::vector<CompactSpec>& specs, std::uintptr_t keep, int64_t k, std::uintptr_t stream) {
+  macer::CompactParams p{};
+  for (const auto& s : specs) {
+    macer::CompactTensor t{};
+    t.src = ptr<const void>(std::get<0>(s));
+    t.dst = ptr<void>(std::get<1>(s));
+    t.outer = std::get<2>(s);
+    t.row_units = std::get<3>(s);
+    t.unit_bytes = std::get<4>(s);
+    t.outer_stride = std::get<5>(s);
+    t.seq_stride = std::get<6>(s);
+    t.unit_stride = std::get<7>(s);
+    p.tensors.push_back(t);
+  }
+  p.keep = ptr<const int64_t>(keep);
+  p.k = k;
+  p.stream = stream_ptr(stream);
+  macer::compact_many(p);
+}
+
+py::dict device_report() {
+  const macer::DeviceReport r = macer::device_report();
+  py::dict d;
+  d["count"] = r.count;
+  d["error"] = r.error;
+  d["capability"] = py::make_tuple(r.major, r.minor);
+  d["runtime_version"] = r.runtime_version;
+  d["driver_version"] = r.driver_version;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "macer_kernels CUDA kernels (torch-free: raw pointers, strides, dtype codes, stream as integers)";
+  m.attr("MAX_MODALITIES") = macer::kMaxModalities;
+  py::dict codes;
+  codes["float32"] = static_cast<int>(macer::kFloat32);
+  codes["float16"] = static_cast<int>(macer::kFloat16);
+  codes["bfloat16"] = static_cast<int>(macer::kBFloat16);
+  codes["float64"] = static_cast<int>(macer::kFloat64);
+  codes["int8"] = static_cast<int>(macer::kInt8);
+  codes["uint8"] = static_cast<int>(macer::kUInt8);
+  codes["int16"] = static_cast<int>(macer::kInt16);
+  codes["int32"] = static_cast<int>(macer::kInt32);
+  codes["int64"] = static_cast<int>(macer::kInt64);
+  m.attr("DTYPE_CODES") = codes;
+  m.attr("MAX_COMPACT_TENSORS") = macer::kMaxCompactTensors;
+
+  m.def("modality_scores", &modality_scores, "eq:macer_score on raw pointers (see csrc/launchers.h)");
+  m.def("modality_scores_workspace_bytes", &macer::modality_scores_workspace_bytes, py::arg("batch"),
+        py::arg("q_heads"), py::arg("q_len"), py::arg("num_keys"));
+  m.def("modality_scores_max_head_dim", &macer::modality_scores_max_head_dim);
+  m.def("select_workspace_bytes", &macer::select_workspace_bytes, py::arg("n"));
+  m.def("topk_indices", &topk_indices, "Top-k indices, ties to the lower index, sorted ascending");
+  m.def("coverage_select", &coverage_select, "eq:chunk_coverage_greedy without a k-step loop");
+  m.def("compact_many", &compact_many, "One gather launch per group of up to MAX_COMPACT_TENSORS tensors");
+  m.def("device_report", &device_report, "CUDA device count, error, capability, runtime and driver versions");
+  m.def("compiled_archs", &macer::compiled_archs, "SM versions with SASS in this module");
+  m.def("ptx_arch", &macer::ptx_arch, "SM version of the embedded PTX");
+}

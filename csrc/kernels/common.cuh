@@ -1,0 +1,82 @@
+// Helpers shared by the kernels: checked CUDA calls, dtype-coded loads, warp reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "../launchers.h"
+
+namespace macer {
+
+// Turn a CUDA error into a Python exception (pybind11 maps std::runtime_error to RuntimeError) naming the op, the
+// call that failed and CUDA's error string.
+inline void check_cuda(cudaError_t err, const char* op, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("macer_kernels.") + op + ": " + what + " failed: " + cudaGetErrorName(err) +
+                             " (" + cudaGetErrorString(err) + ")");
+  }
+}
+#define MACER_CUDA_CHECK(op, call) ::macer::check_cuda((call), (op), #call)
+// After a launch: configuration errors surface from cudaGetLastError (errors of earlier asynchronous work on the
+// stream may also be reported here; they are named as such by CUDA's string).
+#define MACER_LAUNCH_CHECK(op, kernel) ::macer::check_cuda(cudaGetLastError(), (op), "launch of " kernel)
+
+inline void require(bool ok, const char* op, const std::string& message) {
+  if (!ok) throw std::invalid_argument(std::string("macer_kernels.") + op + ": " + message);
+}
+
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Integer tensors of any width are read in place (no conversion launch): the dtype code is uniform per launch, so
+// the switch costs one well-predicted branch.
+__device__ __forceinline__ int64_t load_int(const void* base, int dtype, int64_t offset) {
+  switch (dtype) {
+    case kInt8: return static_cast<const int8_t*>(base)[offset];
+    case kUInt8: return static_cast<const uint8_t*>(base)[offset];
+    case kInt16: return static_cast<const int16_t*>(base)[offset];
+    case kInt32: return static_cast<const int32_t*>(base)[offset];
+    default: return static_cast<const int64_t*>(base)[offset];
+  }
+}
+
+// Floating tensors read as float64 (exact for every input dtype), for the selection ops' float64 comparisons.
+__device__ __forceinline__ double load_double(const void* base, int dtype, int64_t offset) {
+  switch (dtype) {
+    case kFloat16: return static_cast<double>(__half2float(static_cast<const __half*>(base)[offset]));
+    case kBFloat16: return static_cast<double>(__bfloat162float(static_cast<const __nv_bfloat16*>(base)[offset]));
+    case kFloat64: return static_cast<const double*>(base)[offset];
+    default: return static_cast<double>(static_cast<const float*>(base)[offset]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  return static_cast<float>(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+}  // namespace macer

@@ -1,0 +1,122 @@
+// Elementwise kernels of topk_indices and coverage_select. The sorts themselves are CUB's stable
+// DeviceRadixSort::SortPairs on (uint64 key, int64 index); for small n CUB's dispatch runs its single-tile kernel
+// (one thread block, BlockRadixSort in shared memory), above that its multi-block onesweep sort. One key/value
+// instantiation serves every sort below, to keep the build short.
+//
+// Ordering keys: a float64 is mapped to a uint64 whose unsigned order is the float order (flip all bits of
+// negatives, the sign bit of the rest; -0.0 first becomes +0.0, since the reference compares -0.0 == 0.0); the
+// complement gives descending order. Stability turns "ties to the lower index" into "keep the input order".
+#pragma once
+
+#include "common.cuh"
+
+namespace macer {
+namespace select {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ uint64_t descending_key(double x) {
+  if (x == 0.0) x = 0.0;  // -0.0 -> +0.0
+  const uint64_t bits = static_cast<uint64_t>(__double_as_longlong(x));
+  const uint64_t ascending = (bits >> 63) ? ~bits : (bits | (1ull << 63));
+  return ~ascending;
+}
+
+__device__ __forceinline__ int64_t thread_index() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+// keys[i] = descending key of scores[i] (read as float64), vals[i] = i.
+__global__ void score_keys_kernel(const void* scores, int dtype, int64_t stride, int64_t n, uint64_t* keys,
+                                  int64_t* vals) {
+  const int64_t i = thread_index();
+  if (i >= n) return;
+  keys[i] = descending_key(load_double(scores, dtype, i * stride));
+  vals[i] = i;
+}
+
+// keys[j] = vals[j] = order[j] for the first k entries: sorting them by index gives the ascending result.
+__global__ void head_keys_kernel(const int64_t* order, int64_t k, uint64_t* keys, int64_t* vals) {
+  const int64_t j = thread_index();
+  if (j >= k) return;
+  keys[j] = static_cast<uint64_t>(order[j]);
+  vals[j] = order[j];
+}
+
+// keys[p] = chunk id of token order[p], vals[p] = order[p] (then a stable sort by chunk).
+__global__ void chunk_keys_kernel(const int64_t* order, const void* chunk_ids, int dtype, int64_t stride, int64_t n,
+                                  uint64_t* keys, int64_t* vals) {
+  const int64_t p = thread_index();
+  if (p >= n) return;
+  const int64_t i = order[p];
+  keys[p] = static_cast<uint64_t>(load_int(chunk_ids, dtype, i * stride));  // non-negative (validated)
+  vals[p] = i;
+}
+
+// First position in [lo, hi] whose sorted chunk key equals sorted[hi] (sorted is ascending).
+__device__ __forceinline__ int64_t segment_start(const uint64_t* sorted, int64_t lo, int64_t hi) {
+  const uint64_t key = sorted[hi];
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (sorted[mid] < key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// In chunk order (chunk asc, score desc, index asc): rank t inside the chunk and the greedy value
+// v = s + sqrt(lambda_c / (1 + t)), the same float64 expression as the reference (IEEE division and square root).
+__global__ void coverage_values_kernel(const int64_t* by_chunk, const uint64_t* sorted_chunks, const void* scores,
+                                       int dtype, int64_t stride, double weight, int64_t n, int64_t* order,
+                                       int64_t* chunk_start, double* value) {
+  const int64_t p = thread_index();
+  if (p >= n) return;
+  const int64_t start = segment_start(sorted_chunks, 0, p);
+  const int64_t i = by_chunk[p];
+  const double t = static_cast<double>(p - start);
+  order[p] = i;
+  chunk_start[p] = start;
+  value[p] = __dadd_rn(load_double(scores, dtype, i * stride), __dsqrt_rn(__ddiv_rn(weight, __dadd_rn(1.0, t))));
+}
+
+// Values are non-increasing inside a chunk. Equal values there form one run; the greedy cannot take a run member
+// before those ahead of it, so each member competes in ties with the largest token index from its run's start up
+// to itself. Here: run start rs by binary search, and scan_in[p] = rs * n + index; a global running maximum of
+// scan_in (rs never decreases along p) is then the running maximum inside the run.
+__global__ void run_keys_kernel(const int64_t* order, const int64_t* chunk_start, const double* value, int64_t n,
+                                int64_t* scan_in) {
+  const int64_t p = thread_index();
+  if (p >= n) return;
+  const double v = value[p];
+  int64_t lo = chunk_start[p], hi = p;
+  while (lo < hi) {  // first q in [chunk_start, p] with value[q] == v (all earlier ones are larger)
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (value[mid] > v) lo = mid + 1; else hi = mid;
+  }
+  scan_in[p] = lo * n + order[p];
+}
+
+// keys[p] = tie_index * n + p: sorting by it (then stably by value) realises (value desc, tie index asc, rank asc).
+__global__ void tie_keys_kernel(const int64_t* scan_out, int64_t n, uint64_t* keys, int64_t* vals) {
+  const int64_t p = thread_index();
+  if (p >= n) return;
+  const int64_t tie = scan_out[p] % n;
+  keys[p] = static_cast<uint64_t>(tie) * static_cast<uint64_t>(n) + static_cast<uint64_t>(p);
+  vals[p] = p;
+}
+
+// keys[j] = descending key of the value at position pos[j], vals[j] = its token index.
+__global__ void value_keys_kernel(const int64_t* pos, const double* value, const int64_t* order, int64_t n,
+                                  uint64_t* keys, int64_t* vals) {
+  const int64_t j = thread_index();
+  if (j >= n) return;
+  const int64_t p = pos[j];
+  keys[j] = descending_key(value[p]);
+  vals[j] = order[p];
+}
+
+struct MaxOp {
+  __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const { return a > b ? a : b; }
+};
+
+}  // namespace select
+}  // namespace macer

@@ -1,0 +1,104 @@
+// Torch-free launcher interface of macer_kernels._C.
+//
+// The Python wrappers (macer_kernels/cuda/*.py) validate tensors and fill these plain structs with raw device
+// pointers, sizes and strides (in elements unless a name says bytes). Every launcher enqueues its kernels on the
+// given stream and throws std::runtime_error naming the op and the CUDA error string on any failure; it never
+// synchronises the device. This header includes no CUDA header so that the pybind11 bindings compile as plain C++.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace macer {
+
+// Element type codes shared with macer_kernels/cuda/_ext.py (DTYPE_CODES). Keep both in sync.
+enum DType : int {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kFloat64 = 3,
+  kInt8 = 4,
+  kUInt8 = 5,
+  kInt16 = 6,
+  kInt32 = 7,
+  kInt64 = 8,
+};
+
+// Largest modality label (labels are 0..kMaxModalities); mirrors macer_kernels.modality_scores.MAX_MODALITIES.
+constexpr int kMaxModalities = 8;
+constexpr int kNumLabels = kMaxModalities + 1;
+
+// ---------------------------------------------------------------------------------------------------------------
+// modality_scores (eq:macer_score)
+struct ModalityScoresParams {
+  const void* query;            // [B, Hq, Lq, D], dtype q_dtype (any strides)
+  const void* key;              // [B, Hkv, N, D], same dtype, key stride over D is 1
+  const void* modality;         // [B, N] integer labels in 0..kMaxModalities, dtype modality_dtype
+  const void* query_positions;  // [B, Lq] integer positions in 0..N-1, dtype positions_dtype
+  float* out;                   // [B, N] float32, contiguous
+  void* workspace;              // modality_scores_workspace_bytes(...) bytes, 16-byte aligned
+  int q_dtype, modality_dtype, positions_dtype;
+  int64_t batch, q_heads, q_len, head_dim, kv_heads, num_keys;
+  int64_t q_stride[4];    // query strides (elements)
+  int64_t k_stride[3];    // key strides over B, Hkv, N (elements)
+  int64_t mod_stride[2];  // modality strides over B, N
+  int64_t pos_stride[2];  // query_positions strides over B, Lq
+  float scale, eps;
+  void* stream;  // cudaStream_t
+};
+size_t modality_scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q_len, int64_t num_keys);
+int64_t modality_scores_max_head_dim();
+void modality_scores(const ModalityScoresParams& p);
+
+// ---------------------------------------------------------------------------------------------------------------
+// topk_indices and coverage_select (eq:chunk_coverage_greedy)
+struct SelectParams {
+  const void* scores;     // [n] floating, dtype scores_dtype, stride scores_stride
+  const void* chunk_ids;  // [n] non-negative integers (coverage_select only), dtype chunk_dtype
+  int64_t* out;           // [k] int64, strictly increasing
+  void* workspace;        // select_workspace_bytes(n) bytes, 16-byte aligned
+  size_t workspace_bytes;
+  int scores_dtype, chunk_dtype;
+  int64_t n, k, scores_stride, chunk_stride;
+  double coverage_weight;
+  void* stream;
+};
+size_t select_workspace_bytes(int64_t n);           // queries CUB (needs a CUDA device)
+size_t select_workspace_bytes_no_query(int64_t n);  // the part that is not CUB's temporary storage
+void topk_indices(const SelectParams& p);
+void coverage_select(const SelectParams& p);
+
+// ---------------------------------------------------------------------------------------------------------------
+// compact / compact_many: one gather launch for up to kMaxCompactTensors tensors sharing a sequence axis
+constexpr int kMaxCompactTensors = 8;
+struct CompactTensor {
+  const void* src;   // viewed as [outer, N, row_units] units of unit_bytes
+  void* dst;         // contiguous [outer, k, row_units]
+  int64_t outer, row_units;
+  int64_t unit_bytes;                           // 1, 2, 4, 8 or 16
+  int64_t outer_stride, seq_stride, unit_stride;  // bytes
+};
+struct CompactParams {
+  std::vector<CompactTensor> tensors;  // any number; launched in groups of kMaxCompactTensors
+  const int64_t* keep;                 // [k] strictly increasing indices in 0..N-1
+  int64_t k;
+  void* stream;
+};
+void compact_many(const CompactParams& p);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Runtime queries (no kernel launches): used by macer_kernels.cuda.unavailable_reason().
+struct DeviceReport {
+  int count;                // CUDA devices visible (0 on error)
+  std::string error;        // empty if cudaGetDeviceCount succeeded
+  int major, minor;         // compute capability of the current device (0, 0 if none)
+  int runtime_version;      // CUDART_VERSION the module was built with
+  int driver_version;       // 0 if no driver
+};
+DeviceReport device_report();
+std::vector<int> compiled_archs();  // SASS architectures compiled into this module, e.g. {89, 90}
+int ptx_arch();                     // architecture of the embedded PTX (0 if none)
+
+}  // namespace macer

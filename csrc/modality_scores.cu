@@ -1,0 +1,112 @@
+// Launcher of modality_scores: fills the kernels' arguments from ModalityScoresParams and enqueues the three passes.
+#include "kernels/modality_scores.cuh"
+
+namespace macer {
+namespace {
+
+constexpr const char* kOp = "modality_scores";
+
+size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+struct Workspace {
+  float* logits;
+  float2* partial;
+  float2* stats;
+};
+
+Workspace carve(void* base, int64_t batch, int64_t rows, int64_t num_keys) {
+  auto* p = static_cast<unsigned char*>(base);
+  Workspace w{};
+  w.logits = reinterpret_cast<float*>(p);
+  p += align_up(sizeof(float) * batch * rows * num_keys);
+  w.partial = reinterpret_cast<float2*>(p);
+  p += align_up(sizeof(float2) * batch * rows * ceil_div(num_keys, scores::kMinKeysPerTile) * kNumLabels);
+  w.stats = reinterpret_cast<float2*>(p);
+  return w;
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+template <typename T>
+void launch_tiles(const ModalityScoresParams& p, const Workspace& w) {
+  using C = scores::TileConfig<T>;
+  scores::TileArgs a{};
+  a.query = p.query;
+  a.key = p.key;
+  a.modality = p.modality;
+  a.positions = p.query_positions;
+  a.logits = w.logits;
+  a.partial = w.partial;
+  a.modality_dtype = p.modality_dtype;
+  a.positions_dtype = p.positions_dtype;
+  a.q_heads = p.q_heads;
+  a.q_len = p.q_len;
+  a.head_dim = p.head_dim;
+  a.kv_heads = p.kv_heads;
+  a.num_keys = p.num_keys;
+  a.tiles = ceil_div(p.num_keys, C::kKeys);
+  for (int i = 0; i < 4; ++i) a.q_stride[i] = p.q_stride[i];
+  for (int i = 0; i < 3; ++i) a.k_stride[i] = p.k_stride[i];
+  for (int i = 0; i < 2; ++i) a.mod_stride[i] = p.mod_stride[i];
+  for (int i = 0; i < 2; ++i) a.pos_stride[i] = p.pos_stride[i];
+  a.scale_log2 = static_cast<float>(static_cast<double>(p.scale) * 1.4426950408889634);  // log2(e)
+  constexpr int64_t V = 16 / sizeof(T);
+  const int64_t esize = sizeof(T);
+  a.vec16 = aligned16(p.key) && p.head_dim % V == 0 && (p.k_stride[0] * esize) % 16 == 0 &&
+            (p.k_stride[1] * esize) % 16 == 0 && (p.k_stride[2] * esize) % 16 == 0;
+  a.padded_dim = static_cast<int>(ceil_div(p.head_dim, C::kDimAlign) * C::kDimAlign);
+
+  const size_t smem = scores::tile_smem_bytes<T>(a.padded_dim);
+  if (smem > 48 * 1024) {
+    MACER_CUDA_CHECK(kOp, cudaFuncSetAttribute(scores::scores_tile_kernel<T>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  const dim3 grid(static_cast<unsigned>(a.tiles), static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
+  scores::scores_tile_kernel<T><<<grid, scores::kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(a);
+  MACER_LAUNCH_CHECK(kOp, "scores_tile_kernel");
+}
+
+}  // namespace
+
+size_t modality_scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q_len, int64_t num_keys) {
+  const int64_t rows = q_heads * q_len;
+  return align_up(sizeof(float) * batch * rows * num_keys) +
+         align_up(sizeof(float2) * batch * rows * ceil_div(num_keys, scores::kMinKeysPerTile) * kNumLabels) +
+         align_up(sizeof(float2) * batch * rows * kNumLabels);
+}
+
+int64_t modality_scores_max_head_dim() { return scores::kMaxHeadDim; }
+
+void modality_scores(const ModalityScoresParams& p) {
+  require(p.head_dim >= 1 && p.head_dim <= scores::kMaxHeadDim, kOp,
+          "head dimension D must be in [1, " + std::to_string(scores::kMaxHeadDim) + "], got " +
+              std::to_string(p.head_dim));
+  require(p.kv_heads >= 1 && p.q_heads % p.kv_heads == 0, kOp, "Hq must be a positive multiple of Hkv");
+  require(p.kv_heads <= 65535 && p.batch <= 65535, kOp, "B and Hkv must be in [1, 65535] (CUDA grid limits)");
+  require(p.q_len >= 1, kOp, "Lq must be >= 1");
+  if (p.batch == 0 || p.num_keys == 0) return;
+  const int64_t rows = p.q_heads * p.q_len;
+  const Workspace w = carve(p.workspace, p.batch, rows, p.num_keys);
+  switch (p.q_dtype) {
+    case kFloat32: launch_tiles<float>(p, w); break;
+    case kFloat64: launch_tiles<double>(p, w); break;
+    case kFloat16: launch_tiles<__half>(p, w); break;
+    case kBFloat16: launch_tiles<__nv_bfloat16>(p, w); break;
+    default: require(false, kOp, "query/key dtype code must be float32, float16, bfloat16 or float64");
+  }
+  const int64_t tiles = ceil_div(p.num_keys, p.q_dtype == kFloat16 || p.q_dtype == kBFloat16
+                                                 ? scores::TileConfig<__half>::kKeys
+                                                 : scores::TileConfig<float>::kKeys);
+  const int64_t total_rows = p.batch * rows;
+  const int warps_per_block = scores::kThreads / 32;
+  auto stream = static_cast<cudaStream_t>(p.stream);
+  scores::scores_combine_kernel<<<static_cast<unsigned>(ceil_div(total_rows, warps_per_block)), scores::kThreads, 0,
+                                  stream>>>(w.partial, w.stats, total_rows, tiles, p.eps);
+  MACER_LAUNCH_CHECK(kOp, "scores_combine_kernel");
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.num_keys, 256)), static_cast<unsigned>(p.batch));
+  scores::scores_reduce_kernel<<<grid, 256, 0, stream>>>(w.logits, w.stats, p.modality, p.modality_dtype,
+                                                         p.mod_stride[0], p.mod_stride[1], p.out, rows, p.num_keys);
+  MACER_LAUNCH_CHECK(kOp, "scores_reduce_kernel");
+}
+
+}  // namespace macer
