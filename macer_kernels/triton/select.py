@@ -1,0 +1,274 @@
+"""Selection on the GPU without a k-step loop: ``topk_indices`` (eq. ``Top-k``) and ``coverage_select``
+(``eq:chunk_coverage_greedy``), exactly equal to the float64 references, ties to the lower index.
+
+The greedy's order (``macer_kernels.select._coverage_order``) sorts every token by the key
+
+``(v desc, tie asc, rank asc)``,  ``v = float64(s) + sqrt(lambda_c / (1 + rank))``                           (1)
+
+where ``rank`` is the token's position in its chunk by (score desc, index asc) and ``tie`` is the largest token index
+among the tokens of the same chunk with the same ``v`` and a rank not larger (the greedy cannot take a member of an
+equal-value run before the ones ahead of it). The keys are unique: two tokens with equal ``v`` differ in ``rank``
+inside a chunk and in ``tie`` across chunks (``tie`` is a token of its own chunk). So the k picks are the tokens whose
+key has fewer than k keys before it, and no sort is needed when that count can be computed directly.
+
+Two paths, both exact:
+
+* ``n <= PAIRWISE_MAX_N`` (the per-request sizes, e.g. 864 video tokens): every quantity of (1) is a count or a
+  maximum over all pairs, computed by tiled pairwise kernels (``O(n^2)`` comparisons spread over the grid, no sort,
+  no host synchronisation): rank and ``v``, then ``tie``, then the position of each key in the order, then the
+  output slot of each pick (picks are written in index order, so the result needs no final sort). Four launches for
+  the coverage greedy, two for top-k.
+* larger n: two stable sorts (PyTorch, CUB radix) group the tokens by chunk in (score desc, index asc) order; one
+  kernel computes rank, ``v`` and the start of each equal-value run by binary search in the sorted order, a
+  running maximum (``torch.cummax``) turns run starts into ``tie``, and a lexicographic sort on (1) picks the first
+  k. For top-k of <= 32-bit scores a kernel packs ``(score desc, index asc)`` into one unique int64 key and
+  ``torch.topk`` selects on it.
+
+``coverage_weight = 0`` is plain top-k (the bonus is exactly 0), so it takes the top-k path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from macer_kernels.backend import register
+
+PAIRWISE_MAX_N = 2048
+"""Largest n handled by the pairwise (sort-free) kernels; above it the sort-based path runs. ``n^2`` comparisons at
+n = 2048 are 4M per kernel, a few microseconds on a GPU, well under one CUB sort's launch overhead."""
+
+_BLOCK_I = 64
+_BLOCK_J = 64
+
+
+@triton.jit
+def _bonus_value(s64, rank, weight):
+    """``v = s + sqrt(lambda_c / (1 + rank))`` in float64 (``weight`` is lambda_c as a float64 scalar), with IEEE
+    division and square root: the reference's rounding, so equal values compare equal in both."""
+    return s64 + tl.sqrt(tl.fdiv(weight + tl.zeros_like(s64), 1.0 + rank.to(tl.float64), ieee_rounding=True))
+
+
+@triton.jit
+def _topk_position_kernel(s_ptr, pos_ptr, n, CMP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """``pos_i = #{j : s_j > s_i or (s_j == s_i and j < i)}``: token i's place in (score desc, index asc)."""
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = i < n
+    s_i = tl.load(s_ptr + i, mask=i_ok, other=0.0).to(CMP)
+    count = tl.zeros([BLOCK_I], tl.int32)
+    for j0 in range(0, n, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        s_j = tl.load(s_ptr + j, mask=j < n, other=0.0).to(CMP)
+        before = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (j[None, :] < i[:, None]))
+        count += tl.sum((before & (j < n)[None, :]).to(tl.int32), axis=1)
+    tl.store(pos_ptr + i, count, mask=i_ok)
+
+
+@triton.jit
+def _coverage_rank_kernel(s_ptr, c_ptr, rank_ptr, v_ptr, n, weight_ptr,
+                          CMP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """rank_i = #{j in chunk(i) : s_j > s_i or (s_j == s_i and j < i)}, and v_i of (1)."""
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = i < n
+    s_raw = tl.load(s_ptr + i, mask=i_ok, other=0.0)
+    s_i = s_raw.to(CMP)
+    c_i = tl.load(c_ptr + i, mask=i_ok, other=-1).to(tl.int64)
+    count = tl.zeros([BLOCK_I], tl.int32)
+    for j0 in range(0, n, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        j_ok = j < n
+        s_j = tl.load(s_ptr + j, mask=j_ok, other=0.0).to(CMP)
+        c_j = tl.load(c_ptr + j, mask=j_ok, other=-2).to(tl.int64)
+        better = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (j[None, :] < i[:, None]))
+        count += tl.sum((better & (c_j[None, :] == c_i[:, None])).to(tl.int32), axis=1)
+    tl.store(rank_ptr + i, count, mask=i_ok)
+    tl.store(v_ptr + i, _bonus_value(s_raw.to(tl.float64), count, tl.load(weight_ptr)), mask=i_ok)
+
+
+@triton.jit
+def _coverage_tie_kernel(c_ptr, rank_ptr, v_ptr, tie_ptr, n, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """tie_i = max{j : chunk j == chunk i, v_j == v_i, rank_j <= rank_i} (equal values form one run per chunk)."""
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = i < n
+    c_i = tl.load(c_ptr + i, mask=i_ok, other=-1).to(tl.int64)
+    r_i = tl.load(rank_ptr + i, mask=i_ok, other=0)
+    v_i = tl.load(v_ptr + i, mask=i_ok, other=0.0)
+    tie = i
+    for j0 in range(0, n, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        j_ok = j < n
+        c_j = tl.load(c_ptr + j, mask=j_ok, other=-2).to(tl.int64)
+        r_j = tl.load(rank_ptr + j, mask=j_ok, other=0)
+        v_j = tl.load(v_ptr + j, mask=j_ok, other=0.0)
+        same_run = (c_j[None, :] == c_i[:, None]) & (v_j[None, :] == v_i[:, None]) & (r_j[None, :] <= r_i[:, None])
+        tie = tl.maximum(tie, tl.max(tl.where(same_run, j[None, :], -1), axis=1))
+    tl.store(tie_ptr + i, tie, mask=i_ok)
+
+
+@triton.jit
+def _coverage_position_kernel(rank_ptr, v_ptr, tie_ptr, pos_ptr, n, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """pos_i = the number of keys (1) before token i's key."""
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = i < n
+    r_i = tl.load(rank_ptr + i, mask=i_ok, other=0)
+    v_i = tl.load(v_ptr + i, mask=i_ok, other=0.0)
+    t_i = tl.load(tie_ptr + i, mask=i_ok, other=0)
+    count = tl.zeros([BLOCK_I], tl.int32)
+    for j0 in range(0, n, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        j_ok = j < n
+        r_j = tl.load(rank_ptr + j, mask=j_ok, other=0)
+        v_j = tl.load(v_ptr + j, mask=j_ok, other=0.0)
+        t_j = tl.load(tie_ptr + j, mask=j_ok, other=0)
+        tie_first = (t_j[None, :] < t_i[:, None]) | ((t_j[None, :] == t_i[:, None]) & (r_j[None, :] < r_i[:, None]))
+        before = (v_j[None, :] > v_i[:, None]) | ((v_j[None, :] == v_i[:, None]) & tie_first)
+        count += tl.sum((before & j_ok[None, :]).to(tl.int32), axis=1)
+    tl.store(pos_ptr + i, count, mask=i_ok)
+
+
+@triton.jit
+def _write_picks_kernel(pos_ptr, out_ptr, n, k, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Token i is picked when pos_i < k; it goes to slot #{j < i picked}, so ``out`` comes out sorted ascending."""
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = i < n
+    picked = (tl.load(pos_ptr + i, mask=i_ok, other=k) < k) & i_ok
+    slot = tl.zeros([BLOCK_I], tl.int32)
+    for j0 in range(0, (tl.program_id(0) + 1) * BLOCK_I, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        picked_j = tl.load(pos_ptr + j, mask=j < n, other=k) < k
+        slot += tl.sum((picked_j[None, :] & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
+    tl.store(out_ptr + slot, i.to(tl.int64), mask=picked)
+
+
+@triton.jit
+def _pack_topk_keys_kernel(s_ptr, key_ptr, n, BLOCK: tl.constexpr):
+    """One int64 per token whose ascending order is (score desc, index asc): the high 32 bits hold the float32
+    score's bits mapped to a descending integer order, the low 32 bits the index. Keys are unique."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    s = tl.load(s_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 == +0.0 must tie, so both get the bits of +0.0
+    bits = s.to(tl.int32, bitcast=True)
+    ascending = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-integer order == float order (no NaN here)
+    descending = ~ascending
+    tl.store(key_ptr + i, (descending.to(tl.int64) << 32) | i.to(tl.int64), mask=ok)
+
+
+@triton.jit
+def _coverage_sorted_kernel(order_ptr, s_ptr, c_ptr, v_ptr, rank_ptr, runkey_ptr, n, weight_ptr,
+                            SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """For position p of the chunk-grouped order: rank, v of (1), and ``run_start * n + token`` where run_start is
+    the first position of p's equal-value run (a running maximum of these keys gives ``tie``).
+
+    Chunk ids ascend along the order, and v is non-increasing inside a chunk (scores descend, bonuses shrink, and
+    rounding is monotone), so both starts are lower bounds found by binary search."""
+    weight = tl.load(weight_ptr)
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < n
+    token = tl.load(order_ptr + p, mask=ok, other=0)
+    c_p = tl.load(c_ptr + token, mask=ok, other=0).to(tl.int64)
+    # First position whose chunk id is >= c_p: the start of p's chunk.
+    lo = tl.zeros([BLOCK], tl.int64)
+    hi = p.to(tl.int64)
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        active = lo < hi
+        c_mid = tl.load(c_ptr + tl.load(order_ptr + mid, mask=ok, other=0), mask=ok, other=0).to(tl.int64)
+        right = c_mid < c_p
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    start = lo
+    rank = p - start
+    v_p = _bonus_value(tl.load(s_ptr + token, mask=ok, other=0.0).to(tl.float64), rank, weight)
+    # First position of the chunk whose value is not larger than v_p: the start of p's equal-value run.
+    lo = start
+    hi = p.to(tl.int64)
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        active = lo < hi
+        s_mid = tl.load(s_ptr + tl.load(order_ptr + mid, mask=ok, other=0), mask=ok, other=0.0).to(tl.float64)
+        right = _bonus_value(s_mid, mid - start, weight) > v_p
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    tl.store(v_ptr + p, v_p, mask=ok)
+    tl.store(rank_ptr + p, rank, mask=ok)
+    tl.store(runkey_ptr + p, lo * n + token, mask=ok)
+
+
+def _cmp_dtype(scores: torch.Tensor) -> tl.dtype:
+    # Widening to float64 is exact and monotone, so comparisons agree with the reference in either type; float32
+    # comparisons are much cheaper on GPUs with slow float64.
+    return tl.float64 if scores.dtype == torch.float64 else tl.float32
+
+
+def _pairwise_grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, _BLOCK_I),)
+
+
+def _write_picks(pos: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    out = torch.empty(k, dtype=torch.long, device=pos.device)
+    _write_picks_kernel[_pairwise_grid(n)](pos, out, n, k, BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J)
+    return out
+
+
+@register("topk_indices", "triton")
+def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Triton eq. ``Top-k``: ``k`` indices of the largest scores, ties to the lower index, sorted ascending."""
+    n = scores.numel()
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=scores.device)
+    scores = scores.contiguous()
+    if n <= PAIRWISE_MAX_N:
+        pos = torch.empty(n, dtype=torch.int32, device=scores.device)
+        _topk_position_kernel[_pairwise_grid(n)](scores, pos, n, CMP=_cmp_dtype(scores), BLOCK_I=_BLOCK_I,
+                                                 BLOCK_J=_BLOCK_J)
+        return _write_picks(pos, n, k)
+    if scores.dtype == torch.float64:
+        # A float64 score and an index do not fit one 64-bit key: a stable sort keeps equal scores in index order.
+        order = torch.sort(scores, descending=True, stable=True).indices
+        return torch.sort(order[:k]).values
+    keys = torch.empty(n, dtype=torch.int64, device=scores.device)
+    _pack_topk_keys_kernel[(triton.cdiv(n, 1024),)](scores, keys, n, BLOCK=1024)
+    picked = torch.topk(keys, k, largest=False, sorted=False).values
+    return torch.sort(picked & 0xFFFFFFFF).values
+
+
+@register("coverage_select", "triton")
+def coverage_select_triton(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int,
+                           coverage_weight: float) -> torch.Tensor:
+    """Triton ``eq:chunk_coverage_greedy``: the literal greedy's k picks, sorted ascending."""
+    n = scores.numel()
+    if k == 0 or coverage_weight == 0.0:
+        return topk_indices_triton(scores, k)
+    scores, chunk_ids = scores.contiguous(), chunk_ids.contiguous()
+    dev = scores.device
+    # lambda_c as a float64 tensor: Triton passes Python floats to kernels as float32.
+    weight = torch.full((1,), coverage_weight, dtype=torch.float64, device=dev)
+    if n <= PAIRWISE_MAX_N:
+        rank = torch.empty(n, dtype=torch.int32, device=dev)
+        value = torch.empty(n, dtype=torch.float64, device=dev)
+        tie = torch.empty(n, dtype=torch.int32, device=dev)
+        pos = torch.empty(n, dtype=torch.int32, device=dev)
+        grid = _pairwise_grid(n)
+        blocks = {"BLOCK_I": _BLOCK_I, "BLOCK_J": _BLOCK_J}
+        _coverage_rank_kernel[grid](scores, chunk_ids, rank, value, n, weight, CMP=_cmp_dtype(scores),
+                                    **blocks)
+        _coverage_tie_kernel[grid](chunk_ids, rank, value, tie, n, **blocks)
+        _coverage_position_kernel[grid](rank, value, tie, pos, n, **blocks)
+        return _write_picks(pos, n, k)
+    # Group by chunk, inside a chunk by (score desc, index asc): two stable sorts form the lexsort.
+    by_score = torch.sort(scores, descending=True, stable=True).indices
+    order = by_score[torch.sort(chunk_ids[by_score], stable=True).indices]
+    value = torch.empty(n, dtype=torch.float64, device=dev)
+    rank = torch.empty(n, dtype=torch.int64, device=dev)
+    run_key = torch.empty(n, dtype=torch.int64, device=dev)
+    _coverage_sorted_kernel[(triton.cdiv(n, 256),)](order, scores, chunk_ids, value, rank, run_key, n, weight,
+                                                   SEARCH_STEPS=max(1, n.bit_length()), BLOCK=256)
+    # Run starts increase along the order, so the running maximum of run_start * n + token is the largest token
+    # index seen so far in the current run: tie of (1).
+    tie = torch.cummax(run_key, dim=0).values % n
+    # Lexsort by (v desc, tie asc, rank asc): the secondary key is unique, so one plain sort, then a stable one.
+    by_tie = torch.sort(tie * n + rank).indices
+    greedy = by_tie[torch.sort(value[by_tie], descending=True, stable=True).indices]
+    return torch.sort(order[greedy[:k]]).values
