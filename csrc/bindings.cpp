@@ -27,7 +27,8 @@ void modality_scores(std::uintptr_t query, std::uintptr_t key, std::uintptr_t mo
                      std::uintptr_t out, std::uintptr_t workspace, int q_dtype, int modality_dtype,
                      int positions_dtype, const std::array<int64_t, 6>& sizes, const std::array<int64_t, 4>& q_stride,
                      const std::array<int64_t, 3>& k_stride, const std::array<int64_t, 2>& mod_stride,
-                     const std::array<int64_t, 2>& pos_stride, float scale, float eps, std::uintptr_t stream) {
+                     const std::array<int64_t, 2>& pos_stride, float scale, float eps, int device,
+                     std::uintptr_t stream) {
   macer::ModalityScoresParams p{};
   p.query = ptr<const void>(query);
   p.key = ptr<const void>(key);
@@ -50,12 +51,13 @@ void modality_scores(std::uintptr_t query, std::uintptr_t key, std::uintptr_t mo
   for (int i = 0; i < 2; ++i) p.pos_stride[i] = pos_stride[i];
   p.scale = scale;
   p.eps = eps;
+  p.device = device;
   p.stream = stream_ptr(stream);
   macer::modality_scores(p);
 }
 
 macer::SelectParams select_params(std::uintptr_t scores, int scores_dtype, int64_t n, int64_t scores_stride, int64_t k,
-                                  std::uintptr_t out, std::uintptr_t workspace, size_t workspace_bytes,
+                                  std::uintptr_t out, std::uintptr_t workspace, size_t workspace_bytes, int device,
                                   std::uintptr_t stream) {
   macer::SelectParams p{};
   p.scores = ptr<const void>(scores);
@@ -66,21 +68,24 @@ macer::SelectParams select_params(std::uintptr_t scores, int scores_dtype, int64
   p.out = ptr<int64_t>(out);
   p.workspace = ptr<void>(workspace);
   p.workspace_bytes = workspace_bytes;
+  p.device = device;
   p.stream = stream_ptr(stream);
   return p;
 }
 
 void topk_indices(std::uintptr_t scores, int scores_dtype, int64_t n, int64_t scores_stride, int64_t k,
-                  std::uintptr_t out, std::uintptr_t workspace, size_t workspace_bytes, std::uintptr_t stream) {
-  macer::topk_indices(select_params(scores, scores_dtype, n, scores_stride, k, out, workspace, workspace_bytes, stream));
+                  std::uintptr_t out, std::uintptr_t workspace, size_t workspace_bytes, int device,
+                  std::uintptr_t stream) {
+  macer::topk_indices(
+      select_params(scores, scores_dtype, n, scores_stride, k, out, workspace, workspace_bytes, device, stream));
 }
 
 void coverage_select(std::uintptr_t scores, int scores_dtype, int64_t n, int64_t scores_stride,
                      std::uintptr_t chunk_ids, int chunk_dtype, int64_t chunk_stride, int64_t k,
                      double coverage_weight, std::uintptr_t out, std::uintptr_t workspace, size_t workspace_bytes,
-                     std::uintptr_t stream) {
+                     int device, std::uintptr_t stream) {
   macer::SelectParams p =
-      select_params(scores, scores_dtype, n, scores_stride, k, out, workspace, workspace_bytes, stream);
+      select_params(scores, scores_dtype, n, scores_stride, k, out, workspace, workspace_bytes, device, stream);
   p.chunk_ids = ptr<const void>(chunk_ids);
   p.chunk_dtype = chunk_dtype;
   p.chunk_stride = chunk_stride;
@@ -92,7 +97,8 @@ void coverage_select(std::uintptr_t scores, int scores_dtype, int64_t n, int64_t
 using CompactSpec =
     std::tuple<std::uintptr_t, std::uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
-void compact_many(const std::vector<CompactSpec>& specs, std::uintptr_t keep, int64_t k, std::uintptr_t stream) {
+void compact_many(const std::vector<CompactSpec>& specs, std::uintptr_t keep, int64_t k, int device,
+                  std::uintptr_t stream) {
   macer::CompactParams p{};
   for (const auto& s : specs) {
     macer::CompactTensor t{};
@@ -108,6 +114,7 @@ void compact_many(const std::vector<CompactSpec>& specs, std::uintptr_t keep, in
   }
   p.keep = ptr<const int64_t>(keep);
   p.k = k;
+  p.device = device;
   p.stream = stream_ptr(stream);
   macer::compact_many(p);
 }
@@ -145,7 +152,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("modality_scores_workspace_bytes", &macer::modality_scores_workspace_bytes, py::arg("batch"),
         py::arg("q_heads"), py::arg("q_len"), py::arg("num_keys"));
   m.def("modality_scores_max_head_dim", &macer::modality_scores_max_head_dim);
-  m.def("select_workspace_bytes", &macer::select_workspace_bytes, py::arg("n"));
+  m.def("select_workspace_bytes", &macer::select_workspace_bytes, py::arg("n"), py::arg("device"));
   m.def("topk_indices", &topk_indices, "Top-k indices, ties to the lower index, sorted ascending");
   m.def("coverage_select", &coverage_select, "eq:chunk_coverage_greedy without a k-step loop");
   m.def("compact_many", &compact_many, "One gather launch per group of up to MAX_COMPACT_TENSORS tensors");

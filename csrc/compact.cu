@@ -15,6 +15,7 @@ void compact_many(const CompactParams& p) {
     require(t.outer >= 0 && t.row_units >= 0, kOp, "outer and row_units must be >= 0");
   }
   if (p.k == 0) return;
+  use_device(p.device, kOp);
   for (size_t first = 0; first < p.tensors.size(); first += kMaxCompactTensors) {
     gather::Group g{};
     g.count = static_cast<int>(std::min<size_t>(kMaxCompactTensors, p.tensors.size() - first));

@@ -46,6 +46,7 @@ struct ModalityScoresParams {
   int64_t mod_stride[2];  // modality strides over B, N
   int64_t pos_stride[2];  // query_positions strides over B, Lq
   float scale, eps;
+  int device;    // CUDA device index of the tensors (made current for the launches)
   void* stream;  // cudaStream_t
 };
 size_t modality_scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q_len, int64_t num_keys);
@@ -63,10 +64,11 @@ struct SelectParams {
   int scores_dtype, chunk_dtype;
   int64_t n, k, scores_stride, chunk_stride;
   double coverage_weight;
+  int device;
   void* stream;
 };
-size_t select_workspace_bytes(int64_t n);           // queries CUB (needs a CUDA device)
-size_t select_workspace_bytes_no_query(int64_t n);  // the part that is not CUB's temporary storage
+size_t select_workspace_bytes(int64_t n, int device);  // queries CUB (needs a CUDA device)
+size_t select_workspace_bytes_no_query(int64_t n);     // the part that is not CUB's temporary storage
 void topk_indices(const SelectParams& p);
 void coverage_select(const SelectParams& p);
 
@@ -84,6 +86,7 @@ struct CompactParams {
   std::vector<CompactTensor> tensors;  // any number; launched in groups of kMaxCompactTensors
   const int64_t* keep;                 // [k] strictly increasing indices in 0..N-1
   int64_t k;
+  int device;
   void* stream;
 };
 void compact_many(const CompactParams& p);
@@ -98,6 +101,8 @@ struct DeviceReport {
   int driver_version;       // 0 if no driver
 };
 DeviceReport device_report();
+// Make `device` current in this module's (static) CUDA runtime, whose current device is separate from torch's.
+void use_device(int device, const char* op);
 std::vector<int> compiled_archs();  // SASS architectures compiled into this module, e.g. {89, 90}
 int ptx_arch();                     // architecture of the embedded PTX (0 if none)
 

@@ -85,6 +85,7 @@ void modality_scores(const ModalityScoresParams& p) {
   require(p.kv_heads <= 65535 && p.batch <= 65535, kOp, "B and Hkv must be in [1, 65535] (CUDA grid limits)");
   require(p.q_len >= 1, kOp, "Lq must be >= 1");
   if (p.batch == 0 || p.num_keys == 0) return;
+  use_device(p.device, kOp);
   const int64_t rows = p.q_heads * p.q_len;
   const Workspace w = carve(p.workspace, p.batch, rows, p.num_keys);
   switch (p.q_dtype) {

@@ -107,8 +107,9 @@ void write_sorted_head(const char* op, const SelectParams& p, Workspace& w, cons
 
 size_t select_workspace_bytes_no_query(int64_t n) { return 9 * align_up(sizeof(int64_t) * static_cast<size_t>(n)); }
 
-size_t select_workspace_bytes(int64_t n) {
+size_t select_workspace_bytes(int64_t n, int device) {
   constexpr const char* kOp = "select_workspace_bytes";
+  use_device(device, kOp);
   require(n >= 0 && n <= INT_MAX / 2, kOp, "n must be in [0, " + std::to_string(INT_MAX / 2) + "]");
   const int num = static_cast<int>(std::max<int64_t>(n, 1));
   return select_workspace_bytes_no_query(n) + std::max(sort_temp_bytes(kOp, num), scan_temp_bytes(kOp, num)) + 256;
@@ -118,6 +119,7 @@ void topk_indices(const SelectParams& p) {
   constexpr const char* kOp = "topk_indices";
   check_params(kOp, p);
   if (p.k == 0) return;
+  use_device(p.device, kOp);
   auto stream = static_cast<cudaStream_t>(p.stream);
   Workspace w = carve(p);
   sort_by_score(kOp, p, w, stream);
@@ -129,6 +131,7 @@ void coverage_select(const SelectParams& p) {
   check_params(kOp, p);
   require(p.coverage_weight >= 0.0, kOp, "coverage_weight must be >= 0");
   if (p.k == 0) return;
+  use_device(p.device, kOp);
   auto stream = static_cast<cudaStream_t>(p.stream);
   Workspace w = carve(p);
   const unsigned blocks = blocks_for(p.n);

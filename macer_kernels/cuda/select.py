@@ -1,0 +1,66 @@
+"""``topk_indices`` and ``coverage_select`` (``eq:chunk_coverage_greedy``) on the CUDA kernels of
+``csrc/kernels/select.cuh``: a fixed chain of elementwise kernels and CUB stable radix sorts, no k-step loop."""
+
+from __future__ import annotations
+
+import torch
+
+from macer_kernels.backend import register
+from macer_kernels.cuda._ext import (
+    check_cuda_tensor,
+    dtype_code,
+    ext,
+    launch_args,
+    select_workspace_bytes,
+    workspace,
+)
+
+# Positions are int32 inside CUB and products n * n must fit 64 bits (coverage tie keys).
+MAX_SCORES = (2**31 - 1) // 2
+
+
+def _check_scores(op: str, scores: torch.Tensor) -> None:
+    check_cuda_tensor(op, "scores", scores)
+    if scores.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise TypeError(f"{op} (cuda): scores must be float32, float16, bfloat16 or float64, got {scores.dtype}")
+    if scores.numel() > MAX_SCORES:
+        raise ValueError(f"{op} (cuda): the number of scores must be in [0, {MAX_SCORES}], got {scores.numel()}")
+
+
+def topk_indices_cuda(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices ``[k]`` (int64, ascending) of the k largest of ``scores`` ``[n]`` (any stride), ties to the lower
+    index: one stable radix sort by descending score (compared in float64), then one sort of the first k indices."""
+    _check_scores("topk_indices", scores)
+    out = torch.empty(k, dtype=torch.long, device=scores.device)
+    if k == 0:
+        return out
+    n = scores.numel()
+    device, stream = launch_args(scores)
+    nbytes = select_workspace_bytes(n, device)
+    scratch = workspace(nbytes, scores.device)
+    ext().topk_indices(scores.data_ptr(), dtype_code("topk_indices", "scores", scores), n, scores.stride(0), k,
+                       out.data_ptr(), scratch.data_ptr(), nbytes, device, stream)
+    return out
+
+
+def coverage_select_cuda(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, coverage_weight: float) -> torch.Tensor:
+    """The chunk-coverage greedy's k picks, ascending: values ``s + sqrt(lambda_c / (1 + t))`` by rank t inside the
+    chunk, ordered exactly as ``macer_kernels.select._coverage_order`` orders them (ties as the literal greedy)."""
+    _check_scores("coverage_select", scores)
+    check_cuda_tensor("coverage_select", "chunk_ids", chunk_ids)
+    out = torch.empty(k, dtype=torch.long, device=scores.device)
+    if k == 0:
+        return out
+    n = scores.numel()
+    device, stream = launch_args(scores)
+    nbytes = select_workspace_bytes(n, device)
+    scratch = workspace(nbytes, scores.device)
+    ext().coverage_select(scores.data_ptr(), dtype_code("coverage_select", "scores", scores), n, scores.stride(0),
+                          chunk_ids.data_ptr(), dtype_code("coverage_select", "chunk_ids", chunk_ids),
+                          chunk_ids.stride(0), k, float(coverage_weight), out.data_ptr(), scratch.data_ptr(), nbytes,
+                          device, stream)
+    return out
+
+
+register("topk_indices", "cuda")(topk_indices_cuda)
+register("coverage_select", "cuda")(coverage_select_cuda)
