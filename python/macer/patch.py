@@ -130,10 +130,11 @@ def compress(model: nn.Module, config: MacerConfig, *, profile: bool = False) ->
     adapter = get_adapter(model)
     parts = adapter.parts(model)
     config.check_depth(len(parts.layers))
+    if any(id(module) in _ACTIVE for layer in parts.layers for module in layer.modules()):
+        raise ValueError("macer.compress: this model is already inside a macer.compress context")
     base = parts.attn_config._attn_implementation
     if base not in SUPPORTED_ATTENTION:
-        hint = " (already inside macer.compress for this model?)" if str(base).startswith(_PREFIX) else ""
-        raise ValueError(f"macer.compress: attention implementation {base!r} is not supported{hint}; "
+        raise ValueError(f"macer.compress: attention implementation {base!r} is not supported; "
                          f"supported: {list(SUPPORTED_ATTENTION)}")
     layer_types = getattr(parts.attn_config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
@@ -182,10 +183,6 @@ class _Session:
 
     # ---------------------------------------------------------------- install / uninstall
     def install(self) -> None:
-        for layer in self.parts.layers:
-            for module in layer.modules():
-                if id(module) in _ACTIVE:
-                    raise ValueError("macer.compress: this model is already inside a macer.compress context")
         try:
             self.name = _register_names(self.base)
             self.parts.attn_config._attn_implementation = self.name
@@ -239,9 +236,6 @@ class _Session:
             return self._begin_decode(cache, args, kwargs)
         if batch != 1:
             raise ValueError(f"macer.compress supports batch size 1 for now; got a batch of {batch}")
-        if input_ids is None or input_ids.shape[-1] != length:
-            raise ValueError("macer.compress needs the prompt's input_ids to label audio/video tokens; a prefill "
-                             "from inputs_embeds alone is not supported")
         if cache is not None and getattr(cache, "is_compileable", False):
             raise ValueError(f"macer.compress: {type(cache).__name__} is not supported (static caches cannot hold "
                              "layers of different lengths); use the default DynamicCache")
@@ -252,6 +246,9 @@ class _Session:
             raise ValueError("macer.compress: attention_mask has padding (zeros); batch size 1 without padding only")
         if isinstance(mask, torch.Tensor) and mask.ndim != 2:
             raise ValueError(f"macer.compress: attention_mask must be 2-D [1, N], got shape {tuple(mask.shape)}")
+        if input_ids is None or input_ids.shape[-1] != length:
+            raise ValueError("macer.compress needs the prompt's input_ids to label audio/video tokens; a prefill "
+                             "from inputs_embeds alone is not supported")
         self.state = self._plan(input_ids.to(device), kwargs, length, device)
         return None
 
@@ -368,9 +365,6 @@ class _Session:
         start = self._tick()
         cfg = self.config
         current = state.current
-        if key.shape[-2] != current.numel() or query.shape[-2] != current.numel():
-            raise RuntimeError(f"macer: layer {index} saw {query.shape[-2]} queries / {key.shape[-2]} keys, expected "
-                               f"{current.numel()} (the prefill must start from an empty cache)")
         labels = state.labels[current]
         rows = torch.searchsorted(current, state.question)
         scale = kwargs.get("scaling") or getattr(module, "scaling", None)

@@ -1,0 +1,191 @@
+"""``MacerConfig`` validation, ``for_model`` defaults, and every unsupported case of ``macer.compress``."""
+
+from __future__ import annotations
+
+import macer
+import pytest
+import torch
+from macer import MacerConfig
+from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, macer_config_for, thinker_config
+from torch import nn
+
+SMALL = {"frames": 4, "grid_hw": (8, 8), "audio_tokens": 60, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_thinker(num_layers=4, hidden_size=64, seed=2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("keep_ratio", 0.0, r"keep_ratio must be a finite real number in \(0.0, 1.0\]"),
+        ("keep_ratio", 1.5, r"keep_ratio must be a finite real number in \(0.0, 1.0\]"),
+        ("keep_ratio", float("nan"), r"keep_ratio must be"),
+        ("keep_ratio", "0.5", r"keep_ratio must be"),
+        ("audio_share", -0.1, r"audio_share must be a finite real number in \[0.0, 1.0\]"),
+        ("audio_share", True, r"audio_share must be"),
+        ("audio_layer", 0, r"audio_layer must be an integer >= 1"),
+        ("video_layer", 2.0, r"video_layer must be an integer >= 1"),
+        ("coverage_weight", -1.0, r"coverage_weight must be a finite real number in \[0.0, inf\)"),
+        ("coverage_weight", float("inf"), r"coverage_weight must be"),
+        ("num_chunks", 0, r"num_chunks must be an integer >= 1"),
+        ("query_tokens", 0, r"query_tokens must be an integer >= 1"),
+        ("eps", -1e-6, r"eps must be a finite real number in \[0.0, inf\)"),
+        ("end_of_turn_token_id", -1, r"end_of_turn_token_id must be an integer >= 0"),
+        ("trim_early_cache", 1, r"trim_early_cache must be True or False"),
+    ],
+)
+def test_config_errors_name_field_and_range(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        MacerConfig(**{field: value})
+
+
+def test_config_defaults_and_replace():
+    config = MacerConfig()
+    assert (config.audio_layer, config.video_layer, config.audio_share, config.coverage_weight) == (3, 5, 0.3, 0.2)
+    assert (config.num_chunks, config.query_tokens, config.eps) == (8, 4, 1e-6)
+    assert config.end_of_turn_token_id == 151645 and config.trim_early_cache is False
+    assert config.replace(keep_ratio=0.5).keep_ratio == 0.5
+    assert MacerConfig(end_of_turn_token_id=None).end_of_turn_token_id is None
+    with pytest.raises(ValueError, match="keep_ratio"):
+        config.replace(keep_ratio=2)
+
+
+def test_for_model_paper_defaults():
+    seven = MacerConfig.for_model(thinker_config(text_shape="7B"), keep_ratio=0.25)
+    assert (seven.audio_layer, seven.video_layer, seven.audio_share, seven.coverage_weight) == (3, 5, 0.30, 0.20)
+    assert seven.keep_ratio == 0.25
+    three = MacerConfig.for_model(thinker_config(text_shape="3B"))
+    assert (three.audio_layer, three.video_layer, three.audio_share, three.coverage_weight) == (4, 7, 0.32, 0.30)
+    assert MacerConfig.for_model(thinker_config(text_shape="3B"), audio_share=0.5).audio_share == 0.5
+
+
+def test_for_model_other_depth_needs_explicit_layers(model):
+    with pytest.raises(ValueError, match=r"28 layers .* 36 layers .* has 4: pass audio_layer= and video_layer="):
+        MacerConfig.for_model(model)
+    config = MacerConfig.for_model(model, audio_layer=1, video_layer=3)
+    assert (config.audio_layer, config.video_layer) == (1, 3)
+    with pytest.raises(ValueError, match=r"MacerConfig.video_layer must be in \[1, 3\] for a decoder with 4 layers"):
+        MacerConfig.for_model(model, audio_layer=1, video_layer=4)
+    with pytest.raises(ValueError, match=r"unknown fields \['ratio'\]"):
+        MacerConfig.for_model(model, ratio=0.5)
+    with pytest.raises(ValueError, match="cannot find the decoder depth"):
+        MacerConfig.for_model(object())
+
+
+def test_compress_rejects_readout_layer_beyond_depth(model):
+    with pytest.raises(ValueError, match=r"MacerConfig.audio_layer must be in \[1, 3\] for a decoder with 4 layers"):
+        with macer.compress(model, macer_config_for(model, audio_layer=4, video_layer=2)):
+            pass
+
+
+def test_compress_rejects_wrong_config_type(model):
+    with pytest.raises(TypeError, match=r"config must be a macer\.MacerConfig, got dict"):
+        with macer.compress(model, {"keep_ratio": 0.5}):
+            pass
+
+
+def test_unsupported_model_type():
+    class Tiny(nn.Module):
+        config = type("Config", (), {"model_type": "llama"})()
+
+    with pytest.raises(ValueError, match=r"model_type 'llama' \(Tiny\) is not supported; supported model types: "
+                                         r"\['qwen2_5_omni', 'qwen2_5_omni_thinker'\]"):
+        with macer.compress(Tiny(), MacerConfig()):
+            pass
+    assert macer.supported_model_types() == ["qwen2_5_omni", "qwen2_5_omni_thinker"]
+
+
+def test_unsupported_attention_and_sliding_window(model):
+    text = model.model.language_model.config
+    text._attn_implementation = "flex_attention"
+    try:
+        with pytest.raises(ValueError, match=r"attention implementation 'flex_attention' is not supported; "
+                                             r"supported: \['sdpa', 'eager', 'flash_attention_2'\]"):
+            with macer.compress(model, macer_config_for(model, audio_layer=1, video_layer=2)):
+                pass
+    finally:
+        text._attn_implementation = "sdpa"
+    saved = text.layer_types
+    text.layer_types = ["sliding_attention", *saved[1:]]
+    try:
+        with pytest.raises(ValueError, match="only full-attention decoders are supported"):
+            with macer.compress(model, macer_config_for(model, audio_layer=1, video_layer=2)):
+                pass
+    finally:
+        text.layer_types = saved
+
+
+def test_nested_compress_is_refused(model):
+    config = macer_config_for(model, audio_layer=1, video_layer=2)
+    with macer.compress(model, config), pytest.raises(ValueError, match=r"already inside a macer\.compress context"):
+        with macer.compress(model, config):
+            pass
+    assert model.model.language_model.config._attn_implementation == "sdpa"
+
+
+def _run(model, config, **inputs):
+    with torch.no_grad(), macer.compress(model, config):
+        return model(**inputs)
+
+
+def test_batch_larger_than_one(model):
+    inputs = clip_inputs(model, frames=0, audio_tokens=20, use_audio_in_video=False)
+    ids = inputs["input_ids"].repeat(2, 1)
+    with pytest.raises(ValueError, match="supports batch size 1 for now; got a batch of 2"):
+        _run(model, macer_config_for(model, audio_layer=1, video_layer=2), input_ids=ids,
+             attention_mask=torch.ones_like(ids))
+
+
+def test_padding_mask_and_embeds_only_and_labels(model):
+    config = macer_config_for(model, audio_layer=1, video_layer=2)
+    inputs = clip_inputs(model, **SMALL)
+    padded = inputs["attention_mask"].clone()
+    padded[0, 0] = 0
+    with pytest.raises(ValueError, match=r"attention_mask has padding \(zeros\)"):
+        _run(model, config, **{**inputs, "attention_mask": padded})
+    embeds = model.get_input_embeddings()(inputs["input_ids"])
+    with pytest.raises(ValueError, match=r"needs the prompt's input_ids .* inputs_embeds alone is not supported"):
+        _run(model, config, inputs_embeds=embeds, attention_mask=inputs["attention_mask"])
+    with pytest.raises(ValueError, match=r"labels \(a training loss\) are not supported"):
+        _run(model, config, **inputs, labels=inputs["input_ids"])
+    with pytest.raises(ValueError, match="precomputed attention-mask dicts are not supported"):
+        with torch.no_grad(), macer.compress(model, config):
+            model.model.language_model(inputs_embeds=embeds[:, :5], attention_mask={"full_attention": None})
+    with pytest.raises(ValueError, match=r"attention_mask must be 2-D \[1, N\], got shape \(1, 1, 5, 5\)"):
+        with torch.no_grad(), macer.compress(model, config):
+            model.model.language_model(inputs_embeds=embeds[:, :5], attention_mask=torch.zeros(1, 1, 5, 5))
+
+
+def test_question_span_errors(model):
+    inputs = clip_inputs(model, **SMALL)
+    # The last <|vision_bos|> comes before the media: the question rows would precede the audio/video tokens.
+    config = macer_config_for(model, audio_layer=1, video_layer=2, end_of_turn_token_id=SYNTHETIC_TOKENS.vision_start)
+    with pytest.raises(ValueError, match=r"question rows .* must come after every audio/video token"):
+        _run(model, config, **inputs)
+    # "system" sits at position 1: fewer than query_tokens tokens before it.
+    config = macer_config_for(model, audio_layer=1, video_layer=2, end_of_turn_token_id=SYNTHETIC_TOKENS.system)
+    with pytest.raises(ValueError, match=r"needs query_tokens=4 tokens before the last end-of-turn token \(position 1"):
+        _run(model, config, **inputs)
+
+
+def test_no_end_of_turn_token_reads_last_prompt_tokens(model):
+    inputs = clip_inputs(model, **SMALL)
+    n = inputs["input_ids"].shape[1]
+    with torch.no_grad(), macer.compress(model, macer_config_for(model, audio_layer=1, video_layer=2,
+                                                                  end_of_turn_token_id=None)) as trace:
+        model(**inputs)
+    assert trace.last.query_positions == list(range(n - 4, n))
+    with torch.no_grad(), macer.compress(model, macer_config_for(model, audio_layer=1, video_layer=2)) as trace:
+        model(**inputs)
+    eot = n - 5  # <|im_end|> \n <|im_start|> assistant \n closes the prompt
+    assert trace.last.query_positions == list(range(eot - 4, eot))
+
+
+def test_static_cache_is_refused(model):
+    inputs = clip_inputs(model, **SMALL)
+    with pytest.raises(ValueError, match="StaticCache is not supported"):
+        with torch.no_grad(), macer.compress(model, macer_config_for(model, audio_layer=1, video_layer=2)):
+            model.generate(**inputs, max_new_tokens=1, cache_implementation="static")

@@ -1,0 +1,191 @@
+"""``macer.compress`` on tiny random Qwen2.5-Omni thinkers: identity at keep ratio 1, per-layer caches, decoding on
+compacted caches, exact restoration, the full model through ``.thinker``, ``trim_early_cache``."""
+
+from __future__ import annotations
+
+import copy
+
+import macer
+import pytest
+import torch
+from macer.testing import SYNTHETIC_TOKENS, build_omni_model, build_thinker, clip_inputs, macer_config_for
+
+CLIP = {"frames": 8, "grid_hw": (8, 8), "audio_tokens": 150, "seed": 1}  # 64 video + 150 audio tokens
+
+
+def _thinker(attn: str = "sdpa", layers: int = 6):
+    return build_thinker(num_layers=layers, hidden_size=64, attn_implementation=attn, seed=5)
+
+
+def _counts(inputs) -> tuple[int, int, int]:
+    ids = inputs["input_ids"][0]
+    return ids.numel(), int((ids == SYNTHETIC_TOKENS.audio).sum()), int((ids == SYNTHETIC_TOKENS.video).sum())
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_keep_ratio_one_gives_identical_logits(attn, interleaved):
+    model = _thinker(attn)
+    inputs = clip_inputs(model, use_audio_in_video=interleaved, **CLIP)
+    with torch.no_grad():
+        want = model(**inputs).logits
+        with macer.compress(model, macer_config_for(model, keep_ratio=1.0)) as trace:
+            got = model(**inputs).logits
+    assert torch.equal(got, want)
+    n, n_a, n_v = _counts(inputs)
+    assert trace.budget == (n_a + n_v, n_a, n_v)
+    assert trace.layer_tokens == [n] * 6
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("audio_layer", "video_layer"), [(2, 4), (4, 2), (3, 3)])
+def test_per_layer_token_and_cache_lengths(attn, audio_layer, video_layer):
+    model = _thinker(attn)
+    inputs = clip_inputs(model, **CLIP)
+    n, n_a, n_v = _counts(inputs)
+    config = macer_config_for(model, keep_ratio=0.25, audio_layer=audio_layer, video_layer=video_layer)
+    with torch.no_grad(), macer.compress(model, config) as trace:
+        out = model(**inputs, use_cache=True)
+    k_a, k_v = trace.budget.audio, trace.budget.video
+    assert k_a < n_a and k_v < n_v
+    text = n - n_a - n_v
+    first, second = sorted((audio_layer, video_layer))
+    expected = []
+    for i in range(6):  # layers[i] is layer i + 1
+        if i < first:
+            expected.append(n)
+        elif i < second:
+            expected.append(text + k_a + n_v if audio_layer == first else text + n_a + k_v)
+        else:
+            expected.append(text + k_a + k_v)
+    assert trace.layer_tokens == expected
+    assert trace.cache_lengths == expected
+    assert [layer.get_seq_length() for layer in out.past_key_values.layers] == expected
+    assert out.logits.shape[1] == text + k_a + k_v
+    assert [s.layer for s in trace.last.stages] == sorted({audio_layer, video_layer})
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_cached_decode_equals_no_cache_forward(attn):
+    """Each generated token's logits equal a patched forward without cache over prompt + tokens so far (the same
+    kept sets are chosen there: the question rows come before the appended tokens)."""
+    model = _thinker(attn)
+    inputs = clip_inputs(model, **CLIP)
+    config = macer_config_for(model, keep_ratio=0.25)
+    with torch.no_grad(), macer.compress(model, config) as trace:
+        out = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, suppress_tokens=[SYNTHETIC_TOKENS.im_end])
+        kept = (trace.audio_kept, trace.video_kept)
+        prompt_len = inputs["input_ids"].shape[1]
+        for step, logits in enumerate(out.logits):
+            ids = out.sequences[:, : prompt_len + step]
+            extended = {**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            want = model(**extended, use_cache=False).logits[:, -1]
+            assert (trace.audio_kept, trace.video_kept) == kept
+            torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    assert len(trace.history) == 1 + len(out.logits)
+
+
+def test_generate_twice_prunes_each_prefill_and_restores():
+    model = _thinker("eager")
+    first, second = clip_inputs(model, **CLIP), clip_inputs(model, **{**CLIP, "seed": 2, "audio_tokens": 100})
+    with torch.no_grad():
+        want = model(**first).logits
+        config = macer_config_for(model, keep_ratio=0.25)
+        with macer.compress(model, config) as trace:
+            a = model.generate(**first, max_new_tokens=3, do_sample=False)
+            record_a = trace.last
+            b = model.generate(**second, max_new_tokens=3, do_sample=False)
+            record_b = trace.last
+            again = model.generate(**first, max_new_tokens=3, do_sample=False)
+        assert len(trace.history) == 3
+        assert record_a.n_audio == 150 and record_b.n_audio == 100
+        assert trace.last.audio_kept == record_a.audio_kept and trace.last.video_kept == record_a.video_kept
+        assert torch.equal(a, again) and b.shape[1] == second["input_ids"].shape[1] + 3
+        assert torch.equal(model(**first).logits, want)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_exit_restores_bit_identical_logits_even_after_exception(attn):
+    model = _thinker(attn)
+    inputs = clip_inputs(model, **CLIP)
+    attn_config = model.model.language_model.config
+    with torch.no_grad():
+        want = model(**inputs).logits
+        with pytest.raises(RuntimeError, match="boom"), macer.compress(model, macer_config_for(model)):
+            assert attn_config._attn_implementation == f"macer_{attn}"
+            pruned = model(**inputs).logits
+            assert pruned.shape[1] < want.shape[1]
+            raise RuntimeError("boom")
+        assert attn_config._attn_implementation == attn
+        assert all(not layer._forward_pre_hooks for layer in model.model.language_model.layers)
+        assert not model.model._forward_pre_hooks and not model.model.language_model._forward_hooks
+        assert torch.equal(model(**inputs).logits, want)
+
+
+def test_text_only_prompt_runs_unpruned():
+    model = _thinker()
+    inputs = clip_inputs(model, frames=0, audio_tokens=0, use_audio_in_video=False)
+    with torch.no_grad():
+        want = model(**inputs).logits
+        with macer.compress(model, macer_config_for(model)) as trace:
+            got = model(**inputs).logits
+    assert torch.equal(got, want)
+    assert trace.budget is None and not trace.last.stages and not trace.last.pruned
+
+
+def test_full_model_through_thinker_matches_thinker():
+    omni = build_omni_model(num_layers=6, hidden_size=64, seed=5)
+    thinker = _thinker()
+    inputs = clip_inputs(thinker, **CLIP)
+    config = macer_config_for(thinker, keep_ratio=0.25)
+    with torch.no_grad():
+        with macer.compress(thinker, config) as want:
+            want_logits = thinker(**inputs).logits
+        with macer.compress(omni, config) as got:
+            got_logits = omni.thinker(**inputs).logits
+            generated = omni.thinker.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert torch.equal(got_logits, want_logits)
+    assert got.history[0].audio_kept == want.audio_kept and got.history[0].video_kept == want.video_kept
+    assert generated.shape[1] == inputs["input_ids"].shape[1] + 2
+    assert omni.thinker.model.language_model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_trim_early_cache(attn):
+    model = _thinker(attn)
+    inputs = clip_inputs(model, **CLIP)
+    with torch.no_grad():
+        with macer.compress(model, macer_config_for(model, keep_ratio=0.25)) as trace:
+            full = model(**inputs, use_cache=True)
+        n = inputs["input_ids"].shape[1]
+        final = torch.tensor(sorted(trace.audio_kept + trace.video_kept
+                                    + [i for i, t in enumerate(inputs["input_ids"][0].tolist())
+                                       if t not in (SYNTHETIC_TOKENS.audio, SYNTHETIC_TOKENS.video)]))
+        # Prompt rows held by each layer of the untrimmed cache (None: between the stages, not checked here).
+        rows = [torch.arange(n) if length == n else final if length == final.numel() else None
+                for length in trace.cache_lengths]
+        assert rows[0] is not None and rows[-1] is final
+        with macer.compress(model, macer_config_for(model, keep_ratio=0.25, trim_early_cache=True)) as trimmed:
+            out = model(**inputs, use_cache=True)
+        assert trimmed.cache_lengths == [final.numel()] * 6
+        assert torch.equal(out.logits, full.logits)
+        for i, layer in enumerate(out.past_key_values.layers):
+            if rows[i] is not None:  # layers before the last stage: kept rows of the full cache
+                keep = torch.searchsorted(rows[i], final)
+                assert torch.equal(layer.keys, full.past_key_values.layers[i].keys[:, :, keep])
+        # Decoding on the trimmed cache: every layer holds the same rows, so the unpatched model can decode on a copy
+        # and must agree with the patched decode, which also gets a 2-D mask over the original prompt length.
+        step = torch.tensor([[SYNTHETIC_TOKENS.first_ordinary]])
+        positions = torch.full((3, 1, 1), int(model.model.rope_deltas) + n)
+        config = macer_config_for(model, keep_ratio=0.25, trim_early_cache=True)
+        with macer.compress(model, config):
+            prefill = model(**inputs, use_cache=True)
+            reference_cache = copy.deepcopy(prefill.past_key_values)
+            got = model(input_ids=step, past_key_values=prefill.past_key_values, position_ids=positions,
+                        attention_mask=torch.ones(1, n + 1, dtype=torch.long)).logits
+        want = model(input_ids=step, past_key_values=reference_cache, position_ids=positions).logits
+        torch.testing.assert_close(got, want)
+        with macer.compress(model, config) as trace:
+            generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        assert generated.shape[1] == n + 3 and trace.cache_lengths == [final.numel()] * 6

@@ -1,0 +1,151 @@
+"""The kept sets of ``macer.compress`` equal an independent computation.
+
+The reference never touches macer's patch nor the fast ops: the unpatched model runs with eager attention and
+``output_attentions``-style probabilities (captured from the attention module's returned weights), ANMS is computed
+from those probabilities in float64 (``eq:macer_score``), budgets and selections come from
+``macer_kernels.reference`` (``split_budget_ref``, ``topk_indices_ref``, ``coverage_select_ref``,
+``temporal_chunks_ref``). A later stage is read on a hand-written forward in which the earlier stage's tokens are
+already dropped from the next layer on (plain ``index_select`` of hidden states and RoPE tables, a fresh causal mask).
+"""
+
+from __future__ import annotations
+
+import macer
+import pytest
+import torch
+from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, macer_config_for
+
+from macer_kernels.reference import coverage_select_ref, split_budget_ref, temporal_chunks_ref, topk_indices_ref
+
+AUDIO, VISUAL = 1, 2
+SMALL_CLIP = {"frames": 8, "grid_hw": (8, 8), "audio_tokens": 150}  # 64 video + 150 audio tokens, 6 s
+
+
+def _labels(ids: torch.Tensor) -> torch.Tensor:
+    tok = SYNTHETIC_TOKENS
+    labels = torch.zeros_like(ids)
+    labels[ids == tok.audio] = AUDIO
+    labels[(ids == tok.video) | (ids == tok.image)] = VISUAL
+    return labels
+
+
+def _anms(probs: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, eps: float) -> torch.Tensor:
+    """eq:macer_score from attention probabilities [H, n, n] (float64)."""
+    a = probs[:, rows].double()  # [H, Lq, n]
+    scores = torch.zeros(a.shape[-1], dtype=torch.float64)
+    for m in (AUDIO, VISUAL):
+        in_m = labels == m
+        if in_m.any():
+            mass = a[..., in_m].sum(-1, keepdim=True)
+            scores[in_m] = (a[..., in_m] / (mass + eps)).mean(dim=(0, 1))
+    return scores
+
+
+def reference_kept(model, inputs, config) -> tuple[list[int], list[int]]:
+    """Kept audio and visual prompt positions, computed independently (see module docstring)."""
+    lm = model.model.language_model
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured.update(kwargs)
+
+    handle = lm.register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        model(**inputs)
+    handle.remove()
+    embeds, position_ids = captured["inputs_embeds"], captured["position_ids"]
+    ids = inputs["input_ids"][0]
+    labels = _labels(ids)
+    n = ids.numel()
+    # Question rows: the last query_tokens before the last end-of-turn token.
+    end = int((ids == config.end_of_turn_token_id).nonzero()[-1])
+    question = torch.arange(end - config.query_tokens, end)
+    n_a, n_v = int((labels == AUDIO).sum()), int((labels == VISUAL).sum())
+    budget = split_budget_ref(n_a, n_v, config.keep_ratio, config.audio_share)
+    # Temporal positions straight from the model's get_rope_index.
+    rope, _ = model.get_rope_index(
+        inputs["input_ids"], None, inputs.get("video_grid_thw"), inputs["attention_mask"],
+        inputs["use_audio_in_video"],
+        inputs["feature_attention_mask"].sum(-1) if "feature_attention_mask" in inputs else None,
+        inputs.get("video_second_per_grid"))
+    temporal = rope[0, 0]
+    stages: dict[int, list[int]] = {}
+    for layer, modality, count in ((config.audio_layer, AUDIO, n_a), (config.video_layer, VISUAL, n_v)):
+        if count:
+            stages.setdefault(layer - 1, []).append(modality)
+
+    weights = {}
+
+    def keep_weights(module, args, output):
+        weights["probs"] = output[1]
+
+    current = torch.arange(n)
+    hidden = embeds
+    cos, sin = lm.rotary_emb(hidden, position_ids)
+    kept = {AUDIO: (labels == AUDIO).nonzero().reshape(-1), VISUAL: (labels == VISUAL).nonzero().reshape(-1)}
+    with torch.no_grad():
+        for i, layer in enumerate(lm.layers):
+            length = current.numel()
+            mask = torch.full((length, length), torch.finfo(hidden.dtype).min).triu(1)[None, None]
+            handle = layer.self_attn.register_forward_hook(keep_weights)
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), position_ids=None,
+                           past_key_values=None, use_cache=False)
+            handle.remove()
+            if i not in stages:
+                continue
+            cur_labels = labels[current]
+            rows = torch.searchsorted(current, question)
+            scores = _anms(weights["probs"][0], rows, cur_labels, config.eps)
+            keep = torch.ones(length, dtype=torch.bool)
+            for modality in stages[i]:
+                members = (cur_labels == modality).nonzero().reshape(-1)
+                if modality == AUDIO:
+                    chosen = topk_indices_ref(scores[members], budget.audio)
+                else:
+                    chunks = temporal_chunks_ref(temporal[current[members]], config.num_chunks)
+                    chosen = coverage_select_ref(scores[members], chunks, budget.video, config.coverage_weight)
+                keep[members] = False
+                keep[members[chosen]] = True
+                kept[modality] = current[members[chosen]]
+            index = keep.nonzero().reshape(-1)
+            hidden, cos, sin = hidden[:, index], cos[:, index], sin[:, index]
+            current = current[index]
+    return sorted(kept[AUDIO].tolist()), sorted(kept[VISUAL].tolist())
+
+
+@pytest.fixture(scope="module")
+def eager_model():
+    return build_thinker(num_layers=6, hidden_size=64, attn_implementation="eager", seed=3)
+
+
+@pytest.mark.parametrize(
+    ("layers", "clip"),
+    [
+        pytest.param((2, 4), {**SMALL_CLIP, "use_audio_in_video": True}, id="audio-first-interleaved"),
+        pytest.param((2, 4), {**SMALL_CLIP, "use_audio_in_video": False}, id="audio-first-blocks"),
+        pytest.param((4, 2), {**SMALL_CLIP, "use_audio_in_video": True}, id="video-first-interleaved"),
+        pytest.param((3, 3), {**SMALL_CLIP, "use_audio_in_video": True}, id="equal-layers"),
+        pytest.param((2, 4), {"frames": 0, "audio_tokens": 150, "use_audio_in_video": False}, id="audio-only"),
+        pytest.param((2, 4), {"frames": 8, "grid_hw": (8, 8), "audio_tokens": 0, "use_audio_in_video": False},
+                     id="video-only"),
+    ],
+)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_kept_sets_match_independent_reference(eager_model, layers, clip, attn):
+    config = macer_config_for(eager_model, keep_ratio=0.3, audio_layer=layers[0], video_layer=layers[1],
+                              coverage_weight=0.05)
+    inputs = clip_inputs(eager_model, seed=1, **clip)
+    want_audio, want_video = reference_kept(eager_model, inputs, config)
+    model = eager_model if attn == "eager" else build_thinker(num_layers=6, hidden_size=64, attn_implementation="sdpa",
+                                                              seed=3)
+    with torch.no_grad(), macer.compress(model, config) as trace:
+        model(**inputs)
+    ids = inputs["input_ids"][0]
+    n_a, n_v = int((ids == SYNTHETIC_TOKENS.audio).sum()), int((ids == SYNTHETIC_TOKENS.video).sum())
+    assert trace.budget == split_budget_ref(n_a, n_v, 0.3, config.audio_share)
+    # The test is not vacuous: something of each present modality was dropped or reassigned.
+    assert len(trace.audio_kept) + len(trace.video_kept) == trace.budget.total < n_a + n_v
+    assert trace.audio_kept == want_audio
+    assert trace.video_kept == want_video
+    assert all(ids[i] == SYNTHETIC_TOKENS.audio for i in trace.audio_kept)
+    assert all(ids[i] == SYNTHETIC_TOKENS.video for i in trace.video_kept)
