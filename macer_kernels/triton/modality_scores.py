@@ -124,7 +124,8 @@ def _combine_kernel(max_ptr, sum_ptr, rowmax_ptr, weight_ptr, T, eps, inv_rows,
     z = tl.sum(tl.where(mods == 0, acc, 0.0), axis=0)
     # Weight of eq. (1), with the 1 / (Lq Hq) mean folded in. A modality with no visible mass gets weight 0: its
     # keys all have exp(l - M) = 0 in this row, and 0 * (1 / 0) must not become NaN when eps = 0.
-    weight = tl.where((mods >= 1) & (acc > 0.0), inv_rows / (acc + eps * z), 0.0)
+    scored = (mods >= 1) & (acc > 0.0)
+    weight = tl.where(scored, inv_rows / tl.where(scored, acc + eps * z, 1.0), 0.0)
     tl.store(rowmax_ptr + row, row_max)
     tl.store(weight_ptr + row * M_PAD + mods, weight)
 

@@ -39,15 +39,20 @@ PAIRWISE_MAX_N = 2048
 """Largest n handled by the pairwise (sort-free) kernels; above it the sort-based path runs. ``n^2`` comparisons at
 n = 2048 are 4M per kernel, a few microseconds on a GPU, well under one CUB sort's launch overhead."""
 
-_BLOCK_I = 64
-_BLOCK_J = 64
+# Pairwise tiles: 64 x 64 comparisons per step on a GPU (enough programs for n ~ 1k). The interpreter pays per
+# step in Python, so it takes bigger tiles; tails and multi-tile loops are still exercised for n > 256.
+_BLOCK_I = 256 if triton.knobs.runtime.interpret else 64
+_BLOCK_J = _BLOCK_I
 
 
 @triton.jit
 def _bonus_value(s64, rank, weight):
-    """``v = s + sqrt(lambda_c / (1 + rank))`` in float64 (``weight`` is lambda_c as a float64 scalar), with IEEE
-    division and square root: the reference's rounding, so equal values compare equal in both."""
-    return s64 + tl.sqrt(tl.fdiv(weight + tl.zeros_like(s64), 1.0 + rank.to(tl.float64), ieee_rounding=True))
+    """``v = s + sqrt(lambda_c / (1 + rank))`` in float64 (``weight`` is lambda_c as a float64 scalar).
+
+    Equal values must compare equal here and in the reference, so every step must round like IEEE float64: on
+    NVIDIA, Triton lowers float64 ``/`` to ``div.rn.f64`` and ``sqrt`` to ``sqrt.rn.f64`` (correctly rounded; its
+    ``div_rn``/``sqrt_rn`` helpers are float32-only), and the interpreter uses numpy's IEEE operations."""
+    return s64 + tl.sqrt((weight + tl.zeros_like(s64)) / (1.0 + rank.to(tl.float64)))
 
 
 @triton.jit

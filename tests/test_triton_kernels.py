@@ -1,0 +1,334 @@
+"""Triton backend: kernels against the float64 references, compiled on a GPU, in the interpreter on CPU.
+
+The generic op tests (tests/test_<op>.py) already run every backend on small shapes; these add the cases specific to
+the kernels: head dims that are not powers of two, key tiles with tails, both KV layouts, every input dtype, GQA
+groups, all modality labels, both phase-3 strategies, both selection paths around their switch point, and the
+dispatch rules. On CPU the shapes are small (the interpreter runs each program in Python); on a GPU the same tests
+run compiled at real sizes (n up to 100k for selection, N = 20k keys for scoring).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from macer_kernels import MAX_MODALITIES, coverage_select, modality_scores, topk_indices, use_backend
+from macer_kernels.backend import backend_status, resolve
+from macer_kernels.reference import coverage_select_ref, modality_scores_ref, topk_indices_ref
+from macer_kernels.select import _coverage_select_torch
+
+pytestmark = pytest.mark.triton
+
+ON_GPU = shutil.which("nvidia-smi") is not None  # the same proxy as conftest: no CUDA initialisation at import
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _triton_forced():
+    pytest.importorskip("triton")
+    with use_backend("triton"):
+        yield
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _fresh_seed() -> int:
+    return torch.seed() % 2**31
+
+
+def _inputs(b, hq, hkv, lq, n, d, *, dtype=torch.float32, labels=3, layout="bhnd", seed=None, q_scale=1.0):
+    g = _gen(_fresh_seed() if seed is None else seed)
+    query = (q_scale * torch.randn(b, hq, lq, d, generator=g)).to(dtype).to(DEVICE)
+    if layout == "bhnd":
+        key = torch.randn(b, hkv, n, d, generator=g).to(dtype).to(DEVICE)
+    else:  # FlashAttention/vLLM cache layout [B, N, Hkv, D], seen as [B, Hkv, N, D] without a copy
+        key = torch.randn(b, n, hkv, d, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+    modality = torch.randint(0, labels, (b, n), generator=g).to(DEVICE)
+    return query, key, modality
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.cpu().double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _check_scores(out, query, key, modality, positions=None, **kwargs):
+    """FlashAttention's rule: the kernel's error is at most twice the error of the fp32 PyTorch path on the same
+    inputs (both against float64), with a floor at the fp32 resolution."""
+    b, n = modality.shape
+    assert out.dtype == torch.float32 and out.shape == (b, n) and out.device == query.device
+    cpu = [t.cpu() if t is not None else None for t in (query, key, modality, positions)]
+    ref = modality_scores_ref(*cpu, **kwargs)
+    with use_backend("torch"):
+        torch_err = _rel_err(modality_scores(*cpu, **kwargs), ref)
+    err = _rel_err(out, ref)
+    assert err <= max(2 * torch_err, 2e-6), (err, torch_err)
+    return ref
+
+
+# Interpreter: a few tiles with a tail. GPU: many tiles, a tail, and 7B-sized head counts.
+N_ODD = 4099 if ON_GPU else 77
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_scores_head_dims_and_dtypes(d, dtype):
+    q, k, m = _inputs(1, 4, 2, 3, N_ODD, d, dtype=dtype)
+    _check_scores(modality_scores(q, k, m), q, k, m)
+
+
+@pytest.mark.parametrize("group", [1, 7])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_scores_gqa_groups_and_key_layouts(group, layout):
+    hkv = 2
+    q, k, m = _inputs(2, group * hkv, hkv, 4, N_ODD, 64, dtype=torch.bfloat16, layout=layout)
+    assert k.is_contiguous() == (layout == "bhnd")
+    _check_scores(modality_scores(q, k, m), q, k, m)
+
+
+def test_scores_non_contiguous_query_and_narrow_int_dtypes():
+    q, k, m = _inputs(1, 4, 2, 5, N_ODD, 64)
+    q_view = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B, Lq, Hq, D] storage
+    m8 = m.to(torch.uint8)
+    positions = torch.tensor([[3, 10, N_ODD // 2, N_ODD - 2, N_ODD - 1]], dtype=torch.int16, device=DEVICE)
+    out = modality_scores(q_view, k, m8, positions)
+    _check_scores(out, q, k, m, positions.long())
+
+
+def test_scores_every_modality_label():
+    # All labels 0..MAX_MODALITIES present: per-row state for each, and with eps = 0 and Lq = 1 every modality's
+    # scores sum to exactly one per (q, h) row, hence overall.
+    n = max(N_ODD, 3 * (MAX_MODALITIES + 1))
+    q, k, m = _inputs(1, 4, 4, 1, n, 64, labels=MAX_MODALITIES + 1)
+    m[0, : MAX_MODALITIES + 1] = torch.arange(MAX_MODALITIES + 1)
+    out = modality_scores(q, k, m, eps=0.0)
+    _check_scores(out, q, k, m, eps=0.0)
+    assert torch.all(out[m == 0] == 0)
+    for label in range(1, MAX_MODALITIES + 1):
+        assert abs(out[0, m[0] == label].sum().item() - 1.0) < 1e-5
+
+
+def test_scores_causal_rows_across_tiles():
+    # Rows at different depths of the sequence, different per batch entry: tiles past a row's limit contribute
+    # nothing to it, and keys after every row score exactly 0.
+    n = N_ODD
+    q, k, m = _inputs(2, 8, 2, 3, n, 64, dtype=torch.float16)
+    positions = torch.tensor([[0, n // 3, n // 2], [5, n - 40, n - 1]], device=DEVICE)
+    out = modality_scores(q, k, m, positions)
+    _check_scores(out, q, k, m, positions)
+    assert torch.all(out[0, n // 2 + 1:] == 0)
+    assert torch.any(out[1, n // 2 + 1:] != 0)
+
+
+def test_scores_sharp_logits_and_eps():
+    # Large logits (a peaked softmax) stress the per-tile maxima and their recombination; a large eps makes the
+    # all-keys sum Z matter.
+    q, k, m = _inputs(1, 4, 2, 2, N_ODD, 64, q_scale=6.0)
+    for eps in (0.0, 1e-6, 0.5):
+        _check_scores(modality_scores(q, k, m, eps=eps), q, k, m, eps=eps)
+
+
+def test_scores_tiny_and_text_only():
+    q, k, m = _inputs(1, 2, 1, 3, 3, 80)
+    _check_scores(modality_scores(q, k, m), q, k, m)  # N = Lq = 3: one tile, mostly padding
+    assert torch.all(modality_scores(q, k, torch.zeros_like(m)) == 0)
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["recompute", "store"])
+def test_scores_both_phase3_strategies(store):
+    from macer_kernels.triton.modality_scores import modality_scores_triton
+
+    q, k, m = _inputs(1, 14, 2, 4, N_ODD, 128, dtype=torch.bfloat16, layout="bnhd")
+    positions = torch.arange(N_ODD - 4, N_ODD, device=DEVICE)[None]
+    out = modality_scores_triton(q, k, m, positions, 1 / 128**0.5, 1e-6, store_logits=store)
+    _check_scores(out, q, k, m)
+
+
+@pytest.mark.cuda
+def test_scores_7b_shapes_on_gpu():
+    q, k, m = _inputs(1, 28, 4, 4, 20011, 128, dtype=torch.bfloat16, layout="bnhd")
+    _check_scores(modality_scores(q, k, m), q, k, m)
+
+
+# ---- selection -------------------------------------------------------------------------------------------------
+
+@pytest.fixture(params=["pairwise", "sorted"])
+def path(request, monkeypatch):
+    """Run selection through the sort-free pairwise kernels (default for n <= PAIRWISE_MAX_N) or force the
+    sort-based path by lowering the switch point to 0."""
+    from macer_kernels.triton import select
+
+    if request.param == "sorted":
+        monkeypatch.setattr(select, "PAIRWISE_MAX_N", 0)
+    return request.param
+
+
+SIZES = [1, 2, 37, 300, 1000] + ([864, 4097, 32768, 100_000] if ON_GPU else [])
+
+
+def _scores(n, g, *, ties, dtype):
+    s = torch.randint(0, 7, (n,), generator=g).float() if ties else torch.rand(n, generator=g)
+    return s.to(dtype).to(DEVICE)
+
+
+def _ks(n):
+    return sorted({0, 1, n // 3, n // 2, n - 1, n} - {-1})
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
+def test_topk_exact(path, n, dtype):
+    g = _gen(_fresh_seed())
+    for ties in (False, True):
+        s = _scores(n, g, ties=ties, dtype=dtype)
+        for k in _ks(n):
+            out = topk_indices(s, k)
+            assert out.dtype == torch.long and out.device == s.device
+            assert torch.equal(out.cpu(), topk_indices_ref(s.cpu(), k)), (n, k, ties)
+
+
+def _coverage_oracle(s, c, k, w):
+    # The literal k-step greedy costs O(n k) Python steps; above 300 tokens use the PyTorch path, which the
+    # generic tests hold to the literal greedy.
+    if s.numel() <= 300:
+        return coverage_select_ref(s, c, k, w)
+    return _coverage_select_torch(s, c, k, w)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("weight", [0.2, 3.0])
+def test_coverage_exact(path, n, weight):
+    g = _gen(_fresh_seed())
+    for ties in (False, True):
+        s = _scores(n, g, ties=ties, dtype=torch.float32)
+        c = torch.randint(0, 12, (n,), generator=g).to(DEVICE)
+        for k in _ks(n):
+            out = coverage_select(s, c, k, weight)
+            assert out.dtype == torch.long and out.device == s.device
+            assert torch.equal(out.cpu(), _coverage_oracle(s.cpu(), c.cpu(), k, weight)), (n, k, ties)
+
+
+def test_coverage_equal_value_runs(path):
+    # Coarse scores give many exact ties; tiny scores vanish in the float64 sum, so one chunk holds runs of equal
+    # values whose token indices decrease (the subtle case of macer_kernels.select._coverage_order).
+    for seed in range(12):
+        g = _gen(seed)
+        n = int(torch.randint(1, 70, (1,), generator=g))
+        coarse = torch.randint(0, 7, (n,), generator=g)
+        chunk = torch.randint(0, 5, (n,), generator=g)
+        s = torch.where(coarse < 6, coarse / 4, 1e-30 * (1 + chunk)).double()
+        for weight in (0.05, 1.0, 9.0):
+            for k in _ks(n):
+                out = coverage_select(s.to(DEVICE), chunk.to(DEVICE), k, weight).cpu()
+                assert torch.equal(out, coverage_select_ref(s, chunk, k, weight)), (seed, weight, k)
+
+
+def test_coverage_absorbed_scores_and_binade_edge(path):
+    cases = [
+        (torch.tensor([1e-30, 1e-20, 3e-25, 0.0], dtype=torch.float64), torch.tensor([0, 0, 0, 1]), 0.2),
+        (torch.tensor([2.0**53 - 1, 2.0**53, 2.0**53], dtype=torch.float64), torch.tensor([0, 1, 0]), 0.81),
+    ]
+    for s, c, w in cases:
+        for k in range(len(s) + 1):
+            out = coverage_select(s.to(DEVICE), c.to(DEVICE), k, w).cpu()
+            assert torch.equal(out, coverage_select_ref(s, c, k, w)), (s, k)
+
+
+def test_signed_zero_and_infinities_tie_like_the_reference(path):
+    inf = float("inf")
+    s = torch.tensor([0.0, -0.0, inf, -inf, -0.0, inf, 0.0, -inf, 1.0])
+    c = torch.tensor([0, 1, 1, 0, 2, 2, 1, 0, 0])
+    for dtype in (torch.float32, torch.float16):
+        for k in range(len(s) + 1):
+            assert torch.equal(topk_indices(s.to(dtype).to(DEVICE), k).cpu(), topk_indices_ref(s, k)), k
+            out = coverage_select(s.to(dtype).to(DEVICE), c.to(DEVICE), k, 0.3).cpu()
+            assert torch.equal(out, coverage_select_ref(s, c, k, 0.3)), k
+
+
+@pytest.mark.parametrize("chunk_dtype", [torch.uint8, torch.int32, torch.int64])
+def test_coverage_chunk_id_dtypes_and_sparse_ids(path, chunk_dtype):
+    g = _gen(_fresh_seed())
+    n = 257
+    s = _scores(n, g, ties=True, dtype=torch.float32)
+    ids = torch.tensor([0, 3, 200, 255]) if chunk_dtype == torch.uint8 else torch.tensor([0, 7, 10**5, 2**30])
+    if chunk_dtype == torch.int64:
+        ids[-1] = 10**12
+    c = ids[torch.randint(0, len(ids), (n,), generator=g)]
+    for k in (1, 64, 200):
+        out = coverage_select(s, c.to(chunk_dtype).to(DEVICE), k, 0.5)
+        assert torch.equal(out.cpu(), coverage_select_ref(s.cpu(), c, k, 0.5)), k
+
+
+def test_selection_paths_meet_at_the_switch_point():
+    from macer_kernels.triton import select
+
+    g = _gen(_fresh_seed())
+    for n in (select.PAIRWISE_MAX_N, select.PAIRWISE_MAX_N + 1):
+        s = _scores(n, g, ties=True, dtype=torch.float32)
+        c = torch.randint(0, 8, (n,), generator=g).to(DEVICE)
+        k = n // 3
+        assert torch.equal(topk_indices(s, k).cpu(), topk_indices_ref(s.cpu(), k))
+        assert torch.equal(coverage_select(s, c, k, 0.2).cpu(), _coverage_select_torch(s.cpu(), c.cpu(), k, 0.2))
+
+
+# ---- dispatch --------------------------------------------------------------------------------------------------
+
+def test_triton_is_available_and_cpu_tensors_stay_on_torch_under_auto():
+    assert backend_status()["triton"] is None
+    with use_backend("auto"):
+        for op in ("modality_scores", "topk_indices", "coverage_select"):
+            assert resolve(op, torch.device("cpu"))[0] == "torch"
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter runs CPU tensors only on machines without a GPU in this suite")
+def test_forced_triton_runs_cpu_tensors_in_the_interpreter():
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    assert resolve("modality_scores", torch.device("cpu"))[0] == "triton"
+
+
+@pytest.mark.cuda
+def test_auto_picks_a_kernel_backend_for_cuda_tensors():
+    # "auto" prefers the CUDA extension when it is built, then Triton.
+    expected = "cuda" if backend_status()["cuda"] is None else "triton"
+    with use_backend("auto"):
+        for op in ("modality_scores", "topk_indices", "coverage_select"):
+            assert resolve(op, torch.device("cuda"))[0] == expected
+
+
+def _run_without_interpreter(code: str) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "MACER_BACKEND")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_forcing_triton_on_cpu_without_the_interpreter_raises_a_clear_error():
+    # Without TRITON_INTERPRET: on a machine without a GPU the backend reports itself unavailable; with a GPU it
+    # refuses CPU tensors. Both errors say how to run it on CPU.
+    code = (
+        "import torch, macer_kernels as mk\n"
+        "try:\n"
+        "    with mk.use_backend('triton'):\n"
+        "        mk.topk_indices(torch.rand(5), 2)\n"
+        "except RuntimeError as e:\n"
+        "    print('ERROR:', e)\n"
+    )
+    result = _run_without_interpreter(code)
+    assert result.returncode == 0, result.stderr
+    assert "ERROR:" in result.stdout and "TRITON_INTERPRET=1" in result.stdout, result.stdout
+    assert "backend 'triton'" in result.stdout
+
+
+def test_importing_macer_kernels_does_not_import_triton():
+    code = (
+        "import sys, torch, macer_kernels\n"
+        "macer_kernels.topk_indices(torch.rand(5), 2)\n"  # CPU under auto: PyTorch, no probe of Triton
+        "print('triton' in sys.modules)\n"
+    )
+    result = _run_without_interpreter(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
