@@ -82,8 +82,12 @@ void modality_scores(const ModalityScoresParams& p) {
           "head dimension D must be in [1, " + std::to_string(scores::kMaxHeadDim) + "], got " +
               std::to_string(p.head_dim));
   require(p.kv_heads >= 1 && p.q_heads % p.kv_heads == 0, kOp, "Hq must be a positive multiple of Hkv");
-  require(p.kv_heads <= 65535 && p.batch <= 65535, kOp, "B and Hkv must be in [1, 65535] (CUDA grid limits)");
+  require(p.kv_heads <= 65535 && p.batch <= 65535, kOp, "B and Hkv must be at most 65535 (CUDA grid limits)");
   require(p.q_len >= 1, kOp, "Lq must be >= 1");
+  require(p.q_dtype == kFloat32 || p.q_dtype == kFloat64 || p.q_dtype == kFloat16 || p.q_dtype == kBFloat16, kOp,
+          "query/key dtype code must be float32, float16, bfloat16 or float64, got " + std::to_string(p.q_dtype));
+  require(is_int_code(p.modality_dtype) && is_int_code(p.positions_dtype), kOp,
+          "modality and query_positions dtype codes must be integer codes");
   if (p.batch == 0 || p.num_keys == 0) return;
   use_device(p.device, kOp);
   const int64_t rows = p.q_heads * p.q_len;
@@ -93,7 +97,6 @@ void modality_scores(const ModalityScoresParams& p) {
     case kFloat64: launch_tiles<double>(p, w); break;
     case kFloat16: launch_tiles<__half>(p, w); break;
     case kBFloat16: launch_tiles<__nv_bfloat16>(p, w); break;
-    default: require(false, kOp, "query/key dtype code must be float32, float16, bfloat16 or float64");
   }
   const int64_t tiles = ceil_div(p.num_keys, p.q_dtype == kFloat16 || p.q_dtype == kBFloat16
                                                  ? scores::TileConfig<__half>::kKeys

@@ -68,13 +68,18 @@ Workspace carve(const SelectParams& p) {
   return w;
 }
 
+void check_temp(const char* op, size_t needed, const Workspace& w) {
+  require(needed <= w.temp_bytes, op,
+          "workspace too small for CUB's temporary storage (size it with select_workspace_bytes(n))");
+}
+
 // Stable sort of `count` (key, value) pairs by key bits [0, end_bit): keys[0], vals[0] -> keys[1], vals_out.
 void sort_pairs(const char* op, Workspace& w, int64_t count, int end_bit, int64_t* vals_out, cudaStream_t stream) {
   size_t needed = 0;
   const int num = static_cast<int>(count);
   MACER_CUDA_CHECK(op, cub::DeviceRadixSort::SortPairs(nullptr, needed, w.keys[0], w.keys[1], w.vals[0], vals_out,
                                                        num, 0, end_bit, stream));
-  require(needed <= w.temp_bytes, op, "workspace too small for the radix sort (use select_workspace_bytes(n))");
+  check_temp(op, needed, w);
   MACER_CUDA_CHECK(op, cub::DeviceRadixSort::SortPairs(w.temp, needed, w.keys[0], w.keys[1], w.vals[0], vals_out,
                                                        num, 0, end_bit, stream));
 }
@@ -82,6 +87,7 @@ void sort_pairs(const char* op, Workspace& w, int64_t count, int end_bit, int64_
 void check_params(const char* op, const SelectParams& p) {
   require(p.n >= 0 && p.n <= INT_MAX / 2, op, "n must be in [0, " + std::to_string(INT_MAX / 2) + "]");
   require(p.k >= 0 && p.k <= p.n, op, "k must be in [0, n]");
+  require(is_float_code(p.scores_dtype), op, "scores dtype code must be a floating code");
   require(p.workspace_bytes >= select_workspace_bytes_no_query(p.n), op,
           "workspace too small (use select_workspace_bytes(n))");
 }
@@ -109,8 +115,8 @@ size_t select_workspace_bytes_no_query(int64_t n) { return 9 * align_up(sizeof(i
 
 size_t select_workspace_bytes(int64_t n, int device) {
   constexpr const char* kOp = "select_workspace_bytes";
-  use_device(device, kOp);
   require(n >= 0 && n <= INT_MAX / 2, kOp, "n must be in [0, " + std::to_string(INT_MAX / 2) + "]");
+  use_device(device, kOp);
   const int num = static_cast<int>(std::max<int64_t>(n, 1));
   return select_workspace_bytes_no_query(n) + std::max(sort_temp_bytes(kOp, num), scan_temp_bytes(kOp, num)) + 256;
 }
@@ -130,6 +136,7 @@ void coverage_select(const SelectParams& p) {
   constexpr const char* kOp = "coverage_select";
   check_params(kOp, p);
   require(p.coverage_weight >= 0.0, kOp, "coverage_weight must be >= 0");
+  require(is_int_code(p.chunk_dtype), kOp, "chunk_ids dtype code must be an integer code");
   if (p.k == 0) return;
   use_device(p.device, kOp);
   auto stream = static_cast<cudaStream_t>(p.stream);
@@ -155,7 +162,7 @@ void coverage_select(const SelectParams& p) {
   size_t scan_bytes = 0;
   MACER_CUDA_CHECK(kOp, cub::DeviceScan::InclusiveScan(nullptr, scan_bytes, w.scan[0], w.scan[1], select::MaxOp{},
                                                        static_cast<int>(p.n), stream));
-  require(scan_bytes <= w.temp_bytes, kOp, "workspace too small for the scan (use select_workspace_bytes(n))");
+  check_temp(kOp, scan_bytes, w);
   MACER_CUDA_CHECK(kOp, cub::DeviceScan::InclusiveScan(w.temp, scan_bytes, w.scan[0], w.scan[1], select::MaxOp{},
                                                        static_cast<int>(p.n), stream));
   // 5. stable sort by (tie index, position), then stably by value desc: the greedy's pick order.

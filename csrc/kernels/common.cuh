@@ -32,6 +32,9 @@ inline void require(bool ok, const char* op, const std::string& message) {
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+inline bool is_int_code(int dtype) { return dtype >= kInt8 && dtype <= kInt64; }
+inline bool is_float_code(int dtype) { return dtype >= kFloat32 && dtype <= kFloat64; }
+
 // Integer tensors of any width are read in place (no conversion launch): the dtype code is uniform per launch, so
 // the switch costs one well-predicted branch.
 __device__ __forceinline__ int64_t load_int(const void* base, int dtype, int64_t offset) {

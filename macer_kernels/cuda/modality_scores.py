@@ -20,8 +20,6 @@ def modality_scores_cuda(query: torch.Tensor, key: torch.Tensor, modality: torch
     what the kernels add: CUDA tensors, one float dtype for query and key, D <= 256, grid limits on B and Hkv.
     Workspace: fp32 logits ``[B, Hq*Lq, N]`` plus per-tile partials (O(B Hq Lq N), like the PyTorch path).
     """
-    for name, t in (("query", query), ("key", key), ("modality", modality), ("query_positions", query_positions)):
-        check_cuda_tensor(_OP, name, t)
     if query.dtype != key.dtype or key.dtype not in _FLOATS:
         raise TypeError(f"{_OP} (cuda): query and key must share one dtype out of float32, float16, bfloat16, "
                         f"float64; got {query.dtype} and {key.dtype}")
@@ -31,9 +29,13 @@ def modality_scores_cuda(query: torch.Tensor, key: torch.Tensor, modality: torch
     if not 1 <= d <= max_d:
         raise ValueError(f"{_OP} (cuda): head dimension D must be in [1, {max_d}], got {d}")
     if not (b <= 65535 and hkv <= 65535):
-        raise ValueError(f"{_OP} (cuda): B and Hkv must be in [1, 65535] (CUDA grid limits), got B={b}, Hkv={hkv}")
+        raise ValueError(f"{_OP} (cuda): B and Hkv must be at most 65535 (CUDA grid limits), got B={b}, Hkv={hkv}")
     if key.stride(-1) != 1:
         raise ValueError(f"{_OP} (cuda): key must have stride(-1) == 1, got strides {key.stride()}")
+    codes = (dtype_code(_OP, "query", query), dtype_code(_OP, "modality", modality),
+             dtype_code(_OP, "query_positions", query_positions))
+    for name, t in (("query", query), ("key", key), ("modality", modality), ("query_positions", query_positions)):
+        check_cuda_tensor(_OP, name, t)
     out = torch.empty(b, n, dtype=torch.float32, device=key.device)
     if b == 0 or n == 0:
         return out
@@ -41,8 +43,7 @@ def modality_scores_cuda(query: torch.Tensor, key: torch.Tensor, modality: torch
     scratch = workspace(ext().modality_scores_workspace_bytes(b, hq, lq, n), key.device)
     ext().modality_scores(
         query.data_ptr(), key.data_ptr(), modality.data_ptr(), query_positions.data_ptr(), out.data_ptr(),
-        scratch.data_ptr(), dtype_code(_OP, "query", query), dtype_code(_OP, "modality", modality),
-        dtype_code(_OP, "query_positions", query_positions), (b, hq, lq, d, hkv, n), query.stride(),
+        scratch.data_ptr(), *codes, (b, hq, lq, d, hkv, n), query.stride(),
         key.stride()[:3], modality.stride(), query_positions.stride(), float(scale), float(eps), device, stream)
     return out
 

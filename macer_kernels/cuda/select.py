@@ -20,11 +20,11 @@ MAX_SCORES = (2**31 - 1) // 2
 
 
 def _check_scores(op: str, scores: torch.Tensor) -> None:
-    check_cuda_tensor(op, "scores", scores)
     if scores.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         raise TypeError(f"{op} (cuda): scores must be float32, float16, bfloat16 or float64, got {scores.dtype}")
     if scores.numel() > MAX_SCORES:
         raise ValueError(f"{op} (cuda): the number of scores must be in [0, {MAX_SCORES}], got {scores.numel()}")
+    check_cuda_tensor(op, "scores", scores)
 
 
 def topk_indices_cuda(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -47,6 +47,7 @@ def coverage_select_cuda(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, 
     """The chunk-coverage greedy's k picks, ascending: values ``s + sqrt(lambda_c / (1 + t))`` by rank t inside the
     chunk, ordered exactly as ``macer_kernels.select._coverage_order`` orders them (ties as the literal greedy)."""
     _check_scores("coverage_select", scores)
+    chunk_code = dtype_code("coverage_select", "chunk_ids", chunk_ids)
     check_cuda_tensor("coverage_select", "chunk_ids", chunk_ids)
     out = torch.empty(k, dtype=torch.long, device=scores.device)
     if k == 0:
@@ -56,9 +57,8 @@ def coverage_select_cuda(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, 
     nbytes = select_workspace_bytes(n, device)
     scratch = workspace(nbytes, scores.device)
     ext().coverage_select(scores.data_ptr(), dtype_code("coverage_select", "scores", scores), n, scores.stride(0),
-                          chunk_ids.data_ptr(), dtype_code("coverage_select", "chunk_ids", chunk_ids),
-                          chunk_ids.stride(0), k, float(coverage_weight), out.data_ptr(), scratch.data_ptr(), nbytes,
-                          device, stream)
+                          chunk_ids.data_ptr(), chunk_code, chunk_ids.stride(0), k, float(coverage_weight),
+                          out.data_ptr(), scratch.data_ptr(), nbytes, device, stream)
     return out
 
 
