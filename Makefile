@@ -22,7 +22,7 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest
 
 demo: $(STAMP)
-	$(BIN)/python -m macer_kernels.demo
+	$(BIN)/macer demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info
