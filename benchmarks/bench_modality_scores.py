@@ -1,0 +1,123 @@
+"""Benchmark ``modality_scores`` (eq:macer_score): naive PyTorch vs every backend, with a roofline for reading K.
+
+    python -m benchmarks.bench_modality_scores            # GPU: Qwen2.5-Omni-7B shapes, writes benchmarks/results/
+    python -m benchmarks.bench_modality_scores --quick    # CPU smoke run on tiny shapes, writes nothing
+
+Providers: ``naive`` is the reference definition run in fp32 on the device (K expanded per query head, full causal
+softmax, one masked sum per modality); ``torch`` is the PyTorch backend; then every other backend that can run on
+the device (``triton``, ``cuda``), and ``triton-store``, the Triton kernel storing fp32 logits in phase 1 instead of
+recomputing them from K in phase 3 (``macer_kernels.triton.modality_scores.STORE_LOGITS``).
+
+Columns: median microseconds; ``k_gbs``, the bytes of K divided by the time (K is the dominant input);
+``x_k_read``, the time over the time to read K once at the measured copy bandwidth (target: <= 2 at N >= 20k);
+``speedup``, naive time over the provider's time (target: >= 10 at N = 2.4k); ``rel_err`` against the naive output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.common import copy_bandwidth_gbs, environment, median_time_us, print_table, write_results
+from macer_kernels import available_backends, modality_scores, use_backend
+from macer_kernels.backend import resolve
+from macer_kernels.reference import modality_scores_ref
+
+# Qwen2.5-Omni-7B thinker: 28 query heads, 4 KV heads, D = 128; a 4-token question span; bf16 cache.
+SHAPES_7B = {"hq": 28, "hkv": 4, "d": 128, "lq": 4}
+SEQ_LENS = (2400, 20_000, 100_000)
+QUICK_SEQ_LENS = (64, 200)
+
+
+def _inputs(n: int, device: str, dtype: torch.dtype, layout: str, hq: int, hkv: int, d: int, lq: int):
+    g = torch.Generator(device=device).manual_seed(0)
+    query = torch.randn(1, hq, lq, d, generator=g, device=device).to(dtype)
+    if layout == "bnhd":  # FlashAttention/vLLM cache layout, read through strides
+        key = torch.randn(1, n, hkv, d, generator=g, device=device).to(dtype).transpose(1, 2)
+    else:
+        key = torch.randn(1, hkv, n, d, generator=g, device=device).to(dtype)
+    # Interleaved audio/video/text labels, as in a Qwen-Omni prompt.
+    modality = torch.randint(0, 3, (1, n), generator=g, device=device)
+    return query, key, modality
+
+
+def _providers(query, key, modality, device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
+    providers = {"naive": lambda: modality_scores_ref(query, key, modality, dtype=torch.float32)}
+    for name in reversed(available_backends()):  # torch first, then triton, cuda
+        try:
+            with use_backend(name):
+                resolve("modality_scores", device)
+        except RuntimeError:  # e.g. Triton on CPU tensors without the interpreter
+            continue
+
+        def run(name=name):
+            with use_backend(name):
+                return modality_scores(query, key, modality)
+
+        providers[name] = run
+        if name == "triton":
+            from macer_kernels.triton.modality_scores import modality_scores_triton
+
+            lq, n = query.shape[2], key.shape[2]
+            positions = torch.arange(n - lq, n, device=device).expand(query.shape[0], lq)
+            scale = query.shape[-1] ** -0.5
+            providers["triton-store"] = functools.partial(modality_scores_triton, query, key, modality, positions,
+                                                          scale, 1e-6, store_logits=True)
+    return providers
+
+
+def run(seq_lens, device: torch.device, dtype: torch.dtype, layout: str, shapes: dict, copy_bytes: int) -> list[dict]:
+    bandwidth = copy_bandwidth_gbs(device, copy_bytes)
+    rows = []
+    for n in seq_lens:
+        query, key, modality = _inputs(n, device.type, dtype, layout, **shapes)
+        key_bytes = key.numel() * key.element_size()
+        read_k_us = key_bytes / (bandwidth * 1e9) * 1e6
+        providers = _providers(query, key, modality, device)
+        expected = providers["naive"]().double()
+        naive_us = None
+        for name, fn in providers.items():
+            err = ((fn().double() - expected).norm() / expected.norm()).item()
+            us = median_time_us(fn, device)
+            naive_us = us if name == "naive" else naive_us
+            rows.append({"provider": name, "N": n, "median_us": us, "k_gbs": key_bytes / (us * 1e-6) / 1e9,
+                         "copy_gbs": bandwidth, "x_k_read": us / read_k_us, "speedup": naive_us / us,
+                         "rel_err": err})
+        del query, key, modality, expected
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run on tiny shapes; writes no results")
+    parser.add_argument("--layout", choices=("bhnd", "bnhd"), default="bhnd", help="KV cache layout of K")
+    parser.add_argument("--seq-lens", type=int, nargs="+", help="override the key counts N")
+    args = parser.parse_args(argv)
+    if args.quick:
+        device = torch.device("cpu")
+        shapes = {"hq": 8, "hkv": 2, "d": 64, "lq": 4}
+        rows = run(args.seq_lens or QUICK_SEQ_LENS, device, torch.float32, args.layout, shapes, 1 << 24)
+        print_table(rows)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_modality_scores needs a CUDA GPU (use --quick for a CPU smoke run)")
+    device = torch.device("cuda")
+    rows = run(args.seq_lens or SEQ_LENS, device, torch.bfloat16, args.layout, SHAPES_7B, 1 << 30)
+    print_table(rows)
+    meta = {**environment(device), "shapes": {**SHAPES_7B, "dtype": "bfloat16", "layout": args.layout, "B": 1}}
+    paths = write_results(f"modality_scores_{args.layout}_{slug(meta['device'])}", rows, meta)
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Benchmark ``topk_indices`` and ``coverage_select`` (eq:chunk_coverage_greedy): naive PyTorch vs every backend.
+
+    python -m benchmarks.bench_select            # GPU: n = 864 / 20k / 100k video tokens, writes benchmarks/results/
+    python -m benchmarks.bench_select --quick    # CPU smoke run on tiny sizes, writes nothing
+
+k = n / 4 (keep ratio 0.25), lambda_c = 0.2 and C = 8 temporal chunks (the 7B defaults in ``macer.config``).
+Providers: ``naive`` is the obvious PyTorch code (``torch.topk`` + a sort for top-k; the literal k-step greedy as a
+loop of PyTorch ops on the device for the coverage greedy, run only where k <= 5000 because it costs k steps of
+several launches); ``torch`` is the PyTorch backend; then every other backend that can run on the device. The target
+is a selection of 864 tokens under 30 us. ``exact`` says whether the provider returned the same indices as the
+PyTorch backend, which the tests hold to the float64 references.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.bench_modality_scores import slug
+from benchmarks.common import environment, median_time_us, print_table, write_results
+from macer_kernels import available_backends, coverage_select, temporal_chunks, topk_indices, use_backend
+from macer_kernels.backend import resolve
+
+SIZES = (864, 20_000, 100_000)
+QUICK_SIZES = (50, 300)
+KEEP_RATIO = 0.25
+COVERAGE_WEIGHT = 0.2
+NUM_CHUNKS = 8
+NAIVE_GREEDY_MAX_K = 5000
+
+
+def naive_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    # torch.topk does not promise the lower index on ties; this is what code without the tie rule would write.
+    return torch.sort(torch.topk(scores, k).indices).values
+
+
+def naive_coverage(scores: torch.Tensor, chunks: torch.Tensor, k: int, weight: float) -> torch.Tensor:
+    """The literal greedy: k steps of argmax over s + sqrt(lambda / (1 + r_chunk)) (argmax takes the first maximum)."""
+    values = scores.double()
+    counts = torch.zeros(int(chunks.max()) + 1, dtype=torch.float64, device=scores.device)
+    taken = torch.zeros_like(values, dtype=torch.bool)
+    picks = torch.empty(k, dtype=torch.long, device=scores.device)
+    for step in range(k):
+        gain = (values + torch.sqrt(weight / (1.0 + counts[chunks]))).masked_fill_(taken, float("-inf"))
+        best = torch.argmax(gain)
+        picks[step] = best
+        taken[best] = True
+        counts[chunks[best]] += 1
+    return torch.sort(picks).values
+
+
+def _backend_fn(name: str, fn: Callable, *args) -> Callable[[], torch.Tensor]:
+    def run():
+        with use_backend(name):
+            return fn(*args)
+
+    return run
+
+
+def run(sizes, device: torch.device) -> list[dict]:
+    rows = []
+    backends = []
+    for name in reversed(available_backends()):  # torch first, then triton, cuda
+        try:
+            with use_backend(name):
+                resolve("coverage_select", device)
+        except RuntimeError:  # e.g. Triton on CPU tensors without the interpreter
+            continue
+        backends.append(name)
+    for n in sizes:
+        g = torch.Generator(device=device.type).manual_seed(n)
+        scores = torch.rand(n, generator=g, device=device)
+        chunks = temporal_chunks(torch.arange(n, device=device), NUM_CHUNKS)
+        k = int(KEEP_RATIO * n)
+        ops = {
+            "topk_indices": ({"naive": functools.partial(naive_topk, scores, k)}, topk_indices, (scores, k)),
+            "coverage_select": ({"naive": functools.partial(naive_coverage, scores, chunks, k, COVERAGE_WEIGHT)}
+                                if k <= NAIVE_GREEDY_MAX_K else {},
+                                coverage_select, (scores, chunks, k, COVERAGE_WEIGHT)),
+        }
+        for op, (providers, fn, args) in ops.items():
+            providers = {**providers, **{name: _backend_fn(name, fn, *args) for name in backends}}
+            expected = _backend_fn("torch", fn, *args)()
+            naive_us = None
+            for name, provider in providers.items():
+                us = median_time_us(provider, device)
+                naive_us = us if name == "naive" else naive_us
+                rows.append({"op": op, "provider": name, "n": n, "k": k, "median_us": us,
+                             "speedup": naive_us / us if naive_us else float("nan"),
+                             "exact": bool(torch.equal(provider(), expected))})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run on tiny sizes; writes no results")
+    parser.add_argument("--sizes", type=int, nargs="+", help="override the token counts n")
+    args = parser.parse_args(argv)
+    if args.quick:
+        print_table(run(args.sizes or QUICK_SIZES, torch.device("cpu")))
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_select needs a CUDA GPU (use --quick for a CPU smoke run)")
+    device = torch.device("cuda")
+    rows = run(args.sizes or SIZES, device)
+    print_table(rows)
+    meta = {**environment(device), "keep_ratio": KEEP_RATIO, "coverage_weight": COVERAGE_WEIGHT,
+            "num_chunks": NUM_CHUNKS, "scores_dtype": "float32"}
+    paths = write_results(f"select_{slug(meta['device'])}", rows, meta)
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()
