@@ -189,3 +189,31 @@ def test_trim_early_cache(attn):
         with macer.compress(model, config) as trace:
             generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
         assert generated.shape[1] == n + 3 and trace.cache_lengths == [final.numel()] * 6
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_cuda_matches_cpu_and_generates(attn):
+    """On a GPU (scoring/selection then run the fastest backend present): keep ratio 1 is exact, float32 kept sets
+    equal the CPU ones, bf16 prefill and generate run with the expected per-layer lengths."""
+    config = macer_config_for(_thinker(), keep_ratio=0.25)
+    cpu = _thinker(attn)
+    inputs = clip_inputs(cpu, **CLIP)
+    with torch.no_grad(), macer.compress(cpu, config) as want:
+        cpu(**inputs)
+    gpu = build_thinker(num_layers=6, hidden_size=64, attn_implementation=attn, seed=5, device="cuda")
+    gpu_inputs = clip_inputs(gpu, device="cuda", **CLIP)
+    with torch.no_grad():
+        reference = gpu(**gpu_inputs).logits
+        with macer.compress(gpu, config.replace(keep_ratio=1.0)):
+            assert torch.equal(gpu(**gpu_inputs).logits, reference)
+        with macer.compress(gpu, config) as got:
+            gpu(**gpu_inputs)
+        assert (got.audio_kept, got.video_kept) == (want.audio_kept, want.video_kept)
+        half = build_thinker(num_layers=6, hidden_size=64, attn_implementation=attn, seed=5, device="cuda",
+                             dtype=torch.bfloat16)
+        half_inputs = clip_inputs(half, device="cuda", dtype=torch.bfloat16, **CLIP)
+        with macer.compress(half, config) as trace:
+            out = half.generate(**half_inputs, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == half_inputs["input_ids"].shape[1] + 3
+    assert trace.layer_tokens == want.layer_tokens
