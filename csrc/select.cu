@@ -1,7 +1,6 @@
 // Launchers of topk_indices and coverage_select: a fixed chain of elementwise kernels and stable radix sorts,
 // independent of k (no k-step loop), enqueued on the caller's stream without a host synchronisation.
 #include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_scan.cuh>
 
 #include <algorithm>
 #include <climits>
@@ -30,22 +29,14 @@ size_t sort_temp_bytes(const char* op, int num_items) {
   return bytes;
 }
 
-size_t scan_temp_bytes(const char* op, int num_items) {
-  size_t bytes = 0;
-  MACER_CUDA_CHECK(op, cub::DeviceScan::InclusiveScan(nullptr, bytes, static_cast<const int64_t*>(nullptr),
-                                                      static_cast<int64_t*>(nullptr), select::MaxOp{}, num_items));
-  return bytes;
-}
-
-// The workspace: two key and two value buffers for the sorts, per-position arrays of the coverage greedy, and
-// CUB's temporary storage (sized for n items and all 64 key bits, the largest request made).
+// The workspace: two key and two value buffers for the sorts, the score order and greedy values of
+// coverage_select, and CUB's temporary storage (sized for n items and all 64 key bits, the largest request made).
+constexpr size_t kArrays = 6;
 struct Workspace {
   uint64_t* keys[2];
   int64_t* vals[2];
-  int64_t* order;        // token index at each position of the chunk order
-  int64_t* chunk_start;  // first position of the token's chunk
-  double* value;         // greedy value at each position
-  int64_t* scan[2];      // run-max scan input / output
+  int64_t* by_score;  // token indices by (score desc, index asc)
+  double* value;      // greedy value of each token
   void* temp;
   size_t temp_bytes;
 };
@@ -58,13 +49,10 @@ Workspace carve(const SelectParams& p) {
   w.keys[1] = reinterpret_cast<uint64_t*>(base + 1 * array);
   w.vals[0] = reinterpret_cast<int64_t*>(base + 2 * array);
   w.vals[1] = reinterpret_cast<int64_t*>(base + 3 * array);
-  w.order = reinterpret_cast<int64_t*>(base + 4 * array);
-  w.chunk_start = reinterpret_cast<int64_t*>(base + 5 * array);
-  w.value = reinterpret_cast<double*>(base + 6 * array);
-  w.scan[0] = reinterpret_cast<int64_t*>(base + 7 * array);
-  w.scan[1] = reinterpret_cast<int64_t*>(base + 8 * array);
-  w.temp = base + 9 * array;
-  w.temp_bytes = p.workspace_bytes > 9 * array ? p.workspace_bytes - 9 * array : 0;
+  w.by_score = reinterpret_cast<int64_t*>(base + 4 * array);
+  w.value = reinterpret_cast<double*>(base + 5 * array);
+  w.temp = base + kArrays * array;
+  w.temp_bytes = p.workspace_bytes > kArrays * array ? p.workspace_bytes - kArrays * array : 0;
   return w;
 }
 
@@ -92,13 +80,13 @@ void check_params(const char* op, const SelectParams& p) {
           "workspace too small (use select_workspace_bytes(n))");
 }
 
-// Order by (score desc, index asc) into w.vals[1]: the first step of both ops.
-void sort_by_score(const char* op, const SelectParams& p, Workspace& w, cudaStream_t stream) {
+// Token indices by (score desc, index asc) into `order`: the first step of both ops.
+void sort_by_score(const char* op, const SelectParams& p, Workspace& w, int64_t* order, cudaStream_t stream) {
   select::score_keys_kernel<<<blocks_for(p.n), select::kThreads, 0, stream>>>(p.scores, p.scores_dtype,
                                                                                p.scores_stride, p.n, w.keys[0],
                                                                                w.vals[0]);
   MACER_LAUNCH_CHECK(op, "score_keys_kernel");
-  sort_pairs(op, w, p.n, 64, w.vals[1], stream);
+  sort_pairs(op, w, p.n, 64, order, stream);
 }
 
 // The first k entries of `order` (token indices), sorted ascending, into p.out.
@@ -111,14 +99,16 @@ void write_sorted_head(const char* op, const SelectParams& p, Workspace& w, cons
 
 }  // namespace
 
-size_t select_workspace_bytes_no_query(int64_t n) { return 9 * align_up(sizeof(int64_t) * static_cast<size_t>(n)); }
+size_t select_workspace_bytes_no_query(int64_t n) {
+  return kArrays * align_up(sizeof(int64_t) * static_cast<size_t>(n));
+}
 
 size_t select_workspace_bytes(int64_t n, int device) {
   constexpr const char* kOp = "select_workspace_bytes";
   require(n >= 0 && n <= INT_MAX / 2, kOp, "n must be in [0, " + std::to_string(INT_MAX / 2) + "]");
   use_device(device, kOp);
   const int num = static_cast<int>(std::max<int64_t>(n, 1));
-  return select_workspace_bytes_no_query(n) + std::max(sort_temp_bytes(kOp, num), scan_temp_bytes(kOp, num)) + 256;
+  return select_workspace_bytes_no_query(n) + sort_temp_bytes(kOp, num);
 }
 
 void topk_indices(const SelectParams& p) {
@@ -128,7 +118,7 @@ void topk_indices(const SelectParams& p) {
   use_device(p.device, kOp);
   auto stream = static_cast<cudaStream_t>(p.stream);
   Workspace w = carve(p);
-  sort_by_score(kOp, p, w, stream);
+  sort_by_score(kOp, p, w, w.vals[1], stream);
   write_sorted_head(kOp, p, w, w.vals[1], stream);
 }
 
@@ -142,9 +132,9 @@ void coverage_select(const SelectParams& p) {
   auto stream = static_cast<cudaStream_t>(p.stream);
   Workspace w = carve(p);
   const unsigned blocks = blocks_for(p.n);
-  // 1. (score desc, index asc); 2. stable by chunk id -> chunk order (chunk asc, score desc, index asc).
-  sort_by_score(kOp, p, w, stream);
-  select::chunk_keys_kernel<<<blocks, select::kThreads, 0, stream>>>(w.vals[1], p.chunk_ids, p.chunk_dtype,
+  // 1. by_score = (score desc, index asc); 2. stably by chunk id: chunk order (chunk asc, score desc, index asc).
+  sort_by_score(kOp, p, w, w.by_score, stream);
+  select::chunk_keys_kernel<<<blocks, select::kThreads, 0, stream>>>(w.by_score, p.chunk_ids, p.chunk_dtype,
                                                                      p.chunk_stride, p.n, w.keys[0], w.vals[0]);
   MACER_LAUNCH_CHECK(kOp, "chunk_keys_kernel");
   const int chunk_bits = p.chunk_dtype == kInt8 || p.chunk_dtype == kUInt8 ? 8
@@ -152,29 +142,16 @@ void coverage_select(const SelectParams& p) {
                          : p.chunk_dtype == kInt32                       ? 32
                                                                          : 64;
   sort_pairs(kOp, w, p.n, chunk_bits, w.vals[1], stream);
-  // 3. rank inside the chunk and greedy value; 4. tie index = running max of the index inside runs of equal value.
+  // 3. each token's greedy value from its rank inside the chunk.
   select::coverage_values_kernel<<<blocks, select::kThreads, 0, stream>>>(
-      w.vals[1], w.keys[1], p.scores, p.scores_dtype, p.scores_stride, p.coverage_weight, p.n, w.order,
-      w.chunk_start, w.value);
+      w.vals[1], w.keys[1], p.scores, p.scores_dtype, p.scores_stride, p.coverage_weight, p.n, w.value);
   MACER_LAUNCH_CHECK(kOp, "coverage_values_kernel");
-  select::run_keys_kernel<<<blocks, select::kThreads, 0, stream>>>(w.order, w.chunk_start, w.value, p.n, w.scan[0]);
-  MACER_LAUNCH_CHECK(kOp, "run_keys_kernel");
-  size_t scan_bytes = 0;
-  MACER_CUDA_CHECK(kOp, cub::DeviceScan::InclusiveScan(nullptr, scan_bytes, w.scan[0], w.scan[1], select::MaxOp{},
-                                                       static_cast<int>(p.n), stream));
-  check_temp(kOp, scan_bytes, w);
-  MACER_CUDA_CHECK(kOp, cub::DeviceScan::InclusiveScan(w.temp, scan_bytes, w.scan[0], w.scan[1], select::MaxOp{},
-                                                       static_cast<int>(p.n), stream));
-  // 5. stable sort by (tie index, position), then stably by value desc: the greedy's pick order.
-  select::tie_keys_kernel<<<blocks, select::kThreads, 0, stream>>>(w.scan[1], p.n, w.keys[0], w.vals[0]);
-  MACER_LAUNCH_CHECK(kOp, "tie_keys_kernel");
-  const uint64_t n = static_cast<uint64_t>(p.n);
-  sort_pairs(kOp, w, p.n, bit_width(n * n - 1), w.vals[1], stream);
-  select::value_keys_kernel<<<blocks, select::kThreads, 0, stream>>>(w.vals[1], w.value, w.order, p.n, w.keys[0],
+  // 4. by_score stably re-sorted by value desc: the greedy's pick order (value desc, score desc, index asc).
+  select::value_keys_kernel<<<blocks, select::kThreads, 0, stream>>>(w.by_score, w.value, p.n, w.keys[0],
                                                                      w.vals[0]);
   MACER_LAUNCH_CHECK(kOp, "value_keys_kernel");
   sort_pairs(kOp, w, p.n, 64, w.vals[1], stream);
-  // 6. the first k picks, ascending.
+  // 5. the first k picks, ascending.
   write_sorted_head(kOp, p, w, w.vals[1], stream);
 }
 

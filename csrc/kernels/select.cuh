@@ -63,60 +63,28 @@ __device__ __forceinline__ int64_t segment_start(const uint64_t* sorted, int64_t
   return lo;
 }
 
-// In chunk order (chunk asc, score desc, index asc): rank t inside the chunk and the greedy value
-// v = s + sqrt(lambda_c / (1 + t)), the same float64 expression as the reference (IEEE division and square root).
+// In chunk order (chunk asc, score desc, index asc) position p holds the t-th token of its chunk, t = p - start of
+// the chunk; its greedy value v = s + sqrt(lambda_c / (1 + t)) is the same float64 expression as the reference's
+// (IEEE division, square root and addition, no contraction), stored by token index.
 __global__ void coverage_values_kernel(const int64_t* by_chunk, const uint64_t* sorted_chunks, const void* scores,
-                                       int dtype, int64_t stride, double weight, int64_t n, int64_t* order,
-                                       int64_t* chunk_start, double* value) {
+                                       int dtype, int64_t stride, double weight, int64_t n, double* value) {
   const int64_t p = thread_index();
   if (p >= n) return;
-  const int64_t start = segment_start(sorted_chunks, 0, p);
+  const double t = static_cast<double>(p - segment_start(sorted_chunks, 0, p));
   const int64_t i = by_chunk[p];
-  const double t = static_cast<double>(p - start);
-  order[p] = i;
-  chunk_start[p] = start;
-  value[p] = __dadd_rn(load_double(scores, dtype, i * stride), __dsqrt_rn(__ddiv_rn(weight, __dadd_rn(1.0, t))));
+  value[i] = __dadd_rn(load_double(scores, dtype, i * stride), __dsqrt_rn(__ddiv_rn(weight, __dadd_rn(1.0, t))));
 }
 
-// Values are non-increasing inside a chunk. Equal values there form one run; the greedy cannot take a run member
-// before those ahead of it, so each member competes in ties with the largest token index from its run's start up
-// to itself. Here: run start rs by binary search, and scan_in[p] = rs * n + index; a global running maximum of
-// scan_in (rs never decreases along p) is then the running maximum inside the run.
-__global__ void run_keys_kernel(const int64_t* order, const int64_t* chunk_start, const double* value, int64_t n,
-                                int64_t* scan_in) {
-  const int64_t p = thread_index();
-  if (p >= n) return;
-  const double v = value[p];
-  int64_t lo = chunk_start[p], hi = p;
-  while (lo < hi) {  // first q in [chunk_start, p] with value[q] == v (all earlier ones are larger)
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (value[mid] > v) lo = mid + 1; else hi = mid;
-  }
-  scan_in[p] = lo * n + order[p];
-}
-
-// keys[p] = tie_index * n + p: sorting by it (then stably by value) realises (value desc, tie index asc, rank asc).
-__global__ void tie_keys_kernel(const int64_t* scan_out, int64_t n, uint64_t* keys, int64_t* vals) {
-  const int64_t p = thread_index();
-  if (p >= n) return;
-  const int64_t tie = scan_out[p] % n;
-  keys[p] = static_cast<uint64_t>(tie) * static_cast<uint64_t>(n) + static_cast<uint64_t>(p);
-  vals[p] = p;
-}
-
-// keys[j] = descending key of the value at position pos[j], vals[j] = its token index.
-__global__ void value_keys_kernel(const int64_t* pos, const double* value, const int64_t* order, int64_t n,
-                                  uint64_t* keys, int64_t* vals) {
+// keys[j] = descending key of the value of token order[j], vals[j] = order[j]. With `order` already sorted by
+// (score desc, index asc), one stable sort by these keys gives the greedy's order: (value desc, score desc, index asc).
+__global__ void value_keys_kernel(const int64_t* order, const double* value, int64_t n, uint64_t* keys,
+                                  int64_t* vals) {
   const int64_t j = thread_index();
   if (j >= n) return;
-  const int64_t p = pos[j];
-  keys[j] = descending_key(value[p]);
-  vals[j] = order[p];
+  const int64_t i = order[j];
+  keys[j] = descending_key(value[i]);
+  vals[j] = i;
 }
-
-struct MaxOp {
-  __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const { return a > b ? a : b; }
-};
 
 }  // namespace select
 }  // namespace macer
