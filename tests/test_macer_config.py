@@ -6,7 +6,14 @@ import macer
 import pytest
 import torch
 from macer import MacerConfig
-from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, macer_config_for, thinker_config
+from macer.testing import (
+    SYNTHETIC_TOKENS,
+    build_omni_model,
+    build_thinker,
+    clip_inputs,
+    macer_config_for,
+    thinker_config,
+)
 from torch import nn
 
 SMALL = {"frames": 4, "grid_hw": (8, 8), "audio_tokens": 60, "seed": 1}
@@ -67,6 +74,8 @@ def test_for_model_other_depth_needs_explicit_layers(model):
         MacerConfig.for_model(model)
     config = MacerConfig.for_model(model, audio_layer=1, video_layer=3)
     assert (config.audio_layer, config.video_layer) == (1, 3)
+    omni = build_omni_model(num_layers=4, hidden_size=64)
+    assert MacerConfig.for_model(omni, audio_layer=2, video_layer=1).stage_layers == (2, 1)
     with pytest.raises(ValueError, match=r"MacerConfig.video_layer must be in \[1, 3\] for a decoder with 4 layers"):
         MacerConfig.for_model(model, audio_layer=1, video_layer=4)
     with pytest.raises(ValueError, match=r"unknown fields \['ratio'\]"):
@@ -120,6 +129,9 @@ def test_unsupported_attention_and_sliding_window(model):
 
 def test_nested_compress_is_refused(model):
     config = macer_config_for(model, audio_layer=1, video_layer=2)
+    with macer.compress(model, config) as trace:
+        assert trace.budget is None and trace.audio_kept == [] and trace.layer_tokens == []
+        assert repr(trace) == "Trace(no prefill yet)"
     with macer.compress(model, config), pytest.raises(ValueError, match=r"already inside a macer\.compress context"):
         with macer.compress(model, config):
             pass
