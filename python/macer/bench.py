@@ -8,21 +8,25 @@ warm-up rounds:
 
 * ``prefill_ms``: from the ``generate`` call to the first new token (encoders, decoder, LM head, sampling);
 * ``llm_prefill_ms``: the decoder alone (the text model's first call in that ``generate``), timed by hooks;
-  ``encoders_ms`` likewise for the audio and vision encoders;
+  ``encoders_ms`` likewise for the audio and vision encoders; on CPU also ``prefill_cpu_ms`` and
+  ``llm_prefill_cpu_ms``, the process's CPU time over the same spans (steady on a machine shared with other work);
 * ``decode_ms_per_token``: mean time between the new tokens after the first;
-* ``peak_extra_mib``: peak memory above what was resident before the call (weights, inputs): on CUDA from the
-  allocator's peak, on CPU from the process RSS sampled every millisecond after ``malloc_trim`` (coarser);
 * ``kv_cache_mib``: bytes of the KV cache after prefill (read from the returned cache, minus the decode steps);
-* ``overhead_ms``: time spent inside ``macer_kernels``' scoring, selection and compaction ops during the prefill
-  (``scoring_ms`` / ``selection_ms`` / ``compaction_ms``), and ``overhead_share`` = overhead / full ``prefill_ms``;
-* next to the measured ``llm_prefill_ratio`` (MACER / full): the run's exact ``token_layer_ratio``, the paper's
-  proxy (``eq:appendix_efficiency``) and the exact decoder ``flops_ratio`` from ``macer.cost.trace_cost``.
+* in ``profile_reps`` extra runs of each configuration, which are not timed because measuring disturbs the timing:
+  ``peak_extra_mib``, the peak memory above what was resident before the call (weights, inputs), from the CUDA
+  allocator's peak or, on CPU, from the process RSS sampled every 2 ms after ``malloc_trim`` (coarser); and
+  ``overhead_ms``, MACER's own work (scoring + selection + compaction, ``compress(..., profile=True)``), split by op
+  into ``scoring_ms`` / ``selection_ms`` / ``compaction_ms``, with ``overhead_share`` = overhead / full
+  ``prefill_ms``;
+* next to the measured ``llm_prefill_ratio`` (MACER / full; ``llm_prefill_cpu_ratio`` on CPU): the run's exact
+  ``token_layer_ratio``, the paper's proxy (``eq:appendix_efficiency``) and the exact decoder ``flops_ratio`` from
+  ``macer.cost.trace_cost``, and ``ratio_over_proxy`` = measured / token-layer ratio.
 
 Modes:
 
 * ``cpu``: a mid-size thinker (12 layers, hidden 1024, 16 heads, 2 KV heads, MLP 2816; float32, sdpa) so that the
-  decoder dominates; runs in a few minutes on 2 cores. Target: ``llm_prefill_ratio`` within 1.15x of
-  ``token_layer_ratio``.
+  decoder dominates; runs in about 3 minutes on 2 cores with ``--threads 1``. Target: ``llm_prefill_ratio`` within
+  1.15x of ``token_layer_ratio``.
 * ``gpu``: the real Qwen2.5-Omni-7B and 3B text-model shapes (``macer.testing.TEXT_SHAPES``, real vocabulary sizes;
   bf16, sdpa, random weights; the encoders stay tiny, their time is reported apart). Also the naive way of getting
   the scores, eager attention with ``output_attentions=True`` as FastV-style code does, against sdpa plus
@@ -38,7 +42,6 @@ import argparse
 import contextlib
 import ctypes
 import functools
-import math
 import os
 import statistics
 import sys
@@ -98,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="l_v (default: the paper's value for 28/36-layer models, else 5)")
     parser.add_argument("--naive-lengths", type=int, nargs="*", default=[2400, 20000],
                         help="gpu mode: sequence lengths of the naive output_attentions comparison (none: skip)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="cpu mode: torch intra-op threads (default: torch's choice; 1 makes the CPU-time columns "
+                             "a clean compute measure on a shared machine)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     parser.add_argument("--name", default=None, help="file stem of the results (default bench_e2e_<mode>)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -148,6 +154,10 @@ def _settings(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         raise SystemExit(f"--warmup must be >= 0, got {warmup}")
     if reps < 1:
         raise SystemExit(f"--reps must be >= 1, got {reps}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     if args.profile_reps < 0:
         raise SystemExit(f"--profile-reps must be >= 0, got {args.profile_reps}")
     if decode < 2:
@@ -164,6 +174,7 @@ def _settings(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         "num_kv_heads": args.num_kv_heads, "intermediate_size": args.intermediate_size,
         "threads": torch.get_num_threads(), "attn_implementation": "sdpa",
         "dtype": "float32" if mode == "cpu" else "bfloat16",
+        "load_average_at_start": list(os.getloadavg()),
     }
     return settings
 
@@ -207,7 +218,8 @@ def _thinker(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class _Clock:
-    """Intervals on one device: CUDA events (no host sync inside the timed region) or ``perf_counter``."""
+    """Intervals on one device: CUDA events (no host sync inside the timed region), or on CPU both wall time
+    (``perf_counter``) and the process's CPU time (``process_time``; robust to other processes sharing the cores)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -217,13 +229,16 @@ class _Clock:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return time.perf_counter(), time.process_time()
 
     def seconds(self, start: Any, stop: Any) -> float:
         if self.cuda:
             stop.synchronize()
             return start.elapsed_time(stop) / 1e3
-        return stop - start
+        return stop[0] - start[0]
+
+    def cpu_seconds(self, start: Any, stop: Any) -> float | None:
+        return None if self.cuda else stop[1] - start[1]
 
 
 @contextlib.contextmanager
@@ -324,7 +339,7 @@ def _peak_memory(device: torch.device) -> Iterator[dict[str, float | None]]:
     stop = threading.Event()
 
     def sample() -> None:
-        while not stop.wait(0.001):
+        while not stop.wait(0.002):
             peak[0] = max(peak[0], _rss_bytes() or 0)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -342,7 +357,7 @@ class _TokenClock:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.stamps: list[float] = []
+        self.stamps: list[tuple[float, float]] = []  # (wall, process CPU) seconds
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -351,7 +366,7 @@ class _TokenClock:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.stamps.append(time.perf_counter())
+        self.stamps.append((time.perf_counter(), time.process_time()))
 
     def end(self) -> None:
         pass
@@ -372,7 +387,9 @@ class Measurement:
     """One ``generate`` call, full or MACER."""
 
     prefill_s: float
+    prefill_cpu_s: float | None
     llm_prefill_s: float
+    llm_prefill_cpu_s: float | None
     encoders_s: float
     decode_s_per_token: float
     peak_extra_bytes: float | None
@@ -387,8 +404,9 @@ def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], macer_confi
                      profile: bool = False) -> Measurement:
     """Run ``model.generate`` once (inside ``macer.compress(model, macer_config)`` unless the config is None).
 
-    With ``profile`` MACER's own work is measured: ``compress(..., profile=True)`` records it (device synchronised
-    around it, which slightly slows the prefill, so timed rounds run without it) and each op's time is recorded.
+    With ``profile`` MACER's own work is measured (``compress(..., profile=True)`` records it, with the device
+    synchronised around it; each op's time is recorded) and so is the peak memory. Both disturb the timing (the
+    synchronisation; on CPU the RSS-sampling thread competes for the GIL), so timed runs go without ``profile``.
     """
     import macer
 
@@ -401,11 +419,12 @@ def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], macer_confi
     patch = (macer.compress(model, macer_config, profile=profile) if macer_config is not None
              else contextlib.nullcontext())
     op_timer = _timed_ops(clock) if profile else contextlib.nullcontext({})
-    with torch.no_grad(), _peak_memory(device) as memory, _module_calls(modules, clock) as calls, \
+    memory_meter = _peak_memory(device) if profile else contextlib.nullcontext({"peak_extra": None})
+    with torch.no_grad(), memory_meter as memory, _module_calls(modules, clock) as calls, \
             op_timer as ops, patch as trace:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = (time.perf_counter(), time.process_time())
         out = model.generate(**inputs, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False,
                              streamer=streamer, return_dict_in_generate=True)
     if len(streamer.stamps) != decode_tokens:
@@ -419,10 +438,12 @@ def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], macer_confi
     encoders = sum(clock.seconds(*calls[name][0]) for name in ("audio", "visual") if calls[name])
     op_seconds = {name: sum(clock.seconds(a, b) for a, b in marks) for name, marks in ops.items()}
     return Measurement(
-        prefill_s=streamer.stamps[0] - start,
+        prefill_s=streamer.stamps[0][0] - start[0],
+        prefill_cpu_s=streamer.stamps[0][1] - start[1] if device.type == "cpu" else None,
         llm_prefill_s=clock.seconds(*calls["llm"][0]),
+        llm_prefill_cpu_s=clock.cpu_seconds(*calls["llm"][0]),
         encoders_s=encoders,
-        decode_s_per_token=(streamer.stamps[-1] - streamer.stamps[0]) / (decode_tokens - 1),
+        decode_s_per_token=(streamer.stamps[-1][0] - streamer.stamps[0][0]) / (decode_tokens - 1),
         peak_extra_bytes=memory["peak_extra"],
         kv_prefill_bytes=kv_prefill,
         cache_layer_lengths=prefill_lengths,
@@ -474,13 +495,13 @@ def benchmark_model(model: torch.nn.Module, label: str, settings: dict[str, Any]
         log(f"[{label}] round {r + 1}/{rounds}{' (warm-up)' if r < settings['warmup'] else ''}: " + ", ".join(
             f"{configs[i][0]}@{configs[i][1]:g} llm {1e3 * results[i][-1].llm_prefill_s:.0f} ms"
             for i in range(len(configs)) if results[i]))
-    # MACER's own work, measured apart (synchronised on a GPU): a few extra generates of each MACER configuration.
-    profiled: dict[int, list[Measurement]] = {i: [] for i in range(1, len(configs))}
+    # MACER's own work and the peak memory, measured apart: a few extra generates of each configuration.
+    profiled: dict[int, list[Measurement]] = {i: [] for i in range(len(configs))}
     for _ in range(settings["profile_reps"]):
         for i in profiled:
             profiled[i].append(measure_generate(model, inputs, configs[i][2], settings["decode_tokens"], profile=True))
     shape = cost.DecoderShape.from_config(model)
-    full_row = _row(label, "full", 1.0, results[0], [], None, shape, n_audio, n_video)
+    full_row = _row(label, "full", 1.0, results[0], profiled[0], None, shape, n_audio, n_video)
     rows = [full_row]
     for i in range(1, len(configs)):
         rows.append(_row(label, "macer", configs[i][1], results[i], profiled[i], full_row, shape, n_audio, n_video))
@@ -504,19 +525,23 @@ def _row(label: str, method: str, keep_ratio: float, runs: list[Measurement], pr
         value = _median(values)
         return None if value is None else 1e3 * value
 
+    def op_ms(names: Sequence[str]) -> float | None:
+        return ms([sum(m.op_seconds[op] for op in names) for m in profiled]) if method == "macer" else None
+
     row = {
         "model": label, "method": method, "keep_ratio": keep_ratio, "tokens": n_tokens, "audio_tokens": n_audio,
         "video_tokens": n_video, "kept_audio": kept_audio, "kept_video": kept_video, "reps": len(runs),
         "prefill_ms": ms([m.prefill_s for m in runs]),
         "llm_prefill_ms": ms([m.llm_prefill_s for m in runs]),
+        "prefill_cpu_ms": ms([m.prefill_cpu_s for m in runs]),
+        "llm_prefill_cpu_ms": ms([m.llm_prefill_cpu_s for m in runs]),
         "encoders_ms": ms([m.encoders_s for m in runs]),
         "decode_ms_per_token": ms([m.decode_s_per_token for m in runs]),
-        "peak_extra_mib": _mib(_median([m.peak_extra_bytes for m in runs])),
+        "peak_extra_mib": _mib(_median([m.peak_extra_bytes for m in profiled])),
         "kv_cache_mib": last.kv_prefill_bytes / _MIB,
-        "overhead_ms": ms([m.overhead_s for m in profiled]),
-        "scoring_ms": ms([sum(m.op_seconds[op] for op in SCORING_OPS) for m in profiled]),
-        "selection_ms": ms([sum(m.op_seconds[op] for op in SELECTION_OPS) for m in profiled]),
-        "compaction_ms": ms([sum(m.op_seconds[op] for op in COMPACTION_OPS) for m in profiled]),
+        "overhead_ms": ms([m.overhead_s for m in profiled]) if method == "macer" else None,
+        "scoring_ms": op_ms(SCORING_OPS), "selection_ms": op_ms(SELECTION_OPS),
+        "compaction_ms": op_ms(COMPACTION_OPS),
         "layer_tokens": " ".join(map(str, layer_tokens)),
         "cache_matches_trace": last.cache_layer_lengths == layer_tokens,
         "token_layer_ratio": run_cost.token_layer_ratio, "paper_proxy": run_cost.paper_proxy,
@@ -527,6 +552,10 @@ def _row(label: str, method: str, keep_ratio: float, runs: list[Measurement], pr
     row["llm_prefill_ratio"] = row["llm_prefill_ms"] / reference["llm_prefill_ms"]
     row["ratio_over_proxy"] = row["llm_prefill_ratio"] / row["token_layer_ratio"]
     row["within_1.15x"] = 1 / 1.15 <= row["ratio_over_proxy"] <= 1.15
+    cpu = row["llm_prefill_cpu_ms"]
+    row["llm_prefill_cpu_ratio"] = None if cpu is None else cpu / reference["llm_prefill_cpu_ms"]
+    row["cpu_ratio_over_proxy"] = None if cpu is None else row["llm_prefill_cpu_ratio"] / row["token_layer_ratio"]
+    row["cpu_within_1.15x"] = None if cpu is None else 1 / 1.15 <= row["cpu_ratio_over_proxy"] <= 1.15
     return row
 
 
@@ -648,7 +677,8 @@ def _write(rows: list[dict], naive_rows: list[dict], settings: dict[str, Any], d
     meta = {"env": common.environment(device),
             "settings": settings,
             "clip": "synthetic chat-templated question about an interleaved audio-video clip (macer.testing)",
-            "timing": "median of `reps` rounds after `warmup` rounds; full and MACER alternate in one process"}
+            "timing": "median of `reps` rounds after `warmup` rounds; full and MACER alternate in one process",
+            "load_average_at_end": list(os.getloadavg())}
     out_dir = args.out if args.out is not None else common.RESULTS_DIR
     csv_path, json_path = common.write_results(name, rows, meta, out_dir)
     paths = [csv_path, json_path]
@@ -666,37 +696,50 @@ def _write(rows: list[dict], naive_rows: list[dict], settings: dict[str, Any], d
 
 
 def plot(rows: list[dict], path: Path, title: str = "") -> Path:
-    """Time and memory vs keep ratio, one column of panels per model; the full prefill as horizontal lines."""
+    """Per model (one column each): prefill times, measured ratios next to the cost model, and memory, all vs the
+    keep ratio; the full prefill as dotted horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 7), squeeze=False)
+    fig, axes = plt.subplots(3, len(models), figsize=(6 * len(models), 10), squeeze=False)
     for col, label in enumerate(models):
         full = next(r for r in rows if r["model"] == label and r["method"] == "full")
         macer_rows = sorted((r for r in rows if r["model"] == label and r["method"] == "macer"),
                             key=lambda r: r["keep_ratio"])
         rhos = [r["keep_ratio"] for r in macer_rows]
+        series = [("prefill_ms", "prefill (all, wall)"), ("llm_prefill_ms", "LLM prefill (wall)"),
+                  ("llm_prefill_cpu_ms", "LLM prefill (CPU time)")]
         ax = axes[0][col]
-        for key, name, color in (("llm_prefill_ms", "LLM prefill", "C0"), ("prefill_ms", "prefill (all)", "C1")):
-            ax.plot(rhos, [r[key] for r in macer_rows], "o-", color=color, label=f"MACER {name}")
-            ax.axhline(full[key], color=color, ls=":", label=f"full {name}")
-        ax.plot(rhos, [full["llm_prefill_ms"] * r["token_layer_ratio"] for r in macer_rows], "x--", color="C0",
-                alpha=0.6, label="full LLM prefill x token-layer ratio")
+        for color, (key, name) in enumerate(series):
+            if full[key] is None:
+                continue
+            ax.plot(rhos, [r[key] for r in macer_rows], "o-", color=f"C{color}", label=f"MACER {name}")
+            ax.axhline(full[key], color=f"C{color}", ls=":", label=f"full {name}")
+        decode = ", ".join(f"{r['decode_ms_per_token']:.1f}" for r in macer_rows)
+        ax.set_title(f"{label}\ndecode ms/token: full {full['decode_ms_per_token']:.1f}, MACER {decode}", fontsize=9)
         ax.set_ylabel("ms")
-        ax.set_title(f"{label}: time (decode {full['decode_ms_per_token']:.1f} -> "
-                     f"{macer_rows[0]['decode_ms_per_token']:.1f} ms/token at rho={rhos[0]:g})" if rhos else label,
-                     fontsize=9)
         ax.legend(fontsize=7)
         ax = axes[1][col]
-        for key, name, color in (("kv_cache_mib", "KV cache after prefill", "C2"),
-                                 ("peak_extra_mib", "peak above weights", "C3")):
-            if full[key] is None or math.isnan(full[key]):
+        ratios = [("llm_prefill_ratio", "measured LLM prefill (wall)", "o-"),
+                  ("llm_prefill_cpu_ratio", "measured LLM prefill (CPU time)", "o-"),
+                  ("token_layer_ratio", "token-layer ratio (exact)", "x--"),
+                  ("flops_ratio", "FLOPs ratio (exact)", "x--"),
+                  ("paper_proxy", "paper proxy eq:appendix_efficiency", "x:")]
+        for color, (key, name, style) in enumerate(ratios):
+            if macer_rows and macer_rows[0][key] is not None:
+                ax.plot(rhos, [r[key] for r in macer_rows], style, color=f"C{color}", label=name)
+        ax.set_ylabel("MACER / full")
+        ax.legend(fontsize=7)
+        ax = axes[2][col]
+        for color, (key, name) in enumerate((("kv_cache_mib", "KV cache after prefill"),
+                                             ("peak_extra_mib", "peak memory above weights"))):
+            if full[key] is None:
                 continue
-            ax.plot(rhos, [r[key] for r in macer_rows], "o-", color=color, label=f"MACER {name}")
-            ax.axhline(full[key], color=color, ls=":", label=f"full {name}")
+            ax.plot(rhos, [r[key] for r in macer_rows], "o-", color=f"C{color + 2}", label=f"MACER {name}")
+            ax.axhline(full[key], color=f"C{color + 2}", ls=":", label=f"full {name}")
         ax.set_xlabel("keep ratio rho")
         ax.set_ylabel("MiB")
         ax.legend(fontsize=7)

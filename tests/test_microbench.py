@@ -1,0 +1,243 @@
+"""Microbenchmarks of every op against its naive PyTorch form (``macer_kernels.reference``), and tests of the
+end-to-end benchmark's logic (``macer.bench``) on a tiny model.
+
+No test here asserts a time. In CI pyproject's ``--benchmark-disable`` runs each benchmark body once, as a smoke
+test that also checks the op against the reference on the benchmark's inputs. The full run:
+
+    pytest tests/test_microbench.py --benchmark-enable            # CPU: the paper's clip sizes
+    pytest tests/test_microbench.py --benchmark-enable -m cuda    # GPU: every backend present, up to N = 20k
+
+Providers: ``naive`` (the float64 reference: GQA expanded per head, full softmax materialised, literal greedy),
+``torch`` (the PyTorch path), and on a GPU ``triton`` and ``cuda`` where built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+
+import pytest
+import torch
+from macer import bench, cost
+
+import macer_kernels as mk
+from macer_kernels import reference as ref
+
+_PROVIDERS = [
+    pytest.param(("naive", "cpu"), id="naive-cpu"),
+    pytest.param(("torch", "cpu"), id="torch-cpu"),
+    pytest.param(("naive", "cuda"), id="naive-cuda", marks=pytest.mark.cuda),
+    pytest.param(("torch", "cuda"), id="torch-cuda", marks=pytest.mark.cuda),
+    pytest.param(("triton", "cuda"), id="triton-cuda", marks=[pytest.mark.cuda, pytest.mark.triton]),
+    pytest.param(("cuda", "cuda"), id="cuda-cuda", marks=pytest.mark.cuda),
+]
+
+# Sizes: the paper's clip (1460 audio + 864 video tokens, 7B attention heads) on CPU; on a GPU also a 20k context.
+_SCORE_SIZES = {"cpu": [2400], "cuda": [2400, 20000]}
+
+
+@pytest.fixture(params=_PROVIDERS)
+def provider(request):
+    name, device = request.param
+    if name in ("triton", "cuda") and name not in mk.available_backends():
+        pytest.skip(f"backend {name} not available: {mk.backend_status()[name]}")
+    return name, device
+
+
+def _run(benchmark, provider, naive_fn, fast_fn):
+    """Benchmark the provider's form; return its result. CUDA work is synchronised inside the timed call."""
+    name, device = provider
+    fn = naive_fn if name == "naive" else fast_fn
+
+    def call():
+        out = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    if name in ("naive", "torch"):
+        with mk.use_backend("torch"):
+            return benchmark(call)
+    with mk.use_backend(name):
+        return benchmark(call)
+
+
+@pytest.mark.parametrize("n", [2400, 20000], ids=["N2.4k", "N20k"])
+def test_bench_modality_scores(benchmark, provider, n):
+    _, device = provider
+    if n not in _SCORE_SIZES[device]:
+        pytest.skip(f"N={n} runs on GPU only")
+    g = torch.Generator().manual_seed(n)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    query = torch.randn(1, 28, 4, 128, generator=g).to(device, dtype)  # 7B: 28 query heads, 4 KV heads, d = 128
+    key = torch.randn(1, 4, n, 128, generator=g).to(device, dtype)
+    modality = torch.randint(0, 3, (1, n), generator=g).to(device)
+    benchmark.extra_info.update(bytes_read=key.numel() * key.element_size())
+    out = _run(benchmark, provider, lambda: ref.modality_scores_ref(query, key, modality),
+               lambda: mk.modality_scores(query, key, modality))
+    expected = ref.modality_scores_ref(query.cpu(), key.cpu(), modality.cpu())
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-3, atol=1e-6)
+
+
+def test_bench_topk_indices(benchmark, provider):
+    _, device = provider
+    scores = torch.rand(1460, generator=torch.Generator().manual_seed(1)).to(device)
+    out = _run(benchmark, provider, lambda: ref.topk_indices_ref(scores, 174), lambda: mk.topk_indices(scores, 174))
+    assert torch.equal(out.cpu(), ref.topk_indices_ref(scores.cpu(), 174))
+
+
+def test_bench_coverage_select(benchmark, provider):
+    _, device = provider
+    g = torch.Generator().manual_seed(2)
+    scores = torch.rand(864, generator=g, dtype=torch.float64).to(device) / 864
+    chunks = ref.temporal_chunks_ref(torch.arange(864) // 144, 8).to(device)  # 6 temporal grids of 144 tokens
+    out = _run(benchmark, provider, lambda: ref.coverage_select_ref(scores, chunks, 407, 0.2),
+               lambda: mk.coverage_select(scores, chunks, 407, 0.2))
+    assert torch.equal(out.cpu(), ref.coverage_select_ref(scores.cpu(), chunks.cpu(), 407, 0.2))
+
+
+def test_bench_temporal_chunks(benchmark, provider):
+    _, device = provider
+    t = (torch.arange(864) // 144 * 50).to(device)
+    out = _run(benchmark, provider, lambda: ref.temporal_chunks_ref(t, 8), lambda: mk.temporal_chunks(t, 8))
+    assert torch.equal(out.cpu(), ref.temporal_chunks_ref(t.cpu(), 8))
+
+
+def test_bench_split_budget(benchmark, provider):
+    out = _run(benchmark, provider, lambda: ref.split_budget_ref(1460, 864, 0.25, 0.3),
+               lambda: mk.split_budget(1460, 864, 0.25, 0.3))
+    assert out == mk.Budget(581, 174, 407)
+
+
+def _hidden_and_keep(device: str, hidden: int = 3584, n: int = 2400, kept: int = 640):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, n, hidden, generator=g).to(device, torch.bfloat16)
+    keep = torch.sort(torch.randperm(n, generator=g)[:kept]).values.to(device)
+    return x, keep
+
+
+def test_bench_compact(benchmark, provider):
+    _, device = provider
+    x, keep = _hidden_and_keep(device)
+    out = _run(benchmark, provider, lambda: ref.compact_ref(x, keep, 1), lambda: mk.compact(x, keep, 1))
+    assert torch.equal(out.cpu(), ref.compact_ref(x.cpu(), keep.cpu(), 1))
+
+
+def test_bench_compact_many(benchmark, provider):
+    # One stage boundary: hidden states, RoPE cos and sin, 3-row M-RoPE position ids.
+    _, device = provider
+    x, keep = _hidden_and_keep(device)
+    cos, sin = torch.randn(2, 1, x.shape[1], 128).to(device, torch.bfloat16)
+    pos = torch.arange(3 * x.shape[1]).reshape(3, 1, -1).to(device)
+    tensors, dims = [x, cos, sin, pos], [1, 1, 1, 2]
+    out = _run(benchmark, provider, lambda: [ref.compact_ref(t, keep, d) for t, d in zip(tensors, dims)],
+               lambda: mk.compact_many(tensors, keep, dims))
+    for got, t, d in zip(out, tensors, dims):
+        assert torch.equal(got.cpu(), ref.compact_ref(t.cpu(), keep.cpu(), d))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# macer.bench on a tiny model (logic only)
+# ---------------------------------------------------------------------------------------------------------------
+
+_TINY = ["--mode", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-heads", "4", "--num-kv-heads", "2",
+         "--intermediate-size", "128", "--audio-tokens", "100", "--frames", "4", "--grid", "8", "8",
+         "--audio-layer", "1", "--video-layer", "2", "--warmup", "0", "--reps", "1", "--profile-reps", "1",
+         "--decode-tokens", "3", "--keep-ratios", "0.25", "0.45"]
+
+
+def _args(extra: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(extra)
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert bench.run(_args([*_TINY, "--out", str(out), "--name", "tiny"])) == 0
+    with (out / "tiny.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    return out, rows, json.loads((out / "tiny.json").read_text())
+
+
+def test_bench_writes_csv_json_and_plot(tiny_results):
+    out, rows, data = tiny_results
+    assert (out / "tiny.png").stat().st_size > 0
+    expected_columns = {"model", "method", "keep_ratio", "prefill_ms", "llm_prefill_ms", "encoders_ms",
+                        "decode_ms_per_token", "peak_extra_mib", "kv_cache_mib", "overhead_ms", "overhead_share",
+                        "scoring_ms", "selection_ms", "compaction_ms", "llm_prefill_ratio", "token_layer_ratio",
+                        "paper_proxy", "flops_ratio", "ratio_over_proxy", "layer_tokens"}
+    assert expected_columns <= set(rows[0])
+    assert [(r["method"], float(r["keep_ratio"])) for r in rows] == [("full", 1.0), ("macer", 0.25), ("macer", 0.45)]
+    env = data["meta"]["env"]
+    assert {"device", "torch", "transformers", "git_sha"} <= set(env) and env["torch"] == torch.__version__
+    assert data["meta"]["settings"]["keep_ratios"] == [0.25, 0.45] and data["meta"]["settings"]["reps"] == 1
+    assert len(data["rows"]) == 3
+
+
+def test_bench_accounting_matches_cost_model(tiny_results):
+    # Recompute every accounting column from the prompt's counts alone (split_budget + staged_layer_tokens +
+    # macer.cost) and compare with what the benchmark read from the trace and the returned KV cache.
+    _, rows, _ = tiny_results
+    shape = cost.DecoderShape(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                              head_dim=16)
+    full = rows[0]
+    n, n_audio, n_video = int(full["tokens"]), int(full["audio_tokens"]), int(full["video_tokens"])
+    assert (n_audio, n_video) == (100, 4 // 2 * 8 * 8 // 4)
+    assert float(full["kv_cache_mib"]) * 2**20 == cost.kv_cache_bytes([n] * 4, shape, dtype_bytes=4)
+    for row in rows[1:]:
+        rho = float(row["keep_ratio"])
+        budget = mk.split_budget(n_audio, n_video, rho, 0.30)  # MacerConfig's default audio share (7B)
+        assert (int(row["kept_audio"]), int(row["kept_video"])) == (budget.audio, budget.video)
+        tokens = cost.staged_layer_tokens(n - n_audio - n_video, n_audio, n_video, budget.audio, budget.video, 1, 2, 4)
+        assert [int(t) for t in row["layer_tokens"].split()] == tokens
+        assert row["cache_matches_trace"] == "True"
+        expected = cost.run_cost(tokens, shape, n_audio + n_video)
+        for column in ("token_layer_ratio", "paper_proxy", "flops_ratio"):
+            assert math.isclose(float(row[column]), getattr(expected, column), rel_tol=1e-12), column
+        assert float(row["kv_cache_mib"]) * 2**20 == cost.kv_cache_bytes(tokens, shape, dtype_bytes=4)
+        assert math.isclose(float(row["llm_prefill_ratio"]),
+                            float(row["llm_prefill_ms"]) / float(full["llm_prefill_ms"]), rel_tol=1e-9)
+        assert math.isclose(float(row["ratio_over_proxy"]),
+                            float(row["llm_prefill_ratio"]) / float(row["token_layer_ratio"]), rel_tol=1e-9)
+        # The overhead is measured in the profiled runs and split over the three groups of ops.
+        assert row["overhead_ms"] not in ("", "None") and row["scoring_ms"] not in ("", "None")
+
+
+def test_timed_ops_counts_macer_ops_and_restores_them():
+    from macer import patch
+    from macer.testing import build_thinker, clip_inputs, macer_config_for
+
+    model = build_thinker(num_layers=3, hidden_size=32, num_heads=2, num_kv_heads=1)
+    inputs = clip_inputs(model, frames=2, grid_hw=(4, 4), audio_tokens=30)
+    originals = (patch.modality_scores, patch.topk_indices, mk.compact_many)
+    m = bench.measure_generate(model, inputs, macer_config_for(model, keep_ratio=0.5, audio_layer=1, video_layer=2),
+                               2, profile=True)
+    assert (patch.modality_scores, patch.topk_indices, mk.compact_many) == originals
+    assert m.trace.last.overhead_s is not None and m.overhead_s == m.trace.last.overhead_s
+    assert set(m.op_seconds) == set(bench.SCORING_OPS + bench.SELECTION_OPS + bench.COMPACTION_OPS)
+    assert m.cache_layer_lengths == m.trace.layer_tokens
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--decode-tokens", "1"], "--decode-tokens must be >= 2"),
+        (["--reps", "0"], "--reps must be >= 1"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--profile-reps", "-1"], "--profile-reps must be >= 0"),
+        (["--keep-ratios", "0.25", "1.5"], r"--keep-ratios must be in \(0, 1\]"),
+    ],
+)
+def test_bench_argument_errors(extra, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        bench.run(_args([*_TINY, *extra, "--out", str(tmp_path)]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_gpu_mode_without_gpu_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="--mode gpu needs a CUDA GPU"):
+        bench.run(_args(["--mode", "gpu", "--out", str(tmp_path)]))
