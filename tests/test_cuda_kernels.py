@@ -1,0 +1,248 @@
+"""The CUDA kernels against the float64 references on fresh random inputs (marker ``cuda``: skipped without a GPU).
+
+Scores: the error of the CUDA path must stay within 2x the error the PyTorch path makes on the same GPU inputs
+(both accumulate in fp32), plus a small absolute floor. Selections: exact index equality, ties included.
+Run under ``compute-sanitizer --tool memcheck`` on a GPU (see docs/cuda.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import macer_kernels as mk
+from macer_kernels.reference import (
+    coverage_select_ref,
+    modality_scores_ref,
+    topk_indices_ref,
+)
+from macer_kernels.select import _coverage_select_torch, _topk_indices_torch
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _cuda_backend():
+    reason = mk.backend_status()["cuda"]
+    assert reason is None, f"the cuda backend must be usable on a GPU machine: {reason}"
+    with mk.use_backend("cuda"):
+        yield
+
+
+def _scores_case(b, hq, hkv, lq, d, n, dtype, *, labels=3, transposed=False, positions="random", offset=False,
+                 seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    query = torch.randn(b, hq, lq, d, generator=g, device=DEV).to(dtype)
+    if transposed:  # a FlashAttention-layout cache [B, N, Hkv, D] read as [B, Hkv, N, D]
+        key = torch.randn(b, n, hkv, d, generator=g, device=DEV).to(dtype).transpose(1, 2)
+    elif offset:  # storage offset of one element: 16-byte loads are impossible, the scalar path runs
+        key = torch.randn(b * hkv * n * d + 1, generator=g, device=DEV).to(dtype)[1:].view(b, hkv, n, d)
+    else:
+        key = torch.randn(b, hkv, n, d, generator=g, device=DEV).to(dtype)
+    key = key * 2.0  # sharper attention than unit logits: masking and normalisation matter more
+    modality = torch.randint(0, labels + 1, (b, n), generator=g, device=DEV)
+    if positions == "random":
+        qpos = torch.randint(max(0, n // 3), n, (b, lq), generator=g, device=DEV)
+    else:
+        qpos = None
+    return query, key, modality, qpos
+
+
+def _check_scores(query, key, modality, qpos, eps=1e-6):
+    got = mk.modality_scores(query, key, modality, qpos, eps=eps)
+    ref = modality_scores_ref(query.cpu(), key.cpu(), modality.cpu(), None if qpos is None else qpos.cpu(), eps=eps)
+    with mk.use_backend("torch"):
+        torch_path = mk.modality_scores(query, key, modality, qpos, eps=eps)
+    assert got.dtype == torch.float32 and got.shape == ref.shape and got.device.type == "cuda"
+    err = (got.cpu().double() - ref).abs().max().item()
+    torch_err = (torch_path.cpu().double() - ref).abs().max().item()
+    assert err <= 2 * torch_err + 1e-6 * (1 + ref.abs().max().item()), (err, torch_err)
+    assert bool((got.cpu()[modality.cpu() == 0] == 0).all())  # label 0 (text) scores exactly 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+def test_modality_scores_head_dims_and_dtypes(dtype, d):
+    _check_scores(*_scores_case(1, 7, 1, 4, d, 333, dtype, seed=d))
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (7, 1), (28, 4), (14, 2)])
+@pytest.mark.parametrize("lq", [1, 4, 5])
+def test_modality_scores_gqa_groups_and_query_rows(hq, hkv, lq):
+    # (28, 4) with Lq = 5 has 35 rows per KV head: two row tiles over one K tile.
+    _check_scores(*_scores_case(2, hq, hkv, lq, 128, 517, torch.bfloat16, seed=hq * 10 + lq))
+
+
+@pytest.mark.parametrize("n", [1, 2, 31, 32, 33, 63, 64, 65, 1001, 2400, 20011])
+def test_modality_scores_lengths_and_tails(n):
+    lq = min(4, n)
+    _check_scores(*_scores_case(1, 28, 4, lq, 128, n, torch.bfloat16, seed=n))
+    _check_scores(*_scores_case(1, 4, 2, lq, 64, n, torch.float32, seed=n + 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_modality_scores_layouts(dtype):
+    _check_scores(*_scores_case(2, 28, 4, 4, 128, 777, dtype, transposed=True))
+    _check_scores(*_scores_case(1, 8, 2, 3, 96, 300, dtype, offset=True))
+    query, key, modality, qpos = _scores_case(1, 8, 2, 3, 64, 300, dtype)
+    _check_scores(query.transpose(2, 3).contiguous().transpose(2, 3), key, modality.to(torch.int8), qpos.int())
+
+
+def test_modality_scores_labels_positions_and_eps():
+    _check_scores(*_scores_case(1, 7, 1, 4, 128, 900, torch.bfloat16, labels=8))  # every label 0..8
+    _check_scores(*_scores_case(1, 7, 1, 4, 128, 900, torch.bfloat16, positions="default"))
+    query, key, modality, _ = _scores_case(1, 7, 1, 4, 128, 900, torch.bfloat16, labels=2)
+    modality[:, :3] = torch.tensor([1, 2, 0], device=DEV)  # every query row sees every label: eps = 0 stays finite
+    qpos = torch.tensor([[5, 100, 899, 450]], device=DEV)  # rows far from the end: causal masking matters
+    _check_scores(query, key, modality, qpos, eps=0.0)
+    _check_scores(query, key, modality, qpos, eps=1e-2)
+    only_text = torch.zeros_like(modality)
+    assert torch.equal(mk.modality_scores(query, key, only_text, qpos), torch.zeros(1, 900, device=DEV))
+
+
+def test_modality_scores_unseen_modality_matches_reference_nan_and_zero():
+    # A row that sees no key of label 2: 0 with eps > 0, NaN with eps = 0 (0 / 0), exactly as the reference.
+    query, key, _, _ = _scores_case(1, 2, 1, 1, 64, 40, torch.float32)
+    modality = torch.ones(1, 40, dtype=torch.long, device=DEV)
+    modality[:, 30:] = 2
+    qpos = torch.tensor([[20]], device=DEV)
+    for eps in (1e-6, 0.0):
+        got = mk.modality_scores(query, key, modality, qpos, eps=eps).cpu()
+        ref = modality_scores_ref(query.cpu(), key.cpu(), modality.cpu(), qpos.cpu(), eps=eps)
+        assert torch.equal(got[:, 30:].isnan(), ref[:, 30:].isnan())
+        assert torch.allclose(got[:, :30].double(), ref[:, :30], rtol=1e-5, atol=1e-7)
+
+
+def test_modality_scores_empty_and_paper_case():
+    query, key, modality, qpos = _scores_case(1, 28, 4, 4, 128, 2400, torch.bfloat16)
+    modality[:, :76] = 0
+    modality[:, 76:76 + 1460] = 1
+    modality[:, 76 + 1460:] = 2
+    _check_scores(query, key, modality, qpos)
+    empty = mk.modality_scores(query[:0], key[:0], modality[:0], qpos[:0])
+    assert empty.shape == (0, 2400)
+
+
+# --- selection -----------------------------------------------------------------------------------------------------
+
+def _random_scores(n, dtype, ties, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    if ties:
+        return (torch.randint(0, 7, (n,), generator=g, device=DEV).to(torch.float64) / 4).to(dtype)
+    return torch.randn(n, generator=g, device=DEV).to(dtype)
+
+
+SIZES = [1, 2, 7, 100, 864, 1460, 2049, 4097, 9000, 32768, 40001]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_topk_indices_exact(n, dtype):
+    for ties in (False, True):
+        scores = _random_scores(n, dtype, ties, seed=n)
+        for k in {0, 1, n // 3, n}:
+            got = mk.topk_indices(scores, k)
+            want = topk_indices_ref(scores.cpu(), k) if n <= 4097 else _topk_indices_torch(scores.cpu(), k)
+            assert got.dtype == torch.long and torch.equal(got.cpu(), want), (n, k, ties)
+
+
+def test_topk_indices_signed_zero_and_infinities_and_strides():
+    scores = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), -0.0, 0.0, 1.0], device=DEV)
+    for k in range(8):
+        assert torch.equal(mk.topk_indices(scores, k).cpu(), topk_indices_ref(scores.cpu(), k))
+    strided = _random_scores(2000, torch.float32, True, seed=3)[::2]
+    assert torch.equal(mk.topk_indices(strided, 333).cpu(), topk_indices_ref(strided.cpu(), 333))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("weight", [0.0, 0.05, 1.0, 3e32])
+def test_coverage_select_exact(n, weight):
+    g = torch.Generator(device=DEV).manual_seed(n)
+    for ties, chunk_dtype in ((False, torch.int64), (True, torch.int32), (True, torch.uint8)):
+        scores = _random_scores(n, torch.float32, ties, seed=n + 7)
+        chunks = torch.randint(0, min(16, n), (n,), generator=g, device=DEV).to(chunk_dtype)
+        for k in {1, n // 4, n}:
+            got = mk.coverage_select(scores, chunks, k, weight)
+            if n <= 500:
+                want = coverage_select_ref(scores.cpu(), chunks.cpu(), k, weight)
+            else:  # the literal greedy is O(k n) in Python; the torch path equals it (tests/test_select.py)
+                want = _coverage_select_torch(scores.cpu(), chunks.cpu().long(), k, weight)
+            assert torch.equal(got.cpu(), want), (n, k, weight, ties, chunk_dtype)
+
+
+def test_coverage_select_zero_weight_is_topk_and_large_chunk_ids():
+    scores = _random_scores(5000, torch.bfloat16, True, seed=11)
+    chunks = torch.randint(0, 2**40, (5000,), device=DEV)
+    assert torch.equal(mk.coverage_select(scores, chunks, 1234, 0.0), mk.topk_indices(scores, 1234))
+    chunks = torch.arange(864, device=DEV) // 36  # the paper's 864 video tokens in 24 chunks
+    scores = _random_scores(864, torch.float32, False, seed=5)
+    want = coverage_select_ref(scores.cpu(), chunks.cpu(), 216, 0.1)
+    assert torch.equal(mk.coverage_select(scores, chunks, 216, 0.1).cpu(), want)
+
+
+def test_select_workspace_too_small_is_reported():
+    from macer_kernels.cuda import _ext
+
+    n = 5000
+    scores = torch.rand(n, device=DEV)
+    out = torch.empty(10, dtype=torch.long, device=DEV)
+    arrays_only = 6 * (-(-8 * n // 256) * 256)  # the workspace without CUB's temporary storage (csrc/select.cu)
+    scratch = torch.empty(arrays_only, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="topk_indices: workspace too small for CUB's temporary storage"):
+        _ext.ext().topk_indices(scores.data_ptr(), 0, n, 1, 10, out.data_ptr(), scratch.data_ptr(), arrays_only,
+                                scores.device.index, torch.cuda.current_stream().cuda_stream)
+
+
+# --- compaction ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 37, 2400, 9001])
+def test_compact_many_hidden_cos_sin_positions(n):
+    g = torch.Generator(device=DEV).manual_seed(n)
+    hidden = torch.randn(2, n, 3584, generator=g, device=DEV).to(torch.bfloat16)
+    cos, sin = torch.randn(2, n, 128, generator=g, device=DEV), torch.randn(2, n, 128, generator=g, device=DEV)
+    positions = torch.randint(0, 10**6, (3, 2, n), generator=g, device=DEV)
+    odd = torch.randn(n, 7, generator=g, device=DEV).half()
+    transposed = torch.randn(2, 6, n, generator=g, device=DEV).transpose(1, 2)
+    view = torch.randn(2, n + 1, 9, generator=g, device=DEV)[:, 1:, 1:5]
+    for k in sorted({0, 1, n // 2, n}):
+        keep = torch.randperm(n, generator=g, device=DEV)[:k].sort().values
+        tensors = [hidden, cos, sin, positions, odd, transposed, view]
+        dims = [1, 1, -2, 2, 0, 1, 1]
+        got = mk.compact_many(tensors, keep, dims)
+        for t, d, out in zip(tensors, dims, got):
+            assert torch.equal(out, t.index_select(d % t.dim(), keep))
+        assert torch.equal(mk.compact(hidden, keep, 1), hidden[:, keep])
+
+
+def test_compact_many_more_tensors_than_one_launch_holds():
+    from macer_kernels.cuda import _ext
+
+    tensors = [torch.randn(1, 50, i + 1, device=DEV) for i in range(2 * _ext.ext().MAX_COMPACT_TENSORS + 3)]
+    keep = torch.tensor([0, 7, 49], device=DEV)
+    for t, out in zip(tensors, mk.compact_many(tensors, keep, [1] * len(tensors))):
+        assert torch.equal(out, t[:, keep])
+
+
+# --- torch.library ops and torch.compile ---------------------------------------------------------------------------
+
+def test_custom_ops_match_the_backend_and_compile():
+    query, key, modality, qpos = _scores_case(1, 28, 4, 4, 128, 2400, torch.bfloat16)
+    chunks = torch.arange(2400, device=DEV) // 100
+    hidden = torch.randn(1, 2400, 512, device=DEV, dtype=torch.bfloat16)
+
+    def readout(query, key, modality, qpos, chunks, hidden):
+        s = torch.ops.macer_cuda.modality_scores(query, key, modality, qpos, 1 / math.sqrt(128), 1e-6)[0]
+        keep = torch.ops.macer_cuda.coverage_select(s, chunks, 600, 0.1)
+        return s, keep, torch.ops.macer_cuda.compact(hidden, keep, 1)
+
+    s, keep, out = readout(query, key, modality, qpos, chunks, hidden)
+    assert torch.equal(s[None], mk.modality_scores(query, key, modality, qpos))
+    assert torch.equal(keep, mk.coverage_select(s, chunks, 600, 0.1))
+    assert torch.equal(out, hidden[:, keep])
+    compiled = torch.compile(readout, fullgraph=True)
+    for a, b in zip(compiled(query, key, modality, qpos, chunks, hidden), (s, keep, out)):
+        assert torch.equal(a, b)
