@@ -180,19 +180,14 @@ def _settings(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
 
 def _build(shape_kwargs: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A random-weight thinker. On CUDA it is built directly on the device in its dtype (a 7B fp32 copy on the host
-    would take minutes to initialise)."""
+    """A random-weight thinker. On CUDA it is initialised directly on the device (initialising a 7B model on the host
+    takes minutes), in float32 and then cast, so that no initialiser runs in bf16."""
     from macer.testing import build_thinker
 
     if device.type != "cuda":
         return build_thinker(dtype=dtype, device=device, attn_implementation="sdpa", **shape_kwargs)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return build_thinker(dtype=dtype, device=device, attn_implementation="sdpa", **shape_kwargs)
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device(device):
+        return build_thinker(dtype=dtype, device=device, attn_implementation="sdpa", **shape_kwargs)
 
 
 def _macer_config(model: torch.nn.Module, keep_ratio: float, settings: dict[str, Any]):
@@ -488,13 +483,13 @@ def benchmark_model(model: torch.nn.Module, label: str, settings: dict[str, Any]
         order = list(range(len(configs)))
         shift = r % len(order)
         order = order[shift:] + order[:shift]  # rotate, so no configuration always runs first or after the same one
+        latest: dict[int, Measurement] = {}
         for i in order:
-            m = measure_generate(model, inputs, configs[i][2], settings["decode_tokens"])
+            latest[i] = measure_generate(model, inputs, configs[i][2], settings["decode_tokens"])
             if r >= settings["warmup"]:
-                results[i].append(m)
+                results[i].append(latest[i])
         log(f"[{label}] round {r + 1}/{rounds}{' (warm-up)' if r < settings['warmup'] else ''}: " + ", ".join(
-            f"{configs[i][0]}@{configs[i][1]:g} llm {1e3 * results[i][-1].llm_prefill_s:.0f} ms"
-            for i in range(len(configs)) if results[i]))
+            f"{configs[i][0]}@{configs[i][1]:g} llm {1e3 * latest[i].llm_prefill_s:.0f} ms" for i in sorted(latest)))
     # MACER's own work and the peak memory, measured apart: a few extra generates of each configuration.
     profiled: dict[int, list[Measurement]] = {i: [] for i in range(len(configs))}
     for _ in range(settings["profile_reps"]):
