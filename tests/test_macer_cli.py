@@ -41,3 +41,51 @@ def test_bench_says_when_macer_bench_is_missing(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "macer.bench", None)  # makes `import macer.bench` raise ImportError
     assert main(["bench"]) == 2
     assert "macer bench is not available: the module macer.bench could not be imported" in capsys.readouterr().err
+
+
+class _FakeProcessor:
+    """Stands in for Qwen2_5OmniProcessor (no tokenizer files here): returns a synthetic clip's inputs."""
+
+    def __init__(self, model, fail: bool = False):
+        self.model, self.fail = model, fail
+
+    def apply_chat_template(self, conversation, **kwargs):
+        assert kwargs["load_audio_from_video"] and conversation[1]["content"][1] == {"type": "audio"}
+        if self.fail:
+            raise ValueError("cannot decode")
+        from macer.testing import clip_inputs
+
+        return clip_inputs(self.model, frames=4, grid_hw=(8, 8), audio_tokens=100)
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(map(str, row.tolist())) for row in ids]
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_demo_real_checkpoint_path_with_stand_ins(tmp_path, capsys, monkeypatch, fail):
+    """The --model path end to end with the checkpoint and processor replaced by a 28-layer random thinker (so
+    ``for_model`` picks the 7B defaults) and a stand-in processor; the real processor is not exercised here."""
+    import transformers
+    from macer.testing import build_thinker
+
+    model = build_thinker(num_layers=28, hidden_size=64, seed=0)
+    monkeypatch.setattr(transformers.Qwen2_5OmniThinkerForConditionalGeneration, "from_pretrained",
+                        classmethod(lambda cls, path, **kw: model))
+    monkeypatch.setattr(transformers.Qwen2_5OmniProcessor, "from_pretrained",
+                        classmethod(lambda cls, path, **kw: _FakeProcessor(model, fail)))
+    code = main(["demo", "--model", "ckpt", "--video", "clip.mp4", "--question", "what?", "--new-tokens", "2",
+                 "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    if fail:
+        assert code == 2 and "the processor could not read clip.mp4: cannot decode" in captured.err
+        return
+    assert code == 0
+    assert "audio_layer=3, video_layer=5, coverage_weight=0.2" in captured.out
+    assert "after layer 3 (audio pruned)" in captured.out and "after layer 5 (video pruned)" in captured.out
+    assert "MACER (" in captured.out and (tmp_path / "macer_kept_tokens.png").exists()
+
+
+def test_demo_real_checkpoint_without_transformers(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `from transformers import ...` raises ImportError
+    assert main(["demo", "--model", "ckpt", "--video", "clip.mp4", "--question", "what?"]) == 2
+    assert "macer demo --model needs transformers with Qwen2.5-Omni" in capsys.readouterr().err
