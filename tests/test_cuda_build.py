@@ -339,3 +339,17 @@ def test_custom_ops_trace_with_fake_tensors():
     (output,) = [node for node in graph.graph.nodes if node.op == "output"]
     shapes = [tuple(value.meta["val"].shape) for value in output.args[0]]
     assert shapes == [(1, 8, 32), (1, 8, 64), (3, 1, 8)]
+
+
+# --- the readout benchmark's CPU smoke mode ---------------------------------------------------------------------------
+
+def test_readout_benchmark_quick_mode_runs_and_writes_nothing(capsys, monkeypatch, tmp_path):
+    from benchmarks import bench_readout, common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    bench_readout.main(["--quick"])
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split() == ["provider", "tokens", "kept", "median_us", "speedup", "exact"]
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
+    assert {"naive", "torch"} <= set(rows) and all(r[-1] == "True" for r in rows.values())
+    assert not list(tmp_path.iterdir())
