@@ -26,3 +26,14 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# `make wheel`: a binary wheel in $(WHEEL_DIR) with macer_kernels._C built for CUDA_ARCHS (SASS for each, plus PTX
+# for the highest); it links no libtorch, so one wheel per Python version serves every torch. Without nvcc, or with
+# MACER_NO_CUDA=1, the wheel is pure Python. The CMake build tree under build/ is shared with `make test`'s install.
+CUDA_ARCHS ?= 89;90
+WHEEL_DIR ?= dist
+
+.PHONY: wheel
+wheel: $(STAMP)
+	MACER_CUDA_ARCHS="$(CUDA_ARCHS)" $(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR) .
+	@ls -1 $(WHEEL_DIR)/macer_kernels-*.whl

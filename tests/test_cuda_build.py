@@ -155,6 +155,28 @@ def test_pure_python_wheel_without_cuda(tmp_path):
     assert not [n for n in names if n.endswith((".so", ".pyd"))]
 
 
+
+@pytest.mark.skipif(os.environ.get("MACER_NO_CUDA") == "1", reason="MACER_NO_CUDA=1")
+def test_cuda_wheel_holds_the_extension_for_each_arch(tmp_path):
+    """What `make wheel` runs; the CMake build tree of the editable install is reused, so this only relinks."""
+    if _find_nvcc() is None or shutil.which("cmake") is None:
+        pytest.skip("nvcc/cmake not found: the wheel would be pure Python")
+    env = {**os.environ, "MACER_CUDA_ARCHS": ";".join(map(str, EXPECTED_ARCHS))}
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                          str(tmp_path), str(ROOT)], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    (wheel,) = tmp_path.glob(f"macer_kernels-*-{tag}-{tag}-*.whl")
+    so_name = "macer_kernels/_C" + sysconfig.get_config_var("EXT_SUFFIX")
+    with zipfile.ZipFile(wheel) as zf:
+        assert so_name in zf.namelist()
+        so_path = tmp_path / "_C.so"
+        so_path.write_bytes(zf.read(so_name))
+    cuobjdump = _find_cuobjdump()
+    if cuobjdump is not None:
+        elf = subprocess.run([cuobjdump, "--list-elf", str(so_path)], capture_output=True, text=True, check=True)
+        assert sorted({int(a) for a in re.findall(r"\.sm_(\d+)\.cubin", elf.stdout)}) == EXPECTED_ARCHS
+
 # --- errors raised inside the module: ValueError for arguments, RuntimeError naming the op and CUDA's error ----------
 
 needs_module = pytest.mark.skipif(_ext.IMPORT_ERROR is not None, reason="macer_kernels._C is not installed")
