@@ -205,6 +205,17 @@ def _plot_timeline(out_dir: Path, ids: torch.Tensor, record, inputs: dict[str, A
     media = (ids == SYNTHETIC_TOKENS.audio) | (ids == SYNTHETIC_TOKENS.video)
     seconds = (temporal - temporal[media].min()) / model.config.position_id_per_seconds
     generator = torch.Generator().manual_seed(0)
+    # Video: each temporal grid drawn as a small image (x = grid time + width index, y = height index) so that the
+    # spatial pattern of kept tokens shows; audio: one point per token at its time, with a fixed vertical jitter.
+    is_video = ids == SYNTHETIC_TOKENS.video
+    x, y = seconds.clone(), torch.rand(ids.numel(), generator=generator, dtype=torch.float64)
+    if bool(is_video.any()):
+        height = rope[1, 0].double() - rope[1, 0][is_video].min()
+        width = rope[2, 0].double() - rope[2, 0][is_video].min()
+        times = seconds[is_video].unique()
+        gap = float(times.diff().min()) if times.numel() > 1 else 1.0
+        x[is_video] += width[is_video] * 0.8 * gap / (float(width[is_video].max()) + 1)
+        y[is_video] = -height[is_video]
     fig, axes = plt.subplots(2, 1, figsize=(11, 4), sharex=True)
     for ax, token, kept, name in ((axes[0], SYNTHETIC_TOKENS.audio, record.audio_kept, "audio"),
                                   (axes[1], SYNTHETIC_TOKENS.video, record.video_kept, "video")):
@@ -213,11 +224,8 @@ def _plot_timeline(out_dir: Path, ids: torch.Tensor, record, inputs: dict[str, A
         kept_mask[kept] = True
         dropped = members[~kept_mask[members]]
         keep = members[kept_mask[members]]
-        # y: the M-RoPE height row inside a frame for video (spatial layout), a fixed jitter for audio.
-        jitter = torch.rand(ids.numel(), generator=generator, dtype=torch.float64)
-        spread = rope[1, 0].double() - rope[0, 0].double() if name == "video" else jitter
-        ax.scatter(seconds[dropped], spread[dropped], s=2, c="lightgray", label="dropped")
-        ax.scatter(seconds[keep], spread[keep], s=4, c="tab:red" if name == "audio" else "tab:blue", label="kept")
+        ax.scatter(x[dropped], y[dropped], s=2, c="lightgray", label="dropped")
+        ax.scatter(x[keep], y[keep], s=4, c="tab:red" if name == "audio" else "tab:blue", label="kept")
         ax.set_yticks([])
         ax.set_ylabel(f"{name}\n{len(kept)}/{members.numel()}")
         ax.legend(loc="upper right", fontsize=7, markerscale=3)
