@@ -168,10 +168,11 @@ def _scores_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, rowmax_ptr, weight_ptr, logit
     tl.store(out_ptr + b64 * N + offs_n, acc, mask=n_ok)
 
 
-def _block_n(d: int, tiles_wanted: int, n: int, batch: int) -> int:
-    """Key-tile width: 128 keys (64 for D > 128, to bound registers), halved down to 32 while the grid is too small
-    to fill the GPU (short sequences)."""
-    block = 128 if d <= 128 else 64
+def _block_n(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> int:
+    """Key-tile width: 128 keys for half inputs (64 for D > 128, to bound registers), half that for the fp32 dot,
+    whose operands take twice the shared memory (this keeps every kernel under the 99 KB of sm_89, checked by
+    compiling for sm_89/sm_90); then halved down to 32 while the grid is too small to fill the GPU."""
+    block = (128 if d <= 128 else 64) // (2 if dot_fp32 else 1)
     while block > 32 and batch * triton.cdiv(n, block) < tiles_wanted:
         block //= 2
     return block
@@ -209,7 +210,7 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     dot_fp32 = not half or (_INTERPRETED and query.dtype == torch.bfloat16)
     query = query.contiguous()  # [B, Hq, Lq, D] is small; K is never copied
     sms = _num_sms(query.device)
-    block_n1 = _block_n(d, 2 * sms, n, b * hkv)
+    block_n1 = _block_n(d, 2 * sms, n, b * hkv, dot_fp32)
     tiles = triton.cdiv(n, block_n1)
     total_rows = b * hq * lq
     dev = query.device
@@ -233,12 +234,14 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
         tile_max, tile_sums, row_max, weight, tiles, eps, 1.0 / (lq * hq),
         NUM_M=num_m, M_PAD=m_pad, BLOCK_T=min(1024, triton.next_power_of_2(tiles)), num_warps=4,
     )
-    block_n3 = _block_n(d, 2 * sms, n, b)
+    block_n3 = _block_n(d, 2 * sms, n, b, dot_fp32)
     _scores_kernel[(b, triton.cdiv(n, block_n3))](
         query, key, modality, query_positions, row_max, weight, logits, out, *common, *k_strides, *lab_strides,
         *pos_strides, scale_log2,
         HKV=hkv, NUM_M=num_m, M_PAD=m_pad, ROWS=rows_pad, BLOCK_N=block_n3, BLOCK_D=block_d, DOT_FP32=dot_fp32,
         STORE=store, num_warps=8 if block_d >= 128 else 4,
+        # The fp32 dot's tiles are large; a two-stage pipeline over the KV heads keeps shared memory bounded.
+        num_stages=2 if dot_fp32 else 3,
     )
     return out
 
