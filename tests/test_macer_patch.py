@@ -123,6 +123,19 @@ def test_exit_restores_bit_identical_logits_even_after_exception(attn):
         assert torch.equal(model(**inputs).logits, want)
 
 
+def test_profile_records_overhead():
+    model = _thinker()
+    inputs = clip_inputs(model, **CLIP)
+    with torch.no_grad():
+        with macer.compress(model, macer_config_for(model), profile=True) as profiled:
+            model(**inputs)
+        with macer.compress(model, macer_config_for(model)) as plain:
+            model(**inputs)
+    assert isinstance(profiled.last.overhead_s, float) and profiled.last.overhead_s > 0
+    assert plain.last.overhead_s is None
+    assert profiled.audio_kept == plain.audio_kept and profiled.video_kept == plain.video_kept
+
+
 def test_text_only_prompt_runs_unpruned():
     model = _thinker()
     inputs = clip_inputs(model, frames=0, audio_tokens=0, use_audio_in_video=False)
