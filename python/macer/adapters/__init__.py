@@ -10,6 +10,7 @@ To support a new family, subclass ``Adapter`` and decorate it with ``@register_a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -45,7 +46,7 @@ class DecoderParts:
     outer: tuple[nn.Module, ...] = ()
 
 
-class Adapter:
+class Adapter(ABC):
     """Base adapter, with the decoder-layer calling convention shared by transformers' decoder-only models:
     ``layer(hidden_states, attention_mask=..., position_ids=..., position_embeddings=(cos, sin), ...)``."""
 
@@ -54,17 +55,17 @@ class Adapter:
     #: keyword argument holding the ``(cos, sin)`` RoPE tables, each ``[B, N, D]``
     position_embeddings_kwarg: ClassVar[str] = "position_embeddings"
 
+    @abstractmethod
     def parts(self, model: nn.Module) -> DecoderParts:
         """Locate root, decoder and layers of ``model``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def labels(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """``[N]`` int64 modality label of each token of a batch-1 prompt (0 text, ``AUDIO``, ``VISUAL``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def temporal_positions(self, decoder_kwargs: dict[str, Any], length: int, device: torch.device) -> torch.Tensor:
         """``[N]`` temporal position of each prompt token, from the decoder call's keyword arguments."""
-        raise NotImplementedError
 
 
 def register_adapter(*model_types: str) -> Callable[[type[Adapter]], type[Adapter]]:
