@@ -199,6 +199,7 @@ def test_bench_accounting_matches_cost_model(tiny_results):
         for column in ("token_layer_ratio", "paper_proxy", "flops_ratio"):
             assert math.isclose(float(row[column]), getattr(expected, column), rel_tol=1e-12), column
         assert float(row["kv_cache_mib"]) * 2**20 == cost.kv_cache_bytes(tokens, shape, dtype_bytes=4)
+        # One round: the median of per-round ratios is that round's ratio.
         assert math.isclose(float(row["llm_prefill_ratio"]),
                             float(row["llm_prefill_ms"]) / float(full["llm_prefill_ms"]), rel_tol=1e-9)
         assert math.isclose(float(row["ratio_over_proxy"]),
@@ -241,3 +242,21 @@ def test_bench_argument_errors(extra, message, tmp_path):
 def test_gpu_mode_without_gpu_says_so(tmp_path):
     with pytest.raises(SystemExit, match="--mode gpu needs a CUDA GPU"):
         bench.run(_args(["--mode", "gpu", "--out", str(tmp_path)]))
+
+
+@pytest.mark.cuda
+def test_gpu_paths_on_a_tiny_model():
+    # The GPU mode's code paths (CUDA events, allocator peaks, the naive output_attentions comparison) on a tiny
+    # bf16 thinker; the real run uses the 7B/3B shapes (`--mode gpu`).
+    from macer.testing import build_thinker
+
+    model = build_thinker(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, dtype=torch.bfloat16,
+                          device="cuda")
+    settings = bench._settings(_args([*_TINY, "--mode", "gpu"]), "gpu")
+    rows = bench.benchmark_model(model, "tiny-gpu", settings, log=lambda _: None)
+    assert [r["method"] for r in rows] == ["full", "macer", "macer"]
+    assert all(r["cache_matches_trace"] for r in rows) and rows[0]["peak_extra_mib"] is not None
+    assert rows[1]["llm_prefill_cpu_ms"] is None  # CPU-time columns are CPU-mode only
+    naive = bench.naive_scores_rows(model, "tiny-gpu", [256], readout_layer=2)
+    assert [r["method"] for r in naive] == ["eager+output_attentions", "sdpa+modality_scores"]
+    assert not any(r["oom"] for r in naive)

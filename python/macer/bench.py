@@ -18,7 +18,8 @@ warm-up rounds:
   ``overhead_ms``, MACER's own work (scoring + selection + compaction, ``compress(..., profile=True)``), split by op
   into ``scoring_ms`` / ``selection_ms`` / ``compaction_ms``, with ``overhead_share`` = overhead / full
   ``prefill_ms``;
-* next to the measured ``llm_prefill_ratio`` (MACER / full; ``llm_prefill_cpu_ratio`` on CPU): the run's exact
+* next to the measured ``llm_prefill_ratio`` (MACER / full, the median of per-round ratios;
+  ``llm_prefill_cpu_ratio`` on CPU): the run's exact
   ``token_layer_ratio``, the paper's proxy (``eq:appendix_efficiency``) and the exact decoder ``flops_ratio`` from
   ``macer.cost.trace_cost``, and ``ratio_over_proxy`` = measured / token-layer ratio.
 
@@ -496,15 +497,14 @@ def benchmark_model(model: torch.nn.Module, label: str, settings: dict[str, Any]
         for i in profiled:
             profiled[i].append(measure_generate(model, inputs, configs[i][2], settings["decode_tokens"], profile=True))
     shape = cost.DecoderShape.from_config(model)
-    full_row = _row(label, "full", 1.0, results[0], profiled[0], None, shape, n_audio, n_video)
-    rows = [full_row]
-    for i in range(1, len(configs)):
-        rows.append(_row(label, "macer", configs[i][1], results[i], profiled[i], full_row, shape, n_audio, n_video))
-    return rows
+    return [_row(label, configs[i][0], configs[i][1], results[i], profiled[i], results[0], shape, n_audio, n_video)
+            for i in range(len(configs))]
 
 
 def _row(label: str, method: str, keep_ratio: float, runs: list[Measurement], profiled: list[Measurement],
-         full: dict | None, shape: cost.DecoderShape, n_audio: int, n_video: int) -> dict:
+         full_runs: list[Measurement], shape: cost.DecoderShape, n_audio: int, n_video: int) -> dict:
+    """One configuration's medians. Ratios to the full prefill are medians of per-round ratios (``runs[k]`` and
+    ``full_runs[k]`` ran in the same round), which cancels slow drifts of the machine's load."""
     last = runs[-1]
     n_tokens = last.cache_layer_lengths[0]
     if method == "full":
@@ -542,14 +542,15 @@ def _row(label: str, method: str, keep_ratio: float, runs: list[Measurement], pr
         "token_layer_ratio": run_cost.token_layer_ratio, "paper_proxy": run_cost.paper_proxy,
         "flops_ratio": run_cost.flops_ratio,
     }
-    reference = full if full is not None else row
-    row["overhead_share"] = None if row["overhead_ms"] is None else row["overhead_ms"] / reference["prefill_ms"]
-    row["llm_prefill_ratio"] = row["llm_prefill_ms"] / reference["llm_prefill_ms"]
+    full_prefill_ms = ms([f.prefill_s for f in full_runs])
+    row["overhead_share"] = None if row["overhead_ms"] is None else row["overhead_ms"] / full_prefill_ms
+    row["llm_prefill_ratio"] = _median([m.llm_prefill_s / f.llm_prefill_s for m, f in zip(runs, full_runs)])
     row["ratio_over_proxy"] = row["llm_prefill_ratio"] / row["token_layer_ratio"]
     row["within_1.15x"] = 1 / 1.15 <= row["ratio_over_proxy"] <= 1.15
-    cpu = row["llm_prefill_cpu_ms"]
-    row["llm_prefill_cpu_ratio"] = None if cpu is None else cpu / reference["llm_prefill_cpu_ms"]
-    row["cpu_ratio_over_proxy"] = None if cpu is None else row["llm_prefill_cpu_ratio"] / row["token_layer_ratio"]
+    cpu = _median([None if m.llm_prefill_cpu_s is None else m.llm_prefill_cpu_s / f.llm_prefill_cpu_s
+                   for m, f in zip(runs, full_runs)])
+    row["llm_prefill_cpu_ratio"] = cpu
+    row["cpu_ratio_over_proxy"] = None if cpu is None else cpu / row["token_layer_ratio"]
     row["cpu_within_1.15x"] = None if cpu is None else 1 / 1.15 <= row["cpu_ratio_over_proxy"] <= 1.15
     return row
 
