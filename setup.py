@@ -55,6 +55,9 @@ class CMakeBuild(build_ext):
         if not isinstance(ext, CMakeExtension):
             super().build_extension(ext)
             return
+        if shutil.which("cmake") is None:
+            raise RuntimeError("macer-kernels: nvcc was found but cmake (>= 3.24) was not; install cmake to build the "
+                               "CUDA extension, or set MACER_NO_CUDA=1 for a pure-Python install")
         archs = os.environ.get("MACER_CUDA_ARCHS", "89;90").replace(",", ";")
         tag = f"cmake-py{sys.version_info.major}{sys.version_info.minor}-sm{archs.replace(';', '_')}"
         build_dir = ROOT / "build" / tag
