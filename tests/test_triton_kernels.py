@@ -214,17 +214,20 @@ def test_coverage_exact(path, n, weight):
             assert torch.equal(out.cpu(), _coverage_oracle(s.cpu(), c.cpu(), k, weight)), (n, k, ties)
 
 
-def test_coverage_equal_value_runs(path):
-    # Coarse scores give many exact ties; tiny scores vanish in the float64 sum, so one chunk holds runs of equal
-    # values whose token indices decrease (the subtle case of macer_kernels.select._coverage_order).
-    for seed in range(12):
+def test_coverage_absorbed_scores_tie_across_chunks(path):
+    # Scores far below the bonus vanish in the float64 sum, so the t-th token of every chunk gets the same value
+    # sqrt(lambda / (1 + t)) while the scores differ, in an order unrelated to the indices: the greedy's tie rule
+    # (value, then score, then lower index) decides every pick, and the index alone would not. Mixed with coarse
+    # scores, many exact ties of both kinds.
+    for seed in range(6):
         g = _gen(seed)
-        n = int(torch.randint(1, 70, (1,), generator=g))
+        n = int(torch.randint(20, 60, (1,), generator=g))
+        chunk = torch.randint(0, int(torch.randint(2, 9, (1,), generator=g)), (n,), generator=g)
+        tiny = 1e-30 * torch.randperm(n, generator=g).double()
         coarse = torch.randint(0, 7, (n,), generator=g)
-        chunk = torch.randint(0, 5, (n,), generator=g)
-        s = torch.where(coarse < 6, coarse / 4, 1e-30 * (1 + chunk)).double()
-        for weight in (0.05, 1.0, 9.0):
-            for k in _ks(n):
+        for s in (tiny, torch.where(coarse < 6, coarse / 4, tiny)):
+            weight = (0.05, 1.0, 9.0)[seed % 3]
+            for k in range(n + 1):
                 out = coverage_select(s.to(DEVICE), chunk.to(DEVICE), k, weight).cpu()
                 assert torch.equal(out, coverage_select_ref(s, chunk, k, weight)), (seed, weight, k)
 
@@ -378,21 +381,18 @@ def _compile_for_gpu_targets() -> None:
     blocks = {"BLOCK_I": 64, "BLOCK_J": 64}
     compile_one(sel._topk_position_kernel, {"s_ptr": "*bf16", "pos_ptr": "*i32", "n": "i32"},
                 {"CMP": tl.float32, **blocks}, 90)
-    rank = compile_one(sel._coverage_rank_kernel, {"s_ptr": "*fp64", "c_ptr": "*i64", "rank_ptr": "*i32",
-                                                   "v_ptr": "*fp64", "n": "i32", "weight_ptr": "*fp64"},
-                       {"CMP": tl.float64, **blocks}, 90)
-    compile_one(sel._coverage_tie_kernel, {"c_ptr": "*u8", "rank_ptr": "*i32", "v_ptr": "*fp64", "tie_ptr": "*i32",
-                                           "n": "i32"}, blocks, 90)
-    compile_one(sel._coverage_position_kernel, {"rank_ptr": "*i32", "v_ptr": "*fp64", "tie_ptr": "*i32",
-                                                "pos_ptr": "*i32", "n": "i32"}, blocks, 90)
+    value = compile_one(sel._coverage_value_kernel, {"s_ptr": "*fp64", "c_ptr": "*i64", "v_ptr": "*fp64",
+                                                     "n": "i32", "weight_ptr": "*fp64"},
+                        {"CMP": tl.float64, **blocks}, 90)
+    compile_one(sel._coverage_position_kernel, {"s_ptr": "*bf16", "v_ptr": "*fp64", "pos_ptr": "*i32", "n": "i32"},
+                {"CMP": tl.float32, **blocks}, 90)
     compile_one(sel._write_picks_kernel, {"pos_ptr": "*i32", "out_ptr": "*i64", "n": "i32", "k": "i32"}, blocks, 90)
     compile_one(sel._pack_topk_keys_kernel, {"s_ptr": "*fp16", "key_ptr": "*i64", "n": "i32"}, {"BLOCK": 1024}, 90)
     ordered = compile_one(sel._coverage_sorted_kernel, {"order_ptr": "*i64", "s_ptr": "*fp32", "c_ptr": "*i32",
-                                                        "v_ptr": "*fp64", "rank_ptr": "*i64", "runkey_ptr": "*i64",
-                                                        "n": "i32", "weight_ptr": "*fp64"},
+                                                        "v_ptr": "*fp64", "n": "i32", "weight_ptr": "*fp64"},
                           {"SEARCH_STEPS": 17, "BLOCK": 256}, 90)
     # The coverage values must round like the float64 reference: IEEE division and square root, no fused ops.
-    for kernel in (rank, ordered):
+    for kernel in (value, ordered):
         ptx = kernel.asm["ptx"]
         assert "div.rn.f64" in ptx and "sqrt.rn.f64" in ptx and "fma.rn.f64" not in ptx
     print("compiled")

@@ -1,30 +1,30 @@
 """Selection on the GPU without a k-step loop: ``topk_indices`` (eq. ``Top-k``) and ``coverage_select``
-(``eq:chunk_coverage_greedy``), exactly equal to the float64 references, ties to the lower index.
+(``eq:chunk_coverage_greedy``), exactly equal to the float64 references.
 
-The greedy's order (``macer_kernels.select._coverage_order``) sorts every token by the key
+The literal greedy (``macer_kernels.reference.coverage_select_ref``) takes, at each step, the unpicked token with the
+largest key ``(value, score, -index)``. Inside a chunk every candidate gets the same bonus, so the greedy takes a
+chunk's tokens in (score desc, index asc) order, and the t-th of them has the value ``v = s + sqrt(lambda_c / (1 +
+t))``. Along a chunk these keys only decrease, so the greedy is a merge of sorted sequences: its pick order is one
+global order of all tokens by
 
-``(v desc, tie asc, rank asc)``,  ``v = float64(s) + sqrt(lambda_c / (1 + rank))``                           (1)
+``(v desc, s desc, index asc)``,  ``v = float64(s) + sqrt(lambda_c / (1 + rank))``                          (1)
 
-where ``rank`` is the token's position in its chunk by (score desc, index asc) and ``tie`` is the largest token index
-among the tokens of the same chunk with the same ``v`` and a rank not larger (the greedy cannot take a member of an
-equal-value run before the ones ahead of it). The keys are unique: two tokens with equal ``v`` differ in ``rank``
-inside a chunk and in ``tie`` across chunks (``tie`` is a token of its own chunk). So the k picks are the tokens whose
-key has fewer than k keys before it, and no sort is needed when that count can be computed directly.
+with ``rank`` the token's place in its chunk by (score desc, index asc). The keys are unique (the index is part of
+them), so the k picks are the tokens with fewer than k keys ahead of their own.
 
 Two paths, both exact:
 
-* ``n <= PAIRWISE_MAX_N`` (the per-request sizes, e.g. 864 video tokens): every quantity of (1) is a count or a
-  maximum over all pairs, computed by tiled pairwise kernels (``O(n^2)`` comparisons spread over the grid, no sort,
-  no host synchronisation): rank and ``v``, then ``tie``, then the position of each key in the order, then the
-  output slot of each pick (picks are written in index order, so the result needs no final sort). Four launches for
-  the coverage greedy, two for top-k.
+* ``n <= PAIRWISE_MAX_N`` (the per-request sizes, e.g. 864 video tokens): tiled pairwise kernels count, for every
+  token, the tokens of its chunk ahead of it (rank, then v), then all tokens whose key (1) comes first, then the
+  picks of lower index (the output slot). ``O(n^2)`` comparisons spread over the grid, no sort, no host
+  synchronisation: three launches for the coverage greedy, two for top-k; the picks come out in index order.
 * larger n: two stable sorts (PyTorch, CUB radix) group the tokens by chunk in (score desc, index asc) order; one
-  kernel computes rank, ``v`` and the start of each equal-value run by binary search in the sorted order, a
-  running maximum (``torch.cummax``) turns run starts into ``tie``, and a lexicographic sort on (1) picks the first
-  k. For top-k of <= 32-bit scores a kernel packs ``(score desc, index asc)`` into one unique int64 key and
+  kernel finds each token's chunk start by binary search and writes its v; one stable sort of v in score order
+  gives (1). For top-k of <= 32-bit scores a kernel packs ``(score desc, index asc)`` into one unique int64 key and
   ``torch.topk`` selects on it.
 
-``coverage_weight = 0`` is plain top-k (the bonus is exactly 0), so it takes the top-k path.
+``coverage_weight = 0`` is plain top-k (the bonus is exactly 0 and the key reduces to (s desc, index asc)), so it
+takes the top-k path.
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def _topk_position_kernel(s_ptr, pos_ptr, n, CMP: tl.constexpr, BLOCK_I: tl.cons
 
 
 @triton.jit
-def _coverage_rank_kernel(s_ptr, c_ptr, rank_ptr, v_ptr, n, weight_ptr,
+def _coverage_value_kernel(s_ptr, c_ptr, v_ptr, n, weight_ptr,
                           CMP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-    """rank_i = #{j in chunk(i) : s_j > s_i or (s_j == s_i and j < i)}, and v_i of (1)."""
+    """v_i of (1), with rank_i = #{j in chunk(i) : s_j > s_i or (s_j == s_i and j < i)}."""
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < n
     s_raw = tl.load(s_ptr + i, mask=i_ok, other=0.0)
@@ -87,47 +87,25 @@ def _coverage_rank_kernel(s_ptr, c_ptr, rank_ptr, v_ptr, n, weight_ptr,
         c_j = tl.load(c_ptr + j, mask=j_ok, other=-2).to(tl.int64)
         better = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (j[None, :] < i[:, None]))
         count += tl.sum((better & (c_j[None, :] == c_i[:, None])).to(tl.int32), axis=1)
-    tl.store(rank_ptr + i, count, mask=i_ok)
     tl.store(v_ptr + i, _bonus_value(s_raw.to(tl.float64), count, tl.load(weight_ptr)), mask=i_ok)
 
 
 @triton.jit
-def _coverage_tie_kernel(c_ptr, rank_ptr, v_ptr, tie_ptr, n, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-    """tie_i = max{j : chunk j == chunk i, v_j == v_i, rank_j <= rank_i} (equal values form one run per chunk)."""
+def _coverage_position_kernel(s_ptr, v_ptr, pos_ptr, n, CMP: tl.constexpr, BLOCK_I: tl.constexpr,
+                              BLOCK_J: tl.constexpr):
+    """pos_i = #{j : key (1) of j comes before key (1) of i}: v desc, then score desc, then index asc."""
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < n
-    c_i = tl.load(c_ptr + i, mask=i_ok, other=-1).to(tl.int64)
-    r_i = tl.load(rank_ptr + i, mask=i_ok, other=0)
+    s_i = tl.load(s_ptr + i, mask=i_ok, other=0.0).to(CMP)
     v_i = tl.load(v_ptr + i, mask=i_ok, other=0.0)
-    tie = i
-    for j0 in range(0, n, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        j_ok = j < n
-        c_j = tl.load(c_ptr + j, mask=j_ok, other=-2).to(tl.int64)
-        r_j = tl.load(rank_ptr + j, mask=j_ok, other=0)
-        v_j = tl.load(v_ptr + j, mask=j_ok, other=0.0)
-        same_run = (c_j[None, :] == c_i[:, None]) & (v_j[None, :] == v_i[:, None]) & (r_j[None, :] <= r_i[:, None])
-        tie = tl.maximum(tie, tl.max(tl.where(same_run, j[None, :], -1), axis=1))
-    tl.store(tie_ptr + i, tie, mask=i_ok)
-
-
-@triton.jit
-def _coverage_position_kernel(rank_ptr, v_ptr, tie_ptr, pos_ptr, n, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-    """pos_i = the number of keys (1) before token i's key."""
-    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
-    i_ok = i < n
-    r_i = tl.load(rank_ptr + i, mask=i_ok, other=0)
-    v_i = tl.load(v_ptr + i, mask=i_ok, other=0.0)
-    t_i = tl.load(tie_ptr + i, mask=i_ok, other=0)
     count = tl.zeros([BLOCK_I], tl.int32)
     for j0 in range(0, n, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         j_ok = j < n
-        r_j = tl.load(rank_ptr + j, mask=j_ok, other=0)
+        s_j = tl.load(s_ptr + j, mask=j_ok, other=0.0).to(CMP)
         v_j = tl.load(v_ptr + j, mask=j_ok, other=0.0)
-        t_j = tl.load(tie_ptr + j, mask=j_ok, other=0)
-        tie_first = (t_j[None, :] < t_i[:, None]) | ((t_j[None, :] == t_i[:, None]) & (r_j[None, :] < r_i[:, None]))
-        before = (v_j[None, :] > v_i[:, None]) | ((v_j[None, :] == v_i[:, None]) & tie_first)
+        score_first = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (j[None, :] < i[:, None]))
+        before = (v_j[None, :] > v_i[:, None]) | ((v_j[None, :] == v_i[:, None]) & score_first)
         count += tl.sum((before & j_ok[None, :]).to(tl.int32), axis=1)
     tl.store(pos_ptr + i, count, mask=i_ok)
 
@@ -161,44 +139,28 @@ def _pack_topk_keys_kernel(s_ptr, key_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _coverage_sorted_kernel(order_ptr, s_ptr, c_ptr, v_ptr, rank_ptr, runkey_ptr, n, weight_ptr,
-                            SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
-    """For position p of the chunk-grouped order: rank, v of (1), and ``run_start * n + token`` where run_start is
-    the first position of p's equal-value run (a running maximum of these keys gives ``tie``).
+def _coverage_sorted_kernel(order_ptr, s_ptr, c_ptr, v_ptr, n, weight_ptr, SEARCH_STEPS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """v of (1) for the token at position p of the chunk-grouped order (chunk asc, score desc, index asc).
 
-    Chunk ids ascend along the order, and v is non-increasing inside a chunk (scores descend, bonuses shrink, and
-    rounding is monotone), so both starts are lower bounds found by binary search."""
+    The rank is p minus the position where p's chunk starts: chunk ids ascend along the order, so that start is a
+    lower bound found by binary search (SEARCH_STEPS >= log2(n) + 1 halvings). v is written at the token's index."""
     weight = tl.load(weight_ptr)
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = p < n
     token = tl.load(order_ptr + p, mask=ok, other=0)
     c_p = tl.load(c_ptr + token, mask=ok, other=0).to(tl.int64)
-    # First position whose chunk id is >= c_p: the start of p's chunk.
     lo = tl.zeros([BLOCK], tl.int64)
     hi = p.to(tl.int64)
     for _ in range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
         active = lo < hi
+        mid = (lo + hi) // 2
         c_mid = tl.load(c_ptr + tl.load(order_ptr + mid, mask=ok, other=0), mask=ok, other=0).to(tl.int64)
         right = c_mid < c_p
         lo = tl.where(active & right, mid + 1, lo)
         hi = tl.where(active & ~right, mid, hi)
-    start = lo
-    rank = p - start
-    v_p = _bonus_value(tl.load(s_ptr + token, mask=ok, other=0.0).to(tl.float64), rank, weight)
-    # First position of the chunk whose value is not larger than v_p: the start of p's equal-value run.
-    lo = start
-    hi = p.to(tl.int64)
-    for _ in range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        active = lo < hi
-        s_mid = tl.load(s_ptr + tl.load(order_ptr + mid, mask=ok, other=0), mask=ok, other=0.0).to(tl.float64)
-        right = _bonus_value(s_mid, mid - start, weight) > v_p
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & ~right, mid, hi)
-    tl.store(v_ptr + p, v_p, mask=ok)
-    tl.store(rank_ptr + p, rank, mask=ok)
-    tl.store(runkey_ptr + p, lo * n + token, mask=ok)
+    s_p = tl.load(s_ptr + token, mask=ok, other=0.0).to(tl.float64)
+    tl.store(v_ptr + token, _bonus_value(s_p, p - lo, weight), mask=ok)
 
 
 def _cmp_dtype(scores: torch.Tensor) -> tl.dtype:
@@ -250,30 +212,19 @@ def coverage_select_triton(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int
     dev = scores.device
     # lambda_c as a float64 tensor: Triton passes Python floats to kernels as float32.
     weight = torch.full((1,), coverage_weight, dtype=torch.float64, device=dev)
+    value = torch.empty(n, dtype=torch.float64, device=dev)
     if n <= PAIRWISE_MAX_N:
-        rank = torch.empty(n, dtype=torch.int32, device=dev)
-        value = torch.empty(n, dtype=torch.float64, device=dev)
-        tie = torch.empty(n, dtype=torch.int32, device=dev)
         pos = torch.empty(n, dtype=torch.int32, device=dev)
         grid = _pairwise_grid(n)
-        blocks = {"BLOCK_I": _BLOCK_I, "BLOCK_J": _BLOCK_J}
-        _coverage_rank_kernel[grid](scores, chunk_ids, rank, value, n, weight, CMP=_cmp_dtype(scores),
-                                    **blocks)
-        _coverage_tie_kernel[grid](chunk_ids, rank, value, tie, n, **blocks)
-        _coverage_position_kernel[grid](rank, value, tie, pos, n, **blocks)
+        cmp = _cmp_dtype(scores)
+        _coverage_value_kernel[grid](scores, chunk_ids, value, n, weight, CMP=cmp, BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J)
+        _coverage_position_kernel[grid](scores, value, pos, n, CMP=cmp, BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J)
         return _write_picks(pos, n, k)
-    # Group by chunk, inside a chunk by (score desc, index asc): two stable sorts form the lexsort.
+    # Score order (score desc, index asc), then grouped by chunk: two stable sorts form the lexsort.
     by_score = torch.sort(scores, descending=True, stable=True).indices
-    order = by_score[torch.sort(chunk_ids[by_score], stable=True).indices]
-    value = torch.empty(n, dtype=torch.float64, device=dev)
-    rank = torch.empty(n, dtype=torch.int64, device=dev)
-    run_key = torch.empty(n, dtype=torch.int64, device=dev)
-    _coverage_sorted_kernel[(triton.cdiv(n, 256),)](order, scores, chunk_ids, value, rank, run_key, n, weight,
-                                                   SEARCH_STEPS=max(1, n.bit_length()), BLOCK=256)
-    # Run starts increase along the order, so the running maximum of run_start * n + token is the largest token
-    # index seen so far in the current run: tie of (1).
-    tie = torch.cummax(run_key, dim=0).values % n
-    # Lexsort by (v desc, tie asc, rank asc): the secondary key is unique, so one plain sort, then a stable one.
-    by_tie = torch.sort(tie * n + rank).indices
-    greedy = by_tie[torch.sort(value[by_tie], descending=True, stable=True).indices]
-    return torch.sort(order[greedy[:k]]).values
+    grouped = by_score[torch.sort(chunk_ids[by_score], stable=True).indices]
+    _coverage_sorted_kernel[(triton.cdiv(n, 256),)](grouped, scores, chunk_ids, value, n, weight,
+                                                   SEARCH_STEPS=n.bit_length() + 1, BLOCK=256)
+    # Key (1): a stable sort by v (descending) of the score order keeps (score desc, index asc) among equal v.
+    greedy = by_score[torch.sort(value[by_score], descending=True, stable=True).indices]
+    return torch.sort(greedy[:k]).values
