@@ -230,6 +230,7 @@ def test_timed_ops_counts_macer_ops_and_restores_them():
         (["--reps", "0"], "--reps must be >= 1"),
         (["--warmup", "-1"], "--warmup must be >= 0"),
         (["--profile-reps", "-1"], "--profile-reps must be >= 0"),
+        (["--threads", "0"], "--threads must be >= 1"),
         (["--keep-ratios", "0.25", "1.5"], r"--keep-ratios must be in \(0, 1\]"),
     ],
 )

@@ -8,8 +8,9 @@ warm-up rounds:
 
 * ``prefill_ms``: from the ``generate`` call to the first new token (encoders, decoder, LM head, sampling);
 * ``llm_prefill_ms``: the decoder alone (the text model's first call in that ``generate``), timed by hooks;
-  ``encoders_ms`` likewise for the audio and vision encoders; on CPU also ``prefill_cpu_ms`` and
-  ``llm_prefill_cpu_ms``, the process's CPU time over the same spans (steady on a machine shared with other work);
+  ``encoders_ms`` likewise for the audio and vision encoders; on CPU also ``prefill_cpu_ms``,
+  ``llm_prefill_cpu_ms`` and ``decode_cpu_ms_per_token``, the process's CPU time over the same spans (steady on a
+  machine shared with other work, where wall time is not);
 * ``decode_ms_per_token``: mean time between the new tokens after the first;
 * ``kv_cache_mib``: bytes of the KV cache after prefill (read from the returned cache, minus the decode steps);
 * in ``profile_reps`` extra runs of each configuration, which are not timed because measuring disturbs the timing:
@@ -26,7 +27,7 @@ warm-up rounds:
 Modes:
 
 * ``cpu``: a mid-size thinker (12 layers, hidden 1024, 16 heads, 2 KV heads, MLP 2816; float32, sdpa) so that the
-  decoder dominates; runs in about 3 minutes on 2 cores with ``--threads 1``. Target: ``llm_prefill_ratio`` within
+  decoder dominates; runs in about 4 minutes on 2 cores with ``--threads 1``. Target: ``llm_prefill_ratio`` within
   1.15x of ``token_layer_ratio``.
 * ``gpu``: the real Qwen2.5-Omni-7B and 3B text-model shapes (``macer.testing.TEXT_SHAPES``, real vocabulary sizes;
   bf16, sdpa, random weights; the encoders stay tiny, their time is reported apart). Also the naive way of getting
@@ -79,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-ratios", type=float, nargs="+", default=[0.25, 0.35, 0.45],
                         help="MACER keep ratios rho to compare with the full prefill")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default cpu 1, gpu 3)")
-    parser.add_argument("--reps", type=int, default=None, help="timed rounds (default cpu 5, gpu 10)")
+    parser.add_argument("--reps", type=int, default=None, help="timed rounds (default cpu 7, gpu 10)")
     parser.add_argument("--profile-reps", type=int, default=3,
                         help="extra generates per MACER configuration that measure its own overhead (synchronised)")
     parser.add_argument("--decode-tokens", type=int, default=None,
@@ -147,7 +148,7 @@ def _resolve_mode(mode: str) -> str:
 
 
 def _settings(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    defaults = {"cpu": (1, 5, 8), "gpu": (3, 10, 32)}[mode]
+    defaults = {"cpu": (1, 7, 8), "gpu": (3, 10, 32)}[mode]
     warmup = defaults[0] if args.warmup is None else args.warmup
     reps = defaults[1] if args.reps is None else args.reps
     decode = defaults[2] if args.decode_tokens is None else args.decode_tokens
@@ -388,6 +389,7 @@ class Measurement:
     llm_prefill_cpu_s: float | None
     encoders_s: float
     decode_s_per_token: float
+    decode_cpu_s_per_token: float | None
     peak_extra_bytes: float | None
     kv_prefill_bytes: int
     cache_layer_lengths: list[int]
@@ -440,6 +442,8 @@ def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], macer_confi
         llm_prefill_cpu_s=clock.cpu_seconds(*calls["llm"][0]),
         encoders_s=encoders,
         decode_s_per_token=(streamer.stamps[-1][0] - streamer.stamps[0][0]) / (decode_tokens - 1),
+        decode_cpu_s_per_token=((streamer.stamps[-1][1] - streamer.stamps[0][1]) / (decode_tokens - 1)
+                                if device.type == "cpu" else None),
         peak_extra_bytes=memory["peak_extra"],
         kv_prefill_bytes=kv_prefill,
         cache_layer_lengths=prefill_lengths,
@@ -532,6 +536,7 @@ def _row(label: str, method: str, keep_ratio: float, runs: list[Measurement], pr
         "llm_prefill_cpu_ms": ms([m.llm_prefill_cpu_s for m in runs]),
         "encoders_ms": ms([m.encoders_s for m in runs]),
         "decode_ms_per_token": ms([m.decode_s_per_token for m in runs]),
+        "decode_cpu_ms_per_token": ms([m.decode_cpu_s_per_token for m in runs]),
         "peak_extra_mib": _mib(_median([m.peak_extra_bytes for m in profiled])),
         "kv_cache_mib": last.kv_prefill_bytes / _MIB,
         "overhead_ms": ms([m.overhead_s for m in profiled]) if method == "macer" else None,
@@ -714,8 +719,9 @@ def plot(rows: list[dict], path: Path, title: str = "") -> Path:
                 continue
             ax.plot(rhos, [r[key] for r in macer_rows], "o-", color=f"C{color}", label=f"MACER {name}")
             ax.axhline(full[key], color=f"C{color}", ls=":", label=f"full {name}")
-        decode = ", ".join(f"{r['decode_ms_per_token']:.1f}" for r in macer_rows)
-        ax.set_title(f"{label}\ndecode ms/token: full {full['decode_ms_per_token']:.1f}, MACER {decode}", fontsize=9)
+        key = "decode_cpu_ms_per_token" if full["decode_cpu_ms_per_token"] is not None else "decode_ms_per_token"
+        decode = ", ".join(f"{r[key]:.1f}" for r in macer_rows)
+        ax.set_title(f"{label}\n{key}: full {full[key]:.1f}, MACER {decode}", fontsize=9)
         ax.set_ylabel("ms")
         ax.legend(fontsize=7)
         ax = axes[1][col]
