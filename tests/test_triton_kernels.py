@@ -337,6 +337,36 @@ def test_importing_macer_kernels_does_not_import_triton():
     assert result.stdout.strip() == "False"
 
 
+# ---- benchmarks ------------------------------------------------------------------------------------------------
+
+def _time_once(fn, device, **_):
+    fn()
+    return 1.0
+
+
+def test_benchmarks_quick_mode_lists_triton_and_writes_nothing(capsys, monkeypatch, tmp_path):
+    # The benchmark plumbing with the Triton providers in it (interpreted here, so each is timed once).
+    from benchmarks import bench_modality_scores, bench_select, common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    for module in (bench_modality_scores, bench_select):
+        monkeypatch.setattr(module, "median_time_us", _time_once)
+    monkeypatch.setattr(bench_modality_scores, "copy_bandwidth_gbs", lambda device, nbytes: 1.0)
+    bench_modality_scores.main(["--quick", "--seq-lens", "33"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["provider", "N", "median_us"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    expected = {"naive", "torch", "triton", "triton-store"} if not ON_GPU else {"naive", "torch"}
+    assert expected <= set(rows)
+    assert all(float(row[-1]) < 1e-5 for row in rows.values())  # rel_err against the naive output
+    bench_select.main(["--quick", "--sizes", "40"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[1:]]
+    assert {row[1] for row in rows} >= ({"naive", "torch", "triton"} if not ON_GPU else {"naive", "torch"})
+    assert all(row[-1] == "True" for row in rows)  # every provider returned the PyTorch backend's indices
+    assert not list(tmp_path.iterdir())
+
+
 # ---- compiled code, checked without a GPU --------------------------------------------------------------------
 
 def _compile_for_gpu_targets() -> None:

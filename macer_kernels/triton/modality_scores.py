@@ -25,6 +25,8 @@ IEEE (not TF32) dot. Logits are kept in base 2 (``exp2`` with ``log2(e)`` folded
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -178,6 +180,7 @@ def _block_n(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> i
     return block
 
 
+@functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

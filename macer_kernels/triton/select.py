@@ -29,6 +29,8 @@ takes the top-k path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -163,6 +165,13 @@ def _coverage_sorted_kernel(order_ptr, s_ptr, c_ptr, v_ptr, n, weight_ptr, SEARC
     tl.store(v_ptr + token, _bonus_value(s_p, p - lo, weight), mask=ok)
 
 
+@functools.lru_cache(maxsize=64)
+def _weight_tensor(coverage_weight: float, device: torch.device) -> torch.Tensor:
+    """lambda_c as a one-element float64 tensor (Triton passes Python floats to kernels as float32). lambda_c is a
+    configuration constant, so caching saves a fill launch on every call; the tensor is only ever read."""
+    return torch.full((1,), coverage_weight, dtype=torch.float64, device=device)
+
+
 def _cmp_dtype(scores: torch.Tensor) -> tl.dtype:
     # Widening to float64 is exact and monotone, so comparisons agree with the reference in either type; float32
     # comparisons are much cheaper on GPUs with slow float64.
@@ -210,8 +219,7 @@ def coverage_select_triton(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int
         return topk_indices_triton(scores, k)
     scores, chunk_ids = scores.contiguous(), chunk_ids.contiguous()
     dev = scores.device
-    # lambda_c as a float64 tensor: Triton passes Python floats to kernels as float32.
-    weight = torch.full((1,), coverage_weight, dtype=torch.float64, device=dev)
+    weight = _weight_tensor(coverage_weight, dev)
     value = torch.empty(n, dtype=torch.float64, device=dev)
     if n <= PAIRWISE_MAX_N:
         pos = torch.empty(n, dtype=torch.int32, device=dev)
