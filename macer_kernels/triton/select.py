@@ -38,8 +38,9 @@ import triton.language as tl
 from macer_kernels.backend import register
 
 PAIRWISE_MAX_N = 2048
-"""Largest n handled by the pairwise (sort-free) kernels; above it the sort-based path runs. ``n^2`` comparisons at
-n = 2048 are 4M per kernel, a few microseconds on a GPU, well under one CUB sort's launch overhead."""
+"""Largest n handled by the pairwise (sort-free) kernels; above it the sort-based path runs. At n = 2048 a kernel
+makes 4M comparisons, estimated at a few microseconds on a current GPU, against four or more CUB sorts for the
+sort-based path. An estimate, not a measurement (no GPU was available): ``benchmarks/bench_select.py`` decides."""
 
 # Pairwise tiles: 64 x 64 comparisons per step on a GPU (enough programs for n ~ 1k). The interpreter pays per
 # step in Python, so it takes bigger tiles; tails and multi-tile loops are still exercised for n > 256.
