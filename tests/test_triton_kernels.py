@@ -92,6 +92,12 @@ def test_scores_gqa_groups_and_key_layouts(group, layout):
     _check_scores(modality_scores(q, k, m), q, k, m)
 
 
+def test_scores_long_question_span():
+    # 7 query heads per KV head x 20 query rows = 140 rows per KV head: narrower key tiles keep the logit tile small.
+    q, k, m = _inputs(1, 14, 2, 20, N_ODD, 64, dtype=torch.bfloat16)
+    _check_scores(modality_scores(q, k, m), q, k, m)
+
+
 def test_scores_non_contiguous_query_and_narrow_int_dtypes():
     q, k, m = _inputs(1, 4, 2, 5, N_ODD, 64)
     q_view = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B, Lq, Hq, D] storage

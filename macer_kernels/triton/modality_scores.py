@@ -170,11 +170,14 @@ def _scores_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, rowmax_ptr, weight_ptr, logit
     tl.store(out_ptr + b64 * N + offs_n, acc, mask=n_ok)
 
 
-def _block_n(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> int:
-    """Key-tile width: 128 keys for half inputs (64 for D > 128, to bound registers), half that for the fp32 dot,
+def _block_n(d: int, rows: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> int:
+    """Key-tile width. 128 keys for half inputs (64 for D > 128, to bound registers), half that for the fp32 dot,
     whose operands take twice the shared memory (this keeps every kernel under the 99 KB of sm_89, checked by
-    compiling for sm_89/sm_90); then halved down to 32 while the grid is too small to fill the GPU."""
+    compiling for sm_89/sm_90); at most 8192 / rows, so that a long question span (many query rows per KV head)
+    keeps the ``[rows, BLOCK_N]`` logit tile in registers; then halved down to 32 while the grid is too small to
+    fill the GPU. Never below 16, the smallest ``tl.dot`` operand."""
     block = (128 if d <= 128 else 64) // (2 if dot_fp32 else 1)
+    block = max(16, min(block, 8192 // rows))
     while block > 32 and batch * triton.cdiv(n, block) < tiles_wanted:
         block //= 2
     return block
@@ -213,7 +216,7 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     dot_fp32 = not half or (_INTERPRETED and query.dtype == torch.bfloat16)
     query = query.contiguous()  # [B, Hq, Lq, D] is small; K is never copied
     sms = _num_sms(query.device)
-    block_n1 = _block_n(d, 2 * sms, n, b * hkv, dot_fp32)
+    block_n1 = _block_n(d, rows_pad, 2 * sms, n, b * hkv, dot_fp32)
     tiles = triton.cdiv(n, block_n1)
     total_rows = b * hq * lq
     dev = query.device
@@ -237,7 +240,7 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
         tile_max, tile_sums, row_max, weight, tiles, eps, 1.0 / (lq * hq),
         NUM_M=num_m, M_PAD=m_pad, BLOCK_T=min(1024, triton.next_power_of_2(tiles)), num_warps=4,
     )
-    block_n3 = _block_n(d, 2 * sms, n, b, dot_fp32)
+    block_n3 = _block_n(d, rows_pad, 2 * sms, n, b, dot_fp32)
     _scores_kernel[(b, triton.cdiv(n, block_n3))](
         query, key, modality, query_positions, row_max, weight, logits, out, *common, *k_strides, *lab_strides,
         *pos_strides, scale_log2,
