@@ -35,9 +35,10 @@ from macer_kernels.backend import register
 
 STORE_LOGITS = False
 """Default strategy of phase 3: recompute the logits from K (False) or store fp32 logits in phase 1 and read them
-back (True). Recomputing re-reads ``Hkv * N * D`` elements of K; storing writes and reads ``Hq * Lq * N`` fp32, which
-for the 7B shapes (28 / 4 heads, D = 128, Lq = 4, bf16) is 224 vs 256 bytes per key, but grows with Lq and needs an
-O(Hq Lq N) workspace. ``docs/triton.md`` gives the reasoning; ``benchmarks/bench_modality_scores.py`` times both."""
+back (True). Recomputing re-reads ``Hkv * N * D`` elements of K; storing writes and reads ``Hq * Lq * N`` fp32. For
+the 7B shapes (28 / 4 heads, D = 128, Lq = 4, bf16) that is 1024 vs 896 bytes per key, but storing grows with Lq and
+needs an O(Hq Lq N) workspace. ``docs/triton.md`` gives the reasoning; ``benchmarks/bench_modality_scores.py``
+times both."""
 
 _LOG2E = 1.4426950408889634
 _INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -200,10 +201,10 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     """
     b, hq, lq, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
-    out = torch.zeros(b, n, dtype=torch.float32, device=query.device)
     num_m = int(modality.max()) if n else 0  # the largest label present sizes the per-row state (<= MAX_MODALITIES)
     if num_m == 0:
-        return out
+        return torch.zeros(b, n, dtype=torch.float32, device=query.device)
+    out = torch.empty(b, n, dtype=torch.float32, device=query.device)  # phase 3 writes every key
     store = STORE_LOGITS if store_logits is None else store_logits
     group = hq // hkv
     rows_per_kv = group * lq  # the query rows that share one KV head
