@@ -115,8 +115,10 @@ def test_infinite_scores_are_ordered_like_the_greedy(backend):
     k_frac=st.floats(0, 1),
 )
 def test_property_selection_equals_literal_greedy(data, weight, k_frac):
-    # Coarse values: many exact ties; a few tiny ones that the float64 sum absorbs.
-    scores = torch.tensor([s / 4 if s < 6 else 1e-30 * (1 + c) for s, c in data], dtype=torch.float64)
+    # Coarse values: many exact ties; and distinct tiny ones (a fixed pseudo-random order of the position) that the
+    # float64 sum absorbs, so ties in value must fall to the higher score, not merely to the lower index.
+    scores = torch.tensor([s / 4 if s < 6 else 1e-30 * (1 + (7 * i) % 11) for i, (s, _) in enumerate(data)],
+                          dtype=torch.float64)
     chunks = torch.tensor([c for _, c in data], dtype=torch.long)
     k = int(k_frac * len(data))
     out = coverage_select(scores, chunks, k, weight)
