@@ -175,6 +175,7 @@ def test_bench_writes_csv_json_and_plot(tiny_results):
     env = data["meta"]["env"]
     assert {"device", "torch", "transformers", "git_sha"} <= set(env) and env["torch"] == torch.__version__
     assert data["meta"]["settings"]["keep_ratios"] == [0.25, 0.45] and data["meta"]["settings"]["reps"] == 1
+    assert "cpu_model" in data["meta"] and "load_average_at_end" in data["meta"]
     assert len(data["rows"]) == 3
 
 

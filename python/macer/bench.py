@@ -671,11 +671,20 @@ def _benchmarks_common():
     return common
 
 
+def _cpu_model() -> str | None:
+    """The host CPU's model name (``common.environment`` names only the architecture on some machines)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def _write(rows: list[dict], naive_rows: list[dict], settings: dict[str, Any], device: torch.device,
            args: argparse.Namespace) -> int:
     common = _benchmarks_common()
     name = args.name or f"bench_e2e_{settings['mode']}"
-    meta = {"env": common.environment(device),
+    meta = {"env": common.environment(device), "cpu_model": _cpu_model(),
             "settings": settings,
             "clip": "synthetic chat-templated question about an interleaved audio-video clip (macer.testing)",
             "timing": "median of `reps` rounds after `warmup` rounds; full and MACER alternate in one process",
