@@ -287,3 +287,26 @@ def test_trace_cost_reads_layer_tokens_and_budget():
 def test_errors_name_the_parameter_and_range(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_trace_cost_of_a_real_staged_prefill():
+    # A real macer.compress run on a tiny thinker: the trace's per-layer lengths are the staged lengths computed from
+    # the prompt's counts and the budget, and trace_cost recovers the prompt's multimodal count from the trace alone.
+    from macer import compress
+    from macer.testing import build_thinker, clip_inputs, macer_config_for
+
+    model = build_thinker(num_layers=4, hidden_size=32, num_heads=2, num_kv_heads=1)
+    inputs = clip_inputs(model, frames=4, grid_hw=(8, 8), audio_tokens=40)  # 32 video tokens, both modalities pruned
+    config = macer_config_for(model, keep_ratio=0.3, audio_layer=1, video_layer=3)
+    with torch.no_grad(), compress(model, config) as trace:
+        model(**inputs, use_cache=True)
+    last = trace.last
+    assert last.n_video == 32 and last.n_audio == 40
+    budget = split_budget(last.n_audio, last.n_video, 0.3, config.audio_share)
+    assert trace.budget == budget
+    n_text = last.prompt_length - last.n_audio - last.n_video
+    expected = cost.staged_layer_tokens(n_text, last.n_audio, last.n_video, budget.audio, budget.video, 1, 3, 4)
+    assert trace.layer_tokens == expected
+    rc = cost.trace_cost(trace, model)
+    assert rc.multimodal_tokens == last.n_audio + last.n_video and rc.prune_layer == 3
+    assert rc == cost.run_cost(expected, model, last.n_audio + last.n_video)
