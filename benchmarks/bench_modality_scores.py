@@ -22,9 +22,15 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import copy_bandwidth_gbs, environment, median_time_us, print_table, write_results
-from macer_kernels import available_backends, modality_scores, use_backend
-from macer_kernels.backend import resolve
+from benchmarks.common import (
+    copy_bandwidth_gbs,
+    environment,
+    median_time_us,
+    print_table,
+    runnable_backends,
+    write_results,
+)
+from macer_kernels import modality_scores, use_backend
 from macer_kernels.reference import modality_scores_ref
 
 # Qwen2.5-Omni-7B thinker: 28 query heads, 4 KV heads, D = 128; a 4-token question span; bf16 cache.
@@ -47,12 +53,7 @@ def _inputs(n: int, device: str, dtype: torch.dtype, layout: str, hq: int, hkv: 
 
 def _providers(query, key, modality, device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
     providers = {"naive": lambda: modality_scores_ref(query, key, modality, dtype=torch.float32)}
-    for name in reversed(available_backends()):  # torch first, then triton, cuda
-        try:
-            with use_backend(name):
-                resolve("modality_scores", device)
-        except RuntimeError:  # e.g. Triton on CPU tensors without the interpreter
-            continue
+    for name in runnable_backends("modality_scores", device):
 
         def run(name=name):
             with use_backend(name):

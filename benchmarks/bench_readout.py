@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.bench_modality_scores import slug
 from benchmarks.bench_select import naive_coverage, naive_topk
-from benchmarks.common import environment, median_time_us, print_table, write_results
+from benchmarks.common import environment, median_time_us, print_table, runnable_backends, write_results
 from macer_kernels import (
     available_backends,
     compact_many,
@@ -38,7 +38,6 @@ from macer_kernels import (
     topk_indices,
     use_backend,
 )
-from macer_kernels.backend import resolve
 from macer_kernels.reference import modality_scores_ref
 
 # Qwen2.5-Omni-7B readout (Sec. 4 defaults of macer.config for 28 layers).
@@ -113,12 +112,7 @@ def cuda_direct_readout(x: dict):
 
 def providers(device: torch.device) -> dict[str, Callable]:
     found = {"naive": naive_readout}
-    for name in reversed(available_backends()):  # torch first, then triton, cuda
-        try:
-            with use_backend(name):
-                resolve("modality_scores", device)
-        except RuntimeError:  # e.g. Triton on CPU tensors without the interpreter
-            continue
+    for name in runnable_backends("modality_scores", device):
         found[name] = lambda x, name=name: backend_readout(name, x)
         if name == "cuda":
             found["cuda-direct"] = cuda_direct_readout

@@ -20,9 +20,8 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.bench_modality_scores import slug
-from benchmarks.common import environment, median_time_us, print_table, write_results
-from macer_kernels import available_backends, coverage_select, temporal_chunks, topk_indices, use_backend
-from macer_kernels.backend import resolve
+from benchmarks.common import environment, median_time_us, print_table, runnable_backends, write_results
+from macer_kernels import coverage_select, temporal_chunks, topk_indices, use_backend
 
 SIZES = (864, 20_000, 100_000)
 QUICK_SIZES = (50, 300)
@@ -62,14 +61,7 @@ def _backend_fn(name: str, fn: Callable, *args) -> Callable[[], torch.Tensor]:
 
 def run(sizes, device: torch.device) -> list[dict]:
     rows = []
-    backends = []
-    for name in reversed(available_backends()):  # torch first, then triton, cuda
-        try:
-            with use_backend(name):
-                resolve("coverage_select", device)
-        except RuntimeError:  # e.g. Triton on CPU tensors without the interpreter
-            continue
-        backends.append(name)
+    backends = runnable_backends("coverage_select", device)
     for n in sizes:
         g = torch.Generator(device=device.type).manual_seed(n)
         scores = torch.rand(n, generator=g, device=device)

@@ -58,6 +58,22 @@ def environment(device: torch.device | str) -> dict:
     return env
 
 
+def runnable_backends(op: str, device: torch.device | str) -> list[str]:
+    """Backends that can run ``op`` on ``device`` here, slowest first (torch, then triton, then cuda)."""
+    from macer_kernels import available_backends, use_backend
+    from macer_kernels.backend import resolve
+
+    names = []
+    for name in reversed(available_backends()):
+        try:
+            with use_backend(name):
+                resolve(op, torch.device(device))
+        except RuntimeError:  # e.g. Triton on CPU tensors without the interpreter
+            continue
+        names.append(name)
+    return names
+
+
 def median_time_us(fn: Callable[[], object], device: torch.device | str, *, warmup: int = 5, reps: int = 50) -> float:
     """Median wall time of ``fn()`` in microseconds."""
     device = torch.device(device)
