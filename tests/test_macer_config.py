@@ -11,12 +11,21 @@ from macer.testing import (
     build_omni_model,
     build_thinker,
     clip_inputs,
+    decoder_parts,
     macer_config_for,
     thinker_config,
 )
 from torch import nn
 
 SMALL = {"frames": 4, "grid_hw": (8, 8), "audio_tokens": 60, "seed": 1}
+
+
+def _decoder(model):
+    return decoder_parts(model).decoder
+
+
+def _root(model):
+    return decoder_parts(model).root
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +117,7 @@ def test_unsupported_model_type():
 
 
 def test_unsupported_attention_and_sliding_window(model):
-    text = model.model.language_model.config
+    text = _decoder(model).config
     text._attn_implementation = "flex_attention"
     try:
         with pytest.raises(ValueError, match=r"attention implementation 'flex_attention' is not supported; "
@@ -135,7 +144,7 @@ def test_nested_compress_is_refused(model):
     with macer.compress(model, config), pytest.raises(ValueError, match=r"already inside a macer\.compress context"):
         with macer.compress(model, config):
             pass
-    assert model.model.language_model.config._attn_implementation == "sdpa"
+    assert _decoder(model).config._attn_implementation == "sdpa"
 
 
 def _run(model, config, **inputs):
@@ -165,10 +174,10 @@ def test_padding_mask_and_embeds_only_and_labels(model):
         _run(model, config, **inputs, labels=inputs["input_ids"])
     with pytest.raises(ValueError, match="precomputed attention-mask dicts are not supported"):
         with torch.no_grad(), macer.compress(model, config):
-            model.model.language_model(inputs_embeds=embeds[:, :5], attention_mask={"full_attention": None})
+            _decoder(model)(inputs_embeds=embeds[:, :5], attention_mask={"full_attention": None})
     with pytest.raises(ValueError, match=r"attention_mask must be 2-D \[1, N\], got shape \(1, 1, 5, 5\)"):
         with torch.no_grad(), macer.compress(model, config):
-            model.model.language_model(inputs_embeds=embeds[:, :5], attention_mask=torch.zeros(1, 1, 5, 5))
+            _decoder(model)(inputs_embeds=embeds[:, :5], attention_mask=torch.zeros(1, 1, 5, 5))
 
 
 def test_question_span_errors(model):

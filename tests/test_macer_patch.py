@@ -8,9 +8,24 @@ import copy
 import macer
 import pytest
 import torch
-from macer.testing import SYNTHETIC_TOKENS, build_omni_model, build_thinker, clip_inputs, macer_config_for
+from macer.testing import (
+    SYNTHETIC_TOKENS,
+    build_omni_model,
+    build_thinker,
+    clip_inputs,
+    decoder_parts,
+    macer_config_for,
+)
 
 CLIP = {"frames": 8, "grid_hw": (8, 8), "audio_tokens": 150, "seed": 1}  # 64 video + 150 audio tokens
+
+
+def _decoder(model):
+    return decoder_parts(model).decoder
+
+
+def _root(model):
+    return decoder_parts(model).root
 
 
 def _thinker(attn: str = "sdpa", layers: int = 6):
@@ -109,7 +124,7 @@ def test_generate_twice_prunes_each_prefill_and_restores():
 def test_exit_restores_bit_identical_logits_even_after_exception(attn):
     model = _thinker(attn)
     inputs = clip_inputs(model, **CLIP)
-    attn_config = model.model.language_model.config
+    attn_config = _decoder(model).config
     with torch.no_grad():
         want = model(**inputs).logits
         with pytest.raises(RuntimeError, match="boom"), macer.compress(model, macer_config_for(model)):
@@ -118,8 +133,8 @@ def test_exit_restores_bit_identical_logits_even_after_exception(attn):
             assert pruned.shape[1] < want.shape[1]
             raise RuntimeError("boom")
         assert attn_config._attn_implementation == attn
-        assert all(not layer._forward_pre_hooks for layer in model.model.language_model.layers)
-        assert not model.model._forward_pre_hooks and not model.model.language_model._forward_hooks
+        assert all(not layer._forward_pre_hooks for layer in _decoder(model).layers)
+        assert not _root(model)._forward_pre_hooks and not _decoder(model)._forward_hooks
         assert torch.equal(model(**inputs).logits, want)
 
 
@@ -161,7 +176,7 @@ def test_full_model_through_thinker_matches_thinker():
     assert torch.equal(got_logits, want_logits)
     assert got.history[0].audio_kept == want.audio_kept and got.history[0].video_kept == want.video_kept
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 2
-    assert omni.thinker.model.language_model.config._attn_implementation == "sdpa"
+    assert _decoder(omni).config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -190,7 +205,7 @@ def test_trim_early_cache(attn):
         # Decoding on the trimmed cache: every layer holds the same rows, so the unpatched model can decode on a copy
         # and must agree with the patched decode, which also gets a 2-D mask over the original prompt length.
         step = torch.tensor([[SYNTHETIC_TOKENS.first_ordinary]])
-        positions = torch.full((3, 1, 1), int(model.model.rope_deltas) + n)
+        positions = torch.full((3, 1, 1), int(_root(model).rope_deltas) + n)
         config = macer_config_for(model, keep_ratio=0.25, trim_early_cache=True)
         with macer.compress(model, config):
             prefill = model(**inputs, use_cache=True)

@@ -13,11 +13,19 @@ from __future__ import annotations
 import macer
 import pytest
 import torch
-from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, macer_config_for
+from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, decoder_parts, macer_config_for
 
 from macer_kernels.reference import coverage_select_ref, split_budget_ref, temporal_chunks_ref, topk_indices_ref
 
 AUDIO, VISUAL = 1, 2
+
+
+def _decoder(model):
+    return decoder_parts(model).decoder
+
+
+def _root(model):
+    return decoder_parts(model).root
 SMALL_CLIP = {"frames": 8, "grid_hw": (8, 8), "audio_tokens": 150}  # 64 video + 150 audio tokens, 6 s
 
 
@@ -43,7 +51,7 @@ def _anms(probs: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, eps: fl
 
 def reference_kept(model, inputs, config) -> tuple[list[int], list[int]]:
     """Kept audio and visual prompt positions, computed independently (see module docstring)."""
-    lm = model.model.language_model
+    lm = _decoder(model)
     captured = {}
 
     def grab(module, args, kwargs):

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from macer import cost
+from macer.adapters import get_adapter
 
 CPU_SHAPE: dict[str, int] = {"num_layers": 12, "hidden_size": 1024, "num_heads": 16, "num_kv_heads": 2,
                              "intermediate_size": 2816}
@@ -411,8 +412,8 @@ def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], macer_confi
     thinker = _thinker(model)
     device = next(thinker.parameters()).device
     clock = _Clock(device)
-    inner = thinker.model
-    modules = {"llm": inner.language_model, "audio": inner.audio_tower, "visual": inner.visual}
+    parts = get_adapter(model).parts(model)
+    modules = {"llm": parts.decoder, "audio": parts.root.audio_tower, "visual": parts.root.visual}
     streamer = _TokenClock(device)
     patch = (macer.compress(model, macer_config, profile=profile) if macer_config is not None
              else contextlib.nullcontext())
@@ -607,7 +608,7 @@ def naive_scores_rows(model: torch.nn.Module, label: str, lengths: Sequence[int]
     random question-row queries for the model's own (the cost is the same).
     """
     thinker = _thinker(model)
-    text_model = thinker.model.language_model
+    text_model = get_adapter(model).parts(model).decoder
     device = next(thinker.parameters()).device
     dtype = next(thinker.parameters()).dtype
     shape = cost.DecoderShape.from_config(model)

@@ -84,6 +84,7 @@ def _timed(fn) -> tuple[float, Any]:
 
 def _demo_random(args: argparse.Namespace) -> int:
     import macer
+    from macer.adapters import get_adapter
     from macer.testing import build_thinker, clip_inputs, macer_config_for
 
     torch.manual_seed(0)
@@ -106,7 +107,7 @@ def _demo_random(args: argparse.Namespace) -> int:
     print(f"prompt: {n} tokens ({args.frames} frames, {layout})")
 
     with torch.no_grad():
-        llm = _LLMTimer(model.model.language_model)
+        llm = _LLMTimer(get_adapter(model).parts(model).decoder)
         full_times, macer_times, full_llm, macer_llm = [], [], [], []
         model(**inputs)  # warm-up
         for _ in range(max(1, args.repeats)):  # alternate so that machine noise hits both alike

@@ -40,6 +40,7 @@ __all__ = [
     "build_omni_model",
     "build_thinker",
     "clip_inputs",
+    "decoder_parts",
     "macer_config_for",
     "thinker_config",
 ]
@@ -363,3 +364,12 @@ def macer_config_for(model: Any, **overrides: Any):
 
     overrides.setdefault("end_of_turn_token_id", SYNTHETIC_TOKENS.im_end)
     return MacerConfig(**overrides)
+
+
+def decoder_parts(model: Any):
+    """``macer.adapters.DecoderParts`` of a model built here: ``.decoder`` (the text model), ``.layers``, ``.root``
+    (the module that receives ``input_ids`` and holds ``audio_tower``, ``visual`` and ``rope_deltas``), whichever
+    module tree the installed transformers uses."""
+    from macer.adapters import get_adapter
+
+    return get_adapter(model).parts(model)

@@ -5,8 +5,14 @@ Module tree (transformers 5.23)::
     Qwen2_5OmniForConditionalGeneration      (model_type "qwen2_5_omni")
       .thinker: Qwen2_5OmniThinkerForConditionalGeneration   (model_type "qwen2_5_omni_thinker")
         .model: Qwen2_5OmniThinkerModel       <- root: receives input_ids, computes the 3-row M-RoPE position ids
+          .audio_tower, .visual
           .language_model: Qwen2_5OmniThinkerTextModel   <- decoder: runs layers[i] in a loop
             .layers[i]: Qwen2_5OmniDecoderLayer
+
+Older releases (transformers 5.17, checked by running the tests against it) have no ``Qwen2_5OmniThinkerModel``: the
+thinker itself is the root (it holds ``audio_tower``, ``visual``, ``rope_deltas`` and receives ``input_ids``) and
+``thinker.model`` is the text model. ``parts`` accepts both; in both, ``root.audio_tower`` / ``root.visual`` are the
+encoders.
 
 The text model only receives ``inputs_embeds``, so modality labels come from the ``input_ids`` seen by the root.
 Its ``position_ids`` are ``[3, B, N]`` (temporal, height, width) or, under ``generate``, ``[4, B, N]`` (a text row
@@ -32,8 +38,16 @@ class Qwen25OmniAdapter(Adapter):
 
     def parts(self, model: nn.Module) -> DecoderParts:
         thinker = self._thinker(model)
-        decoder = thinker.model.language_model
-        return DecoderParts(root=thinker.model, decoder=decoder, layers=decoder.layers, attn_config=decoder.config,
+        inner = getattr(thinker, "model", None)
+        if hasattr(inner, "language_model"):  # transformers 5.2x: thinker.model is the multimodal model
+            root, decoder = inner, inner.language_model
+        elif hasattr(inner, "layers"):  # transformers 5.17: thinker.model is the text model
+            root, decoder = thinker, inner
+        else:
+            raise ValueError(f"macer.compress: cannot find the decoder of {type(thinker).__name__} (expected "
+                             "thinker.model.language_model.layers or thinker.model.layers); transformers "
+                             "version not supported")
+        return DecoderParts(root=root, decoder=decoder, layers=decoder.layers, attn_config=decoder.config,
                             outer=(thinker,))
 
     def labels(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
