@@ -160,6 +160,16 @@ def test_batch_larger_than_one(model):
              attention_mask=torch.ones_like(ids))
 
 
+@pytest.mark.parametrize("generate_kwargs", [{"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}])
+def test_beam_search_and_several_sequences_are_refused(model, generate_kwargs):
+    # generate expands a batch-1 prompt to num_beams (num_return_sequences) rows before the prefill; beam search
+    # would also reorder the per-layer caches of different lengths. Refused with a message that says why.
+    inputs = clip_inputs(model, frames=0, audio_tokens=20, use_audio_in_video=False)
+    config = macer_config_for(model, audio_layer=1, video_layer=2)
+    with torch.no_grad(), macer.compress(model, config), pytest.raises(ValueError, match="num_beams > 1"):
+        model.generate(**inputs, max_new_tokens=2, **generate_kwargs)
+
+
 def test_padding_mask_and_embeds_only_and_labels(model):
     config = macer_config_for(model, audio_layer=1, video_layer=2)
     inputs = clip_inputs(model, **SMALL)

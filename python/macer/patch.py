@@ -235,7 +235,9 @@ class _Session:
         if cache is not None and cache.get_seq_length() > 0:
             return self._begin_decode(cache, args, kwargs)
         if batch != 1:
-            raise ValueError(f"macer.compress supports batch size 1 for now; got a batch of {batch}")
+            raise ValueError(f"macer.compress supports batch size 1 for now; got a batch of {batch} (generate with "
+                             "num_beams > 1 or num_return_sequences > 1 also expands the batch: beam search and "
+                             "several returned sequences are not supported; greedy and sampling are)")
         if cache is not None and getattr(cache, "is_compileable", False):
             raise ValueError(f"macer.compress: {type(cache).__name__} is not supported (static caches cannot hold "
                              "layers of different lengths); use the default DynamicCache")
