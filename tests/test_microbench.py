@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -262,3 +264,166 @@ def test_gpu_paths_on_a_tiny_model():
     naive = bench.naive_scores_rows(model, "tiny-gpu", [256], readout_layer=2)
     assert [r["method"] for r in naive] == ["eager+output_attentions", "sdpa+modality_scores"]
     assert not any(r["oom"] for r in naive)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# macer.bench's gpu mode on CPU, through stand-ins for torch.cuda
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _checked(real, impl):
+    """A stand-in that accepts exactly the arguments ``real`` accepts (a wrong keyword fails here, not on the GPU)."""
+    signature = inspect.signature(real)
+
+    def stand_in(*args, **kwargs):
+        signature.bind(*args, **kwargs)
+        return impl(*args, **kwargs)
+
+    return stand_in
+
+
+class _CudaStandIns:
+    """``torch.cuda`` timing and memory functions with the real signatures, working on CPU tensors."""
+
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+        self.allocated = 0
+        real_event = torch.cuda.Event
+        stand_ins = self
+
+        class Event:
+            def __init__(self, *args, **kwargs):
+                inspect.signature(real_event).bind(*args, **kwargs)
+                stand_ins._count("Event")
+                self.stamp = None
+
+            def record(self, *args, **kwargs):
+                inspect.signature(real_event.record).bind(self, *args, **kwargs)
+                self.stamp = time.perf_counter()
+
+            def synchronize(self):
+                assert self.stamp is not None, "synchronize() on an event that was never recorded"
+
+            def elapsed_time(self, end_event):
+                assert self.stamp is not None and end_event.stamp is not None, "elapsed_time of unrecorded events"
+                return 1e3 * (end_event.stamp - self.stamp)
+
+        self.Event = Event
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def install(self, monkeypatch) -> None:
+        def counting(name, result):
+            def impl(*args, **kwargs):
+                self._count(name)
+                return result() if callable(result) else result
+            return impl
+
+        def allocated():
+            self.allocated += 1000  # grows, so peaks above a base are positive
+            return self.allocated
+
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        for name, result in (("synchronize", None), ("reset_peak_memory_stats", None), ("empty_cache", None),
+                             ("memory_allocated", allocated), ("max_memory_allocated", lambda: self.allocated + 2**20),
+                             ("is_available", True)):
+            monkeypatch.setattr(torch.cuda, name, _checked(getattr(torch.cuda, name), counting(name, result)))
+
+
+def test_gpu_mode_code_paths_on_cpu(monkeypatch, tmp_path):
+    """``--mode gpu`` end to end (7B/3B text shapes shrunk, bf16, CUDA events, allocator peaks, the naive
+    output_attentions comparison with one simulated out-of-memory) on CPU, so that a typo, a wrong keyword or a shape
+    error in the never-run GPU mode surfaces here."""
+    from macer import testing
+
+    cuda = _CudaStandIns()
+    cuda.install(monkeypatch)
+    monkeypatch.setattr(bench, "_GPU_DEVICE", "cpu")
+    monkeypatch.setattr(bench, "_uses_cuda", lambda device: True)
+    tiny = {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
+    monkeypatch.setitem(testing.TEXT_SHAPES, "7B", {**tiny, "num_layers": 6})
+    monkeypatch.setitem(testing.TEXT_SHAPES, "3B", {**tiny, "num_layers": 8})
+    monkeypatch.setitem(bench.REAL_VOCAB, "7B", 512)
+    monkeypatch.setitem(bench.REAL_VOCAB, "3B", 256)
+    naive = bench._scores_from_output_attentions
+
+    def oom_at_96(text_model, embeds, *args):
+        if embeds.shape[1] == 96:
+            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory")
+        return naive(text_model, embeds, *args)
+
+    monkeypatch.setattr(bench, "_scores_from_output_attentions", oom_at_96)
+    args = ["--mode", "gpu", "--text-shapes", "7B", "3B", "--audio-tokens", "100", "--frames", "4", "--grid", "8",
+            "8", "--warmup", "0", "--reps", "1", "--profile-reps", "1", "--decode-tokens", "3", "--keep-ratios", "0.25",
+            "--audio-layer", "4", "--video-layer", "2", "--naive-lengths", "64", "96", "--out", str(tmp_path),
+            "--name", "gpu"]
+    assert bench.run(_args(args)) == 0
+
+    with (tmp_path / "gpu.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["model"], r["method"]) for r in rows] == [("7B", "full"), ("7B", "macer"), ("3B", "full"),
+                                                          ("3B", "macer")]
+    assert all(r["cache_matches_trace"] == "True" for r in rows)
+    assert all(r["llm_prefill_cpu_ms"] == "" and r["decode_cpu_ms_per_token"] == "" for r in rows)  # CPU mode only
+    assert all(float(r["peak_extra_mib"]) > 0 and float(r["llm_prefill_ms"]) > 0 for r in rows)
+    assert [len(r["layer_tokens"].split()) for r in rows] == [6, 6, 8, 8]
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert data["meta"]["settings"]["dtype"] == "bfloat16" and data["meta"]["settings"]["mode"] == "gpu"
+    assert (tmp_path / "gpu.png").stat().st_size > 0
+
+    with (tmp_path / "gpu_naive.csv").open() as f:
+        naive_rows = list(csv.DictReader(f))
+    assert [(r["model"], r["tokens"], r["method"], r["oom"]) for r in naive_rows] == [
+        (model, n, method, str(model_oom))
+        for model in ("7B", "3B") for n in ("64", "96")
+        for method, model_oom in (("eager+output_attentions", n == "96"), ("sdpa+modality_scores", False))]
+    # The later of the two readout layers, L_p = max(l_a, l_v), here the audio layer.
+    assert {r["readout_layer"] for r in naive_rows} == {"4"}
+    assert all((r["time_ms"] == "") == (r["oom"] == "True") for r in naive_rows)
+    assert cuda.calls["Event"] > 0 and cuda.calls["reset_peak_memory_stats"] > 0 and cuda.calls["empty_cache"] > 0
+
+
+def test_naive_scores_restore_attention_after_an_error(monkeypatch):
+    from macer.testing import build_thinker, decoder_parts
+
+    model = build_thinker(num_layers=3, hidden_size=32, num_heads=2, num_kv_heads=1)
+
+    def broken(*args):
+        raise RuntimeError("not an OOM")
+
+    monkeypatch.setattr(bench, "_scores_from_output_attentions", broken)
+    with pytest.raises(RuntimeError, match="not an OOM"):
+        bench.naive_scores_rows(model, "tiny", [16], readout_layer=2)
+    assert decoder_parts(model).decoder.config._attn_implementation == "sdpa"
+
+
+def test_output_attentions_scores_equal_modality_scores():
+    """The naive comparison computes the same ANMS: from eager's probabilities vs from the cached keys with the
+    readout layer's own question-row queries."""
+    from macer.testing import build_thinker, decoder_parts
+
+    model = build_thinker(num_layers=3, hidden_size=32, num_heads=2, num_kv_heads=1, attn_implementation="eager")
+    decoder = decoder_parts(model).decoder
+    embeds = torch.randn(1, 40, 32, generator=torch.Generator().manual_seed(0))
+    modality = torch.randint(0, 3, (1, 40), generator=torch.Generator().manual_seed(1))
+    captured = {}
+
+    def grab(module, query, key, value, attention_mask, **kwargs):
+        if module.layer_idx == 1:
+            captured["query"] = query[:, :, -4:]
+        return eager(module, query, key, value, attention_mask, **kwargs)
+
+    eager = inspect.getmodule(type(decoder.layers[0].self_attn)).eager_attention_forward
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("grab_query", grab)
+    with torch.no_grad():
+        want = bench._scores_from_output_attentions(decoder, embeds, modality, 2, 4)
+        decoder.config._attn_implementation = "grab_query"
+        try:
+            decoder(inputs_embeds=embeds, use_cache=False)
+        finally:
+            decoder.config._attn_implementation = "eager"
+        got = bench._scores_from_cache(decoder, embeds, captured["query"], modality, 2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

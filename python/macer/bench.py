@@ -72,6 +72,15 @@ COMPACTION_OPS = ("compact", "compact_many")
 
 _MIB = 2.0**20
 
+_GPU_DEVICE = "cuda"
+"""Device of the gpu mode. Only the tests change it (with ``_uses_cuda`` and stand-ins for ``torch.cuda``), to run
+every gpu-mode code path with a tiny model on a machine without a GPU."""
+
+
+def _uses_cuda(device: torch.device) -> bool:
+    """Whether ``device`` is timed and measured through ``torch.cuda`` (events, allocator peaks)."""
+    return device.type == "cuda"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``macer bench`` / ``benchmarks/bench_e2e.py``."""
@@ -116,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args`` (see ``add_arguments``); write and print the results."""
     mode = _resolve_mode(args.mode)
     settings = _settings(args, mode)
-    device = torch.device("cuda" if mode == "gpu" else "cpu")
+    device = torch.device(_GPU_DEVICE if mode == "gpu" else "cpu")
     cpu_label = "{num_layers}L-h{hidden_size}-mlp{intermediate_size}-heads{num_heads}/{num_kv_heads}".format(**settings)
     models = ([(cpu_label, {k: settings[k] for k in CPU_SHAPE})] if mode == "cpu"
               else [(shape, {"text_shape": shape, "vocab_size": REAL_VOCAB[shape]}) for shape in args.text_shapes])
@@ -127,10 +136,10 @@ def run(args: argparse.Namespace) -> int:
         rows += benchmark_model(model, label, settings, log=_log)
         if mode == "gpu" and settings["naive_lengths"]:
             # The later readout (L_p): the layer up to which FastV-style code would need the full attention.
-            readout = _macer_config(model, 1.0, settings).video_layer
+            readout = max(_macer_config(model, 1.0, settings).stage_layers)
             naive_rows += naive_scores_rows(model, label, settings["naive_lengths"], readout)
         del model
-        if device.type == "cuda":
+        if _uses_cuda(device):
             torch.cuda.empty_cache()
     return _write(rows, naive_rows, settings, device, args)
 
@@ -187,7 +196,7 @@ def _build(shape_kwargs: dict[str, Any], device: torch.device, dtype: torch.dtyp
     takes minutes), in float32 and then cast, so that no initialiser runs in bf16."""
     from macer.testing import build_thinker
 
-    if device.type != "cuda":
+    if not _uses_cuda(device):
         return build_thinker(dtype=dtype, device=device, attn_implementation="sdpa", **shape_kwargs)
     with torch.device(device):
         return build_thinker(dtype=dtype, device=device, attn_implementation="sdpa", **shape_kwargs)
@@ -220,7 +229,7 @@ class _Clock:
     (``perf_counter``) and the process's CPU time (``process_time``; robust to other processes sharing the cores)."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.cuda = _uses_cuda(device)
 
     def mark(self) -> Any:
         if self.cuda:
@@ -320,7 +329,7 @@ def _rss_bytes() -> int | None:
 def _peak_memory(device: torch.device) -> Iterator[dict[str, float | None]]:
     """Peak bytes above the memory resident at entry: the CUDA allocator's peak, or the sampled process RSS."""
     result: dict[str, float | None] = {"peak_extra": None}
-    if device.type == "cuda":
+    if _uses_cuda(device):
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -362,7 +371,7 @@ class _TokenClock:
         if not self._prompt_seen:
             self._prompt_seen = True
             return
-        if self.device.type == "cuda":
+        if _uses_cuda(self.device):
             torch.cuda.synchronize(self.device)
         self.stamps.append((time.perf_counter(), time.process_time()))
 
@@ -421,7 +430,7 @@ def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], macer_confi
     memory_meter = _peak_memory(device) if profile else contextlib.nullcontext({"peak_extra": None})
     with torch.no_grad(), memory_meter as memory, _module_calls(modules, clock) as calls, \
             op_timer as ops, patch as trace:
-        if device.type == "cuda":
+        if _uses_cuda(device):
             torch.cuda.synchronize(device)
         start = (time.perf_counter(), time.process_time())
         out = model.generate(**inputs, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False,
@@ -438,13 +447,13 @@ def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], macer_confi
     op_seconds = {name: sum(clock.seconds(a, b) for a, b in marks) for name, marks in ops.items()}
     return Measurement(
         prefill_s=streamer.stamps[0][0] - start[0],
-        prefill_cpu_s=streamer.stamps[0][1] - start[1] if device.type == "cpu" else None,
+        prefill_cpu_s=None if _uses_cuda(device) else streamer.stamps[0][1] - start[1],
         llm_prefill_s=clock.seconds(*calls["llm"][0]),
         llm_prefill_cpu_s=clock.cpu_seconds(*calls["llm"][0]),
         encoders_s=encoders,
         decode_s_per_token=(streamer.stamps[-1][0] - streamer.stamps[0][0]) / (decode_tokens - 1),
         decode_cpu_s_per_token=((streamer.stamps[-1][1] - streamer.stamps[0][1]) / (decode_tokens - 1)
-                                if device.type == "cpu" else None),
+                                if not _uses_cuda(device) else None),
         peak_extra_bytes=memory["peak_extra"],
         kv_prefill_bytes=kv_prefill,
         cache_layer_lengths=prefill_lengths,
@@ -614,43 +623,45 @@ def naive_scores_rows(model: torch.nn.Module, label: str, lengths: Sequence[int]
     shape = cost.DecoderShape.from_config(model)
     rows = []
     previous = thinker.config.text_config._attn_implementation
-    for n in lengths:
-        generator = torch.Generator(device=device).manual_seed(n)
-        embeds = torch.randn(1, n, shape.hidden_size, generator=generator, device=device, dtype=dtype)
-        modality = torch.randint(0, 3, (1, n), generator=generator, device=device)
-        query = torch.randn(1, shape.num_heads, query_tokens, shape.head_dim, generator=generator, device=device,
-                            dtype=dtype)
-        for method in ("eager+output_attentions", "sdpa+modality_scores"):
-            thinker.set_attn_implementation({"text_config": "eager" if method.startswith("eager") else "sdpa"})
+    try:
+        for n in lengths:
+            generator = torch.Generator(device=device).manual_seed(n)
+            embeds = torch.randn(1, n, shape.hidden_size, generator=generator, device=device, dtype=dtype)
+            modality = torch.randint(0, 3, (1, n), generator=generator, device=device)
+            query = torch.randn(1, shape.num_heads, query_tokens, shape.head_dim, generator=generator, device=device,
+                                dtype=dtype)
+            for method in ("eager+output_attentions", "sdpa+modality_scores"):
+                thinker.set_attn_implementation({"text_config": "eager" if method.startswith("eager") else "sdpa"})
 
-            if method.startswith("eager"):
-                fn = functools.partial(_scores_from_output_attentions, text_model, embeds, modality, readout_layer,
-                                       query_tokens)
-            else:
-                fn = functools.partial(_scores_from_cache, text_model, embeds, query, modality, readout_layer)
-            row = {"model": label, "method": method, "tokens": n, "readout_layer": readout_layer, "oom": False,
-                   "time_ms": None, "peak_mib": None}
-            try:
-                with torch.no_grad():
-                    fn()  # warm-up
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                    base = torch.cuda.memory_allocated(device)
-                    times = []
-                    for _ in range(3):
-                        start = time.perf_counter()
-                        fn()
+                if method.startswith("eager"):
+                    fn = functools.partial(_scores_from_output_attentions, text_model, embeds, modality, readout_layer,
+                                           query_tokens)
+                else:
+                    fn = functools.partial(_scores_from_cache, text_model, embeds, query, modality, readout_layer)
+                row = {"model": label, "method": method, "tokens": n, "readout_layer": readout_layer, "oom": False,
+                       "time_ms": None, "peak_mib": None}
+                try:
+                    with torch.no_grad():
+                        fn()  # warm-up
                         torch.cuda.synchronize(device)
-                        times.append(time.perf_counter() - start)
-                row["time_ms"] = 1e3 * statistics.median(times)
-                row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / _MIB
-            except torch.cuda.OutOfMemoryError:
-                row["oom"] = True
-            torch.cuda.empty_cache()
-            rows.append(row)
-            _log(f"[{label}] naive scores N={n} {method}: "
-                 + ("OOM" if row["oom"] else f"{row['time_ms']:.1f} ms, {row['peak_mib']:.0f} MiB above weights"))
-    thinker.set_attn_implementation({"text_config": previous})
+                        torch.cuda.reset_peak_memory_stats(device)
+                        base = torch.cuda.memory_allocated(device)
+                        times = []
+                        for _ in range(3):
+                            start = time.perf_counter()
+                            fn()
+                            torch.cuda.synchronize(device)
+                            times.append(time.perf_counter() - start)
+                    row["time_ms"] = 1e3 * statistics.median(times)
+                    row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / _MIB
+                except torch.cuda.OutOfMemoryError:
+                    row["oom"] = True
+                torch.cuda.empty_cache()
+                rows.append(row)
+                _log(f"[{label}] naive scores N={n} {method}: "
+                     + ("OOM" if row["oom"] else f"{row['time_ms']:.1f} ms, {row['peak_mib']:.0f} MiB above weights"))
+    finally:
+        thinker.set_attn_implementation({"text_config": previous})
     return rows
 
 
