@@ -245,3 +245,31 @@ def test_cuda_matches_cpu_and_generates(attn):
             out = half.generate(**half_inputs, max_new_tokens=3, do_sample=False)
     assert out.shape[1] == half_inputs["input_ids"].shape[1] + 3
     assert trace.layer_tokens == want.layer_tokens
+
+
+def test_decode_positions_after_trim_early_cache_follow_the_prompt():
+    """With trim_early_cache every layer's cache (layer 0's too, from which get_seq_length reads) is shorter than the
+    prompt; decode steps must still get the unpruned model's M-RoPE positions (prompt length + step + rope delta),
+    and a no-cache run of the same generate must pick the same kept sets and tokens."""
+    model = _thinker("eager")
+    inputs = clip_inputs(model, **CLIP)
+    seen: list[list[int]] = []
+
+    def grab(module, args, kwargs):
+        seen.append(kwargs["position_ids"][:, 0, -1].tolist())
+
+    handle = _decoder(model).register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model.generate(**inputs, max_new_tokens=3, do_sample=False)
+            unpruned, seen[:] = list(seen), []
+            config = macer_config_for(model, keep_ratio=0.25, trim_early_cache=True)
+            with macer.compress(model, config) as trace:
+                cached = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+            assert trace.cache_lengths[0] < inputs["input_ids"].shape[1]
+            assert seen == unpruned
+            with macer.compress(model, config):
+                uncached = model.generate(**inputs, max_new_tokens=3, do_sample=False, use_cache=False)
+    finally:
+        handle.remove()
+    assert torch.equal(cached[:, : inputs["input_ids"].shape[1] + 1], uncached[:, : inputs["input_ids"].shape[1] + 1])

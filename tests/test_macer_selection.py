@@ -133,6 +133,8 @@ def eager_model():
         pytest.param((2, 4), {**SMALL_CLIP, "use_audio_in_video": False}, id="audio-first-blocks"),
         pytest.param((4, 2), {**SMALL_CLIP, "use_audio_in_video": True}, id="video-first-interleaved"),
         pytest.param((3, 3), {**SMALL_CLIP, "use_audio_in_video": True}, id="equal-layers"),
+        pytest.param((1, 5), {**SMALL_CLIP, "use_audio_in_video": True}, id="readout-layer-1-and-last"),
+        pytest.param((1, 1), {**SMALL_CLIP, "use_audio_in_video": False}, id="both-at-layer-1"),
         pytest.param((2, 4), {"frames": 0, "audio_tokens": 150, "use_audio_in_video": False}, id="audio-only"),
         pytest.param((2, 4), {"frames": 8, "grid_hw": (8, 8), "audio_tokens": 0, "use_audio_in_video": False},
                      id="video-only"),
@@ -157,3 +159,24 @@ def test_kept_sets_match_independent_reference(eager_model, layers, clip, attn):
     assert trace.video_kept == want_video
     assert all(ids[i] == SYNTHETIC_TOKENS.audio for i in trace.audio_kept)
     assert all(ids[i] == SYNTHETIC_TOKENS.video for i in trace.video_kept)
+
+
+@pytest.mark.parametrize(("audio_share", "keep_ratio"), [(0.0, 0.3), (1.0, 0.3), (0.3, 0.005)],
+                         ids=["no-audio-kept", "no-video-kept", "almost-nothing-kept"])
+def test_a_modality_fully_dropped_matches_reference(eager_model, audio_share, keep_ratio):
+    """K_a = 0 or K_v = 0 (a modality is dropped entirely at its stage); the later stage then runs on a sequence
+    without that modality, and generate still decodes on the compacted caches."""
+    config = macer_config_for(eager_model, keep_ratio=keep_ratio, audio_share=audio_share, audio_layer=2,
+                              video_layer=4)
+    inputs = clip_inputs(eager_model, seed=1, **SMALL_CLIP)
+    want_audio, want_video = reference_kept(eager_model, inputs, config)
+    with torch.no_grad(), macer.compress(eager_model, config) as trace:
+        out = eager_model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    record = trace.history[0]
+    assert 0 in (record.budget.audio, record.budget.video)
+    assert (record.audio_kept, record.video_kept) == (want_audio, want_video)
+    assert len(record.audio_kept) == record.budget.audio and len(record.video_kept) == record.budget.video
+    n = inputs["input_ids"].shape[1]
+    text = n - record.n_audio - record.n_video
+    assert record.layer_tokens[-1] == record.cache_lengths[-1] == text + record.budget.total
+    assert out.shape[1] == n + 2
