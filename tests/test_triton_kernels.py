@@ -274,6 +274,21 @@ def test_coverage_chunk_id_dtypes_and_sparse_ids(path, chunk_dtype):
         assert torch.equal(out.cpu(), coverage_select_ref(s.cpu(), c, k, 0.5)), k
 
 
+@pytest.mark.parametrize("chunk_dtype", [torch.uint8, torch.int8, torch.int64])
+def test_coverage_negative_scores_in_every_chunk_id(path, chunk_dtype):
+    # Negative scores and the largest chunk ids of each dtype (254 and 255 for uint8, whose -1 and -2 a masked load
+    # would produce): lanes past n must never count as better-ranked tokens of a real chunk. n = 10 leaves a tail
+    # in the first tile.
+    n = 10
+    top = torch.iinfo(chunk_dtype).max
+    s = -torch.rand(n, generator=_gen(3))
+    for ids in ((top - 1, top - 2), (top, top - 1), (0, top - 1)):
+        c = torch.tensor([ids[0]] * 5 + [ids[1]] * 5, dtype=chunk_dtype)
+        for k in range(n + 1):
+            out = coverage_select(s.to(DEVICE), c.to(DEVICE), k, 0.5).cpu()
+            assert torch.equal(out, coverage_select_ref(s, c.long(), k, 0.5)), (ids, k)
+
+
 def test_selection_paths_meet_at_the_switch_point():
     from macer_kernels.triton import select
 

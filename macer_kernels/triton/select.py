@@ -81,15 +81,17 @@ def _coverage_value_kernel(s_ptr, c_ptr, v_ptr, n, weight_ptr,
     i_ok = i < n
     s_raw = tl.load(s_ptr + i, mask=i_ok, other=0.0)
     s_i = s_raw.to(CMP)
-    c_i = tl.load(c_ptr + i, mask=i_ok, other=-1).to(tl.int64)
+    c_i = tl.load(c_ptr + i, mask=i_ok, other=0).to(tl.int64)
     count = tl.zeros([BLOCK_I], tl.int32)
     for j0 in range(0, n, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         j_ok = j < n
         s_j = tl.load(s_ptr + j, mask=j_ok, other=0.0).to(CMP)
-        c_j = tl.load(c_ptr + j, mask=j_ok, other=-2).to(tl.int64)
+        c_j = tl.load(c_ptr + j, mask=j_ok, other=0).to(tl.int64)
         better = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (j[None, :] < i[:, None]))
-        count += tl.sum((better & (c_j[None, :] == c_i[:, None])).to(tl.int32), axis=1)
+        # Lanes past n are masked here, not by a sentinel chunk id: no value is out of range for every id dtype
+        # (-2 is chunk 254 as uint8), and their filler score 0 beats negative scores.
+        count += tl.sum((better & (c_j[None, :] == c_i[:, None]) & j_ok[None, :]).to(tl.int32), axis=1)
     tl.store(v_ptr + i, _bonus_value(s_raw.to(tl.float64), count, tl.load(weight_ptr)), mask=i_ok)
 
 
