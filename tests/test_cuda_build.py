@@ -337,6 +337,37 @@ def test_compact_descriptor_addresses_the_kept_rows(layout):
     assert torch.equal(_replay_gather(x, spec, keep), out.view(torch.uint8).reshape(-1))
 
 
+def test_compact_many_keeps_its_contiguous_copies_alive_through_the_launch(monkeypatch):
+    """A layout that must be copied to contiguous memory first: the copy must stay alive until the launch. Freed
+    earlier, the caching allocator hands its block to the next output of the same size, and the one launch then
+    reads a source from memory it writes."""
+    import weakref
+
+    copies, alive_at_launch = [], []
+
+    class FakeModule:
+        MAX_COMPACT_TENSORS = 8
+
+        def compact_many(self, specs, keep_ptr, k, device, stream):
+            alive_at_launch.extend(ref() is not None for ref in copies)
+
+    contiguous = torch.Tensor.contiguous
+
+    def recording_contiguous(self, *args, **kwargs):
+        out = contiguous(self, *args, **kwargs)
+        if out.data_ptr() != self.data_ptr():
+            copies.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(compact, "ext", FakeModule)
+    monkeypatch.setattr(compact, "check_cuda_tensor", lambda *args: None)
+    monkeypatch.setattr(compact, "launch_args", lambda t: (0, 0))
+    monkeypatch.setattr(torch.Tensor, "contiguous", recording_contiguous)
+    tangled = torch.randn(4, 16, 3, 2).transpose(2, 3)  # dims after the sequence dim do not flatten to one stride
+    compact.compact_many_cuda([tangled, torch.randn(4, 16, 2, 3)], torch.arange(16), [1, 1])
+    assert len(copies) == 1 and alive_at_launch == [True]
+
+
 # --- torch.library: the fake implementations let a graph be traced without running a kernel ------------------------
 
 def test_custom_ops_trace_with_fake_tensors():

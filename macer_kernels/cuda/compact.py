@@ -56,6 +56,10 @@ def compact_many_cuda(tensors: list[torch.Tensor], keep: torch.Tensor, dims: lis
     keep = keep.to(torch.long).contiguous()
     k = keep.numel()
     outs, specs = [], []
+    # The contiguous copies must outlive the launch: a copy freed while the loop goes on goes back to the caching
+    # allocator, which hands the same block to the next output, and the one launch would then read a source from
+    # memory it writes. (Freed after the launch is fine: later allocations are ordered after it on this stream.)
+    copies = []
     for t, d in zip(tensors, dims):
         shape = list(t.shape)
         shape[d] = k
@@ -66,6 +70,7 @@ def compact_many_cuda(tensors: list[torch.Tensor], keep: torch.Tensor, dims: lis
         if (_merged_stride(tuple(t.shape[:d]), t.stride()[:d]) is None
                 or _merged_stride(tuple(t.shape[d + 1:]), t.stride()[d + 1:]) is None):
             t = t.contiguous()
+            copies.append(t)
         specs.append(_spec(t, d, out))
     if specs:
         device, stream = launch_args(keep)
