@@ -15,7 +15,7 @@ from macer_kernels.cuda._ext import (
     workspace,
 )
 
-# Positions are int32 inside CUB and products n * n must fit 64 bits (coverage tie keys).
+# CUB counts items in int32; the launchers (csrc/select.cu) accept n <= INT_MAX // 2, which leaves the sorts headroom.
 MAX_SCORES = (2**31 - 1) // 2
 
 
