@@ -273,3 +273,29 @@ def test_decode_positions_after_trim_early_cache_follow_the_prompt():
     finally:
         handle.remove()
     assert torch.equal(cached[:, : inputs["input_ids"].shape[1] + 1], uncached[:, : inputs["input_ids"].shape[1] + 1])
+
+
+def test_image_tokens_count_as_visual():
+    """An image block (``<|IMAGE|>`` tokens, one temporal position) with an audio block: the image tokens are scored
+    and selected as the visual modality; keep ratio 1 is exact."""
+    model = _thinker("eager")
+    base = clip_inputs(model, frames=0, audio_tokens=60, use_audio_in_video=False, seed=1)
+    ids = base["input_ids"][0].tolist()
+    at = ids.index(SYNTHETIC_TOKENS.audio_start)
+    ids = [*ids[:at], SYNTHETIC_TOKENS.vision_start, *[SYNTHETIC_TOKENS.image] * 16, SYNTHETIC_TOKENS.vision_end,
+           *ids[at:]]
+    vision = model.config.vision_config
+    inputs = {**base, "input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+              "pixel_values": torch.randn(64, vision.in_channels * vision.temporal_patch_size * vision.patch_size**2),
+              "image_grid_thw": torch.tensor([[1, 8, 8]])}
+    image_positions = [i for i, t in enumerate(ids) if t == SYNTHETIC_TOKENS.image]
+    with torch.no_grad():
+        want = model(**inputs).logits
+        with macer.compress(model, macer_config_for(model, keep_ratio=1.0)):
+            assert torch.equal(model(**inputs).logits, want)
+        with macer.compress(model, macer_config_for(model, keep_ratio=0.25)) as trace:
+            out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert trace.history[0].n_video == 16 and trace.budget.video > 0
+    assert len(trace.history[0].video_kept) == trace.budget.video < 16
+    assert set(trace.history[0].video_kept) <= set(image_positions)
+    assert out.shape[1] == len(ids) + 2
