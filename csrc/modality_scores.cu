@@ -81,7 +81,8 @@ void modality_scores(const ModalityScoresParams& p) {
   require(p.head_dim >= 1 && p.head_dim <= scores::kMaxHeadDim, kOp,
           "head dimension D must be in [1, " + std::to_string(scores::kMaxHeadDim) + "], got " +
               std::to_string(p.head_dim));
-  require(p.kv_heads >= 1 && p.q_heads % p.kv_heads == 0, kOp, "Hq must be a positive multiple of Hkv");
+  require(p.q_heads >= 1 && p.kv_heads >= 1 && p.q_heads % p.kv_heads == 0, kOp,
+          "Hq must be a positive multiple of Hkv");
   require(p.kv_heads <= 65535 && p.batch <= 65535, kOp, "B and Hkv must be at most 65535 (CUDA grid limits)");
   require(p.q_len >= 1, kOp, "Lq must be >= 1");
   require(p.q_dtype == kFloat32 || p.q_dtype == kFloat64 || p.q_dtype == kFloat16 || p.q_dtype == kBFloat16, kOp,

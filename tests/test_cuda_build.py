@@ -194,6 +194,7 @@ def _scores_call(**overrides):
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"sizes": (1, 4, 2, 300, 2, 16)}, "head dimension D must be in [1, 256], got 300"),
     ({"sizes": (1, 4, 2, 64, 3, 16)}, "Hq must be a positive multiple of Hkv"),
+    ({"sizes": (1, 0, 2, 64, 2, 16)}, "Hq must be a positive multiple of Hkv"),  # else a 0-block combine launch
     ({"sizes": (70000, 4, 2, 64, 2, 16)}, "B and Hkv must be at most 65535 (CUDA grid limits)"),
     ({"sizes": (1, 4, 0, 64, 2, 16)}, "Lq must be >= 1"),
     ({"q_dtype": 8}, "query/key dtype code must be float32, float16, bfloat16 or float64, got 8"),
