@@ -92,10 +92,15 @@ def test_scores_gqa_groups_and_key_layouts(group, layout):
     _check_scores(modality_scores(q, k, m), q, k, m)
 
 
-def test_scores_long_question_span():
-    # 7 query heads per KV head x 20 query rows = 140 rows per KV head: narrower key tiles keep the logit tile small.
+@pytest.mark.parametrize("store", [False, True], ids=["recompute", "store"])
+def test_scores_long_question_span(store):
+    # 7 query heads per KV head x 20 query rows = 140 rows per KV head: three blocks of MAX_DOT_ROWS = 64 rows
+    # (the last one a tail) against each K tile, in both phases.
+    from macer_kernels.triton.modality_scores import modality_scores_triton
+
     q, k, m = _inputs(1, 14, 2, 20, N_ODD, 64, dtype=torch.bfloat16)
-    _check_scores(modality_scores(q, k, m), q, k, m)
+    positions = torch.arange(N_ODD - 20, N_ODD, device=DEVICE)[None]
+    _check_scores(modality_scores_triton(q, k, m, positions, 64**-0.5, 1e-6, store_logits=store), q, k, m)
 
 
 def test_scores_non_contiguous_query_and_narrow_int_dtypes():
@@ -426,6 +431,39 @@ def _compile_for_gpu_targets() -> None:
                                  (ms._scores_kernel, scoring_types(dt, *scores_ptrs), {"M_PAD": 4})):
             kernel = compile_one(fn, types, {**shape, **extra}, arch, num_warps=8, num_stages=stages)
             assert kernel.metadata.shared <= 99 * 1024, "over sm_89's shared memory per block"
+    # The launcher's own specialisations for a long question span (7 query heads per KV head x Lq = 73: 511 rows
+    # per KV head) at D = 256, the largest tiles: the q operand must not grow with the span past sm_89's 99 KB.
+    torch_types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+                   torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8"}
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn, self.launches = fn, []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        recorders = {name: Recorder(getattr(ms, name))
+                     for name in ("_partial_stats_kernel", "_combine_kernel", "_scores_kernel")}
+        q, k, m = _inputs(1, 28, 4, 73, 300, 256, dtype=dtype)
+        positions = torch.arange(300 - 73, 300)[None]
+        saved = {name: getattr(ms, name) for name in recorders}
+        try:
+            for name, recorder in recorders.items():
+                setattr(ms, name, recorder)
+            ms.modality_scores_triton(q, k, m, positions, 0.0625, 1e-6)
+        finally:
+            for name, fn in saved.items():
+                setattr(ms, name, fn)
+        for recorder in (recorders["_partial_stats_kernel"], recorders["_scores_kernel"]):
+            (args, kwargs), = recorder.launches
+            options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+            runtime = [name for name in recorder.fn.arg_names if name not in kwargs]
+            types = {name: f"*{torch_types[value.dtype]}" if isinstance(value, torch.Tensor)
+                     else "fp32" if isinstance(value, float) else "i32" for name, value in zip(runtime, args)}
+            kernel = compile_one(recorder.fn, types, kwargs, 89, **options)
+            assert kernel.metadata.shared <= 99 * 1024, "a long question span overflows sm_89's shared memory"
     compile_one(ms._combine_kernel, {"max_ptr": "*fp32", "sum_ptr": "*fp32", "rowmax_ptr": "*fp32",
                                      "weight_ptr": "*fp32", "T": "i32", "eps": "fp32", "inv_rows": "fp32"},
                 {"NUM_M": 8, "M_PAD": 16, "BLOCK_T": 1024}, 90)

@@ -40,23 +40,35 @@ the 7B shapes (28 / 4 heads, D = 128, Lq = 4, bf16) that is 1024 vs 896 bytes pe
 needs an O(Hq Lq N) workspace. ``docs/triton.md`` gives the reasoning; ``benchmarks/bench_modality_scores.py``
 times both."""
 
+MAX_DOT_ROWS = 64
+"""Most query rows in one ``tl.dot``. The ``G * Lq`` rows that share a KV head go through the dot in blocks of at most
+this many, against one K tile loaded once. Without the bound the q operand grows with the question span: at
+``G * Lq = 512`` rows (Lq = 37 with 7 query heads per KV head) a D = 128 bf16 program needs 132 KB of shared memory,
+more than sm_89 has, and at 1024 rows more than sm_90's 227 KB, and the launch fails."""
+
 _LOG2E = 1.4426950408889634
 _INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
-                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Base-2 logits ``[ROWS, BLOCK_N]`` of the query rows at ``q_rows`` (``R`` rows of ``D``, contiguous) against
-    keys ``offs_n`` of the KV head at ``k_head``; -inf where a key is beyond the row's causal limit or past N.
-    Padded rows (``rows >= R``) give finite values that callers mask."""
+def _key_tile(k_head, offs_n, N, D, stride_kn, BLOCK_D: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_D]`` tile of keys ``offs_n`` of the KV head at ``k_head``, zero past N and D."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return tl.load(k_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                   mask=(offs_n < N)[:, None] & (offs_d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _tile_logits(q_rows, k, pos_row, offs_n, rows, N, R, LQ, D, stride_pl, scale_log2,
+                 BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Base-2 logits ``[len(rows), BLOCK_N]`` of the query rows ``rows`` at ``q_rows`` (``R`` rows of ``D``,
+    contiguous) against the key tile ``k`` (keys ``offs_n``); -inf where a key is beyond the row's causal limit or
+    past N, and on padded rows (``rows >= R``)."""
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < R
     d_ok = offs_d < D
     n_ok = offs_n < N
     q = tl.load(q_rows + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    k = tl.load(k_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
-                mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         # fp32/fp64 (or mixed) inputs: the IEEE fp32 product, not TF32, keeps the fp32-accumulation error bound.
         acc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -78,28 +90,32 @@ def _partial_stats_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, max_ptr, sum_ptr, logi
     pid_t = tl.program_id(1)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
-    rows = tl.arange(0, ROWS)
-    row_ok = rows < R
     offs_n = pid_t * BLOCK_N + tl.arange(0, BLOCK_N)
     # The rows of one (b, kv head) are contiguous: (b * Hq + h) * Lq + q for the G heads h of the group.
     row0 = pid_bh.to(tl.int64) * R
-    k_head = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    l2 = _tile_logits(q_ptr + row0 * D, k_head, pos_ptr + b.to(tl.int64) * stride_pb, offs_n, rows, N, R, LQ, D,
-                      stride_kn, stride_pl, scale_log2, ROWS, BLOCK_D, DOT_FP32)
-    if STORE:
-        tl.store(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :], l2,
-                 mask=row_ok[:, None] & (offs_n < N)[None, :])
-    m = tl.max(l2, axis=1)
-    # A row that sees no key of this tile keeps max -inf and zero sums; subtracting 0 instead avoids inf - inf.
-    p = tl.exp2(l2 - tl.where(m == float("-inf"), 0.0, m)[:, None])
-    out_row = row0 + rows
-    tl.store(max_ptr + out_row * T + pid_t, m, mask=row_ok)
-    # sums[row, 0, t] = Z (all visible keys: the eps term needs it), sums[row, m, t] = S_m.
-    tl.store(sum_ptr + (out_row * (NUM_M + 1)) * T + pid_t, tl.sum(p, axis=1), mask=row_ok)
+    k = _key_tile(k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh, offs_n, N, D, stride_kn,
+                  BLOCK_D)
     labels = tl.load(lab_ptr + b.to(tl.int64) * stride_lb + offs_n * stride_ln, mask=offs_n < N, other=0)
-    for mod in tl.static_range(1, NUM_M + 1):
-        s_m = tl.sum(tl.where(labels[None, :] == mod, p, 0.0), axis=1)
-        tl.store(sum_ptr + (out_row * (NUM_M + 1) + mod) * T + pid_t, s_m, mask=row_ok)
+    # K is loaded once; the R rows that share it go through the dot ROWS at a time, which bounds the shared memory
+    # and registers of the q operand and the logit tile however long the question span is.
+    for r0 in range(0, R, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        row_ok = rows < R
+        l2 = _tile_logits(q_ptr + row0 * D, k, pos_ptr + b.to(tl.int64) * stride_pb, offs_n, rows, N, R, LQ, D,
+                          stride_pl, scale_log2, BLOCK_D, DOT_FP32)
+        if STORE:
+            tl.store(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :], l2,
+                     mask=row_ok[:, None] & (offs_n < N)[None, :])
+        m = tl.max(l2, axis=1)
+        # A row that sees no key of this tile keeps max -inf and zero sums; subtracting 0 instead avoids inf - inf.
+        p = tl.exp2(l2 - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        out_row = row0 + rows
+        tl.store(max_ptr + out_row * T + pid_t, m, mask=row_ok)
+        # sums[row, 0, t] = Z (all visible keys: the eps term needs it), sums[row, m, t] = S_m.
+        tl.store(sum_ptr + (out_row * (NUM_M + 1)) * T + pid_t, tl.sum(p, axis=1), mask=row_ok)
+        for mod in tl.static_range(1, NUM_M + 1):
+            s_m = tl.sum(tl.where(labels[None, :] == mod, p, 0.0), axis=1)
+            tl.store(sum_ptr + (out_row * (NUM_M + 1) + mod) * T + pid_t, s_m, mask=row_ok)
 
 
 @triton.jit
@@ -142,8 +158,6 @@ def _scores_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, rowmax_ptr, weight_ptr, logit
     b = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    rows = tl.arange(0, ROWS)
-    row_ok = rows < R
     labels = tl.load(lab_ptr + b.to(tl.int64) * stride_lb + offs_n * stride_ln, mask=n_ok, other=0)
     acc = tl.zeros([BLOCK_N], tl.float32)
     b64 = b.to(tl.int64)
@@ -152,33 +166,42 @@ def _scores_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, rowmax_ptr, weight_ptr, logit
     row0 = b64 * HKV * R
     # One program covers every KV head of its key tile, so the sum over (q, h) needs no atomics.
     for _ in range(HKV):
-        if STORE:
-            l2 = tl.load(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :],
-                         mask=row_ok[:, None] & n_ok[None, :], other=float("-inf"))
-        else:
-            l2 = _tile_logits(q_ptr + row0 * D, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl,
-                              scale_log2, ROWS, BLOCK_D, DOT_FP32)
-        row_max = tl.load(rowmax_ptr + row0 + rows, mask=row_ok, other=0.0)
-        p = tl.exp2(l2 - row_max[:, None])
-        # weight[r, label of key]: a select per label (NUM_M is the largest label present, usually 2).
-        w = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for mod in tl.static_range(1, NUM_M + 1):
-            w_m = tl.load(weight_ptr + (row0 + rows) * M_PAD + mod, mask=row_ok, other=0.0)
-            w = tl.where(labels[None, :] == mod, w_m[:, None], w)
-        acc += tl.sum(p * w, axis=0)
+        if not STORE:
+            k = _key_tile(k_head, offs_n, N, D, stride_kn, BLOCK_D)
+        for r0 in range(0, R, ROWS):  # ROWS query rows at a time, as in phase 1
+            rows = r0 + tl.arange(0, ROWS)
+            row_ok = rows < R
+            if STORE:
+                l2 = tl.load(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :],
+                             mask=row_ok[:, None] & n_ok[None, :], other=float("-inf"))
+            else:
+                l2 = _tile_logits(q_ptr + row0 * D, k, pos_row, offs_n, rows, N, R, LQ, D, stride_pl, scale_log2,
+                                  BLOCK_D, DOT_FP32)
+            row_max = tl.load(rowmax_ptr + row0 + rows, mask=row_ok, other=0.0)
+            p = tl.exp2(l2 - row_max[:, None])
+            # weight[r, label of key]: a select per label (NUM_M is the largest label present, usually 2).
+            w = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            for mod in tl.static_range(1, NUM_M + 1):
+                w_m = tl.load(weight_ptr + (row0 + rows) * M_PAD + mod, mask=row_ok, other=0.0)
+                w = tl.where(labels[None, :] == mod, w_m[:, None], w)
+            acc += tl.sum(p * w, axis=0)
         k_head += stride_kh
         row0 += R
     tl.store(out_ptr + b64 * N + offs_n, acc, mask=n_ok)
 
 
-def _block_n(d: int, rows: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> int:
+def _row_block(rows_per_kv: int) -> int:
+    """Query rows per ``tl.dot``: the rows of one KV head padded to a power of two, at least 16 (the smallest
+    compiled ``tl.dot`` operand) and at most ``MAX_DOT_ROWS``; the kernels loop over blocks of this many rows."""
+    return max(16, min(MAX_DOT_ROWS, triton.next_power_of_2(rows_per_kv)))
+
+
+def _block_n(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> int:
     """Key-tile width. 128 keys for half inputs (64 for D > 128, to bound registers), half that for the fp32 dot,
-    whose operands take twice the shared memory (this keeps every kernel under the 99 KB of sm_89, checked by
-    compiling for sm_89/sm_90); at most 8192 / rows, so that a long question span (many query rows per KV head)
-    keeps the ``[rows, BLOCK_N]`` logit tile in registers; then halved down to 32 while the grid is too small to
-    fill the GPU. Never below 16, the smallest ``tl.dot`` operand."""
+    whose operands take twice the shared memory (with at most ``MAX_DOT_ROWS`` query rows per dot this keeps every
+    kernel under the 99 KB of sm_89, checked by compiling for sm_89); then halved down to 32 while the grid is too
+    small to fill the GPU."""
     block = (128 if d <= 128 else 64) // (2 if dot_fp32 else 1)
-    block = max(16, min(block, 8192 // rows))
     while block > 32 and batch * triton.cdiv(n, block) < tiles_wanted:
         block //= 2
     return block
@@ -208,7 +231,7 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     store = STORE_LOGITS if store_logits is None else store_logits
     group = hq // hkv
     rows_per_kv = group * lq  # the query rows that share one KV head
-    rows_pad = max(16, triton.next_power_of_2(rows_per_kv))  # compiled tl.dot needs >= 16 rows
+    rows_pad = _row_block(rows_per_kv)
     block_d = max(16, triton.next_power_of_2(d))
     m_pad = triton.next_power_of_2(num_m + 1)
     # Tensor-core dot for matching half types; the IEEE fp32 dot otherwise. Triton 3.9's interpreter computes bf16
@@ -217,7 +240,7 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     dot_fp32 = not half or (_INTERPRETED and query.dtype == torch.bfloat16)
     query = query.contiguous()  # [B, Hq, Lq, D] is small; K is never copied
     sms = _num_sms(query.device)
-    block_n1 = _block_n(d, rows_pad, 2 * sms, n, b * hkv, dot_fp32)
+    block_n1 = _block_n(d, 2 * sms, n, b * hkv, dot_fp32)
     tiles = triton.cdiv(n, block_n1)
     total_rows = b * hq * lq
     dev = query.device
@@ -231,24 +254,25 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     k_strides = (key.stride(0), key.stride(1), key.stride(2))
     lab_strides = (modality.stride(0), modality.stride(1))
     pos_strides = (query_positions.stride(0), query_positions.stride(1))
+    # The fp32 dot's tiles are large: a three-stage pipeline of the loop over row blocks would triple-buffer the q
+    # operand (160 KB at D = 256), so it gets two stages, which stays under sm_89's 99 KB.
+    stages = 2 if dot_fp32 else 3
     _partial_stats_kernel[(b * hkv, tiles)](
         query, key, modality, query_positions, tile_max, tile_sums, logits, *common, tiles, *k_strides,
         *lab_strides, *pos_strides, scale_log2,
         HKV=hkv, NUM_M=num_m, ROWS=rows_pad, BLOCK_N=block_n1, BLOCK_D=block_d, DOT_FP32=dot_fp32, STORE=store,
-        num_warps=8 if block_d >= 128 else 4,
+        num_warps=8 if block_d >= 128 else 4, num_stages=stages,
     )
     _combine_kernel[(total_rows,)](
         tile_max, tile_sums, row_max, weight, tiles, eps, 1.0 / (lq * hq),
         NUM_M=num_m, M_PAD=m_pad, BLOCK_T=min(1024, triton.next_power_of_2(tiles)), num_warps=4,
     )
-    block_n3 = _block_n(d, rows_pad, 2 * sms, n, b, dot_fp32)
+    block_n3 = _block_n(d, 2 * sms, n, b, dot_fp32)
     _scores_kernel[(b, triton.cdiv(n, block_n3))](
         query, key, modality, query_positions, row_max, weight, logits, out, *common, *k_strides, *lab_strides,
         *pos_strides, scale_log2,
         HKV=hkv, NUM_M=num_m, M_PAD=m_pad, ROWS=rows_pad, BLOCK_N=block_n3, BLOCK_D=block_d, DOT_FP32=dot_fp32,
-        STORE=store, num_warps=8 if block_d >= 128 else 4,
-        # The fp32 dot's tiles are large; a two-stage pipeline over the KV heads keeps shared memory bounded.
-        num_stages=2 if dot_fp32 else 3,
+        STORE=store, num_warps=8 if block_d >= 128 else 4, num_stages=stages,
     )
     return out
 
