@@ -80,15 +80,16 @@ def test_per_layer_token_and_cache_lengths(attn, audio_layer, video_layer):
     assert [s.layer for s in trace.last.stages] == sorted({audio_layer, video_layer})
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_cached_decode_equals_no_cache_forward(attn):
+@pytest.mark.parametrize(("attn", "do_sample"), [("sdpa", False), ("eager", False), ("eager", True)])
+def test_cached_decode_equals_no_cache_forward(attn, do_sample):
     """Each generated token's logits equal a patched forward without cache over prompt + tokens so far (the same
-    kept sets are chosen there: the question rows come before the appended tokens)."""
+    kept sets are chosen there: the question rows come before the appended tokens); also when sampling."""
     model = _thinker(attn)
     inputs = clip_inputs(model, **CLIP)
     config = macer_config_for(model, keep_ratio=0.25)
+    torch.manual_seed(0)
     with torch.no_grad(), macer.compress(model, config) as trace:
-        out = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_logits=True,
+        out = model.generate(**inputs, max_new_tokens=4, do_sample=do_sample, output_logits=True,
                              return_dict_in_generate=True, suppress_tokens=[SYNTHETIC_TOKENS.im_end])
         kept = (trace.audio_kept, trace.video_kept)
         prompt_len = inputs["input_ids"].shape[1]
@@ -299,3 +300,20 @@ def test_image_tokens_count_as_visual():
     assert len(trace.history[0].video_kept) == trace.budget.video < 16
     assert set(trace.history[0].video_kept) <= set(image_positions)
     assert out.shape[1] == len(ids) + 2
+
+
+def test_prompt_without_attention_mask():
+    """No attention_mask: transformers then cannot build M-RoPE positions and the text model uses 0..N-1 (the
+    unpatched model does the same); MACER reads its temporal chunks from those same positions. Keep ratio 1 is exact
+    and a pruned prefill keeps the budget."""
+    model = _thinker("eager")
+    inputs = {k: v for k, v in clip_inputs(model, **CLIP).items() if k != "attention_mask"}
+    with torch.no_grad():
+        want = model(**inputs).logits
+        with macer.compress(model, macer_config_for(model, keep_ratio=1.0)):
+            assert torch.equal(model(**inputs).logits, want)
+        with macer.compress(model, macer_config_for(model, keep_ratio=0.25)) as trace:
+            out = model(**inputs, use_cache=True)
+    n, n_a, n_v = _counts(inputs)
+    assert len(trace.audio_kept) == trace.budget.audio < n_a and len(trace.video_kept) == trace.budget.video < n_v
+    assert out.logits.shape[1] == n - n_a - n_v + trace.budget.total
