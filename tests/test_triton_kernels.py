@@ -330,6 +330,21 @@ def test_auto_picks_a_kernel_backend_for_cuda_tensors():
             assert resolve(op, torch.device("cuda"))[0] == expected
 
 
+@pytest.mark.cuda
+def test_tensors_on_a_second_gpu_run_on_that_gpu():
+    # Triton launches on the current device; the ops make the inputs' device current (a model split over GPUs).
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    q, k, m = (t.to("cuda:1") for t in _inputs(1, 8, 2, 3, N_ODD, 64, dtype=torch.bfloat16))
+    s = torch.rand(N_ODD, generator=_gen(1)).to("cuda:1")
+    c = torch.randint(0, 5, (N_ODD,), generator=_gen(2)).to("cuda:1")
+    with torch.cuda.device(0):
+        _check_scores(modality_scores(q, k, m), q, k, m)
+        assert torch.equal(topk_indices(s, 100).cpu(), topk_indices_ref(s.cpu(), 100))
+        assert torch.equal(coverage_select(s, c, 100, 0.2).cpu(), _coverage_select_torch(s.cpu(), c.cpu(), 100, 0.2))
+        torch.cuda.synchronize(1)
+
+
 def _run_without_interpreter(code: str) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "MACER_BACKEND")}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from macer_kernels.backend import register
+from macer_kernels.triton._device import on_input_device
 
 STORE_LOGITS = False
 """Default strategy of phase 3: recompute the logits from K (False) or store fp32 logits in phase 1 and read them
@@ -215,6 +216,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 @register("modality_scores", "triton")
+@on_input_device
 def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: torch.Tensor,
                            query_positions: torch.Tensor, scale: float, eps: float, *,
                            store_logits: bool | None = None) -> torch.Tensor:

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from macer_kernels.backend import register
+from macer_kernels.triton._device import on_input_device
 
 PAIRWISE_MAX_N = 2048
 """Largest n handled by the pairwise (sort-free) kernels; above it the sort-based path runs. At n = 2048 a kernel
@@ -192,6 +193,7 @@ def _write_picks(pos: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 @register("topk_indices", "triton")
+@on_input_device
 def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Triton eq. ``Top-k``: ``k`` indices of the largest scores, ties to the lower index, sorted ascending."""
     n = scores.numel()
@@ -214,6 +216,7 @@ def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @register("coverage_select", "triton")
+@on_input_device
 def coverage_select_triton(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int,
                            coverage_weight: float) -> torch.Tensor:
     """Triton ``eq:chunk_coverage_greedy``: the literal greedy's k picks, sorted ascending."""
