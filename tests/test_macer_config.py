@@ -200,6 +200,10 @@ def test_question_span_errors(model):
     config = macer_config_for(model, audio_layer=1, video_layer=2, end_of_turn_token_id=SYNTHETIC_TOKENS.system)
     with pytest.raises(ValueError, match=r"needs query_tokens=4 tokens before the last end-of-turn token \(position 1"):
         _run(model, config, **inputs)
+    # A question of one token: the 4 rows before <|im_end|> reach back into the media (last audio token).
+    short = clip_inputs(model, **SMALL, question_tokens=1)
+    with pytest.raises(ValueError, match=r"question rows .* must come after every audio/video token"):
+        _run(model, macer_config_for(model, audio_layer=1, video_layer=2), **short)
 
 
 def test_no_end_of_turn_token_reads_last_prompt_tokens(model):

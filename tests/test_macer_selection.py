@@ -135,6 +135,9 @@ def eager_model():
         pytest.param((3, 3), {**SMALL_CLIP, "use_audio_in_video": True}, id="equal-layers"),
         pytest.param((1, 5), {**SMALL_CLIP, "use_audio_in_video": True}, id="readout-layer-1-and-last"),
         pytest.param((1, 1), {**SMALL_CLIP, "use_audio_in_video": False}, id="both-at-layer-1"),
+        # The 4 question rows are <|audio_eos|><|vision_eos|> and 2 question tokens, right after the last media token.
+        pytest.param((2, 4), {**SMALL_CLIP, "use_audio_in_video": True, "question_tokens": 2},
+                     id="question-right-after-media"),
         pytest.param((2, 4), {"frames": 0, "audio_tokens": 150, "use_audio_in_video": False}, id="audio-only"),
         pytest.param((2, 4), {"frames": 8, "grid_hw": (8, 8), "audio_tokens": 0, "use_audio_in_video": False},
                      id="video-only"),
