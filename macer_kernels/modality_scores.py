@@ -34,7 +34,8 @@ def modality_scores(
     ``s_i = 1 / (Lq Hq) * sum_{q, h} A_h(q, i) / (sum_{j in I_m} A_h(q, j) + eps)``
 
     and tokens labelled 0 (text) score 0. Each (q, h) row is renormalised over its own modality only, so the scores of
-    one modality never depend on how much attention another modality receives (except through ``eps``).
+    one modality never depend on how much attention another modality receives (except through ``eps``). A row that
+    sees no key of a modality (causal limit) contributes 0 to it, also for ``eps = 0`` (the limit eps -> 0+).
 
     Args:
         query: ``[B, Hq, Lq, D]`` post-RoPE queries of the question span (fp32, bf16, fp16 or fp64).
@@ -60,10 +61,10 @@ def modality_scores(
     bk, hkv, n, dk = key.shape
     if bk != b or dk != d:
         raise ValueError(f"key must be [B={b}, Hkv, N, D={d}], got {tuple(key.shape)}")
-    if hkv == 0 or hq % hkv != 0:
+    if hkv == 0 or hq == 0 or hq % hkv != 0:
         raise ValueError(f"query heads (Hq={hq}) must be a positive multiple of key heads (Hkv={hkv})")
-    if lq == 0 or d == 0:
-        raise ValueError(f"query must have at least one row and D > 0, got shape {tuple(query.shape)}")
+    if b == 0 or lq == 0 or d == 0:
+        raise ValueError(f"query must have B >= 1, at least one row and D > 0, got shape {tuple(query.shape)}")
     if tuple(modality.shape) != (b, n):
         raise ValueError(f"modality must be [B={b}, N={n}], got {tuple(modality.shape)}")
     if n > 0 and (int(modality.min()) < 0 or int(modality.max()) > MAX_MODALITIES):
@@ -113,6 +114,10 @@ def _modality_scores_torch(query, key, modality, query_positions, scale, eps):
     one_hot = torch.nn.functional.one_hot(labels, num_labels).to(torch.float32)  # [B, N, labels]
     rows = probs.view(b, hq * lq, n)
     mass = torch.bmm(rows, one_hot)
-    denom = mass.gather(-1, labels[:, None, :].expand(b, hq * lq, n)).add_(eps)
+    denom = mass.gather(-1, labels[:, None, :].expand(b, hq * lq, n))
+    # A row with no visible key of a modality has numerators exactly 0 there: it contributes 0 (the eps -> 0+ limit,
+    # so eps = 0 gives 0, not 0/0 = NaN).
+    unseen = denom == 0
+    denom = denom.add_(eps).masked_fill_(unseen, 1.0)
     scores = rows.div_(denom).sum(dim=1) / (lq * hq)
     return scores.masked_fill_(labels == 0, 0.0)

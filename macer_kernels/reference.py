@@ -56,7 +56,10 @@ def modality_scores_ref(
             continue
         in_m = (modality == m)[:, None, None, :]  # [B, 1, 1, N]
         mass = (attn * in_m).sum(-1, keepdim=True)  # sum_{j in I_m} A_h(q, j)
-        normalised = attn / (mass + eps) * in_m
+        # Only the modality's own keys are divided. A row that sees no key of the modality contributes 0 to it: its
+        # numerators are exactly 0, so 0 / (0 + eps) = 0 for every eps > 0, and eps = 0 takes that limit (no NaN).
+        denom = torch.where(mass > 0, mass + eps, 1.0)
+        normalised = torch.where(in_m, attn / denom, 0.0)
         scores += normalised.sum(dim=(1, 2)) / (lq * hq)
     return scores
 

@@ -158,6 +158,9 @@ def _peak_bytes(prof) -> int:
         (lambda q, k, m: (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), m), ValueError,
          "key must have a contiguous head dimension"),
         (lambda q, k, m: (q, "k", m), TypeError, "key must be a torch.Tensor"),
+        (lambda q, k, m: (q[:, :0], k, m), ValueError, r"query heads \(Hq=0\) must be a positive multiple"),
+        (lambda q, k, m: (q[:0], k[:0], m[:0]), ValueError, "query must have B >= 1"),
+        (lambda q, k, m: (q[:, :, :0], k, m), ValueError, "query must have B >= 1, at least one row"),
     ],
 )
 def test_errors(make, error, message):
@@ -192,3 +195,20 @@ def test_float_query_positions_are_rejected():
     q, k, m = _inputs(1, 4, 2, 4, 12, 8, seed=0)
     with pytest.raises(TypeError, match="query_positions must be an integer tensor"):
         modality_scores(q, k, m, torch.tensor([[1.0, 2, 3, 4]]))
+
+
+def test_eps_zero_with_an_unseen_modality_gives_zero_not_nan(backend):
+    # A row that sees no key of label 2 has numerators exactly 0 there: it contributes 0 for every eps > 0, and
+    # eps = 0 takes that limit instead of 0/0 = NaN. Label-1 keys are unaffected.
+    _, device = backend
+    q, k, _ = _inputs(1, 4, 2, 1, 20, 8, device=device, seed=1)
+    m = torch.ones(1, 20, dtype=torch.long, device=device)
+    m[0, :3] = 0
+    m[0, 15:] = 2
+    positions = torch.tensor([[10]], device=device)  # the query row cannot see keys 15..19
+    for eps in (0.0, 1e-6):
+        out = modality_scores(q, k, m, positions, eps=eps).cpu()
+        ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), positions.cpu(), eps=eps)
+        assert not torch.isnan(out).any() and not torch.isnan(ref).any()
+        assert torch.all(out[0, 15:] == 0) and torch.all(ref[0, 15:] == 0)
+        assert _rel_err(out, ref) < 1e-5

@@ -313,8 +313,9 @@ __global__ void __launch_bounds__(kThreads)
     if (lane != m) continue;
     float inv;
     if (mx[m] == -INFINITY) {
-      // No visible key of this label: the reference gives 0 / (0 + eps), i.e. 0, or NaN when eps = 0.
-      inv = eps > 0.0f ? 0.0f : NAN;
+      // No visible key of this label: every numerator is exactly 0, so the row contributes 0 (the reference's
+      // eps -> 0+ limit; eps = 0 must not turn 0 / 0 into NaN).
+      inv = 0.0f;
     } else {
       // An overflowing exp2 makes inv = 0, the correct limit (eps * Z dominates the modality's mass).
       const float eps_term = eps > 0.0f ? eps * z * exp2f(row_max - mx[m]) : 0.0f;
@@ -340,7 +341,7 @@ __global__ void __launch_bounds__(256)
       const float l = logits[row * num_keys + n];
       const float2 st = __ldg(stats + row * kNumLabels + m);
       const float p = l == -INFINITY ? 0.0f : exp2f(l - st.x);  // l <= st.x for visible keys of label m
-      acc += p * st.y;  // 0 * NaN keeps the reference's NaN for eps = 0 and an unseen modality
+      acc += p * st.y;
     }
     acc /= static_cast<float>(rows_per_batch);
   }
