@@ -7,14 +7,22 @@ k = n / 4 (keep ratio 0.25), lambda_c = 0.2 and C = 8 temporal chunks (the 7B de
 Providers: ``naive`` is the obvious PyTorch code (``torch.topk`` + a sort for top-k; the literal k-step greedy as a
 loop of PyTorch ops on the device for the coverage greedy, run only where k <= 5000 because it costs k steps of
 several launches); ``torch`` is the PyTorch backend; then every other backend that can run on the device. The target
-is a selection of 864 tokens under 30 us. ``exact`` says whether the provider returned the same indices as the
-PyTorch backend, which the tests hold to the float64 references.
+is a selection of 864 tokens under 30 us.
+
+Columns: ``median_us``, the device time between CUDA events (``triton.testing.do_bench``). do_bench queues an L2
+flush before every run, and the host launches the op while the GPU is still flushing, so this column leaves out the
+host's launch overhead (Python, the argument checks, allocations), which for a few microseconds of kernels can be
+most of the latency. ``wall_us`` is what the caller waits for: the host wall time of one call and a synchronize,
+median over runs, on an idle GPU. ``exact`` says whether the provider returned the same indices as the PyTorch
+backend, which the tests hold to the float64 references.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -51,6 +59,25 @@ def naive_coverage(scores: torch.Tensor, chunks: torch.Tensor, k: int, weight: f
     return torch.sort(picks).values
 
 
+def wall_time_us(fn: Callable[[], object], device: torch.device, *, warmup: int = 10, reps: int = 200) -> float:
+    """Median host wall time of ``fn()`` followed by a device synchronize, in microseconds: launch overhead and any
+    host synchronisation inside ``fn`` included."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(1e6 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
 def _backend_fn(name: str, fn: Callable, *args) -> Callable[[], torch.Tensor]:
     def run():
         with use_backend(name):
@@ -81,6 +108,7 @@ def run(sizes, device: torch.device) -> list[dict]:
                 us = median_time_us(provider, device)
                 naive_us = us if name == "naive" else naive_us
                 rows.append({"op": op, "provider": name, "n": n, "k": k, "median_us": us,
+                             "wall_us": wall_time_us(provider, device),
                              "speedup": naive_us / us if naive_us else float("nan"),
                              "exact": bool(torch.equal(provider(), expected))})
     return rows
