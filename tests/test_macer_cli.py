@@ -43,11 +43,21 @@ def test_bench_says_when_macer_bench_is_missing(monkeypatch, capsys):
     assert "macer bench is not available: the module macer.bench could not be imported" in capsys.readouterr().err
 
 
+class _FakeTokenizer:
+    unk_token_id = None
+
+    def convert_tokens_to_ids(self, token):
+        from macer.testing import SYNTHETIC_TOKENS
+
+        return {"<|im_end|>": SYNTHETIC_TOKENS.im_end}[token]
+
+
 class _FakeProcessor:
     """Stands in for Qwen2_5OmniProcessor (no tokenizer files here): returns a synthetic clip's inputs."""
 
     def __init__(self, model, fail: bool = False):
         self.model, self.fail = model, fail
+        self.tokenizer = _FakeTokenizer()
 
     def apply_chat_template(self, conversation, **kwargs):
         assert kwargs["load_audio_from_video"] and conversation[1]["content"][1] == {"type": "audio"}
@@ -81,6 +91,8 @@ def test_demo_real_checkpoint_path_with_stand_ins(tmp_path, capsys, monkeypatch,
         return
     assert code == 0
     assert "audio_layer=3, video_layer=5, coverage_weight=0.2" in captured.out
+    # The end-of-turn id comes from the checkpoint's tokenizer (the synthetic vocabulary's <|im_end|> here).
+    assert "end_of_turn_token_id=2" in captured.out
     assert "after layer 3 (audio pruned)" in captured.out and "after layer 5 (video pruned)" in captured.out
     assert "MACER (" in captured.out and (tmp_path / "macer_kept_tokens.png").exists()
 

@@ -271,7 +271,15 @@ def _demo_real(args: argparse.Namespace) -> int:
         return 2
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     inputs["use_audio_in_video"] = True
-    config = macer.MacerConfig.for_model(model, keep_ratio=args.keep_ratio)
+    # The question span ends at the last <|im_end|>: take its id from this checkpoint's tokenizer (151645 for the
+    # released Qwen2.5-Omni vocabulary), so that another vocabulary cannot silently move the span to the prompt's end.
+    tokenizer = getattr(processor, "tokenizer", None)
+    overrides = {}
+    if tokenizer is not None:
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != getattr(tokenizer, "unk_token_id", None):
+            overrides["end_of_turn_token_id"] = im_end
+    config = macer.MacerConfig.for_model(model, keep_ratio=args.keep_ratio, **overrides)
     n = inputs["input_ids"].shape[1]
     with torch.no_grad():
         seconds_full, full = _timed(lambda: model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False))
