@@ -95,12 +95,13 @@ def test_scores_gqa_groups_and_key_layouts(group, layout):
 @pytest.mark.parametrize("store", [False, True], ids=["recompute", "store"])
 def test_scores_long_question_span(store):
     # 7 query heads per KV head x 20 query rows = 140 rows per KV head: three blocks of MAX_DOT_ROWS = 64 rows
-    # (the last one a tail) against each K tile, in both phases.
+    # (the last one a tail) against each K tile, in both phases; two batch entries with different causal limits.
     from macer_kernels.triton.modality_scores import modality_scores_triton
 
-    q, k, m = _inputs(1, 14, 2, 20, N_ODD, 64, dtype=torch.bfloat16)
-    positions = torch.arange(N_ODD - 20, N_ODD, device=DEVICE)[None]
-    _check_scores(modality_scores_triton(q, k, m, positions, 64**-0.5, 1e-6, store_logits=store), q, k, m)
+    q, k, m = _inputs(2, 14, 2, 20, N_ODD, 64, dtype=torch.bfloat16)
+    positions = torch.stack([torch.arange(N_ODD - 20, N_ODD), torch.arange(N_ODD // 2 - 20, N_ODD // 2)]).to(DEVICE)
+    out = modality_scores_triton(q, k, m, positions, 64**-0.5, 1e-6, store_logits=store)
+    _check_scores(out, q, k, m, positions)
 
 
 def test_scores_non_contiguous_query_and_narrow_int_dtypes():
@@ -440,8 +441,8 @@ def _compile_for_gpu_targets() -> None:
     scores_ptrs = ("rowmax_ptr", "weight_ptr", "logit_ptr", "out_ptr")
     for dt, d, block_n, store, arch in (("bf16", 128, 128, False, 90), ("fp16", 80, 64, True, 90),
                                         ("fp32", 256, 32, True, 89), ("fp32", 128, 64, False, 89)):
-        shape = {"HKV": 4, "NUM_M": 2, "ROWS": 32, "BLOCK_N": block_n, "BLOCK_D": triton.next_power_of_2(d),
-                 "DOT_FP32": dt == "fp32", "STORE": store}
+        shape = {"HKV": 4, "NUM_M": 2, "ROWS": 32, "ROW_LOOP": False, "BLOCK_N": block_n,
+                 "BLOCK_D": triton.next_power_of_2(d), "DOT_FP32": dt == "fp32", "STORE": store}
         stages = 2 if dt == "fp32" else 3
         for fn, types, extra in ((ms._partial_stats_kernel, scoring_types(dt, *stats_ptrs), {}),
                                  (ms._scores_kernel, scoring_types(dt, *scores_ptrs), {"M_PAD": 4})):

@@ -43,7 +43,7 @@ times both."""
 
 MAX_DOT_ROWS = 64
 """Most query rows in one ``tl.dot``. The ``G * Lq`` rows that share a KV head go through the dot in blocks of at most
-this many, against one K tile loaded once. Without the bound the q operand grows with the question span: at
+this many, each against the same K tile. Without the bound the q operand grows with the question span: at
 ``G * Lq = 512`` rows (Lq = 37 with 7 query heads per KV head) a D = 128 bf16 program needs 132 KB of shared memory,
 more than sm_89 has, and at 1024 rows more than sm_90's 227 KB, and the launch fails."""
 
@@ -52,24 +52,18 @@ _INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _key_tile(k_head, offs_n, N, D, stride_kn, BLOCK_D: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_D]`` tile of keys ``offs_n`` of the KV head at ``k_head``, zero past N and D."""
-    offs_d = tl.arange(0, BLOCK_D)
-    return tl.load(k_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
-                   mask=(offs_n < N)[:, None] & (offs_d < D)[None, :], other=0.0)
-
-
-@triton.jit
-def _tile_logits(q_rows, k, pos_row, offs_n, rows, N, R, LQ, D, stride_pl, scale_log2,
+def _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
                  BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
     """Base-2 logits ``[len(rows), BLOCK_N]`` of the query rows ``rows`` at ``q_rows`` (``R`` rows of ``D``,
-    contiguous) against the key tile ``k`` (keys ``offs_n``); -inf where a key is beyond the row's causal limit or
-    past N, and on padded rows (``rows >= R``)."""
+    contiguous) against keys ``offs_n`` of the KV head at ``k_head``; -inf where a key is beyond the row's causal
+    limit or past N, and on padded rows (``rows >= R``)."""
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < R
     d_ok = offs_d < D
     n_ok = offs_n < N
     q = tl.load(q_rows + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k = tl.load(k_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         # fp32/fp64 (or mixed) inputs: the IEEE fp32 product, not TF32, keeps the fp32-accumulation error bound.
         acc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -82,11 +76,36 @@ def _tile_logits(q_rows, k, pos_row, offs_n, rows, N, R, LQ, D, stride_pl, scale
 
 
 @triton.jit
+def _stats_rows(q_rows, k_head, lab_row, pos_row, max_ptr, sum_ptr, logit_ptr, row0, rows, offs_n, pid_t,
+                N, R, LQ, D, T, stride_kn, stride_ln, stride_pl, scale_log2,
+                NUM_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, STORE: tl.constexpr):
+    """Phase 1 for the query rows ``rows`` (of the ``R`` at ``row0``) against one key tile: each row's tile maximum
+    and its ``Z`` and ``S_1..S_NUM_M`` relative to it."""
+    row_ok = rows < R
+    l2 = _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2, BLOCK_D,
+                      DOT_FP32)
+    if STORE:
+        tl.store(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :], l2,
+                 mask=row_ok[:, None] & (offs_n < N)[None, :])
+    m = tl.max(l2, axis=1)
+    # A row that sees no key of this tile keeps max -inf and zero sums; subtracting 0 instead avoids inf - inf.
+    p = tl.exp2(l2 - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    out_row = row0 + rows
+    tl.store(max_ptr + out_row * T + pid_t, m, mask=row_ok)
+    # sums[row, 0, t] = Z (all visible keys: the eps term needs it), sums[row, m, t] = S_m.
+    tl.store(sum_ptr + (out_row * (NUM_M + 1)) * T + pid_t, tl.sum(p, axis=1), mask=row_ok)
+    labels = tl.load(lab_row + offs_n * stride_ln, mask=offs_n < N, other=0)
+    for mod in tl.static_range(1, NUM_M + 1):
+        s_m = tl.sum(tl.where(labels[None, :] == mod, p, 0.0), axis=1)
+        tl.store(sum_ptr + (out_row * (NUM_M + 1) + mod) * T + pid_t, s_m, mask=row_ok)
+
+
+@triton.jit
 def _partial_stats_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, max_ptr, sum_ptr, logit_ptr,
                           N, R, LQ, D, T, stride_kb, stride_kh, stride_kn, stride_lb, stride_ln, stride_pb, stride_pl,
                           scale_log2,
-                          HKV: tl.constexpr, NUM_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, STORE: tl.constexpr):
+                          HKV: tl.constexpr, NUM_M: tl.constexpr, ROWS: tl.constexpr, ROW_LOOP: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, STORE: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
     b = pid_bh // HKV
@@ -94,29 +113,22 @@ def _partial_stats_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, max_ptr, sum_ptr, logi
     offs_n = pid_t * BLOCK_N + tl.arange(0, BLOCK_N)
     # The rows of one (b, kv head) are contiguous: (b * Hq + h) * Lq + q for the G heads h of the group.
     row0 = pid_bh.to(tl.int64) * R
-    k = _key_tile(k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh, offs_n, N, D, stride_kn,
-                  BLOCK_D)
-    labels = tl.load(lab_ptr + b.to(tl.int64) * stride_lb + offs_n * stride_ln, mask=offs_n < N, other=0)
-    # K is loaded once; the R rows that share it go through the dot ROWS at a time, which bounds the shared memory
-    # and registers of the q operand and the logit tile however long the question span is.
-    for r0 in range(0, R, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        row_ok = rows < R
-        l2 = _tile_logits(q_ptr + row0 * D, k, pos_ptr + b.to(tl.int64) * stride_pb, offs_n, rows, N, R, LQ, D,
-                          stride_pl, scale_log2, BLOCK_D, DOT_FP32)
-        if STORE:
-            tl.store(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :], l2,
-                     mask=row_ok[:, None] & (offs_n < N)[None, :])
-        m = tl.max(l2, axis=1)
-        # A row that sees no key of this tile keeps max -inf and zero sums; subtracting 0 instead avoids inf - inf.
-        p = tl.exp2(l2 - tl.where(m == float("-inf"), 0.0, m)[:, None])
-        out_row = row0 + rows
-        tl.store(max_ptr + out_row * T + pid_t, m, mask=row_ok)
-        # sums[row, 0, t] = Z (all visible keys: the eps term needs it), sums[row, m, t] = S_m.
-        tl.store(sum_ptr + (out_row * (NUM_M + 1)) * T + pid_t, tl.sum(p, axis=1), mask=row_ok)
-        for mod in tl.static_range(1, NUM_M + 1):
-            s_m = tl.sum(tl.where(labels[None, :] == mod, p, 0.0), axis=1)
-            tl.store(sum_ptr + (out_row * (NUM_M + 1) + mod) * T + pid_t, s_m, mask=row_ok)
+    q_rows = q_ptr + row0 * D
+    k_head = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    lab_row = lab_ptr + b.to(tl.int64) * stride_lb
+    pos_row = pos_ptr + b.to(tl.int64) * stride_pb
+    if ROW_LOOP:
+        # More than ROWS rows share this K tile (a long question span): ROWS at a time, which bounds the shared
+        # memory and registers of the q operand and of the logit tile. The K tile is loaded again for each block,
+        # from L1/L2: DRAM traffic stays one read of K.
+        for r0 in range(0, R, ROWS):
+            _stats_rows(q_rows, k_head, lab_row, pos_row, max_ptr, sum_ptr, logit_ptr, row0, r0 + tl.arange(0, ROWS),
+                        offs_n, pid_t, N, R, LQ, D, T, stride_kn, stride_ln, stride_pl, scale_log2, NUM_M, BLOCK_D,
+                        DOT_FP32, STORE)
+    else:
+        _stats_rows(q_rows, k_head, lab_row, pos_row, max_ptr, sum_ptr, logit_ptr, row0, tl.arange(0, ROWS), offs_n,
+                    pid_t, N, R, LQ, D, T, stride_kn, stride_ln, stride_pl, scale_log2, NUM_M, BLOCK_D, DOT_FP32,
+                    STORE)
 
 
 @triton.jit
@@ -151,11 +163,36 @@ def _combine_kernel(max_ptr, sum_ptr, rowmax_ptr, weight_ptr, T, eps, inv_rows,
 
 
 @triton.jit
+def _scores_rows(q_rows, k_head, pos_row, rowmax_ptr, weight_ptr, logit_ptr, labels, row0, rows, offs_n,
+                 N, R, LQ, D, stride_kn, stride_pl, scale_log2,
+                 NUM_M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+                 STORE: tl.constexpr):
+    """Phase 3 for the query rows ``rows`` (of the ``R`` at ``row0``) of one KV head: ``sum_r exp(l - M_r) *
+    weight[r, label]`` per key of the tile."""
+    row_ok = rows < R
+    if STORE:
+        l2 = tl.load(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :],
+                     mask=row_ok[:, None] & (offs_n < N)[None, :], other=float("-inf"))
+    else:
+        l2 = _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
+                          BLOCK_D, DOT_FP32)
+    row_max = tl.load(rowmax_ptr + row0 + rows, mask=row_ok, other=0.0)
+    p = tl.exp2(l2 - row_max[:, None])
+    # weight[r, label of key]: a select per label (NUM_M is the largest label present, usually 2).
+    w = tl.zeros_like(p)
+    for mod in tl.static_range(1, NUM_M + 1):
+        w_m = tl.load(weight_ptr + (row0 + rows) * M_PAD + mod, mask=row_ok, other=0.0)
+        w = tl.where(labels[None, :] == mod, w_m[:, None], w)
+    return tl.sum(p * w, axis=0)
+
+
+@triton.jit
 def _scores_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, rowmax_ptr, weight_ptr, logit_ptr, out_ptr,
                    N, R, LQ, D, stride_kb, stride_kh, stride_kn, stride_lb, stride_ln, stride_pb, stride_pl,
                    scale_log2,
                    HKV: tl.constexpr, NUM_M: tl.constexpr, M_PAD: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, STORE: tl.constexpr):
+                   ROW_LOOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+                   STORE: tl.constexpr):
     b = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -167,25 +204,15 @@ def _scores_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, rowmax_ptr, weight_ptr, logit
     row0 = b64 * HKV * R
     # One program covers every KV head of its key tile, so the sum over (q, h) needs no atomics.
     for _ in range(HKV):
-        if not STORE:
-            k = _key_tile(k_head, offs_n, N, D, stride_kn, BLOCK_D)
-        for r0 in range(0, R, ROWS):  # ROWS query rows at a time, as in phase 1
-            rows = r0 + tl.arange(0, ROWS)
-            row_ok = rows < R
-            if STORE:
-                l2 = tl.load(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :],
-                             mask=row_ok[:, None] & n_ok[None, :], other=float("-inf"))
-            else:
-                l2 = _tile_logits(q_ptr + row0 * D, k, pos_row, offs_n, rows, N, R, LQ, D, stride_pl, scale_log2,
-                                  BLOCK_D, DOT_FP32)
-            row_max = tl.load(rowmax_ptr + row0 + rows, mask=row_ok, other=0.0)
-            p = tl.exp2(l2 - row_max[:, None])
-            # weight[r, label of key]: a select per label (NUM_M is the largest label present, usually 2).
-            w = tl.zeros([ROWS, BLOCK_N], tl.float32)
-            for mod in tl.static_range(1, NUM_M + 1):
-                w_m = tl.load(weight_ptr + (row0 + rows) * M_PAD + mod, mask=row_ok, other=0.0)
-                w = tl.where(labels[None, :] == mod, w_m[:, None], w)
-            acc += tl.sum(p * w, axis=0)
+        if ROW_LOOP:  # ROWS query rows at a time, as in phase 1
+            for r0 in range(0, R, ROWS):
+                acc += _scores_rows(q_ptr + row0 * D, k_head, pos_row, rowmax_ptr, weight_ptr, logit_ptr, labels, row0,
+                                    r0 + tl.arange(0, ROWS), offs_n, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
+                                    NUM_M, M_PAD, BLOCK_D, DOT_FP32, STORE)
+        else:
+            acc += _scores_rows(q_ptr + row0 * D, k_head, pos_row, rowmax_ptr, weight_ptr, logit_ptr, labels, row0,
+                                tl.arange(0, ROWS), offs_n, N, R, LQ, D, stride_kn, stride_pl, scale_log2, NUM_M,
+                                M_PAD, BLOCK_D, DOT_FP32, STORE)
         k_head += stride_kh
         row0 += R
     tl.store(out_ptr + b64 * N + offs_n, acc, mask=n_ok)
@@ -234,6 +261,7 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     group = hq // hkv
     rows_per_kv = group * lq  # the query rows that share one KV head
     rows_pad = _row_block(rows_per_kv)
+    row_loop = rows_per_kv > rows_pad  # the kernels loop over blocks of rows_pad query rows
     block_d = max(16, triton.next_power_of_2(d))
     m_pad = triton.next_power_of_2(num_m + 1)
     # Tensor-core dot for matching half types; the IEEE fp32 dot otherwise. Triton 3.9's interpreter computes bf16
@@ -256,13 +284,14 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     k_strides = (key.stride(0), key.stride(1), key.stride(2))
     lab_strides = (modality.stride(0), modality.stride(1))
     pos_strides = (query_positions.stride(0), query_positions.stride(1))
-    # The fp32 dot's tiles are large: a three-stage pipeline of the loop over row blocks would triple-buffer the q
-    # operand (160 KB at D = 256), so it gets two stages, which stays under sm_89's 99 KB.
-    stages = 2 if dot_fp32 else 3
+    # The fp32 dot's tiles are large: two pipeline stages over the KV heads bound its shared memory. A loop over row
+    # blocks gets none: pipelining it would multi-buffer the q and K tiles of every block (over 99 KB at D = 256).
+    stages = 1 if row_loop else 2 if dot_fp32 else 3
     _partial_stats_kernel[(b * hkv, tiles)](
         query, key, modality, query_positions, tile_max, tile_sums, logits, *common, tiles, *k_strides,
         *lab_strides, *pos_strides, scale_log2,
-        HKV=hkv, NUM_M=num_m, ROWS=rows_pad, BLOCK_N=block_n1, BLOCK_D=block_d, DOT_FP32=dot_fp32, STORE=store,
+        HKV=hkv, NUM_M=num_m, ROWS=rows_pad, ROW_LOOP=row_loop, BLOCK_N=block_n1, BLOCK_D=block_d,
+        DOT_FP32=dot_fp32, STORE=store,
         num_warps=8 if block_d >= 128 else 4, num_stages=stages,
     )
     _combine_kernel[(total_rows,)](
@@ -273,7 +302,8 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     _scores_kernel[(b, triton.cdiv(n, block_n3))](
         query, key, modality, query_positions, row_max, weight, logits, out, *common, *k_strides, *lab_strides,
         *pos_strides, scale_log2,
-        HKV=hkv, NUM_M=num_m, M_PAD=m_pad, ROWS=rows_pad, BLOCK_N=block_n3, BLOCK_D=block_d, DOT_FP32=dot_fp32,
+        HKV=hkv, NUM_M=num_m, M_PAD=m_pad, ROWS=rows_pad, ROW_LOOP=row_loop, BLOCK_N=block_n3, BLOCK_D=block_d,
+        DOT_FP32=dot_fp32,
         STORE=store, num_warps=8 if block_d >= 128 else 4, num_stages=stages,
     )
     return out
