@@ -162,6 +162,40 @@ def test_scores_both_phase3_strategies(store):
     _check_scores(out, q, k, m)
 
 
+_HUGE_STRIDE_CODE = """
+import torch, macer_kernels as mk
+from macer_kernels.reference import modality_scores_ref
+b, hkv, n, d = 3, 2, 70, 16
+# Element offsets of K reach 4.5e9: b * stride_b (an int32 stride) and n * stride_n each pass 2**31 alone. The
+# storage is reserved, not touched, except for the rows the view reads; the views of the batch entries interleave
+# without overlapping.
+strides = ((1 << 30) + 64, d, 1 << 25, 1)
+size = (b - 1) * strides[0] + (hkv - 1) * strides[1] + (n - 1) * strides[2] + d
+key = torch.empty(size, dtype=torch.bfloat16).as_strided((b, hkv, n, d), strides)
+g = torch.Generator().manual_seed(0)
+dense = torch.randn(b, hkv, n, d, generator=g).bfloat16()
+key.copy_(dense)
+query = torch.randn(b, 4, 3, d, generator=g).bfloat16()
+labels = torch.randint(0, 3, (b, n), generator=g)
+with mk.use_backend("triton"):
+    out = mk.modality_scores(query, key, labels)
+ref = modality_scores_ref(query, dense, labels)
+print("rel_err", ((out.double() - ref).norm() / ref.norm()).item())
+"""
+
+
+@pytest.mark.skipif(ON_GPU, reason="reserves 9 GB of address space: CPU only, where untouched pages cost nothing")
+def test_scores_key_offsets_beyond_int32():
+    # Pointer offsets of K (batch and key strides of a large cache view) must be computed in 64 bits. The interpreter
+    # wraps int32 products like compiled code, and a wrapped offset reads out of bounds (a crash), hence the
+    # subprocess.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", _HUGE_STRIDE_CODE], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.split("rel_err")[1]) < 2e-6, result.stdout
+
+
 @pytest.mark.cuda
 def test_scores_7b_shapes_on_gpu():
     q, k, m = _inputs(1, 28, 4, 4, 20011, 128, dtype=torch.bfloat16, layout="bnhd")
