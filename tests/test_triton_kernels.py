@@ -482,6 +482,12 @@ def _compile_for_gpu_targets() -> None:
                                  (ms._scores_kernel, scoring_types(dt, *scores_ptrs), {"M_PAD": 4})):
             kernel = compile_one(fn, types, {**shape, **extra}, arch, num_warps=8, num_stages=stages)
             assert kernel.metadata.shared <= 99 * 1024, "over sm_89's shared memory per block"
+            if fn is ms._partial_stats_kernel or not store:  # the kernels that take the dot
+                # fp32 inputs: the IEEE fp32 dot (FMA), never TF32 tensor cores, which round the operands to 10
+                # mantissa bits; the interpreter computes in fp32 either way, so only the compiled code shows it.
+                # Half inputs: tensor cores.
+                ptx = kernel.asm["ptx"]
+                assert "tf32" not in ptx and (("mma" in ptx) == (dt != "fp32")), (fn.__name__, dt)
     # The launcher's own specialisations for a long question span (7 query heads per KV head x Lq = 73: 511 rows
     # per KV head) at D = 256, the largest tiles: the q operand must not grow with the span past sm_89's 99 KB.
     torch_types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
