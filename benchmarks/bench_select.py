@@ -59,23 +59,22 @@ def naive_coverage(scores: torch.Tensor, chunks: torch.Tensor, k: int, weight: f
     return torch.sort(picks).values
 
 
-def wall_time_us(fn: Callable[[], object], device: torch.device, *, warmup: int = 10, reps: int = 200) -> float:
+def wall_time_us(fn: Callable[[], object], device: torch.device, *, budget_s: float = 0.2, reps: int = 200) -> float:
     """Median host wall time of ``fn()`` followed by a device synchronize, in microseconds: launch overhead and any
-    host synchronisation inside ``fn`` included."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
+    host synchronisation inside ``fn`` included. Like do_bench, the number of runs fits a time budget (at least 5),
+    so the literal greedy (a fraction of a second per call at k = 5000) does not take minutes."""
+    def timed() -> float:
         t0 = time.perf_counter()
         fn()
-        sync()
-        times.append(1e6 * (time.perf_counter() - t0))
-    return statistics.median(times)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    estimate = timed()  # also the warm-up of a first call
+    reps = max(5, min(reps, int(budget_s / max(estimate, 1e-9))))
+    for _ in range(min(10, reps)):
+        timed()
+    return 1e6 * statistics.median(timed() for _ in range(reps))
 
 
 def _backend_fn(name: str, fn: Callable, *args) -> Callable[[], torch.Tensor]:
