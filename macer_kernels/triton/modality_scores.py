@@ -291,8 +291,7 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
         query, key, modality, query_positions, tile_max, tile_sums, logits, *common, tiles, *k_strides,
         *lab_strides, *pos_strides, scale_log2,
         HKV=hkv, NUM_M=num_m, ROWS=rows_pad, ROW_LOOP=row_loop, BLOCK_N=block_n1, BLOCK_D=block_d,
-        DOT_FP32=dot_fp32, STORE=store,
-        num_warps=8 if block_d >= 128 else 4, num_stages=stages,
+        DOT_FP32=dot_fp32, STORE=store, num_warps=8 if block_d >= 128 else 4, num_stages=stages,
     )
     _combine_kernel[(total_rows,)](
         tile_max, tile_sums, row_max, weight, tiles, eps, 1.0 / (lq * hq),
@@ -303,8 +302,7 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
         query, key, modality, query_positions, row_max, weight, logits, out, *common, *k_strides, *lab_strides,
         *pos_strides, scale_log2,
         HKV=hkv, NUM_M=num_m, M_PAD=m_pad, ROWS=rows_pad, ROW_LOOP=row_loop, BLOCK_N=block_n3, BLOCK_D=block_d,
-        DOT_FP32=dot_fp32,
-        STORE=store, num_warps=8 if block_d >= 128 else 4, num_stages=stages,
+        DOT_FP32=dot_fp32, STORE=store, num_warps=8 if block_d >= 128 else 4, num_stages=stages,
     )
     return out
 
