@@ -504,7 +504,7 @@ def _compile_for_gpu_targets() -> None:
         recorders = {name: Recorder(getattr(ms, name))
                      for name in ("_partial_stats_kernel", "_combine_kernel", "_scores_kernel")}
         q, k, m = _inputs(1, 28, 4, 73, 300, 256, dtype=dtype)
-        positions = torch.arange(300 - 73, 300)[None]
+        positions = torch.arange(300 - 73, 300, device=q.device)[None]
         saved = {name: getattr(ms, name) for name in recorders}
         try:
             for name, recorder in recorders.items():
