@@ -54,6 +54,15 @@ def check_int(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
+def read_back(*values: torch.Tensor) -> list[int]:
+    """Integer values of several 0-d device tensors, read back to the host in one synchronisation.
+
+    The data-dependent checks (label ranges, NaN, sortedness) need host values; on a GPU each separate ``int(t)``
+    is a full stream synchronisation, so the checks of one call share one.
+    """
+    return torch.stack([v.to(torch.int64) for v in values]).tolist()
+
+
 def check_no_nan(name: str, t: torch.Tensor) -> None:
     if t.is_floating_point() and bool(torch.isnan(t).any()):
         raise ValueError(f"{name} contains NaN; scores must be comparable numbers")

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from macer_kernels._validate import check_int, check_same_device, check_tensor
+from macer_kernels._validate import check_int, check_same_device, check_tensor, read_back
 from macer_kernels.backend import dispatch, register
 
 
@@ -14,10 +14,11 @@ def _check_keep(keep: torch.Tensor, n: int) -> torch.Tensor:
     keep = check_tensor("keep", keep, 1)
     check_int("keep", keep)
     if keep.numel():
-        if int(keep.min()) < 0 or int(keep.max()) >= n:
-            lo, hi = int(keep.min()), int(keep.max())
+        # One host synchronisation for the range and the order.
+        lo, hi, increasing = read_back(keep.min(), keep.max(), (keep[1:] > keep[:-1]).all())
+        if lo < 0 or hi >= n:
             raise ValueError(f"keep must hold indices in [0, {n - 1}], got range [{lo}, {hi}]")
-        if keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
+        if not increasing:
             raise ValueError("keep must be strictly increasing (sorted, no repeats)")
     return keep.long()
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from macer_kernels._validate import check_float, check_int, check_real, check_same_device, check_tensor
+from macer_kernels._validate import check_float, check_int, check_real, check_same_device, check_tensor, read_back
 from macer_kernels.backend import dispatch, register
 
 MAX_MODALITIES = 8
@@ -67,9 +67,6 @@ def modality_scores(
         raise ValueError(f"query must have B >= 1, at least one row and D > 0, got shape {tuple(query.shape)}")
     if tuple(modality.shape) != (b, n):
         raise ValueError(f"modality must be [B={b}, N={n}], got {tuple(modality.shape)}")
-    if n > 0 and (int(modality.min()) < 0 or int(modality.max()) > MAX_MODALITIES):
-        raise ValueError(f"modality labels must be in [0, {MAX_MODALITIES}], got range "
-                         f"[{int(modality.min())}, {int(modality.max())}]")
     if query_positions is None:
         if lq > n:
             raise ValueError(f"query has Lq={lq} rows but key has only N={n} positions")
@@ -79,10 +76,14 @@ def modality_scores(
         check_int("query_positions", query_positions)
         if tuple(query_positions.shape) != (b, lq):
             raise ValueError(f"query_positions must be [B={b}, Lq={lq}], got {tuple(query_positions.shape)}")
-        if int(query_positions.min()) < 0 or int(query_positions.max()) >= n:
-            raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range "
-                             f"[{int(query_positions.min())}, {int(query_positions.max())}]")
     check_same_device(query=query, key=key, modality=modality, query_positions=query_positions)
+    ranges = [modality.min(), modality.max()] if n else []
+    ranges += [query_positions.min(), query_positions.max()]
+    ranges = read_back(*ranges)  # one host synchronisation for all data-dependent checks
+    if n and (ranges[0] < 0 or ranges[1] > MAX_MODALITIES):
+        raise ValueError(f"modality labels must be in [0, {MAX_MODALITIES}], got range [{ranges[0]}, {ranges[1]}]")
+    if ranges[-2] < 0 or ranges[-1] >= n:
+        raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range [{ranges[-2]}, {ranges[-1]}]")
     scale = 1.0 / math.sqrt(d) if scale is None else check_real("scale", scale, 0.0, math.inf, lo_open=True,
                                                                  hi_open=True)
     eps = check_real("eps", eps, 0.0, math.inf, hi_open=True)

@@ -6,7 +6,15 @@ import math
 
 import torch
 
-from macer_kernels._validate import check_count, check_int, check_no_nan, check_real, check_same_device, check_tensor
+from macer_kernels._validate import (
+    check_count,
+    check_int,
+    check_no_nan,
+    check_real,
+    check_same_device,
+    check_tensor,
+    read_back,
+)
 from macer_kernels.backend import dispatch, register
 
 
@@ -65,9 +73,12 @@ def coverage_select(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, cover
     check_same_device(scores=scores, chunk_ids=chunk_ids)
     k = _check_k(k, scores.numel())
     coverage_weight = check_real("coverage_weight", coverage_weight, 0.0, math.inf, hi_open=True)
-    check_no_nan("scores", scores)
-    if chunk_ids.numel() and int(chunk_ids.min()) < 0:
-        raise ValueError(f"chunk_ids must be non-negative, got minimum {int(chunk_ids.min())}")
+    if scores.numel():
+        has_nan, lowest_chunk = read_back(torch.isnan(scores).any(), chunk_ids.min())  # one host synchronisation
+        if has_nan:
+            raise ValueError("scores contains NaN; scores must be comparable numbers")
+        if lowest_chunk < 0:
+            raise ValueError(f"chunk_ids must be non-negative, got minimum {lowest_chunk}")
     return dispatch("coverage_select", scores.device, scores, chunk_ids, k, coverage_weight)
 
 
