@@ -4,24 +4,10 @@ import math
 
 import pytest
 import torch
+from score_inputs import rel_err, score_inputs
 
 from macer_kernels import MAX_MODALITIES, modality_scores
 from macer_kernels.reference import modality_scores_ref
-
-
-def _inputs(b, hq, hkv, lq, n, d, *, labels=3, dtype=torch.float32, device="cpu", seed=None, kv_layout="bhnd"):
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
-    query = torch.randn(b, hq, lq, d, generator=g).to(dtype).to(device)
-    if kv_layout == "bhnd":
-        key = torch.randn(b, hkv, n, d, generator=g).to(dtype).to(device)
-    else:  # a FlashAttention-layout cache [B, N, Hkv, D] seen as [B, Hkv, N, D] without a copy
-        key = torch.randn(b, n, hkv, d, generator=g).to(dtype).to(device).transpose(1, 2)
-    modality = torch.randint(0, labels, (b, n), generator=g).to(device)
-    return query, key, modality
-
-
-def _rel_err(a, ref):
-    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize(
@@ -31,43 +17,43 @@ def _rel_err(a, ref):
 )
 def test_matches_reference_fp32(backend, b, hq, hkv, lq, n, d):
     _, device = backend
-    q, k, m = _inputs(b, hq, hkv, lq, n, d, device=device)
+    q, k, m = score_inputs(b, hq, hkv, lq, n, d, device=device)
     out = modality_scores(q, k, m)
     assert out.dtype == torch.float32 and out.shape == (b, n) and out.device == q.device
     ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu())
-    assert _rel_err(out.cpu(), ref) < 1e-5
+    assert rel_err(out.cpu(), ref) < 1e-5
 
 
 def test_transposed_key_view_without_copy(backend):
     _, device = backend
-    q, k, m = _inputs(1, 8, 2, 4, 53, 32, device=device, kv_layout="bnhd")
+    q, k, m = score_inputs(1, 8, 2, 4, 53, 32, device=device, layout="bnhd")
     assert not k.is_contiguous()
     out = modality_scores(q, k, m)
     ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu())
-    assert _rel_err(out.cpu(), ref) < 1e-5
+    assert rel_err(out.cpu(), ref) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs_accumulate_in_fp32(backend, dtype):
     _, device = backend
-    q, k, m = _inputs(1, 8, 2, 4, 61, 64, dtype=dtype, device=device)
+    q, k, m = score_inputs(1, 8, 2, 4, 61, 64, dtype=dtype, device=device)
     out = modality_scores(q, k, m)
     assert out.dtype == torch.float32
     # Reference on the same (rounded) inputs in float64: only fp32 accumulation error may remain.
     ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu())
-    err = _rel_err(out.cpu(), ref)
+    err = rel_err(out.cpu(), ref)
     # FlashAttention's rule: no worse than twice what PyTorch itself makes computing in this dtype.
-    torch_err = _rel_err(modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), dtype=dtype).float(), ref)
+    torch_err = rel_err(modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), dtype=dtype).float(), ref)
     assert err < max(2 * torch_err, 1e-5)
 
 
 def test_query_rows_not_at_the_end_mask_later_keys(backend):
     _, device = backend
-    q, k, m = _inputs(1, 4, 2, 3, 40, 16, device=device)
+    q, k, m = score_inputs(1, 4, 2, 3, 40, 16, device=device)
     positions = torch.tensor([[12, 20, 27]], device=device)
     out = modality_scores(q, k, m, positions)
     ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), positions.cpu())
-    assert _rel_err(out.cpu(), ref) < 1e-5
+    assert rel_err(out.cpu(), ref) < 1e-5
     # Keys after the last query row are invisible to every row: they score exactly 0.
     assert torch.all(out[0, 28:] == 0)
     # And causal masking matters: the unmasked default (last rows) gives different scores.
@@ -76,7 +62,7 @@ def test_query_rows_not_at_the_end_mask_later_keys(backend):
 
 def test_text_scores_zero_and_each_modality_sums_to_one_per_row(backend):
     _, device = backend
-    q, k, m = _inputs(2, 4, 4, 1, 50, 16, labels=MAX_MODALITIES + 1, device=device)
+    q, k, m = score_inputs(2, 4, 4, 1, 50, 16, labels=MAX_MODALITIES + 1, device=device)
     out = modality_scores(q, k, m, eps=0.0).cpu()
     assert torch.all(out[m.cpu() == 0] == 0)
     # With eps = 0 the normalised rows of a modality sum to 1 per (q, h), so its scores (a mean over rows) sum to 1.
@@ -90,7 +76,7 @@ def test_text_scores_zero_and_each_modality_sums_to_one_per_row(backend):
 def test_scores_of_one_modality_ignore_the_others_mass(backend):
     # ANMS removes the modality-level mass: moving attention onto audio keys does not change video scores (eps=0).
     _, device = backend
-    q, k, m = _inputs(1, 4, 4, 1, 30, 16, device=device, seed=3)
+    q, k, m = score_inputs(1, 4, 4, 1, 30, 16, device=device, seed=3)
     m[0, :10], m[0, 10:20], m[0, 20:] = 1, 2, 0
     base = modality_scores(q, k, m, eps=0.0)
     k2 = k.clone()
@@ -102,17 +88,17 @@ def test_scores_of_one_modality_ignore_the_others_mass(backend):
 
 def test_empty_modality_and_no_scored_tokens(backend):
     _, device = backend
-    q, k, _ = _inputs(1, 4, 2, 2, 16, 8, device=device)
+    q, k, _ = score_inputs(1, 4, 2, 2, 16, 8, device=device)
     text_only = torch.zeros(1, 16, dtype=torch.long, device=device)
     assert torch.all(modality_scores(q, k, text_only) == 0)
 
 
 def test_custom_scale_and_eps(backend):
     _, device = backend
-    q, k, m = _inputs(1, 4, 2, 2, 33, 16, device=device)
+    q, k, m = score_inputs(1, 4, 2, 2, 33, 16, device=device)
     out = modality_scores(q, k, m, scale=0.3, eps=1e-2)
     ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), scale=0.3, eps=1e-2)
-    assert _rel_err(out.cpu(), ref) < 1e-5
+    assert rel_err(out.cpu(), ref) < 1e-5
 
 
 def test_memory_stays_linear_in_rows_times_keys():
@@ -164,7 +150,7 @@ def _peak_bytes(prof) -> int:
     ],
 )
 def test_errors(make, error, message):
-    q, k, m = _inputs(1, 4, 2, 4, 12, 8, seed=0)
+    q, k, m = score_inputs(1, 4, 2, 4, 12, 8, seed=0)
     args = make(q, k, m)
     if message is None:
         modality_scores(*args)
@@ -186,13 +172,13 @@ def test_errors(make, error, message):
     ],
 )
 def test_keyword_errors(kwargs, message):
-    q, k, m = _inputs(1, 4, 2, 4, 12, 8, seed=0)
+    q, k, m = score_inputs(1, 4, 2, 4, 12, 8, seed=0)
     with pytest.raises(ValueError, match=message):
         modality_scores(q, k, m, **kwargs)
 
 
 def test_float_query_positions_are_rejected():
-    q, k, m = _inputs(1, 4, 2, 4, 12, 8, seed=0)
+    q, k, m = score_inputs(1, 4, 2, 4, 12, 8, seed=0)
     with pytest.raises(TypeError, match="query_positions must be an integer tensor"):
         modality_scores(q, k, m, torch.tensor([[1.0, 2, 3, 4]]))
 
@@ -201,7 +187,7 @@ def test_eps_zero_with_an_unseen_modality_gives_zero_not_nan(backend):
     # A row that sees no key of label 2 has numerators exactly 0 there: it contributes 0 for every eps > 0, and
     # eps = 0 takes that limit instead of 0/0 = NaN. Label-1 keys are unaffected.
     _, device = backend
-    q, k, _ = _inputs(1, 4, 2, 1, 20, 8, device=device, seed=1)
+    q, k, _ = score_inputs(1, 4, 2, 1, 20, 8, device=device, seed=1)
     m = torch.ones(1, 20, dtype=torch.long, device=device)
     m[0, :3] = 0
     m[0, 15:] = 2
@@ -211,4 +197,4 @@ def test_eps_zero_with_an_unseen_modality_gives_zero_not_nan(backend):
         ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), positions.cpu(), eps=eps)
         assert not torch.isnan(out).any() and not torch.isnan(ref).any()
         assert torch.all(out[0, 15:] == 0) and torch.all(ref[0, 15:] == 0)
-        assert _rel_err(out, ref) < 1e-5
+        assert rel_err(out, ref) < 1e-5

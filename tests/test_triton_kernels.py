@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from score_inputs import rel_err, score_inputs
 
 from macer_kernels import MAX_MODALITIES, coverage_select, modality_scores, topk_indices, use_backend
 from macer_kernels.backend import backend_status, resolve
@@ -43,21 +44,6 @@ def _fresh_seed() -> int:
     return torch.seed() % 2**31
 
 
-def _inputs(b, hq, hkv, lq, n, d, *, dtype=torch.float32, labels=3, layout="bhnd", seed=None, q_scale=1.0):
-    g = _gen(_fresh_seed() if seed is None else seed)
-    query = (q_scale * torch.randn(b, hq, lq, d, generator=g)).to(dtype).to(DEVICE)
-    if layout == "bhnd":
-        key = torch.randn(b, hkv, n, d, generator=g).to(dtype).to(DEVICE)
-    else:  # FlashAttention/vLLM cache layout [B, N, Hkv, D], seen as [B, Hkv, N, D] without a copy
-        key = torch.randn(b, n, hkv, d, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
-    modality = torch.randint(0, labels, (b, n), generator=g).to(DEVICE)
-    return query, key, modality
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.cpu().double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def _check_scores(out, query, key, modality, positions=None, **kwargs):
     """FlashAttention's rule: the kernel's error is at most twice the error of the fp32 PyTorch path on the same
     inputs (both against float64), with a floor at the fp32 resolution."""
@@ -66,8 +52,8 @@ def _check_scores(out, query, key, modality, positions=None, **kwargs):
     cpu = [t.cpu() if t is not None else None for t in (query, key, modality, positions)]
     ref = modality_scores_ref(*cpu, **kwargs)
     with use_backend("torch"):
-        torch_err = _rel_err(modality_scores(*cpu, **kwargs), ref)
-    err = _rel_err(out, ref)
+        torch_err = rel_err(modality_scores(*cpu, **kwargs), ref)
+    err = rel_err(out, ref)
     assert err <= max(2 * torch_err, 2e-6), (err, torch_err)
     return ref
 
@@ -79,7 +65,7 @@ N_ODD = 4099 if ON_GPU else 77
 @pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_scores_head_dims_and_dtypes(d, dtype):
-    q, k, m = _inputs(1, 4, 2, 3, N_ODD, d, dtype=dtype)
+    q, k, m = score_inputs(1, 4, 2, 3, N_ODD, d, dtype=dtype, device=DEVICE)
     _check_scores(modality_scores(q, k, m), q, k, m)
 
 
@@ -87,7 +73,7 @@ def test_scores_head_dims_and_dtypes(d, dtype):
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 def test_scores_gqa_groups_and_key_layouts(group, layout):
     hkv = 2
-    q, k, m = _inputs(2, group * hkv, hkv, 4, N_ODD, 64, dtype=torch.bfloat16, layout=layout)
+    q, k, m = score_inputs(2, group * hkv, hkv, 4, N_ODD, 64, dtype=torch.bfloat16, layout=layout, device=DEVICE)
     assert k.is_contiguous() == (layout == "bhnd")
     _check_scores(modality_scores(q, k, m), q, k, m)
 
@@ -98,14 +84,14 @@ def test_scores_long_question_span(store):
     # (the last one a tail) against each K tile, in both phases; two batch entries with different causal limits.
     from macer_kernels.triton.modality_scores import modality_scores_triton
 
-    q, k, m = _inputs(2, 14, 2, 20, N_ODD, 64, dtype=torch.bfloat16)
+    q, k, m = score_inputs(2, 14, 2, 20, N_ODD, 64, dtype=torch.bfloat16, device=DEVICE)
     positions = torch.stack([torch.arange(N_ODD - 20, N_ODD), torch.arange(N_ODD // 2 - 20, N_ODD // 2)]).to(DEVICE)
     out = modality_scores_triton(q, k, m, positions, 64**-0.5, 1e-6, store_logits=store)
     _check_scores(out, q, k, m, positions)
 
 
 def test_scores_non_contiguous_query_and_narrow_int_dtypes():
-    q, k, m = _inputs(1, 4, 2, 5, N_ODD, 64)
+    q, k, m = score_inputs(1, 4, 2, 5, N_ODD, 64, device=DEVICE)
     q_view = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B, Lq, Hq, D] storage
     m8 = m.to(torch.uint8)
     positions = torch.tensor([[3, 10, N_ODD // 2, N_ODD - 2, N_ODD - 1]], dtype=torch.int16, device=DEVICE)
@@ -117,7 +103,7 @@ def test_scores_every_modality_label():
     # All labels 0..MAX_MODALITIES present: per-row state for each, and with eps = 0 and Lq = 1 every modality's
     # scores sum to exactly one per (q, h) row, hence overall.
     n = max(N_ODD, 3 * (MAX_MODALITIES + 1))
-    q, k, m = _inputs(1, 4, 4, 1, n, 64, labels=MAX_MODALITIES + 1)
+    q, k, m = score_inputs(1, 4, 4, 1, n, 64, labels=MAX_MODALITIES + 1, device=DEVICE)
     m[0, : MAX_MODALITIES + 1] = torch.arange(MAX_MODALITIES + 1)
     out = modality_scores(q, k, m, eps=0.0)
     _check_scores(out, q, k, m, eps=0.0)
@@ -130,7 +116,7 @@ def test_scores_causal_rows_across_tiles():
     # Rows at different depths of the sequence, different per batch entry: tiles past a row's limit contribute
     # nothing to it, and keys after every row score exactly 0.
     n = N_ODD
-    q, k, m = _inputs(2, 8, 2, 3, n, 64, dtype=torch.float16)
+    q, k, m = score_inputs(2, 8, 2, 3, n, 64, dtype=torch.float16, device=DEVICE)
     positions = torch.tensor([[0, n // 3, n // 2], [5, n - 40, n - 1]], device=DEVICE)
     out = modality_scores(q, k, m, positions)
     _check_scores(out, q, k, m, positions)
@@ -141,13 +127,13 @@ def test_scores_causal_rows_across_tiles():
 def test_scores_sharp_logits_and_eps():
     # Large logits (a peaked softmax) stress the per-tile maxima and their recombination; a large eps makes the
     # all-keys sum Z matter.
-    q, k, m = _inputs(1, 4, 2, 2, N_ODD, 64, q_scale=6.0)
+    q, k, m = score_inputs(1, 4, 2, 2, N_ODD, 64, q_scale=6.0, device=DEVICE)
     for eps in (0.0, 1e-6, 0.5):
         _check_scores(modality_scores(q, k, m, eps=eps), q, k, m, eps=eps)
 
 
 def test_scores_tiny_and_text_only():
-    q, k, m = _inputs(1, 2, 1, 3, 3, 80)
+    q, k, m = score_inputs(1, 2, 1, 3, 3, 80, device=DEVICE)
     _check_scores(modality_scores(q, k, m), q, k, m)  # N = Lq = 3: one tile, mostly padding
     assert torch.all(modality_scores(q, k, torch.zeros_like(m)) == 0)
 
@@ -156,7 +142,7 @@ def test_scores_tiny_and_text_only():
 def test_scores_both_phase3_strategies(store):
     from macer_kernels.triton.modality_scores import modality_scores_triton
 
-    q, k, m = _inputs(1, 14, 2, 4, N_ODD, 128, dtype=torch.bfloat16, layout="bnhd")
+    q, k, m = score_inputs(1, 14, 2, 4, N_ODD, 128, dtype=torch.bfloat16, layout="bnhd", device=DEVICE)
     positions = torch.arange(N_ODD - 4, N_ODD, device=DEVICE)[None]
     out = modality_scores_triton(q, k, m, positions, 1 / 128**0.5, 1e-6, store_logits=store)
     _check_scores(out, q, k, m)
@@ -198,7 +184,7 @@ def test_scores_key_offsets_beyond_int32():
 
 @pytest.mark.cuda
 def test_scores_7b_shapes_on_gpu():
-    q, k, m = _inputs(1, 28, 4, 4, 20011, 128, dtype=torch.bfloat16, layout="bnhd")
+    q, k, m = score_inputs(1, 28, 4, 4, 20011, 128, dtype=torch.bfloat16, layout="bnhd", device=DEVICE)
     _check_scores(modality_scores(q, k, m), q, k, m)
 
 
@@ -370,7 +356,7 @@ def test_tensors_on_a_second_gpu_run_on_that_gpu():
     # Triton launches on the current device; the ops make the inputs' device current (a model split over GPUs).
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    q, k, m = (t.to("cuda:1") for t in _inputs(1, 8, 2, 3, N_ODD, 64, dtype=torch.bfloat16))
+    q, k, m = (t.to("cuda:1") for t in score_inputs(1, 8, 2, 3, N_ODD, 64, dtype=torch.bfloat16, device=DEVICE))
     s = torch.rand(N_ODD, generator=_gen(1)).to("cuda:1")
     c = torch.randint(0, 5, (N_ODD,), generator=_gen(2)).to("cuda:1")
     with torch.cuda.device(0):
@@ -503,7 +489,7 @@ def _compile_for_gpu_targets() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         recorders = {name: Recorder(getattr(ms, name))
                      for name in ("_partial_stats_kernel", "_combine_kernel", "_scores_kernel")}
-        q, k, m = _inputs(1, 28, 4, 73, 300, 256, dtype=dtype)
+        q, k, m = score_inputs(1, 28, 4, 73, 300, 256, dtype=dtype, device=DEVICE)
         positions = torch.arange(300 - 73, 300, device=q.device)[None]
         saved = {name: getattr(ms, name) for name in recorders}
         try:
@@ -547,7 +533,10 @@ def _compile_for_gpu_targets() -> None:
 def test_kernels_compile_for_sm90_and_sm89():
     # Interpreter runs check the arithmetic; this checks that the same source lowers to GPU code (tl.dot shapes,
     # float64 division and square root, int64 keys, shared memory) on a machine without a GPU.
-    result = _run_without_interpreter(f"import runpy; runpy.run_path({__file__!r}, run_name='__compile__')")
+    # The tests' folder on sys.path, as pytest puts it there, for the shared helpers this file imports.
+    here = os.path.dirname(__file__)
+    result = _run_without_interpreter(
+        f"import runpy, sys; sys.path.insert(0, {here!r}); runpy.run_path({__file__!r}, run_name='__compile__')")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("compiled"), result.stdout[-3000:]
 

@@ -1,0 +1,25 @@
+"""Random inputs and the error metric shared by the modality_scores tests of every backend."""
+
+from __future__ import annotations
+
+import torch
+
+
+def score_inputs(b, hq, hkv, lq, n, d, *, labels=3, dtype=torch.float32, device="cpu", seed=None, layout="bhnd",
+                 q_scale=1.0):
+    """query ``[B,Hq,Lq,D]``, key ``[B,Hkv,N,D]`` and modality labels ``[B,N]`` in ``0..labels-1``, freshly drawn
+    (or from ``seed``). ``layout="bnhd"`` gives a FlashAttention/vLLM cache ``[B,N,Hkv,D]`` seen as ``[B,Hkv,N,D]``
+    without a copy."""
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    query = (q_scale * torch.randn(b, hq, lq, d, generator=g)).to(dtype).to(device)
+    if layout == "bhnd":
+        key = torch.randn(b, hkv, n, d, generator=g).to(dtype).to(device)
+    else:
+        key = torch.randn(b, n, hkv, d, generator=g).to(dtype).to(device).transpose(1, 2)
+    modality = torch.randint(0, labels, (b, n), generator=g).to(device)
+    return query, key, modality
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64 (``ref`` on the CPU)."""
+    return ((out.cpu().double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
