@@ -228,3 +228,77 @@ def test_cuda_stage_no_sync_few_launches_and_graph_capture(backend):
         dst.copy_(src)
     graph.replay()
     assert torch.equal(captured, call()), f"seed={seed}"
+@pytest.mark.triton
+def test_triton_stage_is_at_most_four_launches(monkeypatch):
+    """Every Triton launch of one select_stage call is counted (the kernels' run method); the bound is 4: the three
+    scoring launches and one stage_select. A fifth launch (e.g. a selection split into several kernels) fails."""
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+    for cls in (JITFunction, InterpretedFunction):
+        original = cls.run
+
+        def counting(self, *args, _original=original, **kwargs):
+            if not kwargs.get("warmup", False):
+                launches.append(getattr(self, "__name__", getattr(self.fn, "__name__", "?")))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "run", counting)
+    seed = _fresh_seed()
+    from conftest import HAS_GPU
+
+    q, k, labels, chunks = stage_inputs(seed, 2, 45, {1: 15, 2: 20}, device="cuda" if HAS_GPU else "cpu")
+    mods = [Mod(1, 15, 4), Mod(2, 20, 6, coverage_weight=0.5)]
+    with use_backend("triton"):
+        keep = select_stage(q, k, labels, mods, chunk_ids=chunks)
+    assert len(launches) <= 4, launches
+    assert launches[-1] == "_stage_select_kernel", launches
+    assert torch.equal(keep.cpu(), stage_ref(q, k, labels, mods, chunks)[0]), f"seed={seed}"
+
+
+
+
+def _select_inputs(seed, b, n, counts, *, ties, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.zeros(b, n, dtype=torch.long)
+    for i in range(b):
+        row = torch.cat([torch.full((c,), label) for label, c in counts.items()] +
+                        [torch.zeros(n - sum(counts.values()), dtype=torch.long)])
+        labels[i] = row[torch.randperm(n, generator=g)]
+    scores = torch.randint(0, 5, (b, n), generator=g).to(dtype) if ties else torch.rand(b, n, generator=g).to(dtype)
+    return scores, labels, torch.randint(0, 3, (b, n), generator=g)
+
+
+@pytest.mark.parametrize(("dtype", "path"), [(torch.float32, "one-program"), (torch.float64, "one-program"),
+                                             (torch.float32, "composed")], ids=["fp32", "fp64", "fp32-composed"])
+def test_stage_select_op_matches_the_reference_selection(backend, dtype, path, monkeypatch):
+    """The backend's stage_select alone (no scoring, so many budgets are cheap), on coarse scores full of exact ties
+    and on distinct ones, for both Triton paths (the composition above the one-program limits is forced here)."""
+    from macer_kernels.backend import resolve
+
+    name, device = backend
+    if path == "composed":
+        if name != "triton":
+            pytest.skip("the composition is the Triton backend's path above its one-program limits")
+        from macer_kernels.triton import stage as triton_stage
+
+        monkeypatch.setattr(triton_stage, "ONE_PROGRAM_MAX_N", 0)
+        monkeypatch.setattr(triton_stage, "COVERAGE_ONE_PROGRAM_MAX_N", 0)
+    impl_name, impl = resolve("stage_select", torch.device(device))
+    if impl_name != name:
+        pytest.skip(f"backend {name!r} has no stage_select")
+    seed = _fresh_seed()
+    counts = {1: 40, 3: 70, 7: 9}
+    cases = [((0, 70, 9), (None, 0.5, None)), ((13, 1, 0), (0.0, None, 2.0)), ((40, 35, 4), (None, 0.5, 2.0)),
+             ((39, 69, 8), (None, None, None))]
+    for ties in (True, False):
+        scores, labels, chunks = _select_inputs(seed, 2, 150, counts, ties=ties, dtype=dtype)
+        for keeps, weights in cases:
+            mods = [Mod(label, c, kp, coverage_weight=w) for (label, c), kp, w in zip(counts.items(), keeps, weights)]
+            spec = tuple((m.label, m.keep, m.coverage_weight, 0 if m.coverage_weight is None else None) for m in mods)
+            out_len = 150 - sum(m.count - m.keep for m in mods)
+            keep = impl(scores.to(device), labels.to(device), chunks.to(device), spec, out_len)
+            expected = stage_select_ref(scores, labels, mods, chunks)
+            assert torch.equal(keep.cpu(), expected), f"seed={seed} ties={ties} keeps={keeps} weights={weights}"
