@@ -3,10 +3,11 @@
 A program owns one sample (row) of ``[B, N]`` scores and labels and keeps, in ascending order, every token whose
 label is not a stage modality plus each stage modality's picks:
 
-* **top-K** (key: score desc, index asc) by bisection on the score's bits: the budget's boundary key ``T`` is the
-  smallest ``t`` with ``#{desc_bits <= t} >= keep`` (33 counting passes over the row for <= 32-bit scores, 65 for
-  float64); the picks are every token below ``T`` and the first ``keep - #{below}`` tokens at ``T`` in index order.
-  O(N) work per pass, no sort, exact ties to the lower index.
+* **top-K** (key: score desc, index asc) by radix select on the score's bits: the budget's boundary key ``T`` (the
+  keep-th smallest descending-order key) is found 8 bits at a time, each digit by a 256-bin histogram of the tokens
+  that share the digits found so far (4 counting passes over the row for <= 32-bit scores, 8 for float64); the
+  picks are every token below ``T`` and the first remaining-budget tokens at ``T`` in index order. O(N) work per
+  pass, no sort, exact ties to the lower index.
 * **coverage** (``eq:chunk_coverage_greedy``): the modality's tokens are listed in index order (a prefix count), then
   pairwise over that list the within-chunk rank (score desc, index asc), ``v = s + sqrt(lambda_c / (1 + rank))`` in
   float64, and each token's place in (v desc, score desc, index asc) (``triton/select.py`` explains why this is the
@@ -32,12 +33,11 @@ import triton.language as tl
 from macer_kernels.backend import register
 from macer_kernels.stage import StageSpec, _stage_select_torch
 from macer_kernels.triton._device import on_input_device
-from macer_kernels.triton.select import _bonus_value
 
 ONE_PROGRAM_MAX_N = 16384
-"""Largest N handled by one program per sample for a stage of top-K modalities: each bisection pass reads the row
-once (33 passes for fp32 scores, about 0.5M element visits per program at N = 16k, an estimate of tens of
-microseconds on one SM; not measured, no GPU was available)."""
+"""Largest N handled by one program per sample for a stage of top-K modalities: each radix pass reads the row once
+(5 passes with the final one for fp32 scores, about 80k element visits per modality at N = 16k, an estimate of
+several microseconds on one SM; not measured, no GPU was available)."""
 
 COVERAGE_ONE_PROGRAM_MAX_N = 4096
 """Largest N handled by one program per sample when a modality uses the coverage greedy: its pairwise passes cost
@@ -46,8 +46,18 @@ SM, more than the sort-based composition's ~15 sort launches). An estimate, not 
 stage decides."""
 
 _MAX_MODS = 8  # the kernel takes one runtime budget argument per modality (K0..K7): MAX_MODALITIES labels
-_BLOCK = 256 if triton.knobs.runtime.interpret else 512
+_BLOCK = 512
 _BLOCK_J = 256 if triton.knobs.runtime.interpret else 64
+
+
+@triton.jit
+def _bonus_value(s64, rank, weight):
+    """``v = s + sqrt(lambda_c / (1 + rank))`` in float64 (``weight`` is lambda_c as a float64 scalar).
+
+    Equal values must compare equal here and in the reference, so every step must round like IEEE float64: on
+    NVIDIA, Triton lowers float64 ``/`` to ``div.rn.f64`` and ``sqrt`` to ``sqrt.rn.f64`` (correctly rounded; its
+    ``div_rn``/``sqrt_rn`` helpers are float32-only), and the interpreter uses numpy's IEEE operations."""
+    return s64 + tl.sqrt((weight + tl.zeros_like(s64)) / (1.0 + rank.to(tl.float64)))
 
 
 @triton.jit
@@ -95,50 +105,54 @@ def _label_of(lab_row, i, ok, stride_ln, LABELLED: tl.constexpr, LABEL0: tl.cons
 @triton.jit
 def _topk_flags(s_row, lab_row, flag_row, N, keep, label, stride_sn, stride_ln,
                 LABELLED: tl.constexpr, LABEL0: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    """Flag the ``keep`` tokens of ``label`` with the smallest (descending score key, index)."""
+    """Flag the ``keep`` tokens of ``label`` with the smallest (descending score key, index): a radix select of the
+    boundary key ``T`` (the keep-th smallest), 8 bits per counting pass, then every key below ``T`` and the first
+    tokens at ``T`` in index order."""
     offs = tl.arange(0, BLOCK)
-    if WIDE:
-        lo = tl.full([], -9223372036854775807 - 1, tl.int64)
-        hi = tl.full([], 9223372036854775807, tl.int64)
-        steps = 65
-    else:
-        lo = tl.full([], -2147483648, tl.int64)
-        hi = tl.full([], 2147483647, tl.int64)
-        steps = 33
-    # Invariant: #{key <= hi} >= keep (hi = the type's maximum holds every token); the smallest such bound is T.
-    for _ in range(steps):
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int64 overflow
-        cnt = tl.zeros([], tl.int32)
+    bins = tl.arange(0, 256)
+    PASSES: tl.constexpr = 8 if WIDE else 4
+    # Unsigned order as a non-negative int64 (32-bit keys) or as the bit pattern of an int64 (64-bit keys).
+    BIAS: tl.constexpr = -9223372036854775807 - 1 if WIDE else 2147483648
+    prefix = tl.zeros([], tl.int64)  # the digits of T decided so far
+    need = keep  # T's 1-based place among the tokens that share those digits
+    for p in tl.static_range(PASSES):
+        shift: tl.constexpr = 8 * (PASSES - 1 - p)
+        high: tl.constexpr = -(1 << (shift + 8)) if shift + 8 < 64 else 0  # the bits above this digit
+        hist = tl.zeros([256], tl.int32)
         for i0 in range(0, N, BLOCK):
             i = i0 + offs
             ok = i < N
             is_m = (_label_of(lab_row, i, ok, stride_ln, LABELLED, LABEL0) == label) & ok
-            key = _desc_key(tl.load(s_row + i * stride_sn, mask=ok, other=0.0), WIDE)
-            cnt += tl.sum((is_m & (key <= mid)).to(tl.int32), axis=0)
-        go_left = (cnt >= keep) & (lo < hi)
-        go_right = (cnt < keep) & (lo < hi)
-        hi = tl.where(go_left, mid, hi)
-        lo = tl.where(go_right, mid + 1, lo)
-    # lo == T. Picks: every key < T, then keys == T in index order until the budget is spent.
-    below = tl.zeros([], tl.int32)
-    for i0 in range(0, N, BLOCK):
-        i = i0 + offs
-        ok = i < N
-        is_m = (_label_of(lab_row, i, ok, stride_ln, LABELLED, LABEL0) == label) & ok
-        key = _desc_key(tl.load(s_row + i * stride_sn, mask=ok, other=0.0), WIDE)
-        below += tl.sum((is_m & (key < lo)).to(tl.int32), axis=0)
-    spare = keep - below
+            u = _desc_key(tl.load(s_row + i * stride_sn, mask=ok, other=0.0), WIDE)
+            u = (u ^ BIAS) if WIDE else (u + BIAS)
+            match = is_m & ((u & high) == prefix)
+            hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
+        cum = tl.cumsum(hist, axis=0)
+        digit = tl.sum((cum < need).to(tl.int32), axis=0)  # the first bin whose running count reaches need
+        need -= tl.sum(tl.where(bins < digit, hist, 0), axis=0)
+        prefix = prefix | (digit.to(tl.int64) << shift)
+    # prefix == T; need tokens at T are picked, in index order.
     at_seen = tl.zeros([], tl.int32)
     for i0 in range(0, N, BLOCK):
         i = i0 + offs
         ok = i < N
         is_m = (_label_of(lab_row, i, ok, stride_ln, LABELLED, LABEL0) == label) & ok
-        key = _desc_key(tl.load(s_row + i * stride_sn, mask=ok, other=0.0), WIDE)
-        at = is_m & (key == lo)
+        u = _desc_key(tl.load(s_row + i * stride_sn, mask=ok, other=0.0), WIDE)
+        u = (u ^ BIAS) if WIDE else (u + BIAS)
+        below = is_m & (_unsigned_less(u, prefix, WIDE))
+        at = is_m & (u == prefix)
         order_at = at_seen + tl.cumsum(at.to(tl.int32), axis=0)  # 1-based place among the ties, by index
-        picked = (is_m & (key < lo)) | (at & (order_at <= spare))
-        tl.store(flag_row + i, tl.full([BLOCK], 1, tl.int8), mask=picked)
+        tl.store(flag_row + i, tl.full([BLOCK], 1, tl.int8), mask=below | (at & (order_at <= need)))
         at_seen += tl.sum(at.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _unsigned_less(a, b, WIDE: tl.constexpr):
+    """a < b for the unsigned keys above (64-bit ones held in int64 bit patterns: flip the sign bit back)."""
+    if WIDE:
+        return (a ^ (-9223372036854775807 - 1)) < (b ^ (-9223372036854775807 - 1))
+    else:
+        return a < b
 
 
 @triton.jit
