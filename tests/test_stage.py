@@ -302,3 +302,49 @@ def test_stage_select_op_matches_the_reference_selection(backend, dtype, path, m
             keep = impl(scores.to(device), labels.to(device), chunks.to(device), spec, out_len)
             expected = stage_select_ref(scores, labels, mods, chunks)
             assert torch.equal(keep.cpu(), expected), f"seed={seed} ties={ties} keeps={keeps} weights={weights}"
+
+
+@pytest.mark.triton
+def test_triton_paths_read_nothing_back_to_the_host(monkeypatch):
+    """Outside the kernel launches themselves (the interpreter copies arguments to the host there), select_stage,
+    compact_many and topk_indices on the Triton backend call none of the tensor methods that synchronise on CUDA
+    tensors. The value checks are off here, as on CUDA tensors (they are the CPU-only part)."""
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from macer_kernels import stage
+    from macer_kernels.triton.compact import compact_many_triton
+    from macer_kernels.triton.select import topk_indices_triton
+
+    in_launch = [0]
+    for cls in (JITFunction, InterpretedFunction):
+        original = cls.run
+
+        def launching(self, *args, _original=original, **kwargs):
+            in_launch[0] += 1
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                in_launch[0] -= 1
+
+        monkeypatch.setattr(cls, "run", launching)
+    readbacks = []
+    for method in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, method)
+
+        def guarded(self, *args, _original=original, _name=method, **kwargs):
+            if not in_launch[0]:
+                readbacks.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, guarded)
+    monkeypatch.setattr(stage, "_values_checked", lambda t: False)
+    seed = _fresh_seed()
+    q, k, labels, chunks = stage_inputs(seed, 2, 40, {1: 10, 2: 20})
+    scores = torch.rand(300, generator=torch.Generator().manual_seed(seed))
+    with use_backend("triton"):
+        keep = select_stage(q, k, labels, [Mod(1, 10, 3), Mod(2, 20, 5, coverage_weight=0.5)], chunk_ids=chunks)
+        compact_many_triton([k.transpose(1, 2), chunks], keep[0], [1, 1])
+        topk_indices_triton(scores, 40)
+    assert readbacks == [], readbacks
