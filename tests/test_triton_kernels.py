@@ -294,7 +294,7 @@ def test_signed_zero_and_infinities_tie_like_the_reference(path):
     inf = float("inf")
     s = torch.tensor([0.0, -0.0, inf, -inf, -0.0, inf, 0.0, -inf, 1.0])
     c = torch.tensor([0, 1, 1, 0, 2, 2, 1, 0, 0])
-    for dtype in (torch.float32, torch.float16):
+    for dtype in (torch.float32, torch.float16, torch.float64):
         for k in range(len(s) + 1):
             assert torch.equal(topk_indices(s.to(dtype).to(DEVICE), k).cpu(), topk_indices_ref(s, k)), k
             out = coverage_select(s.to(dtype).to(DEVICE), c.to(DEVICE), k, 0.3).cpu()
@@ -553,8 +553,36 @@ def _compile_for_gpu_targets() -> None:
     ordered = compile_one(sel._coverage_sorted_kernel, {"order_ptr": "*i64", "s_ptr": "*fp32", "c_ptr": "*i32",
                                                         "v_ptr": "*fp64", "n": "i32", "weight_ptr": "*fp64"},
                           {"SEARCH_STEPS": 17, "BLOCK": 256}, 90)
+    from macer_kernels.triton import compact as cmp
+    from macer_kernels.triton import stage as st
+
+    # The stage kernel: a top-K and a coverage modality over fp32 scores, and the single top-k op over fp64 scores.
+    stage_types = {"s_ptr": "*fp32", "lab_ptr": "*i64", "c_ptr": "*i64", "w_ptr": "*fp64", "out_ptr": "*i64",
+                   "list_ptr": "*i32", "v_ptr": "*fp64", "flag_ptr": "*i8",
+                   **dict.fromkeys(("N", "OUT_LEN", "stride_sb", "stride_lb", "stride_cb",
+                                    *(f"K{m}" for m in range(8))), "i32"),
+                   **dict.fromkeys(("stride_sn", "stride_ln", "stride_cn"), "constexpr")}
+    stage_shape = {"BLOCK": st._BLOCK, "BLOCK_I": st._BLOCK_I, "BLOCK_J": st._BLOCK_J,
+                   "stride_sn": 1, "stride_ln": 1, "stride_cn": 1}
+    staged = compile_one(st._stage_select_kernel, stage_types,
+                         {**stage_shape, "NUM_MODS": 2, "LABELS": 1 | 2 << 4, "COVER": 2, "LABELLED": True,
+                          "CMP": tl.float32, "WIDE": False}, 90, num_warps=8)
+    compile_one(st._stage_select_kernel, {**stage_types, "s_ptr": "*fp64"},
+                {**stage_shape, "NUM_MODS": 1, "LABELS": 1, "COVER": 0, "LABELLED": False, "CMP": tl.float64,
+                 "WIDE": True}, 90, num_warps=8)
+    assert staged.metadata.shared <= 99 * 1024
+    # Compaction: four tensors of four dtypes in one launch (a stage's hidden states, cos, sin, position ids).
+    slot_types = {}
+    for t, dt in enumerate(("bf16", "fp32", "fp32", "i64")):
+        slot_types |= {f"src{t}": f"*{dt}", f"dst{t}": f"*{dt}",
+                       **dict.fromkeys((f"outer{t}", f"inner{t}", f"so{t}", f"sn{t}"), "i32"), f"si{t}": "constexpr"}
+    slot_types |= {"keep_ptr": "*i64", "k": "i32"}
+    unused = {f"{name}{t}": None if name in ("src", "dst") else 0 for t in range(4, 8)
+              for name in ("src", "dst", "outer", "inner", "so", "sn", "si")}
+    compile_one(cmp._compact_kernel, slot_types, {"NUM_T": 4, "BLOCK": cmp._BLOCK, **unused,
+                                                  **{f"si{t}": 1 for t in range(4)}}, 90, num_warps=4)
     # The coverage values must round like the float64 reference: IEEE division and square root, no fused ops.
-    for kernel in (value, ordered):
+    for kernel in (value, ordered, staged):
         ptx = kernel.asm["ptx"]
         assert "div.rn.f64" in ptx and "sqrt.rn.f64" in ptx and "fma.rn.f64" not in ptx
     print("compiled")

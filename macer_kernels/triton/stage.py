@@ -46,8 +46,11 @@ SM, more than the sort-based composition's ~15 sort launches). An estimate, not 
 stage decides."""
 
 _MAX_MODS = 8  # the kernel takes one runtime budget argument per modality (K0..K7): MAX_MODALITIES labels
-_BLOCK = 512
-_BLOCK_J = 256 if triton.knobs.runtime.interpret else 64
+_BLOCK = 512  # elements per step of the streaming passes (flags, token list, radix histograms, output)
+# Pairwise coverage tiles: 64 x 64 in registers compiled; the interpreter pays per step in Python, so it takes bigger
+# tiles (tails and multi-tile loops are still exercised above 256 tokens).
+_BLOCK_I = 256 if triton.knobs.runtime.interpret else 64
+_BLOCK_J = _BLOCK_I
 
 
 @triton.jit
@@ -116,8 +119,13 @@ def _topk_flags(s_row, lab_row, flag_row, N, keep, label, stride_sn, stride_ln,
     prefix = tl.zeros([], tl.int64)  # the digits of T decided so far
     need = keep  # T's 1-based place among the tokens that share those digits
     for p in tl.static_range(PASSES):
-        shift: tl.constexpr = 8 * (PASSES - 1 - p)
-        high: tl.constexpr = -(1 << (shift + 8)) if shift + 8 < 64 else 0  # the bits above this digit
+        shift = 8 * (PASSES - 1 - p)
+        # The bits above this digit, as an int64 tensor: a Python constant of this size is not kept 64-bit by
+        # Triton 3.9's interpreter inside a called function (it read -2**56 as 0).
+        if shift + 8 < 64:
+            high = tl.full([], -1, tl.int64) << (shift + 8)
+        else:
+            high = tl.zeros([], tl.int64)
         hist = tl.zeros([256], tl.int32)
         for i0 in range(0, N, BLOCK):
             i = i0 + offs
@@ -159,9 +167,10 @@ def _unsigned_less(a, b, WIDE: tl.constexpr):
 def _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, label, weight,
                     stride_sn, stride_ln, stride_cn,
                     LABELLED: tl.constexpr, LABEL0: tl.constexpr, CMP: tl.constexpr, BLOCK: tl.constexpr,
-                    BLOCK_J: tl.constexpr):
+                    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
     """Flag the coverage greedy's ``keep`` picks among the tokens of ``label``."""
     offs = tl.arange(0, BLOCK)
+    offs_i = tl.arange(0, BLOCK_I)  # pairwise tiles are BLOCK_I x BLOCK_J: registers, not the row block
     offs_j = tl.arange(0, BLOCK_J)
     # The modality's tokens in index order: list[0:count].
     count = tl.zeros([], tl.int32)
@@ -175,14 +184,14 @@ def _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, l
     tl.debug_barrier()
     # v of every listed token: rank = #{same chunk, (score desc, index asc) ahead}. List order is index order, so
     # comparing list slots compares indices.
-    for i0 in range(0, count, BLOCK):
-        a = i0 + offs
+    for i0 in range(0, count, BLOCK_I):
+        a = i0 + offs_i
         a_ok = a < count
         tok = tl.load(list_row + a, mask=a_ok, other=0)
         s_raw = tl.load(s_row + tok * stride_sn, mask=a_ok, other=0.0)
         s_a = s_raw.to(CMP)
         c_a = tl.load(c_row + tok * stride_cn, mask=a_ok, other=0).to(tl.int64)
-        rank = tl.zeros([BLOCK], tl.int32)
+        rank = tl.zeros([BLOCK_I], tl.int32)
         for j0 in range(0, count, BLOCK_J):
             j = j0 + offs_j
             j_ok = j < count
@@ -194,13 +203,13 @@ def _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, l
         tl.store(v_row + a, _bonus_value(s_raw.to(tl.float64), rank, weight), mask=a_ok)
     tl.debug_barrier()
     # Place of each token in (v desc, score desc, index asc); the first keep are the picks.
-    for i0 in range(0, count, BLOCK):
-        a = i0 + offs
+    for i0 in range(0, count, BLOCK_I):
+        a = i0 + offs_i
         a_ok = a < count
         tok = tl.load(list_row + a, mask=a_ok, other=0)
         s_a = tl.load(s_row + tok * stride_sn, mask=a_ok, other=0.0).to(CMP)
         v_a = tl.load(v_row + a, mask=a_ok, other=0.0)
-        place = tl.zeros([BLOCK], tl.int32)
+        place = tl.zeros([BLOCK_I], tl.int32)
         for j0 in range(0, count, BLOCK_J):
             j = j0 + offs_j
             j_ok = j < count
@@ -210,7 +219,7 @@ def _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, l
             score_first = (s_j[None, :] > s_a[:, None]) | ((s_j[None, :] == s_a[:, None]) & (j[None, :] < a[:, None]))
             ahead = (v_j[None, :] > v_a[:, None]) | ((v_j[None, :] == v_a[:, None]) & score_first)
             place += tl.sum((ahead & j_ok[None, :]).to(tl.int32), axis=1)
-        tl.store(flag_row + tok, tl.full([BLOCK], 1, tl.int8), mask=a_ok & (place < keep))
+        tl.store(flag_row + tok, tl.full([BLOCK_I], 1, tl.int8), mask=a_ok & (place < keep))
 
 
 @triton.jit
@@ -218,7 +227,8 @@ def _stage_select_kernel(s_ptr, lab_ptr, c_ptr, w_ptr, out_ptr, list_ptr, v_ptr,
                          N, OUT_LEN, stride_sb, stride_sn, stride_lb, stride_ln, stride_cb, stride_cn,
                          K0, K1, K2, K3, K4, K5, K6, K7,
                          NUM_MODS: tl.constexpr, LABELS: tl.constexpr, COVER: tl.constexpr, LABELLED: tl.constexpr,
-                         CMP: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_J: tl.constexpr):
+                         CMP: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_I: tl.constexpr,
+                         BLOCK_J: tl.constexpr):
     """One sample per program. ``LABELS`` packs the stage's labels 4 bits each, ``COVER`` has bit m set when
     modality m uses coverage; ``K0..K7`` are the budgets (runtime, so budgets that change per prompt do not
     recompile). ``LABELLED = False``: no label tensor, every token is modality 0 (the single selection ops)."""
@@ -242,12 +252,12 @@ def _stage_select_kernel(s_ptr, lab_ptr, c_ptr, w_ptr, out_ptr, list_ptr, v_ptr,
         tl.store(flag_row + i, (~stage).to(tl.int8), mask=ok)
     tl.debug_barrier()
     for m in tl.static_range(NUM_MODS):
-        label: tl.constexpr = (LABELS >> (4 * m)) & 15
+        label = (LABELS >> (4 * m)) & 15
         keep = _pick(m, K0, K1, K2, K3, K4, K5, K6, K7)
         if keep > 0:
             if (COVER >> m) & 1:
                 _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, label, tl.load(w_ptr + m),
-                                stride_sn, stride_ln, stride_cn, LABELLED, label0, CMP, BLOCK, BLOCK_J)
+                                stride_sn, stride_ln, stride_cn, LABELLED, label0, CMP, BLOCK, BLOCK_I, BLOCK_J)
             else:
                 _topk_flags(s_row, lab_row, flag_row, N, keep, label, stride_sn, stride_ln, LABELLED, label0, WIDE,
                             BLOCK)
@@ -308,7 +318,7 @@ def launch_stage_select(scores: torch.Tensor, labels: torch.Tensor | None, chunk
         scores.stride(0), scores.stride(1), lab.stride(0), lab.stride(1), chunks.stride(0), chunks.stride(1), *keeps,
         NUM_MODS=len(spec), LABELS=packed, COVER=cover, LABELLED=labels is not None,
         CMP=tl.float64 if scores.dtype == torch.float64 else tl.float32, WIDE=scores.dtype == torch.float64,
-        BLOCK=_BLOCK, BLOCK_J=_BLOCK_J, num_warps=8,
+        BLOCK=_BLOCK, BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J, num_warps=8,
     )
     return out
 
