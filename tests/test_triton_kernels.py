@@ -493,11 +493,11 @@ def _compile_for_gpu_targets() -> None:
     scores_ptrs = ("rowmax_ptr", "weight_ptr", "logit_ptr", "out_ptr")
     for dt, d, block_n, store, arch in (("bf16", 128, 128, False, 90), ("fp16", 80, 64, True, 90),
                                         ("fp32", 256, 32, True, 89), ("fp32", 128, 64, False, 89)):
-        shape = {"HKV": 4, "NUM_M": 2, "ROWS": 32, "ROW_LOOP": False, "BLOCK_N": block_n,
+        shape = {"HKV": 4, "NUM_M": MAX_MODALITIES, "ROWS": 32, "ROW_LOOP": False, "BLOCK_N": block_n,
                  "BLOCK_D": triton.next_power_of_2(d), "DOT_FP32": dt == "fp32", "STORE": store}
         stages = 2 if dt == "fp32" else 3
         for fn, types, extra in ((ms._partial_stats_kernel, scoring_types(dt, *stats_ptrs), {}),
-                                 (ms._scores_kernel, scoring_types(dt, *scores_ptrs), {"M_PAD": 4})):
+                                 (ms._scores_kernel, scoring_types(dt, *scores_ptrs), {"M_PAD": 16})):
             kernel = compile_one(fn, types, {**shape, **extra}, arch, num_warps=8, num_stages=stages)
             assert kernel.metadata.shared <= 99 * 1024, "over sm_89's shared memory per block"
             if fn is ms._partial_stats_kernel or not store:  # the kernels that take the dot
