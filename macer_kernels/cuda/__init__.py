@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from macer_kernels.cuda import compact, library, modality_scores, select  # noqa: F401  (importing registers)
+from macer_kernels.cuda import compact, library, modality_scores, select, stage  # noqa: F401  (importing registers)
 from macer_kernels.cuda._ext import IMPORT_ERROR, ext
 
 
