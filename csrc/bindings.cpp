@@ -164,6 +164,33 @@ void compact_many(const std::vector<CompactSpec>& specs, std::uintptr_t keep, in
   macer::compact_many(p);
 }
 
+// (src, dst, shape, strides, element_bytes, dim) per tensor: the descriptor is computed here, not in Python.
+using CompactLayout =
+    std::tuple<std::uintptr_t, std::uintptr_t, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t>;
+
+macer::CompactTensor describe(const CompactLayout& l) {
+  return macer::compact_descriptor(ptr<const void>(std::get<0>(l)), ptr<void>(std::get<1>(l)), std::get<2>(l),
+                                   std::get<3>(l), std::get<4>(l), std::get<5>(l));
+}
+
+void compact_layouts(const std::vector<CompactLayout>& layouts, std::uintptr_t keep, int64_t k, int device,
+                     std::uintptr_t stream) {
+  macer::CompactParams p{};
+  p.tensors.reserve(layouts.size());
+  for (const auto& l : layouts) p.tensors.push_back(describe(l));
+  p.keep = ptr<const int64_t>(keep);
+  p.k = k;
+  p.device = device;
+  p.stream = stream_ptr(stream);
+  macer::compact_many(p);
+}
+
+CompactSpec compact_descriptor(const CompactLayout& l) {
+  const macer::CompactTensor t = describe(l);
+  return {reinterpret_cast<std::uintptr_t>(t.src), reinterpret_cast<std::uintptr_t>(t.dst), t.outer, t.row_units,
+          t.unit_bytes, t.outer_stride, t.seq_stride, t.unit_stride};
+}
+
 py::dict device_report() {
   const macer::DeviceReport r = macer::device_report();
   py::dict d;
@@ -204,6 +231,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("select_cta_max_n", &macer::select_cta_max_n, py::arg("device"), py::arg("coverage"));
   m.attr("MAX_STAGE_MODALITIES") = macer::kMaxStageModalities;
   m.def("compact_many", &compact_many, "One gather launch per group of up to MAX_COMPACT_TENSORS tensors");
+  m.def("compact_layouts", &compact_layouts,
+        "compact_many from (src, dst, shape, strides, element_bytes, dim) per tensor: descriptors built here");
+  m.def("compact_descriptor", &compact_descriptor, "The CompactSpec tuple compact_layouts builds for one layout");
   m.def("device_report", &device_report, "CUDA device count, error, capability, runtime and driver versions");
   m.def("compiled_archs", &macer::compiled_archs, "SM versions with SASS in this module");
   m.def("ptx_arch", &macer::ptx_arch, "SM version of the embedded PTX");

@@ -120,6 +120,12 @@ struct CompactParams {
   void* stream;
 };
 void compact_many(const CompactParams& p);
+// The descriptor of a tensor of `shape` / `strides` (elements) and `element_bytes`, compacted along `dim` into the
+// contiguous `dst`: [outer, N, row_units] units of the widest size (16..1 bytes) dividing the row size, the strides
+// and the base address. Throws std::invalid_argument when the dims before or after `dim` do not flatten to one
+// stride each (the caller copies such a tensor to contiguous memory first).
+CompactTensor compact_descriptor(const void* src, void* dst, const std::vector<int64_t>& shape,
+                                 const std::vector<int64_t>& strides, int64_t element_bytes, int64_t dim);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Runtime queries (no kernel launches): used by macer_kernels.cuda.unavailable_reason().

@@ -327,6 +327,7 @@ LAYOUTS = {
 }
 
 
+@needs_module
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_compact_descriptor_addresses_the_kept_rows(layout):
     make, dim, expected_unit = LAYOUTS[layout]
@@ -334,9 +335,44 @@ def test_compact_descriptor_addresses_the_kept_rows(layout):
     dim = dim % x.dim()
     keep = torch.tensor([0, 3, 4, 20, 36])
     out = x.index_select(dim, keep).contiguous()
-    spec = compact._spec(x, dim, out)
+    spec = _ext.ext().compact_descriptor((x.data_ptr(), out.data_ptr(), list(x.shape), list(x.stride()),
+                                          x.element_size(), dim))
     assert spec[4] == expected_unit
     assert torch.equal(_replay_gather(x, spec, keep), out.view(torch.uint8).reshape(-1))
+
+
+@needs_module
+def test_compact_descriptor_rejects_layouts_that_do_not_flatten():
+    x = torch.randn(4, 16, 3, 2).transpose(2, 3)
+    with pytest.raises(ValueError, match=re.escape("compact: the dims before and after the sequence dim must each")):
+        _ext.ext().compact_descriptor((x.data_ptr(), 0, list(x.shape), list(x.stride()), 4, 1))
+    with pytest.raises(ValueError, match=re.escape("compact: element size must be 1, 2, 4, 8 or 16 bytes")):
+        _ext.ext().compact_descriptor((x.data_ptr(), 0, list(x.shape), list(x.stride()), 3, 1))
+
+
+def test_compact_many_is_one_module_call_with_one_layout_per_tensor(monkeypatch):
+    calls = []
+
+    class FakeModule:
+        def compact_layouts(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(compact, "ext", FakeModule)
+    monkeypatch.setattr(compact, "check_cuda_tensor", lambda *args: None)
+    monkeypatch.setattr(compact, "launch_args", lambda t: (0, 5))
+    hidden, cos = torch.randn(1, 40, 16).bfloat16(), torch.randn(1, 40, 8)
+    positions = torch.arange(120).view(3, 1, 40)
+    keep = torch.tensor([1, 5, 39])
+    with no_host_sync():
+        outs = compact.compact_many_cuda([hidden, cos, positions], keep, [1, 1, 2])
+    ((layouts, keep_ptr, k, device, stream),) = calls
+    assert (keep_ptr, k, device, stream) == (keep.data_ptr(), 3, 0, 5)
+    assert [o.shape for o in outs] == [(1, 3, 16), (1, 3, 8), (3, 1, 3)]
+    # the source's own shape (its N, not k: a size-1 sequence dim would otherwise lose its stride)
+    assert layouts == [(t.data_ptr(), o.data_ptr(), t.shape, t.stride(), t.element_size(), d)
+                       for t, o, d in zip((hidden, cos, positions), outs, (1, 1, 2))]
+    compact.compact_many_cuda([hidden], keep[:0], [1])  # k = 0: nothing to launch
+    assert len(calls) == 1
 
 
 def test_compact_many_keeps_its_contiguous_copies_alive_through_the_launch(monkeypatch):
@@ -350,7 +386,7 @@ def test_compact_many_keeps_its_contiguous_copies_alive_through_the_launch(monke
     class FakeModule:
         MAX_COMPACT_TENSORS = 8
 
-        def compact_many(self, specs, keep_ptr, k, device, stream):
+        def compact_layouts(self, layouts, keep_ptr, k, device, stream):
             alive_at_launch.extend(ref() is not None for ref in copies)
 
     contiguous = torch.Tensor.contiguous
