@@ -341,6 +341,53 @@ def test_compact_descriptor_addresses_the_kept_rows(layout):
     assert torch.equal(_replay_gather(x, spec, keep), out.view(torch.uint8).reshape(-1))
 
 
+# --- the scoring kernel's query staging, replayed on CPU (csrc/kernels/modality_scores.cuh) -------------------------
+
+def _replay_query_staging(query: torch.Tensor, kvh: int, hkv: int, r0: int, padded_dim: int) -> torch.Tensor:
+    """The [32, padded_dim] query tile the kernel stages for KV head kvh, rows r0..r0+31 of its group: row offsets
+    (h = kvh * group + rr // Lq, q = rr % Lq) once per row, then 16-byte chunks of V elements (zero past D and past
+    the last row), or single elements when the stride over D is not 1."""
+    _, hq, lq, d = query.shape
+    group, rows = hq // hkv, hq // hkv * lq
+    v = 16 // query.element_size()
+    flat = torch.as_strided(query, (query.untyped_storage().nbytes() // query.element_size(),), (1,), 0)
+    st = query.stride()
+    base = query.storage_offset()  # b = 0
+    tile = torch.zeros(32, padded_dim, dtype=query.dtype)
+    offsets = [(kvh * group + rr // lq) * st[1] + (rr % lq) * st[2] if rr < rows else -1
+               for rr in range(r0, r0 + 32)]
+    if st[3] == 1:
+        for c in range(32 * (padded_dim // v)):
+            r, d0 = c // (padded_dim // v), (c % (padded_dim // v)) * v
+            valid = 0 if offsets[r] < 0 or d - d0 <= 0 else min(v, d - d0)
+            tile[r, d0:d0 + valid] = flat[base + offsets[r] + d0:base + offsets[r] + d0 + valid]
+    else:
+        for i in range(32 * padded_dim):
+            r, dd = divmod(i, padded_dim)
+            if offsets[r] >= 0 and dd < d:
+                tile[r, dd] = flat[base + offsets[r] + dd * st[3]]
+    return tile
+
+
+@pytest.mark.parametrize("layout", ["bhld", "blhd", "bhdl"])
+@pytest.mark.parametrize(("hq", "hkv", "lq", "d"), [(28, 4, 4, 128), (7, 1, 5, 80), (4, 2, 3, 12)])
+def test_query_staging_index_math_reads_each_rows_query(layout, hq, hkv, lq, d):
+    seed = hq * 100 + lq * 10 + len(layout)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, lq, d, generator=g)
+    query = {"bhld": q, "blhd": q.transpose(1, 2).contiguous().transpose(1, 2),
+             "bhdl": q.transpose(2, 3).contiguous().transpose(2, 3)}[layout]
+    padded = -(-d // 4) * 4  # fp32 tiles pad D to a multiple of 4
+    group = hq // hkv
+    for kvh in range(hkv):
+        rows = q[0, kvh * group:(kvh + 1) * group].reshape(group * lq, d)  # row rr = (h, q) in (h, q) order
+        for r0 in range(0, group * lq, 32):
+            want = torch.zeros(32, padded)
+            part = rows[r0:r0 + 32]
+            want[:len(part), :d] = part
+            assert torch.equal(_replay_query_staging(query, kvh, hkv, r0, padded), want), f"seed={seed} kvh={kvh}"
+
+
 @needs_module
 def test_compact_descriptor_rejects_layouts_that_do_not_flatten():
     x = torch.randn(4, 16, 3, 2).transpose(2, 3)

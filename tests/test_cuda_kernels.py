@@ -90,6 +90,13 @@ def test_modality_scores_layouts(dtype):
     _check_scores(*_scores_case(1, 8, 2, 3, 96, 300, dtype, offset=True))
     query, key, modality, qpos = _scores_case(1, 8, 2, 3, 64, 300, dtype)
     _check_scores(query.transpose(2, 3).contiguous().transpose(2, 3), key, modality.to(torch.int8), qpos.int())
+    # Q rows contiguous over D but the base one element off 16 bytes: the staging's scalar chunk path
+    shifted = torch.empty(query.numel() + 1, dtype=dtype, device=DEV)[1:].view(query.shape)
+    shifted.copy_(query)
+    _check_scores(shifted, key, modality, qpos)
+    # Q in [B, Lq, Hq, D] memory read as [B, Hq, Lq, D] (row offsets from both strides), D = 80 (a partial chunk)
+    query, key, modality, qpos = _scores_case(1, 28, 4, 5, 80, 300, dtype)
+    _check_scores(query.transpose(1, 2).contiguous().transpose(1, 2), key, modality, qpos)
 
 
 def test_modality_scores_labels_positions_and_eps():
