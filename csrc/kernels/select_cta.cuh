@@ -202,49 +202,47 @@ __device__ void coverage_keys(const Row& row, int64_t label, double weight, uint
       }
     }
   }
-  // Each thread computes the values of its positions into registers, then (after a barrier) scatters them by index.
-  int token[kMaxSortItems];
-  uint64_t value_key[kMaxSortItems];
+  // Each thread finds (token, rank in chunk) of its positions, packed into 32 bits (both < 2^14 <= 2^16) and held in
+  // registers across the barrier; then the keys array is reused, by token index, for the value keys.
+  unsigned packed[kMaxSortItems];
   const uint64_t index_mask = (1ull << ib) - 1;
 #pragma unroll
   for (int r = 0; r < kMaxSortItems; ++r) {
     const int p = static_cast<int>(threadIdx.x) + r * kThreads;
-    token[r] = -1;
+    packed[r] = ~0u;
     if (p >= n) continue;
-    int i = -1, t = 0;
     if (!overflow) {
       const uint64_t x = keys[p];
-      if (x != kNever) {
-        i = static_cast<int>(x & index_mask);
-        const uint64_t c = x >> (32 + ib);
-        int lo = 0, hi = p;  // first position of chunk c: keys are sorted, so binary search
-        while (lo < hi) {
-          const int mid = (lo + hi) >> 1;
-          if ((keys[mid] >> (32 + ib)) < c) lo = mid + 1; else hi = mid;
-        }
-        t = p - lo;
+      if (x == kNever) continue;
+      const uint64_t c = x >> (32 + ib);
+      int lo = 0, hi = p;  // first position of chunk c: keys are sorted, so binary search
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if ((keys[mid] >> (32 + ib)) < c) lo = mid + 1; else hi = mid;
       }
+      packed[r] = (static_cast<unsigned>(p - lo) << 16) | static_cast<unsigned>(x & index_mask);
     } else if (row.member(p, label)) {  // rare path: count the chunk's tokens ahead of p directly
-      i = p;
       const int64_t c = row.chunk(p);
       const float s = static_cast<float>(row.score(p));
+      unsigned t = 0;
       for (int j = 0; j < n; ++j) {
         if (j == p || !row.member(j, label) || row.chunk(j) != c) continue;
         const float sj = static_cast<float>(row.score(j));
         t += sj > s || (sj == s && j < p);
       }
+      packed[r] = (t << 16) | static_cast<unsigned>(p);
     }
-    if (i < 0) continue;
-    token[r] = i;
-    value_key[r] = descending_key64(
-        __dadd_rn(row.score(i), __dsqrt_rn(__ddiv_rn(weight, __dadd_rn(1.0, static_cast<double>(t))))));
   }
   __syncthreads();
   for (int p = threadIdx.x; p < n; p += kThreads) keys[p] = kNever;
   __syncthreads();
 #pragma unroll
-  for (int r = 0; r < kMaxSortItems; ++r)
-    if (token[r] >= 0) keys[token[r]] = value_key[r];
+  for (int r = 0; r < kMaxSortItems; ++r) {
+    if (packed[r] == ~0u) continue;
+    const int i = static_cast<int>(packed[r] & 0xffffu);
+    const double t = static_cast<double>(packed[r] >> 16);
+    keys[i] = descending_key64(__dadd_rn(row.score(i), __dsqrt_rn(__ddiv_rn(weight, __dadd_rn(1.0, t)))));
+  }
   __syncthreads();
 }
 
@@ -305,7 +303,7 @@ __device__ void select_row(const Row& row, const SelectCtaParams& p, int64_t* ou
   }
 }
 
-__global__ void __launch_bounds__(kThreads) select_cta_kernel(const SelectCtaParams p) {
+__global__ void __launch_bounds__(kThreads, 1) select_cta_kernel(const SelectCtaParams p) {
   extern __shared__ uint64_t dynamic_smem[];
   __shared__ Shared sh;
   const int64_t b = blockIdx.x;
