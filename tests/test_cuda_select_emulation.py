@@ -237,9 +237,9 @@ def stage_case(seed, b, n, ties):
 
 
 STAGES = [
-    lambda a, v: ((1, a // 4, None, 1), (2, v // 4, 0.2, 8)),  # the paper's stage: audio top-K, video coverage
+    lambda a, v: ((1, a // 4, None, 0), (2, v // 4, 0.2, 8)),  # the paper's stage: audio top-K, video coverage
     lambda a, v: ((2, v, 0.0, 8),),  # k = n for one modality, coverage weight 0
-    lambda a, v: ((1, 0, None, 1), (2, 1, 3.0, 8)),  # k = 0 and k = 1
+    lambda a, v: ((1, 0, None, 0), (2, 1, 3.0, None)),  # k = 0 and k = 1
     lambda a, v: ((2, v // 2, None, 1), (1, a, 0.5, 8)),
 ]
 

@@ -21,7 +21,9 @@ from macer_kernels.backend import register
 from macer_kernels.cuda._ext import check_cuda_tensor, dtype_code, ext, launch_args, select_cta_max_n
 
 _OP = "stage_select"
-Modality = tuple[int, int, float | None, int]
+# (label, keep, coverage_weight, num_chunks); num_chunks (0 for top-K, a bound or None for coverage) is not needed:
+# the kernel checks on the device whether the chunk ids fit its key field.
+Modality = tuple[int, int, float | None, int | None]
 
 
 def _check(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
@@ -42,7 +44,7 @@ def _check(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor |
         raise ValueError(f"{_OP}: modalities must hold 1 to {int(ext().MAX_STAGE_MODALITIES)} entries, "
                          f"got {len(modalities)}")
     seen = set()
-    for label, keep, weight, num_chunks in modalities:
+    for label, keep, weight, _ in modalities:
         if label in seen:
             raise ValueError(f"{_OP}: modality label {label} is listed twice")
         seen.add(label)
@@ -52,8 +54,6 @@ def _check(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor |
             raise ValueError(f"{_OP}: coverage_weight of modality {label} must be >= 0 or None, got {weight}")
         if weight is not None and chunk_ids is None:
             raise ValueError(f"{_OP}: modality {label} uses coverage, so chunk_ids must be given")
-        if num_chunks < 1:
-            raise ValueError(f"{_OP}: num_chunks of modality {label} must be >= 1, got {num_chunks}")
     if not 0 <= out_len <= n:
         raise ValueError(f"{_OP}: out_len must be in [0, {n}], got {out_len}")
 
