@@ -669,6 +669,11 @@ def test_custom_ops_trace_with_fake_tensors():
     targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
     assert {f"{library.NAMESPACE}.{op}.default" for op in
             ("modality_scores", "topk_indices", "coverage_select", "compact", "compact_many")} <= targets
+    stage = make_fx(lambda s, m, c: torch.ops.macer_cuda.stage_select(s, m, c, [1, 2], [3, 4], [-1.0, 0.2], 30),
+                    tracing_mode="fake")(*_fake_cuda(((2, 40), torch.float32, "cuda"), ((2, 40), torch.uint8, "cuda"),
+                                                     ((2, 40), torch.int32, "cuda")))
+    (output,) = [node for node in stage.graph.nodes if node.op == "output"]
+    assert tuple(output.args[0].meta["val"].shape) == (2, 30)
     (output,) = [node for node in graph.graph.nodes if node.op == "output"]
     shapes = [tuple(value.meta["val"].shape) for value in output.args[0]]
     assert shapes == [(1, 8, 32), (1, 8, 64), (3, 1, 8)]

@@ -319,6 +319,23 @@ def test_stage_select_single_token_and_everything_kept():
         [0, 1, 2, 3, 4]]
 
 
+def test_stage_select_custom_op_matches_and_compiles():
+    from test_cuda_select_emulation import stage_case
+
+    from macer_kernels.cuda.stage import stage_select_cuda
+
+    scores, labels, chunk_ids, n_audio, n_video = stage_case(21, 2, 900, False)
+    scores, labels, chunk_ids = scores.to(DEV), labels.to(DEV), chunk_ids.to(DEV)
+    out_len = 900 - (n_audio - 50) - (n_video - 60)
+    want = stage_select_cuda(scores, labels, chunk_ids, ((1, 50, None, 0), (2, 60, 0.2, 8)), out_len)
+
+    def stage(s, m, c):
+        return torch.ops.macer_cuda.stage_select(s, m, c, [1, 2], [50, 60], [-1.0, 0.2], out_len)
+
+    assert torch.equal(stage(scores, labels, chunk_ids), want)
+    assert torch.equal(torch.compile(stage, fullgraph=True)(scores, labels, chunk_ids), want)
+
+
 # --- compaction ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 37, 2400, 9001])
