@@ -567,6 +567,8 @@ def test_stage_select_is_one_launch_with_one_parameter_set(recording):
     assert args[1:4] == (scores.data_ptr(), 0, (500, 1)) and args[4:7] == (labels.data_ptr(), 5, (500, 1))
     assert args[7:10] == (chunks.data_ptr(), 7, (500, 1)) and args[10:15] == (out.data_ptr(), 321, 321, 3, 500)
     assert args[15] == [(1, 40, 0.0, False), (2, 30, 0.2, True)]
+    empty = stage.stage_select_cuda(scores[:, :0], labels[:, :0], None, ((1, 0, None, 0),), 0)
+    assert empty.shape == (3, 0) and len(_launches(recording)) == 1  # out_len = 0 (here N = 0): no launch
 
 
 def test_stage_select_above_the_limit_runs_the_sort_chain_without_a_host_sync(recording):

@@ -115,6 +115,8 @@ def stage_select_cuda(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: tor
     if n > select_cta_max_n(device, coverage) or (coverage and scores.dtype == torch.float64):
         return stage_select_sorts(scores, labels, chunk_ids, modalities, out_len)
     out = torch.empty(b, out_len, dtype=torch.long, device=scores.device)
+    if out_len == 0:  # nothing kept (N = 0 included): no launch
+        return out
     chunk_ptr, chunk_code, chunk_stride = 0, 0, (0, 0)
     if chunk_ids is not None:
         chunk_ptr, chunk_stride = chunk_ids.data_ptr(), chunk_ids.stride()
