@@ -79,6 +79,13 @@ __device__ void radix_select(const Key& key, int n, int k, Shared& sh) {
   const int lane = threadIdx.x & 31;
   uint64_t prefix = 0;
   int need = k;
+  // Defined results even when no bin can hold the need-th key (k above the candidates: only NaN scores whose key
+  // equals kNever get there); the row's output count then disagrees with k.
+  if (threadIdx.x == 0) {
+    sh.prefix = 0;
+    sh.need = k;
+    sh.count = 0;
+  }
   for (int shift = 56; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += kThreads) sh.hist[b] = 0;
     __syncthreads();
