@@ -262,6 +262,19 @@ def test_stage_select_emulated_kernel_and_torch_path_match_the_oracle(stage, b, 
             assert np.array_equal(got, want[row].numpy()), f"seed={seed} row={row}"
 
 
+def test_stage_select_ignores_chunk_ids_of_other_tokens():
+    scores, labels, chunk_ids, n_audio, n_video = stage_case(17, 2, 300, True)
+    modalities = ((1, n_audio // 2, None, 0), (2, n_video // 3, 0.3, 8))
+    out_len = 300 - (n_audio - n_audio // 2) - (n_video - n_video // 3)
+    want = stage_oracle(scores, labels, chunk_ids, modalities, out_len)
+    garbage = torch.where(labels == 2, chunk_ids, torch.where(labels == 1, -5, 2**40))
+    assert torch.equal(stage_select_sorts(scores, labels, garbage, modalities, out_len), want), "seed=17"
+    for row in range(2):
+        got = select_row(scores[row].numpy(), labels[row].numpy(), garbage[row].numpy(),
+                         [(1, n_audio // 2, None), (2, n_video // 3, 0.3)], out_len)
+        assert np.array_equal(got, want[row].numpy()), f"seed=17 row={row}"
+
+
 def test_stage_select_rows_contradicting_the_counts_are_minus_one():
     scores, labels, chunk_ids, n_audio, n_video = stage_case(5, 2, 100, False)
     labels[1, labels[1] == 1] = 0  # row 1 has no audio token: keep 3 cannot be met
