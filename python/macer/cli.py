@@ -402,7 +402,7 @@ def _plot_kept_tokens(out_dir: Path, model, inputs: dict[str, Any], record, conf
                       ha="center", va="bottom", fontsize=7, color="tab:green")
         ax_v.set_ylim(-1, top * 1.15 + 3)
         ax_v.legend(loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=7, frameon=False)
-        ax_v.set_ylabel(f"video patch index in its\n{group_s:g}-s frame group (row-major)")
+        ax_v.set_ylabel(f"video patch index in its 2-frame\ngroup of {group_s:.1f} s (row-major)")
     else:
         ax_v.set_yticks([])
         ax_v.text(0.5, 0.5, "no video tokens in this prompt", transform=ax_v.transAxes, ha="center", va="center")
