@@ -116,7 +116,8 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
 
 BENCH_MOVED = ("macer bench: the end-to-end benchmark is no longer part of the installed package; from a clone of the "
-               "repository run `python -m benchmarks.bench_e2e --help`")
+               "repository run `python -m benchmarks.bench_e2e` (results in out/bench/; --record writes the committed "
+               "benchmarks/results/)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
