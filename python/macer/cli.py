@@ -357,8 +357,12 @@ def _plot_kept_tokens(out_dir: Path, model, inputs: dict[str, Any], record, conf
     rope = rope[:, 0].cpu().double()
     per_second = float(thinker_config.position_id_per_seconds)
     is_audio, is_video = ids == thinker_config.audio_token_id, ids == thinker_config.video_token_id
-    start = rope[0][is_audio | is_video].min()
-    seconds = (rope[0] - start) / per_second
+    # Each stream from its own first token: interleaved, both start at the same position; in the block layout the
+    # audio positions continue after the video block's, which is prompt order, not clip time.
+    seconds = torch.zeros(ids.numel(), dtype=torch.float64)
+    for stream in (is_audio, is_video):
+        if stream.any():
+            seconds[stream] = (rope[0][stream] - rope[0][stream].min()) / per_second
     kept = torch.zeros(ids.numel(), dtype=torch.bool)
     kept[list(record.audio_kept) + list(record.video_kept)] = True
 
@@ -393,7 +397,7 @@ def _plot_kept_tokens(out_dir: Path, model, inputs: dict[str, Any], record, conf
         lo, hi = float(t_video.min()), float(t_video.max())
         span, chunks = hi - lo + 1, config.num_chunks
         sizes = torch.bincount(temporal_chunks(t_video.long(), chunks), minlength=chunks)
-        bounds = [(lo + c * span / chunks - float(start)) / per_second for c in range(chunks + 1)]
+        bounds = [c * span / chunks / per_second for c in range(chunks + 1)]
         for c in range(chunks + 1):
             ax_v.axvline(bounds[c], color="tab:green", linestyle="--", linewidth=0.8,
                          label="coverage chunk boundary" if c == 0 else None)
@@ -407,7 +411,8 @@ def _plot_kept_tokens(out_dir: Path, model, inputs: dict[str, Any], record, conf
     else:
         ax_v.set_yticks([])
         ax_v.text(0.5, 0.5, "no video tokens in this prompt", transform=ax_v.transAxes, ha="center", va="center")
-    ax_v.set_xlabel(f"clip time (s) = temporal M-RoPE position / {per_second:g}; a video bar spans its frame group")
+    ax_v.set_xlabel(f"clip time (s) = temporal M-RoPE position / {per_second:g}, from each stream's first token; "
+                    "a video bar spans its frame group")
     budget = record.budget
     ax_a.set_title(
         f"MACER kept tokens: keep ratio {config.keep_ratio:g} of {record.n_audio + record.n_video} audio+video tokens "
