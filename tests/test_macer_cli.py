@@ -22,7 +22,7 @@ def test_demo_prints_budget_stages_caches_and_saves_png(tmp_path, capsys, blocks
     assert "after layer 3 (audio pruned): audio 29/100, video 288/288" in text
     assert "after layer 5 (video pruned): audio 29/100, video 68/288" in text
     assert "tokens per layer (1..6):" in text and "KV cache per layer, MACER:" in text
-    assert "prefill time, 1 runs of each after a warm-up, min / median / max: full " in text
+    assert "prefill time, 1 run of each after a warm-up, min / median / max: full " in text
     assert "machine busy:" in text or "machine quiet:" in text
     assert "generate 2 tokens" in text
     assert ("blocks" in text) == blocks

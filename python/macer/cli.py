@@ -266,8 +266,8 @@ def _print_times(times: dict[str, list[float]], record, n: int, load_before: flo
     f_all, m_all = statistics.median(times["full"]), statistics.median(times["MACER"])
     f_llm, m_llm = statistics.median(times["full decoder"]), statistics.median(times["MACER decoder"])
     proxy = sum(record.layer_tokens) / (n * len(record.layer_tokens))
-    print(f"prefill time, {runs} runs of each after a warm-up, min / median / max: full {spread('full')} s, "
-          f"MACER {spread('MACER')} s (median x{f_all / m_all:.2f})")
+    print(f"prefill time, {runs} run{'s' if runs > 1 else ''} of each after a warm-up, min / median / max: "
+          f"full {spread('full')} s, MACER {spread('MACER')} s (median x{f_all / m_all:.2f})")
     print(f"decoder only, min / median / max: full {spread('full decoder')} s, MACER {spread('MACER decoder')} s "
           f"(median x{f_llm / m_llm:.2f}); token-layer proxy {proxy:.3f} (ideal x{1 / proxy:.2f}); "
           f"MACER's own work {record.overhead_s:.3f} s")
