@@ -173,3 +173,28 @@ def test_demo_real_checkpoint_without_transformers(tmp_path, monkeypatch, capsys
     (tmp_path / "clip.mp4").touch()
     assert main(["demo", "--model", str(tmp_path), "--video", str(tmp_path / "clip.mp4"), "--question", "what?"]) == 2
     assert "macer demo --model needs transformers with Qwen2.5-Omni" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("load", "spread", "expected"),
+    [
+        (0.2, 1.05, "machine quiet: load average 0.2 on 4 cores before the demo started, runs within 5% of each other"),
+        (3.0, 1.05, "machine busy: load average 3.0 on 4 cores before the demo started"),
+        (0.2, 1.50, "machine busy: repeated runs differ by up to 50%."),
+        (None, 1.05, "machine quiet: load average unknown on 4 cores"),
+    ],
+)
+def test_timings_report_spread_and_a_busy_machine(monkeypatch, capsys, load, spread, expected):
+    from types import SimpleNamespace
+
+    from macer.cli import _print_times
+
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    times = {"full": [1.0, spread, 1.01], "MACER": [0.5, 0.5, 0.5], "full decoder": [0.9, 0.9, 0.9],
+             "MACER decoder": [0.4, 0.4, 0.4]}
+    record = SimpleNamespace(layer_tokens=[100, 100, 50, 50], overhead_s=0.01)
+    _print_times(times, record, 100, load)
+    text = capsys.readouterr().out
+    assert f"full 1.00 / 1.01 / {spread:.2f} s, MACER 0.50 / 0.50 / 0.50 s (median x2.02)" in text
+    assert "token-layer proxy 0.750 (ideal x1.33)" in text
+    assert expected in text, text
