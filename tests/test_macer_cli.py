@@ -168,6 +168,20 @@ def test_demo_real_checkpoint_path_with_stand_ins(tmp_path, capsys, monkeypatch,
     assert "MACER (" in captured.out and (tmp_path / "macer_kept_tokens.png").exists()
 
 
+def test_demo_real_checkpoint_folder_without_a_checkpoint(tmp_path, monkeypatch, capsys):
+    import transformers
+
+    def refuse(cls, path, **kwargs):
+        raise OSError(f"Can't load the processor for '{path}'.\nMore lines of advice.")
+
+    monkeypatch.setattr(transformers.Qwen2_5OmniProcessor, "from_pretrained", classmethod(refuse))
+    (tmp_path / "clip.mp4").touch()
+    assert main(["demo", "--model", str(tmp_path), "--video", str(tmp_path / "clip.mp4"), "--question", "y"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"--model {tmp_path}: not a loadable Qwen2.5-Omni checkpoint directory (Can't load the processor" in err
+
+
 def test_demo_real_checkpoint_without_transformers(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)  # `from transformers import ...` raises ImportError
     (tmp_path / "clip.mp4").touch()

@@ -442,9 +442,15 @@ def _demo_real(args: argparse.Namespace) -> int:
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    processor = Qwen2_5OmniProcessor.from_pretrained(args.model)
-    # The thinker alone: on transformers 5.23 the full model's generate() cannot return text only.
-    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    try:
+        processor = Qwen2_5OmniProcessor.from_pretrained(args.model)
+        # The thinker alone: on transformers 5.23 the full model's generate() cannot return text only.
+        model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    except (OSError, ValueError) as exc:  # transformers' errors for a folder without the checkpoint's files
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"macer demo: error: --model {args.model}: not a loadable Qwen2.5-Omni checkpoint directory ({reason})",
+              file=sys.stderr)
+        return 2
     conversation = [
         {"role": "system", "content": [{"type": "text", "text": REAL_SYSTEM_PROMPT}]},
         {"role": "user", "content": [{"type": "video", "video": args.video}, {"type": "audio"},
