@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from macer._batch import BatchLayout, BatchPrefill, check_left_padding, decode_masks
 from macer.adapters import Adapter, DecoderParts, get_adapter, text_config
 from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Plan, Policy, PromptFacts, plan_prefill, run_stage
 from macer.trace import PrefillRecord, Stage, Trace
@@ -192,7 +193,15 @@ def _plan(session: _Session, input_ids: torch.Tensor | None, kwargs: dict[str, A
                                    None if temporal is None else temporal[0],
                                    mask[0] if isinstance(mask, torch.Tensor) else None)
     if mask is not None and not bool(mask.bool().all()):
-        raise ValueError("macer.compress: attention_mask has padding (zeros); batch size 1 without padding only")
+        raise ValueError("macer.compress: attention_mask of a single prompt has padding (zeros); pad only in a "
+                         "batch of several prompts, on the left")
+    return _plan_sample(session, ids, temporal, length)
+
+
+def _plan_sample(session: _Session, ids: torch.Tensor | None, temporal: torch.Tensor | None, length: int,
+                 padding: int = 0) -> tuple[Plan, PrefillRecord]:
+    """Plan and record of one prompt from its host ids and temporal row (padding removed); ``padding`` is its left
+    padding in the batch, added to every index the record reports."""
     labels = session.adapter.labels(session.model, None if ids is None else ids[None])[0].long()
     facts = PromptFacts(labels=labels, temporal=torch.arange(length) if temporal is None else temporal,
                         input_ids=ids, end_of_turn_token_id=session.end_of_turn,
@@ -201,11 +210,36 @@ def _plan(session: _Session, input_ids: torch.Tensor | None, kwargs: dict[str, A
     scored = [s.query.tolist() for s in plan.stages if s.spec.needs_scores]
     record = PrefillRecord(
         prompt_length=length, n_audio=facts.count(AUDIO), n_video=facts.count(VISUAL), planned_budget=plan.budget,
-        query_positions=scored[0] if scored else [], layer_tokens=list(plan.layer_tokens),
+        query_positions=[q + padding for q in scored[0]] if scored else [], layer_tokens=list(plan.layer_tokens),
         stages=[Stage(s.spec.layer, tuple(MODALITY_NAMES[m] for sel in s.spec.selections for m in sel.modalities),
                       s.tokens_before, s.tokens_after) for s in plan.stages],
-        policy=session.policy.name, labels=labels)
+        policy=session.policy.name, labels=labels, padding=padding)
     return plan, record
+
+
+def _plan_batch(session: _Session, input_ids: torch.Tensor | None, root_kwargs: dict[str, Any],
+                kwargs: dict[str, Any], mask: torch.Tensor | None, batch: int, length: int,
+                device: torch.device) -> BatchPrefill:
+    """A left-padded batch: one host copy of every row's ids, temporal positions and mask, then each sample planned
+    on its own unpadded row, exactly as if it ran alone (``macer._batch``)."""
+    temporal = session.adapter.temporal_positions(kwargs, length)
+    if temporal is not None and temporal.shape[0] != batch:
+        temporal = temporal.expand(batch, length)
+    ids, temporal, host_mask = _to_host(input_ids, temporal, mask if isinstance(mask, torch.Tensor) else None)
+    ids = None if ids is None else ids.reshape(batch, length)
+    temporal = None if temporal is None else temporal.reshape(batch, length)
+    pads = [0] * batch if host_mask is None else check_left_padding(host_mask.reshape(batch, length))
+    session.adapter.check_batch(session.model, ids, root_kwargs)
+    samples = []
+    for b, pad in enumerate(pads):
+        plan, record = _plan_sample(session, None if ids is None else ids[b, pad:],
+                                    None if temporal is None else temporal[b, pad:], length - pad, pad)
+        samples.append(_Prefill(plan, device, record))
+    if isinstance(mask, torch.Tensor):
+        valid = mask.bool()
+    else:
+        valid = torch.ones(batch, length, dtype=torch.bool, device=device)
+    return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager")
 
 
 class _Clock:
@@ -249,6 +283,17 @@ class _Prefill:
         self.layer_rows: dict[int, torch.Tensor] = {}  # rows present at each hooked layer (= its cache rows)
         self.handles: list[Any] = []
         self.overhead = 0.0
+
+    @property
+    def layer_tokens(self) -> list[int]:
+        return self.plan.layer_tokens
+
+    def has_pending(self) -> bool:
+        return self.pending is not None
+
+    def enter(self, index: int) -> None:
+        """``layers[index]`` runs on the current rows (they become its cache rows)."""
+        self.layer_rows[index] = self.current
 
     def stage_at(self, layer: int):
         """The next stage if it reads (or, at 0, applies before) decoder layer index ``layer``."""
@@ -312,7 +357,8 @@ class _Session:
         self.name: str | None = None
         self.guarded: list[tuple[Any, str, Any]] = []
         self.prompt_ids: torch.Tensor | None = None
-        self.state: _Prefill | None = None
+        self.root_kwargs: dict[str, Any] = {}
+        self.state: _Prefill | BatchPrefill | None = None
         # cache object -> (prompt rows held by each layer, prompt length): decode sizes masks per layer from them
         self.caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.decode_rows: list[torch.Tensor] | None = None
@@ -379,10 +425,12 @@ class _Session:
 
     def _root_hook(self, module, args, kwargs):
         self.prompt_ids = kwargs.get("input_ids", args[0] if args else None)
+        self.root_kwargs = kwargs
 
     def _begin(self, module, args, kwargs):
         """Decoder pre-hook: start a prefill (empty cache) or a decode step (non-empty cache)."""
         input_ids, self.prompt_ids = self.prompt_ids, None
+        root_kwargs, self.root_kwargs = self.root_kwargs, {}
         self._close_prefill()
         self._close_step()
         self.decode_rows = None
@@ -394,9 +442,12 @@ class _Session:
         if cache is not None and cache.get_seq_length() > 0:
             return self._begin_decode(cache, args, kwargs)
         if batch != 1:
-            raise ValueError(f"macer.compress supports batch size 1 for now; got a batch of {batch} (generate with "
-                             "num_beams > 1 or num_return_sequences > 1 also expands the batch: beam search and "
-                             "several returned sequences are not supported; greedy and sampling are)")
+            if self.base == "flash_attention_2":
+                raise ValueError(f"macer.compress: a batch of {batch} prompts runs with attn_implementation 'sdpa' or "
+                                 "'eager'; flash_attention_2 takes batch size 1 under compress")
+            if not self.adapter.batch_ready:
+                raise ValueError(f"macer.compress: the {type(self.adapter).__name__} adapter does not support a batch "
+                                 f"of {batch} prompts yet; run them one at a time")
         if cache is not None and getattr(cache, "is_compileable", False):
             raise ValueError(f"macer.compress: {type(cache).__name__} is not supported (static caches cannot hold "
                              "layers of different lengths); use the default DynamicCache")
@@ -408,14 +459,19 @@ class _Session:
         start = self.clock.tick()
         if input_ids is not None and input_ids.shape[-1] != length:
             input_ids = None
-        plan, record = _plan(self, input_ids, kwargs, mask, length)
-        state = _Prefill(plan, device, record)
-        if plan.stages:
-            first = plan.stages[0].spec.layer
+        if batch == 1:
+            plan, record = _plan(self, input_ids, kwargs, mask, length)
+            state = _Prefill(plan, device, record)
+            stages = plan.stages
+        else:
+            state = _plan_batch(self, input_ids, root_kwargs, kwargs, mask, batch, length, device)
+            stages = [stage for sample in state.samples for stage in sample.plan.stages]
+        if stages:
+            first = min(stage.spec.layer for stage in stages)
             for i in range(first, len(self.parts.layers)):
                 hook = self._layer_hook(i)
                 state.handles.append(self.parts.layers[i].register_forward_pre_hook(hook, with_kwargs=True))
-            if any(s.spec.needs_scores for s in plan.stages):
+            if any(s.spec.needs_scores for s in stages):
                 self.parts.attn_config._attn_implementation = self.name
         self.state = state
         state.overhead += self.clock.tock(start)
@@ -425,6 +481,8 @@ class _Session:
         entry = self.caches.get(cache)
         if entry is None:
             return None  # a cache this session did not prune: every layer holds the same rows, nothing to do
+        if isinstance(entry, BatchLayout):
+            return self._begin_decode_batch(entry, args, kwargs)
         rows, prompt_len = entry
         mask = kwargs.get("attention_mask")
         changed = False
@@ -443,6 +501,36 @@ class _Session:
                     self.step_handles.append(layer.register_forward_pre_hook(self._decode_hook(i), with_kwargs=True))
         return (args, kwargs) if changed else None
 
+    def _begin_decode_batch(self, layout: BatchLayout, args, kwargs):
+        """A decode step on a batch-pruned cache: layer 0's 2-D mask follows layer 0's layout (transformers builds
+        that layer's mask from it), and every layer with another layout gets its own 4-D mask."""
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.ndim == 2):
+            raise ValueError("macer.compress: decoding a pruned batch needs a 2-D attention_mask (as generate "
+                             "passes) or none")
+        embeds = kwargs.get("inputs_embeds")
+        hidden = embeds if embeds is not None else args[0] if args else kwargs["input_ids"]
+        queries = hidden.shape[1]
+        dtype = embeds.dtype if embeds is not None else self.parts.layers[0].parameters().__next__().dtype
+        masks = decode_masks(layout, mask, queries, dtype, self.base != "eager")
+        first = layout.valid[0]
+        tail = (mask[:, layout.prompt_length:] if mask is not None
+                else torch.ones(first.shape[0], queries, dtype=torch.long, device=first.device))
+        kwargs["attention_mask"] = torch.cat([first.to(tail.dtype), tail], dim=1)
+        for i, layer in enumerate(self.parts.layers):
+            if layout.valid[i] is not first:
+                self.step_handles.append(layer.register_forward_pre_hook(self._batch_decode_hook(masks[id(
+                    layout.valid[i])]), with_kwargs=True))
+        return args, kwargs
+
+    @staticmethod
+    def _batch_decode_hook(mask: torch.Tensor):
+        def hook(module, args, kwargs):
+            kwargs["attention_mask"] = mask
+            return args, kwargs
+
+        return hook
+
     def _end(self, module, args, kwargs, output):
         """Decoder post-hook: finish a prefill (cache bookkeeping, optional trimming, trace record)."""
         state = self.state
@@ -450,10 +538,13 @@ class _Session:
         self._close_step()
         if state is None:
             return None
-        start = self.clock.tick()
-        record, plan = state.record, state.plan
         cache = getattr(output, "past_key_values", None)
         cache = kwargs.get("past_key_values") if cache is None else cache
+        if isinstance(state, BatchPrefill):
+            self._end_batch(state, cache)
+            return None
+        start = self.clock.tick()
+        record, plan = state.record, state.plan
         n = plan.facts.length
         rows = [state.layer_rows.get(i, state.full) for i in range(len(self.parts.layers))]
         if cache is not None and state.current is not state.full:
@@ -471,8 +562,29 @@ class _Session:
         record.kept_positions = None if state.current is state.full else state.current
         state.overhead += self.clock.tock(start)
         record.overhead_s = state.overhead if self.profile else None
-        self.trace.history.append(record)
+        self.trace.add([record])
         return None
+
+    def _end_batch(self, state: BatchPrefill, cache: Any) -> None:
+        start = self.clock.tick()
+        num_layers = len(self.parts.layers)
+        layout = state.finish(cache, self.policy.trim_early_cache, num_layers)
+        if cache is not None and layout is not None:
+            self.caches[cache] = layout
+        records = []
+        for sample in state.samples:
+            record = sample.record
+            if cache is not None:
+                # Each sample's own cache rows (the batch's cache also holds its padding), as if it ran alone.
+                rows = [sample.current if layout is not None and layout.valid[i] is state.valid
+                        else sample.layer_rows.get(i, sample.full) for i in range(num_layers)]
+                record.cache_lengths = [r.numel() for r in rows]
+            record.kept_positions = None if sample.current is sample.full else sample.current
+            records.append(record)
+        state.overhead += self.clock.tock(start)
+        for record in records:
+            record.overhead_s = state.overhead if self.profile else None
+        self.trace.add(records)
 
     # ---------------------------------------------------------------- prefill
     def readout(self, index: int, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -483,7 +595,10 @@ class _Session:
             return
         start = self.clock.tick()
         scale = kwargs.get("scaling") or getattr(module, "scaling", None)
-        state.run(query, key, scale, getattr(self.policy, "eps", 0.0))
+        if isinstance(state, BatchPrefill):
+            state.run(query, key, scale, getattr(self.policy, "eps", 0.0), index + 1)
+        else:
+            state.run(query, key, scale, getattr(self.policy, "eps", 0.0))
         state.overhead += self.clock.tock(start)
 
     def _layer_hook(self, index: int):
@@ -498,19 +613,22 @@ class _Session:
             return None
         if state.stage_at(0) is not None and index == 0:
             start = self.clock.tick()
-            state.run(None, None, None, 0.0)  # a stage before the first layer (no readout)
+            if isinstance(state, BatchPrefill):  # a stage before the first layer (no readout)
+                state.run(None, None, None, 0.0, 0)
+            else:
+                state.run(None, None, None, 0.0)
             state.overhead += self.clock.tock(start)
-        if state.pending is not None:
+        if state.has_pending():
             start = self.clock.tick()
             args, kwargs = state.compact(self.adapter, index, args, kwargs)
             state.overhead += self.clock.tock(start)
         if state.inputs:
             kwargs.update(state.inputs)
         hidden = args[0] if args else kwargs["hidden_states"]
-        if hidden.shape[1] != state.plan.layer_tokens[index]:
+        if hidden.shape[1] != state.layer_tokens[index]:
             raise RuntimeError(f"macer: layer {index + 1} received {hidden.shape[1]} tokens, the plan says "
-                               f"{state.plan.layer_tokens[index]} (please report this)")
-        state.layer_rows[index] = state.current
+                               f"{state.layer_tokens[index]} (please report this)")
+        state.enter(index)
         return args, kwargs
 
     # ---------------------------------------------------------------- decode

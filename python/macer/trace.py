@@ -52,6 +52,10 @@ class PrefillRecord:
         overhead_s: seconds spent in MACER's own work (planning, scoring, selection, compaction); measured with
             device synchronisation only under ``compress(..., profile=True)``, else None.
         policy: the policy's name (``"macer"``, ``"fastv"``, ...).
+        padding: the prompt's left padding in its batch (0 alone). Every index the record reports
+            (``query_positions``, ``audio_kept``, ``video_kept``) points into the prompt's own row of the batch's
+            ``input_ids``, padding included; ``prompt_length``, ``layer_tokens``, ``cache_lengths`` and ``stages``
+            count the prompt's own tokens, as if it ran alone.
     """
 
     prompt_length: int
@@ -64,6 +68,7 @@ class PrefillRecord:
     stages: list[Stage] = field(default_factory=list)
     overhead_s: float | None = None
     policy: str = "macer"
+    padding: int = 0
     labels: torch.Tensor | None = field(default=None, repr=False)  # [N] host modality labels
     kept_positions: torch.Tensor | None = field(default=None, repr=False)  # prompt positions after the last stage
     _kept: tuple[list[int], list[int]] | None = field(default=None, repr=False)
@@ -76,6 +81,7 @@ class PrefillRecord:
                 kept = (torch.arange(self.prompt_length) if self.kept_positions is None
                         else self.kept_positions.cpu())  # the record's one device read, on the caller's request
                 labels = self.labels[kept]
+                kept = kept + self.padding
                 self._kept = kept[labels == _AUDIO].tolist(), kept[labels == _VISUAL].tolist()
         return self._kept
 
@@ -102,19 +108,35 @@ class PrefillRecord:
 
 
 class Trace:
-    """Returned by ``macer.compress``: one ``PrefillRecord`` per prefill run inside the context (``history``); the
-    attributes below read the last one (``None`` / empty before the first prefill)."""
+    """Returned by ``macer.compress``: the records of every prefill run inside the context.
+
+    ``samples`` is the last prefill's list of per-prompt records (length B for a batch of B prompts, 1 alone);
+    ``history`` holds one record per prompt of every prefill, in order (a batch adds its B records in sample order).
+    The attributes below read the last prefill of a single prompt (``None`` / empty before the first prefill); after
+    a batch of B > 1 they raise ``ValueError``: read ``trace.samples[b]`` instead.
+    """
 
     def __init__(self) -> None:
         self.history: list[PrefillRecord] = []
+        self.samples: list[PrefillRecord] = []
+
+    def add(self, records: list[PrefillRecord]) -> None:
+        """Record one prefill's per-prompt records (the runtime calls this)."""
+        self.history.extend(records)
+        self.samples = list(records)
 
     @property
     def last(self) -> PrefillRecord | None:
-        """The last prefill's record."""
-        return self.history[-1] if self.history else None
+        """The last prefill's record (a single prompt)."""
+        if len(self.samples) > 1:
+            raise ValueError(f"macer.Trace: the last prefill ran a batch of {len(self.samples)} prompts; read "
+                             "trace.samples[b] (one PrefillRecord per prompt) instead of the single-prompt "
+                             "attributes (trace.last, audio_kept, video_kept, budget, layer_tokens, cache_lengths)")
+        return self.samples[0] if self.samples else None
 
     def _get(self, name: str, default):
-        return getattr(self.last, name) if self.last is not None else default
+        last = self.last
+        return getattr(last, name) if last is not None else default
 
     @property
     def budget(self) -> Budget | None:
@@ -142,6 +164,8 @@ class Trace:
         return self._get("cache_lengths", [])
 
     def __repr__(self) -> str:
+        if len(self.samples) > 1:
+            return f"Trace(prefills with {len(self.history)} prompts, last a batch of {len(self.samples)})"
         last = self.last
         if last is None:
             return "Trace(no prefill yet)"

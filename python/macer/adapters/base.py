@@ -65,6 +65,10 @@ class Adapter(ABC):
     layer_token_kwargs: ClassVar[dict[str, int]] = {"position_ids": -1}
     #: keyword argument holding the ``(cos, sin)`` RoPE tables, each ``[B, N, D]``
     position_embeddings_kwarg: ClassVar[str] = "position_embeddings"
+    #: whether ``compress`` may run a batch of ``B > 1`` prompts on this family: the runtime re-packs the batch after
+    #: every stage (``macer._batch``), so an adapter with per-token state of its own (``on_stage``, a guard that
+    #: remaps tokens) must say it handles a re-packed batch before it is allowed
+    batch_ready: ClassVar[bool] = False
 
     @abstractmethod
     def parts(self, model: nn.Module) -> DecoderParts:
@@ -99,6 +103,12 @@ class Adapter(ABC):
         on exit): e.g. a ``generate`` that cannot work on a pruned prefill and says what to call instead, or a
         submodule method wrapped to remap per-token state (Qwen3-Omni's ``_deepstack_process``). None by default."""
         return []
+
+    def check_batch(self, model: nn.Module, input_ids: torch.Tensor | None, root_kwargs: dict[str, Any]) -> None:
+        """Refuse (``ValueError``) a batch of ``B > 1`` prompts this family cannot run correctly, e.g. prompt layouts
+        that need different values of a flag the model reads once per call. ``input_ids`` is the padded ``[B, N]``
+        batch on the host; ``root_kwargs`` the root's call arguments. Accepts everything by default."""
+        return None
 
     def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:
         """Called once per applied stage, right before ``layers[layer]`` runs on the shorter sequence, with the kept
