@@ -44,12 +44,21 @@ def _alone(model, config, prompt, new_tokens):
     return record, logits, tokens
 
 
-@pytest.mark.parametrize(("attn", "layout", "trim"), [("sdpa", "block", False), ("eager", "interleaved", False),
-                                                      ("sdpa", "interleaved", True)])
-def test_batch_matches_each_prompt_alone(attn, layout, trim):
+POLICIES = {
+    "macer": lambda m: macer_config_for(m, keep_ratio=0.3, audio_layer=1, video_layer=2),
+    "macer-trim": lambda m: macer_config_for(m, keep_ratio=0.3, audio_layer=2, video_layer=1, trim_early_cache=True),
+    "fastv": lambda m: macer.FastVConfig(keep_ratio=0.3, layer=2),
+    "random": lambda m: macer.RandomConfig(keep_ratio=0.3, seed=3),
+}
+
+
+@pytest.mark.parametrize(("attn", "layout", "policy"), [
+    ("sdpa", "block", "macer"), ("eager", "interleaved", "macer"), ("sdpa", "interleaved", "macer-trim"),
+    ("eager", "block", "fastv"), ("sdpa", "interleaved", "random")])
+def test_batch_matches_each_prompt_alone(attn, layout, policy):
     model = _thinker(attn)
     prompts = _block_prompts(model) if layout == "block" else _interleaved_prompts(model)
-    config = macer_config_for(model, keep_ratio=0.3, audio_layer=1, video_layer=2, trim_early_cache=trim)
+    config = POLICIES[policy](model)
     batch = batch_inputs(prompts)
     new_tokens = 4
     with torch.no_grad(), macer.compress(model, config) as trace:
@@ -62,7 +71,7 @@ def test_batch_matches_each_prompt_alone(attn, layout, trim):
         record, want_logits, want_tokens = _alone(model, config, prompt, new_tokens)
         pad = width - prompt["input_ids"].shape[1]
         got = samples[b]
-        where = f"sample {b} ({attn}, {layout}, trim={trim})"
+        where = f"sample {b} ({attn}, {layout}, {policy})"
         assert got.padding == pad, where
         assert got.audio_kept == [i + pad for i in record.audio_kept], where
         assert got.video_kept == [i + pad for i in record.video_kept], where
@@ -79,6 +88,19 @@ def test_batch_matches_each_prompt_alone(attn, layout, trim):
         _ = trace.audio_kept
     with pytest.raises(ValueError, match="trace.samples"):
         _ = trace.last
+
+
+def test_beam_search_rows_share_their_prompt_selection():
+    """num_beams expands each prompt into rows of the batch: each row is planned like its prompt alone."""
+    model = _thinker("sdpa")
+    prompts = _block_prompts(model)[1:]
+    config = POLICIES["macer"](model)
+    with torch.no_grad(), macer.compress(model, config) as trace:
+        got = model.generate(**batch_inputs(prompts), max_new_tokens=3, num_beams=2, do_sample=False)[:, -3:]
+        assert len(trace.samples) == 4 and trace.samples[0].video_kept == trace.samples[1].video_kept
+        want = [model.generate(**p, max_new_tokens=3, num_beams=2, do_sample=False)[0, -3:].tolist()
+                for p in prompts]
+    assert got.tolist() == want
 
 
 def test_batch_of_one_prompt_has_one_sample():

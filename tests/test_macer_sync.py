@@ -150,3 +150,23 @@ def test_one_host_read_per_prefill_and_none_for_cpu_inputs(models, monkeypatch):
         model.generate(**inputs, max_new_tokens=3, do_sample=False)  # one prefill, then decode steps
         model(**inputs)
     assert len(trace.history) == 2 and calls == [True, True]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("policy", ["macer", "macer-trim", "random"])
+def test_no_host_sync_in_a_batch(models, monkeypatch, attn, policy):
+    """A left-padded batch (issue #11): per-sample stages, the re-packing and batched decode read nothing back, and
+    the plan is still one host read per prefill."""
+    from macer.testing import batch_inputs
+
+    model = models[attn]
+    batch = batch_inputs([clip_inputs(model, frames=0, audio_tokens=50, use_audio_in_video=False, seed=2),
+                          clip_inputs(model, **CLIP, use_audio_in_video=False)])
+    reads = []
+    original = runtime._to_host
+    monkeypatch.setattr(runtime, "_to_host", lambda *t: reads.append(len(t)) or original(*t))
+    with count_syncs(monkeypatch) as found, torch.no_grad(), \
+            macer.compress(model, POLICIES[policy](model)) as trace:
+        model.generate(**batch, max_new_tokens=3, do_sample=False)
+    assert all(s.pruned for s in trace.samples) and len(reads) == 1
+    assert found == [], f"host synchronisations in the batch hot path ({policy}, {attn}): {found}"

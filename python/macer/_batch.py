@@ -201,18 +201,14 @@ class BatchPrefill:
         return BatchLayout(valid, self.original_valid.shape[1])
 
 
-def decode_masks(layout: BatchLayout, mask2d: torch.Tensor | None, queries: int, dtype: torch.dtype,
+def decode_masks(layout: BatchLayout, tail: torch.Tensor, queries: int, dtype: torch.dtype,
                  boolean: bool) -> dict[int, torch.Tensor]:
     """Per distinct layer layout other than layer 0's (by ``id`` of its validity tensor): the 4-D mask of a decode
-    step whose 2-D mask ``[B, prompt_length + T]`` (or None: all real) covers the original prompt and ``T`` generated
-    tokens."""
+    step over ``T`` tokens after the prompt (``tail``: ``[B, T]`` 0/1, the generated tokens and this step's)."""
     masks: dict[int, torch.Tensor] = {}
     for valid in layout.valid:
         if id(valid) in masks or valid is layout.valid[0]:
             continue
-        if mask2d is None:
-            tail = torch.ones(valid.shape[0], queries, dtype=torch.bool, device=valid.device)
-        else:
-            tail = mask2d[:, layout.prompt_length:].to(device=valid.device, dtype=torch.bool)
-        masks[id(valid)] = layout_mask(torch.cat([valid, tail], dim=1), queries, dtype, boolean)
+        masks[id(valid)] = layout_mask(torch.cat([valid, tail.bool()], dim=1),
+                                       queries, dtype, boolean)
     return masks

@@ -482,7 +482,7 @@ class _Session:
         if entry is None:
             return None  # a cache this session did not prune: every layer holds the same rows, nothing to do
         if isinstance(entry, BatchLayout):
-            return self._begin_decode_batch(entry, args, kwargs)
+            return self._begin_decode_batch(entry, cache, args, kwargs)
         rows, prompt_len = entry
         mask = kwargs.get("attention_mask")
         changed = False
@@ -501,7 +501,7 @@ class _Session:
                     self.step_handles.append(layer.register_forward_pre_hook(self._decode_hook(i), with_kwargs=True))
         return (args, kwargs) if changed else None
 
-    def _begin_decode_batch(self, layout: BatchLayout, args, kwargs):
+    def _begin_decode_batch(self, layout: BatchLayout, cache: Any, args, kwargs):
         """A decode step on a batch-pruned cache: layer 0's 2-D mask follows layer 0's layout (transformers builds
         that layer's mask from it), and every layer with another layout gets its own 4-D mask."""
         mask = kwargs.get("attention_mask")
@@ -512,10 +512,13 @@ class _Session:
         hidden = embeds if embeds is not None else args[0] if args else kwargs["input_ids"]
         queries = hidden.shape[1]
         dtype = embeds.dtype if embeds is not None else self.parts.layers[0].parameters().__next__().dtype
-        masks = decode_masks(layout, mask, queries, dtype, self.base != "eager")
         first = layout.valid[0]
-        tail = (mask[:, layout.prompt_length:] if mask is not None
-                else torch.ones(first.shape[0], queries, dtype=torch.long, device=first.device))
+        if mask is not None:
+            tail = mask[:, layout.prompt_length:]
+        else:  # no mask (no padding anywhere): the tokens after the prompt are layer 0's extra cache rows + this step
+            after = cache.layers[0].get_seq_length() - first.shape[1] + queries
+            tail = torch.ones(first.shape[0], after, dtype=torch.long, device=first.device)
+        masks = decode_masks(layout, tail, queries, dtype, self.base != "eager")
         kwargs["attention_mask"] = torch.cat([first.to(tail.dtype), tail], dim=1)
         for i, layer in enumerate(self.parts.layers):
             if layout.valid[i] is not first:
