@@ -193,8 +193,8 @@ def _plan(session: _Session, input_ids: torch.Tensor | None, kwargs: dict[str, A
                                    None if temporal is None else temporal[0],
                                    mask[0] if isinstance(mask, torch.Tensor) else None)
     if mask is not None and not bool(mask.bool().all()):
-        raise ValueError("macer.compress: attention_mask of a single prompt has padding (zeros); pad only in a "
-                         "batch of several prompts, on the left")
+        raise ValueError("macer.compress: attention_mask has padding (zeros) in a single prompt; pad only a batch of "
+                         "several prompts, on the left")
     return _plan_sample(session, ids, temporal, length)
 
 
