@@ -18,6 +18,9 @@ Model-independent; an adapter (``macer.adapters``) says where the decoder is and
    (``RandomConfig``) compacts before ``layers[0]``.
 4. Layers keep the KV cache of the sequence they saw (the paper's single pass). After prefill, with
    ``trim_early_cache``, the dropped tokens are also removed from the earlier layers' caches.
+A batch of ``B > 1`` left-padded prompts follows the same steps per sample and re-packs the batch after every stage
+(``macer._batch``).
+
 5. Decoding: ``generate`` passes explicit positions, so only the mask needs care: a mask tensor sized against
    layer 0's cache is compacted along keys to each layer's own cache rows (hooks installed for that step only, and
    only when the step's mask is materialised: eager attention, or a 4-D mask given by the caller).
@@ -105,9 +108,10 @@ def _unregister_names(name: str) -> None:
 def compress(model: nn.Module, config: Policy, *, profile: bool = False) -> Iterator[Trace]:
     """Run a selection policy's staged pruning in every prefill of ``model`` inside the ``with`` block.
 
-    ``model(**inputs)`` and ``model.generate(**inputs)`` work as usual (batch size 1); each prefill is pruned on its
-    own, decoding runs on the compacted caches, and leaving the block (also by an exception) restores the model
-    exactly: hooks removed, attention implementation restored, nothing else touched.
+    ``model(**inputs)`` and ``model.generate(**inputs)`` work as usual, for one prompt or a left-padded batch (each
+    prompt planned, scored and selected as if alone, the batch re-packed after every stage: ``macer._batch``); each
+    prefill is pruned on its own, decoding runs on the compacted caches, and leaving the block (also by an exception)
+    restores the model exactly: hooks removed, attention implementation restored, nothing else touched.
 
     Args:
         model: a model whose ``config.model_type`` has an adapter (``macer.supported_model_types()``).
@@ -116,7 +120,8 @@ def compress(model: nn.Module, config: Policy, *, profile: bool = False) -> Iter
         profile: synchronise the device around MACER's own work and record it in ``PrefillRecord.overhead_s``.
 
     Yields:
-        ``macer.Trace``: budgets, kept tokens, tokens per layer and cache lengths of every prefill.
+        ``macer.Trace``: budgets, kept tokens, tokens per layer and cache lengths of every prefill
+        (``trace.samples``: the last prefill's record per prompt).
     """
     if not isinstance(config, Policy):
         raise TypeError(f"macer.compress: config must be a policy (macer.MacerConfig, FastVConfig, RandomConfig, "
