@@ -91,7 +91,6 @@ class BatchPrefill:
     def __init__(self, samples: list[_Prefill], pads: list[int], width: int, valid: torch.Tensor, boolean: bool):
         self.samples = samples
         self.pads = list(pads)  # left padding of each sample in the current sequence
-        self.width = width
         self.valid = valid  # [B, width] real rows of the current sequence
         self.boolean = boolean  # the attention backend's mask kind (SDPA: boolean; eager: additive)
         self.inputs: dict[str, Any] = {}
@@ -155,7 +154,7 @@ class BatchPrefill:
             sample.current = sample.current[keep]
         width = max(lengths)
         pads = [width - n for n in lengths]
-        # Padded slots gather row 0 of their sample: any finite row will do, the mask hides them.
+        # Padded slots gather row 0 of their sample's current sequence: any finite row will do, the mask hides them.
         index = torch.stack([torch.cat([torch.zeros(p, dtype=torch.long, device=device), k])
                              for p, k in zip(pads, keeps, strict=True)])
         valid = torch.stack([torch.cat([torch.zeros(p, dtype=torch.bool, device=device),
@@ -171,7 +170,7 @@ class BatchPrefill:
                 inputs[name] = gather_tokens(source[name], index, dim)
         inputs["attention_mask"] = layout_mask(valid, width, hidden.dtype, self.boolean)
         hidden = gather_tokens(hidden, index, 1)
-        self.inputs, self.valid, self.pads, self.width, self.repacked = inputs, valid, pads, width, True
+        self.inputs, self.valid, self.pads, self.repacked = inputs, valid, pads, True
         if args:
             return (hidden, *args[1:]), kwargs
         kwargs["hidden_states"] = hidden
