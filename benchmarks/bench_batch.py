@@ -46,6 +46,14 @@ MODES = {
 }
 
 
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -95,6 +103,7 @@ def main() -> int:
         raise SystemExit(f"--batch-sizes must be integers >= 1, got {args.batch_sizes}")
     if not 0.0 < args.keep_ratio <= 1.0:
         raise SystemExit(f"--keep-ratio must be in (0, 1], got {args.keep_ratio}")
+    load_at_start = list(os.getloadavg())
     new_tokens = args.decode_tokens or spec["decode_tokens"]
     warmup = spec["warmup"] if args.warmup is None else args.warmup
     reps = spec["reps"] if args.reps is None else args.reps
@@ -139,7 +148,8 @@ def main() -> int:
     meta = {**environment(device), "mode": mode, "threads": torch.get_num_threads(), "keep_ratio": args.keep_ratio,
             "decode_tokens": new_tokens, "warmup": warmup, "reps": reps, "shape": spec["shape"],
             "clip": {k: list(v) if isinstance(v, tuple) else v for k, v in spec["clip"].items()},
-            "dtype": str(spec["dtype"]), "macer_layers": layers, "load_average_at_start": list(os.getloadavg())}
+            "dtype": str(spec["dtype"]), "macer_layers": layers, "cpu_model": _cpu_model(),
+            "load_average_at_start": load_at_start}
     print_table(rows)
     paths = write_results(f"bench_batch_{mode}", rows, meta, args.out)
     print("wrote", *paths)
