@@ -154,6 +154,8 @@ def qwen3_thinker_config(
     config.vision_start_token_id = tok.vision_start
     config.vision_end_token_id = tok.vision_end
     config.audio_end_token_id = tok.audio_end
+    # The synthetic <|im_end|>, read by the adapter as the end-of-turn token (the real id is outside the vocabulary).
+    config.im_end_token_id = tok.im_end
     config._attn_implementation = attn_implementation
     config.text_config._attn_implementation = attn_implementation
     return config
