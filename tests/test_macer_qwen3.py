@@ -7,10 +7,11 @@ features itself, from a full-length table indexed by the rows still present (not
 
 from __future__ import annotations
 
+import macer
 import pytest
 import torch
 from macer.testing import SYNTHETIC_TOKENS
-from macer.testing_qwen3 import audio_token_count, build_qwen3_thinker, qwen3_clip_inputs
+from macer.testing_qwen3 import audio_token_count, build_qwen3_omni_model, build_qwen3_thinker, qwen3_clip_inputs
 from staged_reference import AUDIO, VISUAL, staged_kept
 
 TOK = SYNTHETIC_TOKENS
@@ -121,10 +122,8 @@ def test_tiny_thinker_has_moe_and_deepstack_and_runs_unpatched(eager_model):
 @pytest.mark.parametrize("clip", [{}, {"image_grid_hw": (4, 4)}], ids=["video", "image-and-video"])
 def test_reference_without_pruning_reproduces_the_model(eager_model, clip):
     """The staged reference (deepstack added from its own table) is the model's forward when nothing is dropped."""
-    from macer import MacerConfig
-
     inputs = qwen3_clip_inputs(eager_model, seed=2, **clip)
-    config = MacerConfig(keep_ratio=1.0, audio_layer=1, video_layer=2, end_of_turn_token_id=TOK.im_end)
+    config = macer.MacerConfig(keep_ratio=1.0, audio_layer=1, video_layer=2, end_of_turn_token_id=TOK.im_end)
     audio, video, hidden = reference_kept(eager_model, inputs, config)
     labels = _labels(inputs["input_ids"][0])
     assert audio == (labels == AUDIO).nonzero().reshape(-1).tolist()
@@ -134,3 +133,92 @@ def test_reference_without_pruning_reproduces_the_model(eager_model, clip):
         want = eager_model(**inputs).logits
         got = eager_model.lm_head(lm.norm(hidden))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def _config(**kw):
+    return macer.MacerConfig(**{"keep_ratio": 0.3, "audio_layer": 1, "video_layer": 2, "coverage_weight": 0.05,
+                                "end_of_turn_token_id": TOK.im_end, **kw})
+
+
+@pytest.mark.parametrize(
+    ("layers", "clip"),
+    [
+        # Stages among the deepstack layers (features still added after layers[1], layers[2]) and after them.
+        pytest.param((1, 2), {}, id="audio-1-video-2"),
+        pytest.param((2, 1), {}, id="video-1-audio-2"),
+        pytest.param((1, 1), {"use_audio_in_video": False}, id="both-at-1-blocks"),
+        pytest.param((2, 3), {"image_grid_hw": (4, 4)}, id="image-and-video"),
+        pytest.param((3, 3), {}, id="after-deepstack"),
+        pytest.param((1, 2), {"frames": 0, "use_audio_in_video": False}, id="audio-only"),
+        pytest.param((2, 1), {"audio": False, "use_audio_in_video": False}, id="video-only"),
+    ],
+)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_kept_sets_and_logits_match_independent_reference(eager_model, layers, clip, attn):
+    config = _config(audio_layer=layers[0], video_layer=layers[1])
+    inputs = qwen3_clip_inputs(eager_model, seed=1, **clip)
+    want_audio, want_video, hidden = reference_kept(eager_model, inputs, config)
+    model = eager_model if attn == "eager" else build_qwen3_thinker(num_layers=4, hidden_size=64,
+                                                                    attn_implementation="sdpa", seed=5)
+    with torch.no_grad(), macer.compress(model, config) as trace:
+        logits = model(**inputs).logits
+    labels = _labels(inputs["input_ids"][0])
+    assert len(trace.audio_kept) + len(trace.video_kept) == trace.budget.total < int((labels != 0).sum())
+    assert trace.audio_kept == want_audio
+    assert trace.video_kept == want_video
+    # The logits of the kept rows are the reference's: this is what checks the deepstack rows (kept sets alone
+    # do not move when a wrong deepstack row is added, on prompts this small).
+    with torch.no_grad():
+        want = model.lm_head(model.model.language_model.norm(hidden))
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+
+
+def test_generate_keep_ratio_one_and_restore(eager_model):
+    inputs = qwen3_clip_inputs(eager_model, seed=3)
+    with torch.no_grad():
+        before = eager_model(**inputs).logits
+        full = eager_model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    n = inputs["input_ids"].shape[1]
+    with torch.no_grad(), macer.compress(eager_model, _config()) as trace:
+        out = eager_model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    record = trace.history[0]
+    assert out.shape == (1, n + 4) and torch.equal(out[:, :n], inputs["input_ids"])
+    assert record.cache_lengths[-1] == n - record.n_audio - record.n_video + record.budget.total  # after prefill
+    assert "_deepstack_process" not in vars(eager_model.model.language_model)
+    with torch.no_grad(), macer.compress(eager_model, _config(keep_ratio=1.0)):
+        same = eager_model(**inputs).logits
+        same_out = eager_model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert torch.equal(same, before) and torch.equal(same_out, full)
+    with torch.no_grad():
+        assert torch.equal(eager_model(**inputs).logits, before)
+
+
+def test_full_model_through_thinker():
+    model = build_qwen3_omni_model(num_layers=4, hidden_size=64, attn_implementation="eager", seed=5)
+    inputs = qwen3_clip_inputs(model, seed=1)
+    config = _config(audio_layer=2, video_layer=1)
+    want_audio, want_video, _ = reference_kept(model, inputs, config)
+    with torch.no_grad(), macer.compress(model, macer.MacerConfig(
+            keep_ratio=0.3, audio_layer=2, video_layer=1, coverage_weight=0.05)) as trace:
+        out = model.generate(**inputs, return_audio=False, thinker_max_new_tokens=3, thinker_eos_token_id=TOK.im_end,
+                             thinker_do_sample=False)
+    n = inputs["input_ids"].shape[1]
+    assert out.shape[1] <= n + 3
+    assert (trace.audio_kept, trace.video_kept) == (want_audio, want_video)
+    model.has_talker = True  # as a model loaded with its talker (enable_audio_output=True)
+    with pytest.raises(ValueError, match="disable_talker"), macer.compress(model, config):
+        pass
+
+
+def test_for_model_derives_qwen3_omni_defaults():
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
+
+    real = Qwen3OmniMoeThinkerConfig(text_config={"num_hidden_layers": 48, "hidden_size": 2048,
+                                                  "num_attention_heads": 32, "num_key_value_heads": 4})
+    with pytest.warns(UserWarning, match="not the paper's"):
+        config = macer.MacerConfig.for_model(real, keep_ratio=0.25)
+    assert (config.audio_layer, config.video_layer, config.audio_share, config.coverage_weight) == (5, 9, 0.30, 0.20)
+    assert macer.paper_defaults(real) is None
+    tiny = build_qwen3_thinker(num_layers=4)
+    with pytest.raises(ValueError, match="audio_layer"):
+        macer.MacerConfig.for_model(tiny)

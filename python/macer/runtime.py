@@ -101,7 +101,8 @@ def _unregister_names(name: str) -> None:
 
 
 @contextlib.contextmanager
-def compress(model: nn.Module, config: Policy, *, profile: bool = False) -> Iterator[Trace]:
+def compress(model: nn.Module, config: Policy, *, profile: bool = False,
+             adapter: Adapter | None = None) -> Iterator[Trace]:
     """Run a selection policy's staged pruning in every prefill of ``model`` inside the ``with`` block.
 
     ``model(**inputs)`` and ``model.generate(**inputs)`` work as usual (batch size 1); each prefill is pruned on its
@@ -113,6 +114,8 @@ def compress(model: nn.Module, config: Policy, *, profile: bool = False) -> Iter
         config: a policy: ``MacerConfig`` (MACER), ``FastVConfig``, ``RandomConfig``, ``FullConfig``, or any
             ``macer.make_policy(name)``. Its layers must lie in the decoder (checked here).
         profile: synchronise the device around MACER's own work and record it in ``PrefillRecord.overhead_s``.
+        adapter: use this adapter instead of the one registered for the model type, e.g.
+            ``macer.LabelledAdapter(labels, ...)`` for any decoder called with ``inputs_embeds``.
 
     Yields:
         ``macer.Trace``: budgets, kept tokens, tokens per layer and cache lengths of every prefill.
@@ -120,7 +123,11 @@ def compress(model: nn.Module, config: Policy, *, profile: bool = False) -> Iter
     if not isinstance(config, Policy):
         raise TypeError(f"macer.compress: config must be a policy (macer.MacerConfig, FastVConfig, RandomConfig, "
                         f"FullConfig or macer.make_policy(name)), got {type(config).__name__}")
-    adapter = get_adapter(model)
+    if adapter is None:
+        adapter = get_adapter(model)
+    elif not isinstance(adapter, Adapter):
+        raise TypeError(f"macer.compress: adapter must be a macer.adapters.Adapter (e.g. macer.LabelledAdapter), got "
+                        f"{type(adapter).__name__}")
     parts = adapter.parts(model)
     config.check_depth(len(parts.layers))
     if any(id(module) in _ACTIVE for layer in parts.layers for module in layer.modules()):
@@ -234,6 +241,7 @@ class _Session:
         self.step_handles: list[Any] = []
         self.name: str | None = None
         self.guarded: dict[str, Any] = {}
+        self.undo_adapter: Any = None
         self.prompt_ids: torch.Tensor | None = None
         self.state: _Prefill | None = None
         # cache object -> (prompt rows held by each layer, prompt length): decode sizes masks per layer from them
@@ -257,6 +265,7 @@ class _Session:
             for attr, value in self.adapter.guards(self.model).items():
                 self.guarded[attr] = self.model.__dict__.get(attr, _MISSING)
                 self.model.__dict__[attr] = value
+            self.undo_adapter = self.adapter.install(self.parts, self._current_rows)
         except BaseException:
             self.uninstall()
             raise
@@ -273,6 +282,9 @@ class _Session:
             else:
                 self.model.__dict__[attr] = value
         self.guarded.clear()
+        if self.undo_adapter is not None:
+            self.undo_adapter()
+            self.undo_adapter = None
         for layer in self.parts.layers:
             for module in layer.modules():
                 if _ACTIVE.get(id(module), (None,))[0] is self:
@@ -280,6 +292,10 @@ class _Session:
         if self.name is not None:
             _unregister_names(self.name)
             self.name = None
+
+    def _current_rows(self) -> torch.Tensor | None:
+        """Prompt positions of the rows in the sequence while a prefill runs (for ``Adapter.install``), else None."""
+        return self.state.current if self.state is not None else None
 
     def _close_prefill(self) -> None:
         """Switch the prefill machinery off (also after a prefill that ended in an exception)."""
@@ -339,7 +355,8 @@ class _Session:
             raise ValueError("macer.compress: attention_mask has padding (zeros); batch size 1 without padding only")
         labels = self.adapter.labels(self.model, None if ids is None else ids[None])[0]
         facts = PromptFacts(labels=labels.long(), temporal=torch.arange(length) if temporal is None else temporal,
-                            input_ids=ids, end_of_turn_token_id=self.end_of_turn, num_layers=len(self.parts.layers))
+                            input_ids=ids, end_of_turn_token_id=self.end_of_turn, num_layers=len(self.parts.layers),
+                            question_end=self.adapter.question_end(length))
         plan = plan_prefill(self.policy, facts)
         scored = [s.query.tolist() for s in plan.stages if s.spec.needs_scores]
         record = PrefillRecord(

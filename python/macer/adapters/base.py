@@ -9,12 +9,15 @@ An adapter answers, for a model of its family:
   position of every token, batched ``[B, N]`` (the runtime runs ``B = 1`` today);
 * the end-of-turn token that closes the user's question (``end_of_turn_token_id``) and the family's paper defaults,
   keyed by model identity (``identify`` / ``paper_defaults``), never by depth alone;
-* per-token state of its own that a stage must shorten (``on_stage``): e.g. Qwen3-Omni's deepstack visual features.
+* per-token state of its own that a stage must shorten (``on_stage``, or ``install`` for state the decoder keeps in
+  locals of its forward, e.g. Qwen3-Omni's deepstack visual features);
+* where the question ends when no token ids say it (``question_end``, the labelled path).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -94,10 +97,29 @@ class Adapter(ABC):
         """The paper's settings for this model (``MacerConfig`` fields), or None where the paper has none."""
         return None
 
+    def derived_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
+        """Settings derived (not calibrated) for a known model the paper does not report, e.g. readout layers scaled
+        from the paper's depth fractions; ``MacerConfig.for_model`` uses them with a warning. None by default."""
+        return None
+
     def guards(self, model: nn.Module) -> dict[str, Any]:
         """Attributes to shadow on the model instance while ``compress`` is active (restored exactly on exit), e.g. a
         ``generate`` that cannot work on a pruned prefill and should say what to call instead. None by default."""
         return {}
+
+    def question_end(self, length: int) -> int | None:
+        """The position of the token that closes the user's turn in a prompt of ``length`` rows, when the adapter
+        knows it without searching token ids (the labelled path: given by the caller), else None. It takes
+        precedence over the end-of-turn search (``question_span``)."""
+        return None
+
+    def install(self, parts: DecoderParts,
+                current_rows: Callable[[], torch.Tensor | None]) -> Callable[[], None] | None:
+        """Called once when ``compress`` enters, after its hooks; returns a callable that undoes it (run on exit, also
+        after an exception), or None. For per-token state a decoder keeps in locals of its own forward, which no
+        hook can shorten (Qwen3-Omni's deepstack features): ``current_rows()`` gives, while a prefill runs, the
+        prompt positions of the rows currently in the sequence (sorted, on the model's device), else None."""
+        return None
 
     def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:
         """Called once per applied stage, right before ``layers[layer]`` runs on the shorter sequence, with the kept
