@@ -240,3 +240,18 @@ def test_vila_style_stand_in():
     assert out.shape == (1, 3)
     assert (trace.audio_kept, trace.video_kept) == (want_audio, want_video)
     assert len(want_audio) + len(want_video) == trace.budget.total < int((labels != 0).sum())
+
+
+def test_hybrid_mamba_decoder_is_refused():
+    """nemotron_h (the decoder of nemotron_h_omni): single-mixer Mamba/attention/MLP blocks without RoPE tables are
+    not the layer convention the labelled path needs (docs/integration.md says what support would take)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    config = NemotronHConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                             layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
+                             mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1, intermediate_size=64)
+    model = NemotronHForCausalLM(config).eval()
+    adapter = macer.LabelledAdapter(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"cannot find a decoder in NemotronHForCausalLM"), \
+            macer.compress(model, _config(), adapter=adapter):
+        pass
