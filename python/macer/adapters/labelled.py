@@ -86,6 +86,9 @@ def label_rows(inputs_embeds: torch.Tensor, *, audio: Any = (), visual: Any = ()
     owner: dict[bytes, int] = {}
     for label, sources in ((AUDIO, audio), (VISUAL, visual)):
         for source in [sources] if isinstance(sources, torch.Tensor) else sources:
+            if not isinstance(source, torch.Tensor):
+                raise TypeError(f"label_rows: audio and visual must be tensors or sequences of tensors, got an "
+                                f"element of type {type(source).__name__}")
             if source.shape[-1] != width or source.dtype != embeds.dtype:
                 raise ValueError(f"label_rows: every audio/visual tensor must have last dimension {width} and dtype "
                                  f"{embeds.dtype} (as inputs_embeds), got {tuple(source.shape)} {source.dtype}")
