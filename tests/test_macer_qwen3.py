@@ -222,3 +222,35 @@ def test_for_model_derives_qwen3_omni_defaults():
     tiny = build_qwen3_thinker(num_layers=4)
     with pytest.raises(ValueError, match="audio_layer"):
         macer.MacerConfig.for_model(tiny)
+
+
+def test_input_pruning_shortens_deepstack_from_layer_0(eager_model):
+    """RandomConfig drops tokens before the first layer, so every deepstack level runs on the kept rows: the pruned
+    prefill's logits equal the unpruned reference forward over exactly those rows (deepstack from its own table)."""
+    inputs = qwen3_clip_inputs(eager_model, seed=4)
+    with torch.no_grad(), macer.compress(eager_model, macer.RandomConfig(keep_ratio=0.3, seed=2)) as trace:
+        logits = eager_model(**inputs).logits
+    labels = _labels(inputs["input_ids"][0])
+    kept = torch.tensor(sorted((labels == 0).nonzero().reshape(-1).tolist() + trace.audio_kept + trace.video_kept))
+    assert len(trace.video_kept) < int((labels == VISUAL).sum())
+    lm = eager_model.model.language_model
+    captured = {}
+    handle = lm.register_forward_pre_hook(lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True)
+    with torch.no_grad():
+        eager_model(**inputs)
+    handle.remove()
+    mask = captured["visual_pos_masks"][0]
+    tables = []
+    for embeds in captured["deepstack_visual_embeds"]:
+        table = torch.zeros(labels.numel(), embeds.shape[-1])
+        table[mask] = embeds
+        tables.append(table[kept])
+    config = _config(keep_ratio=1.0)
+    question = torch.arange(kept.numel() - 9 - config.query_tokens, kept.numel() - 9)  # unused: nothing is dropped
+    _, _, hidden = staged_kept(lm.layers, lm.rotary_emb, captured["inputs_embeds"][:, kept],
+                               captured["position_ids"][..., kept], labels[kept],
+                               _rope(eager_model, inputs)[0, 0][kept], question, config,
+                               after_layer=lambda i, h, cur: h + tables[i][cur][None] if i < len(tables) else h)
+    with torch.no_grad():
+        want = eager_model.lm_head(lm.norm(hidden))
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
