@@ -190,6 +190,50 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
     return list(torch.split(packed, [t.numel() for t in tensors]))
 
 
+def _plan(session: _Session, input_ids: torch.Tensor | None, kwargs: dict[str, Any], mask: torch.Tensor | None,
+          length: int) -> tuple[Plan, PrefillRecord]:
+    """The host plan of a prefill and its trace record: the prompt's ids, temporal row and mask come to the host in
+    one copy, everything else is computed there."""
+    temporal = session.adapter.temporal_positions(kwargs, length)
+    ids, temporal, mask = _to_host(None if input_ids is None else input_ids[0],
+                                   None if temporal is None else temporal[0],
+                                   mask[0] if isinstance(mask, torch.Tensor) else None)
+    if mask is not None and not bool(mask.bool().all()):
+        raise ValueError("macer.compress: attention_mask has padding (zeros); batch size 1 without padding only")
+    labels = session.adapter.labels(session.model, None if ids is None else ids[None])[0].long()
+    facts = PromptFacts(labels=labels, temporal=torch.arange(length) if temporal is None else temporal,
+                        input_ids=ids, end_of_turn_token_id=session.end_of_turn,
+                        num_layers=len(session.parts.layers), question_end=session.adapter.question_end(length))
+    plan = plan_prefill(session.policy, facts)
+    scored = [s.query.tolist() for s in plan.stages if s.spec.needs_scores]
+    record = PrefillRecord(
+        prompt_length=length, n_audio=facts.count(AUDIO), n_video=facts.count(VISUAL), planned_budget=plan.budget,
+        query_positions=scored[0] if scored else [], layer_tokens=list(plan.layer_tokens),
+        stages=[Stage(s.spec.layer, tuple(MODALITY_NAMES[m] for sel in s.spec.selections for m in sel.modalities),
+                      s.tokens_before, s.tokens_after) for s in plan.stages],
+        policy=session.policy.name, labels=labels)
+    return plan, record
+
+
+class _Clock:
+    """MACER's own time; with ``profile`` the device is synchronised around each interval."""
+
+    def __init__(self, profile: bool):
+        self.profile = profile
+
+    def _sync(self) -> None:
+        if self.profile and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def tick(self) -> float:
+        self._sync()
+        return time.perf_counter()
+
+    def tock(self, start: float) -> float:
+        self._sync()
+        return time.perf_counter() - start
+
+
 class _Prefill:
     """One prefill pass through the decoder: its host plan, device tables and the rows currently in the sequence."""
 
@@ -228,6 +272,38 @@ class _Prefill:
                                  self.picks[i], scale=scale, eps=eps)
 
 
+    def compact(self, adapter: Adapter, index: int, args: tuple, kwargs: dict[str, Any]):
+        """Before ``layers[index]``: keep the pending rows of every per-token input (one ``compact_many``)."""
+        keep, self.pending = self.pending, None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        source = self.inputs or kwargs
+        cos, sin = source[adapter.position_embeddings_kwarg]
+        names, tensors, dims = ["hidden_states", "cos", "sin"], [hidden, cos, sin], [1, 1, 1]
+        for name, dim in adapter.layer_token_kwargs.items():
+            if isinstance(source.get(name), torch.Tensor):
+                names.append(name)
+                tensors.append(source[name])
+                dims.append(dim)
+        out = dict(zip(names, compact_many(tensors, keep, dims), strict=True))
+        inputs = {adapter.position_embeddings_kwarg: (out.pop("cos"), out.pop("sin"))}
+        hidden = out.pop("hidden_states")
+        inputs.update(out)
+        mask = source.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            # Rows and columns of a causal mask restricted to a sorted subset = the causal mask of the subset.
+            mask = compact(mask, keep, dim=-1)
+            if mask.ndim == 4:
+                mask = compact(mask, keep, dim=-2)
+        inputs["attention_mask"] = mask
+        adapter.on_stage(kwargs, keep, index)
+        self.inputs = inputs
+        self.current = self.current[keep]
+        if args:
+            return (hidden, *args[1:]), kwargs
+        kwargs["hidden_states"] = hidden
+        return args, kwargs
+
+
 class _Session:
     """One ``compress`` context: the hooks that live for the whole context, the prefill bracket, and the rows each
     cached layer holds (for decoding)."""
@@ -236,6 +312,7 @@ class _Session:
                  end_of_turn: int | None):
         self.model, self.policy, self.adapter, self.parts = model, policy, adapter, parts
         self.base, self.profile, self.end_of_turn = base, profile, end_of_turn
+        self.clock = _Clock(profile)
         self.trace = Trace()
         self.handles: list[Any] = []
         self.step_handles: list[Any] = []
@@ -344,27 +421,10 @@ class _Session:
             raise ValueError("macer.compress: precomputed attention-mask dicts are not supported; pass a 2-D mask")
         if isinstance(mask, torch.Tensor) and mask.ndim != 2:
             raise ValueError(f"macer.compress: attention_mask must be 2-D [1, N], got shape {tuple(mask.shape)}")
-        start = self._tick()
+        start = self.clock.tick()
         if input_ids is not None and input_ids.shape[-1] != length:
             input_ids = None
-        temporal = self.adapter.temporal_positions(kwargs, length)
-        ids, temporal, mask = _to_host(None if input_ids is None else input_ids[0],
-                                       None if temporal is None else temporal[0],
-                                       mask[0] if isinstance(mask, torch.Tensor) else None)
-        if mask is not None and not bool(mask.bool().all()):
-            raise ValueError("macer.compress: attention_mask has padding (zeros); batch size 1 without padding only")
-        labels = self.adapter.labels(self.model, None if ids is None else ids[None])[0]
-        facts = PromptFacts(labels=labels.long(), temporal=torch.arange(length) if temporal is None else temporal,
-                            input_ids=ids, end_of_turn_token_id=self.end_of_turn, num_layers=len(self.parts.layers),
-                            question_end=self.adapter.question_end(length))
-        plan = plan_prefill(self.policy, facts)
-        scored = [s.query.tolist() for s in plan.stages if s.spec.needs_scores]
-        record = PrefillRecord(
-            prompt_length=length, n_audio=facts.count(AUDIO), n_video=facts.count(VISUAL), planned_budget=plan.budget,
-            query_positions=scored[0] if scored else [], layer_tokens=list(plan.layer_tokens),
-            stages=[Stage(s.spec.layer, tuple(MODALITY_NAMES[m] for sel in s.spec.selections for m in sel.modalities),
-                          s.tokens_before, s.tokens_after) for s in plan.stages],
-            policy=self.policy.name, labels=labels)
+        plan, record = _plan(self, input_ids, kwargs, mask, length)
         state = _Prefill(plan, device, record)
         if plan.stages:
             first = plan.stages[0].spec.layer
@@ -374,7 +434,7 @@ class _Session:
             if any(s.spec.needs_scores for s in plan.stages):
                 self.parts.attn_config._attn_implementation = self.name
         self.state = state
-        state.overhead += self._tock(start)
+        state.overhead += self.clock.tock(start)
         return None
 
     def _begin_decode(self, cache, args, kwargs):
@@ -406,7 +466,7 @@ class _Session:
         self._close_step()
         if state is None:
             return None
-        start = self._tick()
+        start = self.clock.tick()
         record, plan = state.record, state.plan
         cache = getattr(output, "past_key_values", None)
         cache = kwargs.get("past_key_values") if cache is None else cache
@@ -425,7 +485,7 @@ class _Session:
         if cache is not None:
             record.cache_lengths = [int(layer.get_seq_length()) for layer in cache.layers[: len(self.parts.layers)]]
         record.kept_positions = None if state.current is state.full else state.current
-        state.overhead += self._tock(start)
+        state.overhead += self.clock.tock(start)
         record.overhead_s = state.overhead if self.profile else None
         self.trace.history.append(record)
         return None
@@ -437,10 +497,10 @@ class _Session:
         state = self.state
         if state is None or state.stage_at(index + 1) is None:
             return
-        start = self._tick()
+        start = self.clock.tick()
         scale = kwargs.get("scaling") or getattr(module, "scaling", None)
         state.run(query, key, scale, getattr(self.policy, "eps", 0.0))
-        state.overhead += self._tock(start)
+        state.overhead += self.clock.tock(start)
 
     def _layer_hook(self, index: int):
         def hook(module, args, kwargs):
@@ -453,13 +513,13 @@ class _Session:
         if state is None:
             return None
         if state.stage_at(0) is not None and index == 0:
-            start = self._tick()
+            start = self.clock.tick()
             state.run(None, None, None, 0.0)  # a stage before the first layer (no readout)
-            state.overhead += self._tock(start)
+            state.overhead += self.clock.tock(start)
         if state.pending is not None:
-            start = self._tick()
-            args, kwargs = self._compact(state, index, args, kwargs)
-            state.overhead += self._tock(start)
+            start = self.clock.tick()
+            args, kwargs = state.compact(self.adapter, index, args, kwargs)
+            state.overhead += self.clock.tock(start)
         if state.inputs:
             kwargs.update(state.inputs)
         hidden = args[0] if args else kwargs["hidden_states"]
@@ -467,36 +527,6 @@ class _Session:
             raise RuntimeError(f"macer: layer {index + 1} received {hidden.shape[1]} tokens, the plan says "
                                f"{state.plan.layer_tokens[index]} (please report this)")
         state.layer_rows[index] = state.current
-        return args, kwargs
-
-    def _compact(self, state: _Prefill, index: int, args: tuple, kwargs: dict[str, Any]):
-        keep, state.pending = state.pending, None
-        hidden = args[0] if args else kwargs["hidden_states"]
-        source = state.inputs or kwargs
-        cos, sin = source[self.adapter.position_embeddings_kwarg]
-        names, tensors, dims = ["hidden_states", "cos", "sin"], [hidden, cos, sin], [1, 1, 1]
-        for name, dim in self.adapter.layer_token_kwargs.items():
-            if isinstance(source.get(name), torch.Tensor):
-                names.append(name)
-                tensors.append(source[name])
-                dims.append(dim)
-        out = dict(zip(names, compact_many(tensors, keep, dims), strict=True))
-        inputs = {self.adapter.position_embeddings_kwarg: (out.pop("cos"), out.pop("sin"))}
-        hidden = out.pop("hidden_states")
-        inputs.update(out)
-        mask = source.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
-            # Rows and columns of a causal mask restricted to a sorted subset = the causal mask of the subset.
-            mask = compact(mask, keep, dim=-1)
-            if mask.ndim == 4:
-                mask = compact(mask, keep, dim=-2)
-        inputs["attention_mask"] = mask
-        self.adapter.on_stage(kwargs, keep, index)
-        state.inputs = inputs
-        state.current = state.current[keep]
-        if args:
-            return (hidden, *args[1:]), kwargs
-        kwargs["hidden_states"] = hidden
         return args, kwargs
 
     # ---------------------------------------------------------------- decode
@@ -516,19 +546,6 @@ class _Session:
             return args, kwargs
 
         return hook
-
-    # ---------------------------------------------------------------- timing
-    def _sync(self) -> None:
-        if self.profile and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
-    def _tick(self) -> float:
-        self._sync()
-        return time.perf_counter()
-
-    def _tock(self, start: float) -> float:
-        self._sync()
-        return time.perf_counter() - start
 
 
 _MISSING = object()
