@@ -9,15 +9,14 @@ An adapter answers, for a model of its family:
   position of every token, batched ``[B, N]`` (the runtime runs ``B = 1`` today);
 * the end-of-turn token that closes the user's question (``end_of_turn_token_id``) and the family's paper defaults,
   keyed by model identity (``identify`` / ``paper_defaults``), never by depth alone;
-* per-token state of its own that a stage must shorten (``on_stage``, or ``install`` for state the decoder keeps in
-  locals of its forward, e.g. Qwen3-Omni's deepstack visual features);
+* per-token state of its own that a stage must shorten (``on_stage``, with ``guards`` to wrap a method that uses
+  state the decoder keeps in locals of its forward, e.g. Qwen3-Omni's deepstack visual features);
 * where the question ends when no token ids say it (``question_end``, the labelled path).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -102,23 +101,16 @@ class Adapter(ABC):
         from the paper's depth fractions; ``MacerConfig.for_model`` uses them with a warning. None by default."""
         return None
 
-    def guards(self, model: nn.Module) -> dict[str, Any]:
-        """Attributes to shadow on the model instance while ``compress`` is active (restored exactly on exit), e.g. a
-        ``generate`` that cannot work on a pruned prefill and should say what to call instead. None by default."""
-        return {}
+    def guards(self, model: nn.Module) -> list[tuple[Any, str, Any]]:
+        """``(object, attribute, value)`` triples shadowed on instances while ``compress`` is active (restored exactly
+        on exit): e.g. a ``generate`` that cannot work on a pruned prefill and says what to call instead, or a
+        submodule method wrapped to remap per-token state (Qwen3-Omni's ``_deepstack_process``). None by default."""
+        return []
 
     def question_end(self, length: int) -> int | None:
         """The position of the token that closes the user's turn in a prompt of ``length`` rows, when the adapter
         knows it without searching token ids (the labelled path: given by the caller), else None. It takes
         precedence over the end-of-turn search (``question_span``)."""
-        return None
-
-    def install(self, parts: DecoderParts,
-                current_rows: Callable[[], torch.Tensor | None]) -> Callable[[], None] | None:
-        """Called once when ``compress`` enters, after its hooks; returns a callable that undoes it (run on exit, also
-        after an exception), or None. For per-token state a decoder keeps in locals of its own forward, which no
-        hook can shorten (Qwen3-Omni's deepstack features): ``current_rows()`` gives, while a prefill runs, the
-        prompt positions of the rows currently in the sequence (sorted, on the model's device), else None."""
         return None
 
     def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:

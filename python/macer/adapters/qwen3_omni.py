@@ -18,9 +18,10 @@ What differs from Qwen2.5-Omni:
   ``[n_visual, D]`` tensor per level, 3 in the real model) and adds level ``i`` to the visual rows after ``layers[i]``
   through ``_deepstack_process``. Both are locals of the decoder's forward, so a stage before or among those layers
   must shorten them where they are used: the adapter wraps ``_deepstack_process`` on the decoder instance for the
-  ``compress`` context and, while a prefill runs on a compacted sequence, hands it the mask's columns at the rows
-  still present and the embedding rows of the visual tokens among them (``cumsum(mask) - 1`` at those positions).
-  Otherwise the wrapper calls the original unchanged (keep ratio 1 stays bit-identical).
+  ``compress`` context (``guards``), tracks the rows still present through ``on_stage`` and, while a prefill runs
+  on a compacted sequence, hands the original the mask's columns at those rows and the embedding rows of the visual
+  tokens among them (``cumsum(mask) - 1`` at those positions). On a full-length sequence it calls the original
+  unchanged (keep ratio 1 stays bit-identical).
 * MoE routing is per token with no capacity limit, so dropping tokens does not change the routing of the kept ones:
   nothing else to adapt.
 * Audio output: the talker reads the thinker's hidden states of every prompt token, which a pruned prefill does not
@@ -29,7 +30,6 @@ What differs from Qwen2.5-Omni:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,30 +110,35 @@ class Qwen3OmniAdapter(Adapter):
         name = self.identify(model_or_config)
         return dict(DERIVED_DEFAULTS[name]) if name is not None else None
 
-    def install(self, parts: DecoderParts, current_rows: Callable[[], torch.Tensor | None]) -> Callable[[], None]:
-        decoder = parts.decoder
+    def __init__(self) -> None:
+        # Prompt positions of the rows in the sequence after this prefill's stages (None: not compacted yet), and the
+        # shortened deepstack inputs of the last stage, computed once and reused by the later deepstack levels.
+        self._rows: torch.Tensor | None = None
+        self._remap: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:
+        # A stage before the first layer (input pruning) opens a prefill; otherwise the full-length deepstack call
+        # after layers[0] has reset the rows, so stale rows of an earlier prefill are never composed with.
+        self._rows = keep if self._rows is None or layer == 0 else self._rows[keep]
+
+    def guards(self, model: nn.Module) -> list[tuple[Any, str, Any]]:
+        decoder = self.parts(model).decoder
         original = decoder._deepstack_process
-        cache: dict[str, Any] = {}
 
         def deepstack(hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor):
-            rows = current_rows()
-            if rows is None or hidden_states.shape[1] == visual_pos_masks.shape[-1]:
+            if hidden_states.shape[1] == visual_pos_masks.shape[-1]:
+                self._rows = self._remap = None  # this prefill has not been compacted (yet)
                 return original(hidden_states, visual_pos_masks, visual_embeds)
-            if cache.get("rows") is not rows or cache.get("source") is not visual_pos_masks:
+            rows = self._rows
+            if self._remap is None or self._remap[0] is not rows or self._remap[1] is not visual_pos_masks:
                 # Once per stage (the deepstack levels after it reuse it): the mask's columns at the rows present
                 # and, for the visual rows among them, their index into the embeddings (rank among visual tokens).
-                # The boolean selection reads the count back, as transformers' own h[mask] does in every level.
+                # The boolean selection reads a count back, as transformers' own h[mask] does in every level.
                 mask = visual_pos_masks.to(rows.device)
                 kept = mask[:, rows]
                 rank = mask[0].cumsum(0) - 1
-                cache.update(rows=rows, source=visual_pos_masks, mask=kept, index=rank[rows][kept[0]])
-            index = cache["index"].to(visual_embeds.device)
-            return original(hidden_states, cache["mask"], visual_embeds.index_select(0, index))
+                self._remap = (rows, visual_pos_masks, kept, rank[rows][kept[0]])
+            _, _, kept, index = self._remap
+            return original(hidden_states, kept, visual_embeds.index_select(0, index.to(visual_embeds.device)))
 
-        decoder._deepstack_process = deepstack
-
-        def undo() -> None:
-            decoder.__dict__.pop("_deepstack_process", None)
-            cache.clear()
-
-        return undo
+        return [(decoder, "_deepstack_process", deepstack)]
