@@ -148,6 +148,10 @@ def test_bad_labels_are_refused(eager_model):
         macer.LabelledAdapter(labels, temporal_positions=torch.arange(3))
     with pytest.raises(ValueError, match="question_end"):
         macer.LabelledAdapter(labels, question_end=labels.numel() + 1)
+    # Without question_end, no token ids to search for an end-of-turn token: the error names the ways out.
+    with torch.no_grad(), macer.compress(eager_model, _config(), adapter=macer.LabelledAdapter(labels)), \
+            pytest.raises(ValueError, match="question_span='prompt_end'"):
+        eager_model(inputs_embeds=embeds)
     adapter = macer.LabelledAdapter(labels[:-1], question_end=question_end)
     with torch.no_grad(), macer.compress(eager_model, _config(), adapter=adapter), \
             pytest.raises(ValueError, match="labels for"):

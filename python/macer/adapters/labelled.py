@@ -14,8 +14,9 @@ could read modalities. ``LabelledAdapter`` takes them from the caller instead::
   are used (they form the video's temporal chunks for coverage). Default: the row index, which orders frames as the
   prompt does.
 * ``question_end``: the position of the token that closes the user's turn (e.g. ``<|im_end|>``); the question rows
-  are the ``query_tokens`` rows before it. Default: the end of the prompt (then the prompt should end with the
-  question, not with an assistant header).
+  are the ``query_tokens`` rows before it. Without it the config's ``question_span`` decides: ``"prompt_end"`` reads
+  the prompt's last rows (the prompt should then end with the question, not an assistant header); the default
+  ``"end_of_turn"`` needs token ids and raises.
 
 The decoder is found as ``model.get_decoder()`` (``model.model`` for ``*ForCausalLM``) or ``model`` itself, and must
 use transformers' decoder-layer convention: ``layer(hidden_states, attention_mask=..., position_ids=...,
@@ -114,8 +115,8 @@ class LabelledAdapter(Adapter):
     Args:
         labels: ``[N]`` or ``[1, N]`` integers in {0 text, 1 audio, 2 visual}, one per prompt row.
         temporal_positions: optional ``[N]`` finite integer or floating times (used for the visual rows).
-        question_end: optional position in ``[query_tokens, N]`` of the token closing the user's turn; the
-            question rows are the ``query_tokens`` rows before it (default: the end of the prompt).
+        question_end: optional position in ``[0, N]`` of the token closing the user's turn; the question rows are
+            the ``query_tokens`` rows before it (without it the config's ``question_span`` decides).
     """
 
     def __init__(self, labels: Any, temporal_positions: Any = None, question_end: int | None = None):

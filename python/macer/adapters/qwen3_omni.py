@@ -57,6 +57,12 @@ DERIVED_DEFAULTS: dict[str, dict[str, Any]] = {
 class Qwen3OmniAdapter(Adapter):
     """Adapter for ``Qwen3OmniMoeThinkerForConditionalGeneration`` and ``Qwen3OmniMoeForConditionalGeneration``."""
 
+    def __init__(self) -> None:
+        # Prompt positions of the rows in the sequence after this prefill's stages (None: not compacted yet), and the
+        # shortened deepstack inputs of the last stage, computed once and reused by the later deepstack levels.
+        self._rows: torch.Tensor | None = None
+        self._remap: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
     def _thinker(self, model: nn.Module) -> nn.Module:
         return model.thinker if model.config.model_type == "qwen3_omni_moe" else model
 
@@ -110,12 +116,6 @@ class Qwen3OmniAdapter(Adapter):
         name = self.identify(model_or_config)
         return dict(DERIVED_DEFAULTS[name]) if name is not None else None
 
-    def __init__(self) -> None:
-        # Prompt positions of the rows in the sequence after this prefill's stages (None: not compacted yet), and the
-        # shortened deepstack inputs of the last stage, computed once and reused by the later deepstack levels.
-        self._rows: torch.Tensor | None = None
-        self._remap: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
     def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:
         # A stage before the first layer (input pruning) opens a prefill; otherwise the full-length deepstack call
         # after layers[0] has reset the rows, so stale rows of an earlier prefill are never composed with.
@@ -130,6 +130,9 @@ class Qwen3OmniAdapter(Adapter):
                 self._rows = self._remap = None  # this prefill has not been compacted (yet)
                 return original(hidden_states, visual_pos_masks, visual_embeds)
             rows = self._rows
+            if rows is None:
+                raise RuntimeError("macer: a compacted sequence reached Qwen3-Omni's deepstack without a stage "
+                                   "(please report this)")
             if self._remap is None or self._remap[0] is not rows or self._remap[1] is not visual_pos_masks:
                 # Once per stage (the deepstack levels after it reuse it): the mask's columns at the rows present
                 # and, for the visual rows among them, their index into the embeddings (rank among visual tokens).
