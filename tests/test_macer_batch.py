@@ -131,3 +131,60 @@ def test_mixed_layouts_are_refused(flag):
     with macer.compress(model, POLICIES["macer"](model)), torch.no_grad(), \
             pytest.raises(ValueError, match=f"sample {sample} of the batch.*use_audio_in_video={flag}"):
         model(**batch)
+
+
+@pytest.mark.parametrize(("family", "attn", "policy"), [("llama", "eager", "macer"), ("qwen2", "sdpa", "macer-trim")])
+def test_labelled_batch_matches_each_prompt_alone(family, attn, policy):
+    """The labelled path (``BatchLabelledAdapter`` on a decoder called with left-padded ``inputs_embeds``): per
+    prompt the kept sets, prefill logits and greedy tokens of ``LabelledAdapter`` on that prompt alone."""
+    from test_macer_labelled import build_decoder, media_prompt
+
+    model = build_decoder(family, attn=attn, seed=3)
+    config = POLICIES[policy](model)
+    prompts = [media_prompt(model, seed=1, frames=3, question=6), media_prompt(model, seed=2, frames=5, question=9),
+               media_prompt(model, seed=3, frames=2, audio_per_segment=0, question=7)]
+    width = max(p[0].shape[1] for p in prompts)
+    pads = [width - p[0].shape[1] for p in prompts]
+    embeds = torch.cat([torch.nn.functional.pad(p[0], (0, 0, pad, 0)) for p, pad in zip(prompts, pads, strict=True)])
+    mask = torch.stack([torch.cat([torch.zeros(pad), torch.ones(p[0].shape[1])]).long()
+                        for p, pad in zip(prompts, pads, strict=True)])
+    labels = torch.stack([torch.nn.functional.pad(p[1], (pad, 0)) for p, pad in zip(prompts, pads, strict=True)])
+    temporal = torch.stack([torch.nn.functional.pad(p[2], (pad, 0)) for p, pad in zip(prompts, pads, strict=True)])
+    adapter = macer.BatchLabelledAdapter(labels, temporal, [p[3] + pad for p, pad in zip(prompts, pads, strict=True)])
+    new_tokens = 3
+    with torch.no_grad(), macer.compress(model, config, adapter=adapter) as trace:
+        logits = model(inputs_embeds=embeds, attention_mask=mask).logits
+        samples = trace.samples
+        tokens = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=new_tokens,
+                                do_sample=False)
+    for b, (prompt, pad) in enumerate(zip(prompts, pads, strict=True)):
+        alone = macer.LabelledAdapter(prompt[1], prompt[2], prompt[3])
+        with torch.no_grad(), macer.compress(model, config, adapter=alone) as trace_alone:
+            want = model(inputs_embeds=prompt[0]).logits[0]
+            want_tokens = model.generate(inputs_embeds=prompt[0], attention_mask=torch.ones(1, prompt[0].shape[1],
+                                         dtype=torch.long), max_new_tokens=new_tokens, do_sample=False)[0]
+        record = trace_alone.history[0]
+        where = f"sample {b} ({family}, {attn}, {policy})"
+        assert samples[b].audio_kept == [i + pad for i in record.audio_kept], where
+        assert samples[b].video_kept == [i + pad for i in record.video_kept], where
+        assert samples[b].layer_tokens == record.layer_tokens, where
+        torch.testing.assert_close(logits[b, -want.shape[0]:], want, rtol=1e-4, atol=1e-4, msg=where)
+        assert tokens[b].tolist() == want_tokens.tolist(), where
+    assert all(s.pruned for s in samples)
+
+
+def test_batch_labelled_adapter_checks_its_rows():
+    from test_macer_labelled import build_decoder
+
+    model = build_decoder("llama", seed=3)
+    labels = torch.zeros(2, 12, dtype=torch.long)
+    labels[:, 2:6] = macer.VISUAL
+    with pytest.raises(ValueError, match=r"labels must be 0 \(text\), 1 \(audio\) or 2"):
+        macer.BatchLabelledAdapter(labels + 3)
+    with pytest.raises(ValueError, match="question_ends must be a sequence of B=2"):
+        macer.BatchLabelledAdapter(labels, question_ends=[10])
+    adapter = macer.BatchLabelledAdapter(labels, question_ends=[10, 10])
+    embeds = torch.randn(3, 12, 64)
+    with macer.compress(model, POLICIES["macer"](model), adapter=adapter), torch.no_grad(), \
+            pytest.raises(ValueError, match="3 rows but BatchLabelledAdapter was given labels for 2"):
+        model(inputs_embeds=embeds, attention_mask=torch.ones(3, 12, dtype=torch.long))

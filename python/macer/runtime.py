@@ -207,17 +207,17 @@ def _plan(session: _Session, input_ids: torch.Tensor | None, kwargs: dict[str, A
     if mask is not None and not bool(mask.bool().all()):
         raise ValueError("macer.compress: attention_mask has padding (zeros) in a single prompt; pad only a batch of "
                          "several prompts, on the left")
-    return _plan_sample(session, ids, temporal, length)
-
-
-def _plan_sample(session: _Session, ids: torch.Tensor | None, temporal: torch.Tensor | None, length: int,
-                 padding: int = 0) -> tuple[Plan, PrefillRecord]:
-    """Plan and record of one prompt from its host ids and temporal row (padding removed); ``padding`` is its left
-    padding in the batch, added to every index the record reports."""
     labels = session.adapter.labels(session.model, None if ids is None else ids[None])[0].long()
+    return _plan_sample(session, ids, labels, temporal, length, session.adapter.question_end(length))
+
+
+def _plan_sample(session: _Session, ids: torch.Tensor | None, labels: torch.Tensor, temporal: torch.Tensor | None,
+                 length: int, question_end: int | None, padding: int = 0) -> tuple[Plan, PrefillRecord]:
+    """Plan and record of one prompt from its host ids, labels and temporal row (padding removed); ``padding`` is its
+    left padding in the batch, added to every index the record reports."""
     facts = PromptFacts(labels=labels, temporal=torch.arange(length) if temporal is None else temporal,
                         input_ids=ids, end_of_turn_token_id=session.end_of_turn,
-                        num_layers=len(session.parts.layers), question_end=session.adapter.question_end(length))
+                        num_layers=len(session.parts.layers), question_end=question_end)
     plan = plan_prefill(session.policy, facts)
     scored = [s.query.tolist() for s in plan.stages if s.spec.needs_scores]
     record = PrefillRecord(
@@ -242,10 +242,16 @@ def _plan_batch(session: _Session, input_ids: torch.Tensor | None, root_kwargs: 
     temporal = None if temporal is None else temporal.reshape(batch, length)
     pads = [0] * batch if host_mask is None else check_left_padding(host_mask.reshape(batch, length))
     session.adapter.check_batch(session.model, ids, root_kwargs)
+    labels = session.adapter.labels(session.model, ids).long()
+    if tuple(labels.shape) != (batch, length):
+        raise ValueError(f"macer.compress: the adapter gave labels of shape {tuple(labels.shape)} for a batch of "
+                         f"{batch} rows of {length}; a batch needs one label per row ([B, N], padding included)")
+    ends = session.adapter.question_ends(batch, length)
     samples = []
     for b, pad in enumerate(pads):
-        plan, record = _plan_sample(session, None if ids is None else ids[b, pad:],
-                                    None if temporal is None else temporal[b, pad:], length - pad, pad)
+        end = None if ends[b] is None else ends[b] - pad
+        plan, record = _plan_sample(session, None if ids is None else ids[b, pad:], labels[b, pad:],
+                                    None if temporal is None else temporal[b, pad:], length - pad, end, pad)
         samples.append(_Prefill(plan, device, record))
     if isinstance(mask, torch.Tensor):
         valid = mask.bool()

@@ -17,10 +17,12 @@ from torch import nn
 
 from macer.adapters.base import AUDIO, TEXT, VISUAL, Adapter, DecoderParts, text_config
 from macer.adapters.labelled import LabelledAdapter, label_rows
+from macer.adapters.labelled_batch import BatchLabelledAdapter
 from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
 from macer.adapters.qwen3_omni import Qwen3OmniAdapter
 
-__all__ = ["AUDIO", "MODEL_TYPE_TO_ADAPTER", "TEXT", "VISUAL", "Adapter", "DecoderParts", "LabelledAdapter",
+__all__ = ["AUDIO", "MODEL_TYPE_TO_ADAPTER", "TEXT", "VISUAL", "Adapter", "BatchLabelledAdapter", "DecoderParts",
+           "LabelledAdapter",
            "adapter_for", "get_adapter", "label_rows", "register_adapter", "supported_model_types", "text_config"]
 
 MODEL_TYPE_TO_ADAPTER: dict[str, type[Adapter]] = {

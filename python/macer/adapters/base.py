@@ -123,6 +123,11 @@ class Adapter(ABC):
         precedence over the end-of-turn search (``question_span``)."""
         return None
 
+    def question_ends(self, batch: int, length: int) -> list[int | None]:
+        """``question_end`` for each row of a batch of ``batch`` left-padded rows of ``length`` (positions in the
+        padded row; the runtime subtracts each row's padding). Default: ``question_end(length)`` for every row."""
+        return [self.question_end(length)] * batch
+
     def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:
         """Called once per applied stage, right before ``layers[layer]`` runs on the shorter sequence, with the kept
         rows ``keep`` (indices into the sequence that entered the stage, sorted, on the model's device) and the
