@@ -26,6 +26,7 @@ import torch
 
 if TYPE_CHECKING:
     from macer.runtime import _Prefill
+    from macer.trace import PrefillRecord
 
 
 def check_left_padding(mask: torch.Tensor) -> list[int]:
@@ -176,6 +177,20 @@ class BatchPrefill:
         kwargs["hidden_states"] = hidden
         return args, kwargs
 
+    def records(self, cached: bool, layout: BatchLayout | None) -> list[PrefillRecord]:
+        """Each sample's ``PrefillRecord``, completed as if it ran alone: its own cache rows per layer (the batch's
+        cache also holds its padding) and its kept prompt positions."""
+        out = []
+        for sample in self.samples:
+            record = sample.record
+            if cached:
+                rows = [sample.current if layout is not None and layout.valid[i] is self.valid
+                        else sample.layer_rows.get(i, sample.full) for i in range(len(self.layer_tokens))]
+                record.cache_lengths = [r.numel() for r in rows]
+            record.kept_positions = None if sample.current is sample.full else sample.current
+            out.append(record)
+        return out
+
     def finish(self, cache: Any, trim: bool, num_layers: int) -> BatchLayout | None:
         """After the prefill: trim earlier layers' caches to the final layout if asked, and return the per-layer
         layout a decode step needs (None when nothing was re-packed: every layer holds the original rows)."""
@@ -200,14 +215,30 @@ class BatchPrefill:
         return BatchLayout(valid, self.original_valid.shape[1])
 
 
-def decode_masks(layout: BatchLayout, tail: torch.Tensor, queries: int, dtype: torch.dtype,
-                 boolean: bool) -> dict[int, torch.Tensor]:
-    """Per distinct layer layout other than layer 0's (by ``id`` of its validity tensor): the 4-D mask of a decode
-    step over ``T`` tokens after the prompt (``tail``: ``[B, T]`` 0/1, the generated tokens and this step's)."""
-    masks: dict[int, torch.Tensor] = {}
-    for valid in layout.valid:
-        if id(valid) in masks or valid is layout.valid[0]:
+def decode_step(layout: BatchLayout, cache: Any, args: tuple, kwargs: dict[str, Any], dtype: torch.dtype,
+                boolean: bool) -> dict[int, torch.Tensor]:
+    """Prepare a decode step on a batch-pruned cache: the decoder's 2-D mask (``[B, prompt_length + T]`` from
+    ``generate``, or none) is rebuilt for layer 0's layout in ``kwargs``; returns the 4-D mask of every other layer
+    whose layout differs from layer 0's (layers sharing a layout share the tensor)."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.ndim == 2):
+        raise ValueError("macer.compress: decoding a pruned batch needs a 2-D attention_mask (as generate passes) or "
+                         "none")
+    embeds = kwargs.get("inputs_embeds")
+    queries = (embeds if embeds is not None else args[0] if args else kwargs["input_ids"]).shape[1]
+    first = layout.valid[0]
+    if mask is not None:
+        tail = mask[:, layout.prompt_length:]
+    else:  # no padding anywhere: the tokens after the prompt are layer 0's extra cache rows plus this step's
+        after = cache.layers[0].get_seq_length() - first.shape[1] + queries
+        tail = torch.ones(first.shape[0], after, dtype=torch.long, device=first.device)
+    kwargs["attention_mask"] = torch.cat([first.to(tail.dtype), tail], dim=1)
+    shared: dict[int, torch.Tensor] = {}
+    out = {}
+    for i, valid in enumerate(layout.valid):
+        if valid is first:
             continue
-        masks[id(valid)] = layout_mask(torch.cat([valid, tail.bool()], dim=1),
-                                       queries, dtype, boolean)
-    return masks
+        if id(valid) not in shared:
+            shared[id(valid)] = layout_mask(torch.cat([valid, tail.bool()], dim=1), queries, dtype, boolean)
+        out[i] = shared[id(valid)]
+    return out

@@ -18,12 +18,12 @@ Model-independent; an adapter (``macer.adapters``) says where the decoder is and
    (``RandomConfig``) compacts before ``layers[0]``.
 4. Layers keep the KV cache of the sequence they saw (the paper's single pass). After prefill, with
    ``trim_early_cache``, the dropped tokens are also removed from the earlier layers' caches.
-A batch of ``B > 1`` left-padded prompts follows the same steps per sample and re-packs the batch after every stage
-(``macer._batch``).
-
 5. Decoding: ``generate`` passes explicit positions, so only the mask needs care: a mask tensor sized against
    layer 0's cache is compacted along keys to each layer's own cache rows (hooks installed for that step only, and
    only when the step's mask is materialised: eager attention, or a 4-D mask given by the caller).
+
+A batch of ``B > 1`` left-padded prompts follows the same steps per sample and re-packs the batch after every stage
+(``macer._batch``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer._batch import BatchLayout, BatchPrefill, check_left_padding, decode_masks
+from macer._batch import BatchLayout, BatchPrefill, check_left_padding, decode_step
 from macer.adapters import Adapter, DecoderParts, get_adapter, text_config
 from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Plan, Policy, PromptFacts, plan_prefill, run_stage
 from macer.trace import PrefillRecord, Stage, Trace
@@ -520,37 +520,14 @@ class _Session:
         return (args, kwargs) if changed else None
 
     def _begin_decode_batch(self, layout: BatchLayout, cache: Any, args, kwargs):
-        """A decode step on a batch-pruned cache: layer 0's 2-D mask follows layer 0's layout (transformers builds
-        that layer's mask from it), and every layer with another layout gets its own 4-D mask."""
-        mask = kwargs.get("attention_mask")
-        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.ndim == 2):
-            raise ValueError("macer.compress: decoding a pruned batch needs a 2-D attention_mask (as generate "
-                             "passes) or none")
-        embeds = kwargs.get("inputs_embeds")
-        hidden = embeds if embeds is not None else args[0] if args else kwargs["input_ids"]
-        queries = hidden.shape[1]
-        dtype = embeds.dtype if embeds is not None else self.parts.layers[0].parameters().__next__().dtype
-        first = layout.valid[0]
-        if mask is not None:
-            tail = mask[:, layout.prompt_length:]
-        else:  # no mask (no padding anywhere): the tokens after the prompt are layer 0's extra cache rows + this step
-            after = cache.layers[0].get_seq_length() - first.shape[1] + queries
-            tail = torch.ones(first.shape[0], after, dtype=torch.long, device=first.device)
-        masks = decode_masks(layout, tail, queries, dtype, self.base != "eager")
-        kwargs["attention_mask"] = torch.cat([first.to(tail.dtype), tail], dim=1)
+        """A decode step on a batch-pruned cache: the decoder's 2-D mask follows layer 0's layout, and every layer
+        with another layout gets its own 4-D mask (hooks for this step only)."""
+        dtype = next(self.parts.layers[0].parameters()).dtype
+        masks = decode_step(layout, cache, args, kwargs, dtype, self.base != "eager")
         for i, layer in enumerate(self.parts.layers):
-            if layout.valid[i] is not first:
-                self.step_handles.append(layer.register_forward_pre_hook(self._batch_decode_hook(masks[id(
-                    layout.valid[i])]), with_kwargs=True))
+            if i in masks:
+                self.step_handles.append(layer.register_forward_pre_hook(_set_mask(masks[i]), with_kwargs=True))
         return args, kwargs
-
-    @staticmethod
-    def _batch_decode_hook(mask: torch.Tensor):
-        def hook(module, args, kwargs):
-            kwargs["attention_mask"] = mask
-            return args, kwargs
-
-        return hook
 
     def _end(self, module, args, kwargs, output):
         """Decoder post-hook: finish a prefill (cache bookkeeping, optional trimming, trace record)."""
@@ -588,20 +565,10 @@ class _Session:
 
     def _end_batch(self, state: BatchPrefill, cache: Any) -> None:
         start = self.clock.tick()
-        num_layers = len(self.parts.layers)
-        layout = state.finish(cache, self.policy.trim_early_cache, num_layers)
+        layout = state.finish(cache, self.policy.trim_early_cache, len(self.parts.layers))
         if cache is not None and layout is not None:
             self.caches[cache] = layout
-        records = []
-        for sample in state.samples:
-            record = sample.record
-            if cache is not None:
-                # Each sample's own cache rows (the batch's cache also holds its padding), as if it ran alone.
-                rows = [sample.current if layout is not None and layout.valid[i] is state.valid
-                        else sample.layer_rows.get(i, sample.full) for i in range(num_layers)]
-                record.cache_lengths = [r.numel() for r in rows]
-            record.kept_positions = None if sample.current is sample.full else sample.current
-            records.append(record)
+        records = state.records(cache is not None, layout)
         state.overhead += self.clock.tock(start)
         for record in records:
             record.overhead_s = state.overhead if self.profile else None
@@ -669,6 +636,14 @@ class _Session:
             return args, kwargs
 
         return hook
+
+
+def _set_mask(mask: torch.Tensor):
+    def hook(module, args, kwargs):
+        kwargs["attention_mask"] = mask
+        return args, kwargs
+
+    return hook
 
 
 _MISSING = object()
