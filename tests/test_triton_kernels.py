@@ -66,6 +66,16 @@ def _check_scores(out, query, key, modality, positions=None, **kwargs):
 ERR_CEILING = 1e-5
 
 
+def test_score_check_keeps_its_ceiling_when_the_torch_path_regresses(monkeypatch):
+    # A PyTorch path 1e-3 off would allow a kernel 1.5e-3 off under the 2x rule alone; the ceiling still rejects it.
+    q, k, m = score_inputs(1, 4, 2, 2, 40, 16)
+    m[0, :2] = torch.tensor([1, 2])
+    ref = modality_scores_ref(q, k, m).float()
+    monkeypatch.setattr(sys.modules[__name__], "modality_scores", lambda *args, **kw: ref * (1 + 1e-3))
+    with pytest.raises(AssertionError):
+        _check_scores(ref * (1 + 1.5e-3), q, k, m)
+
+
 # Interpreter: a few tiles with a tail. GPU: many tiles, a tail, and 7B-sized head counts.
 N_ODD = 4099 if ON_GPU else 77
 
