@@ -1,10 +1,12 @@
 """Reduce pytest-benchmark's raw JSON of ``tests/test_microbench.py`` to a small results file.
 
 The raw file holds every timed round and the CPU flags (100k+ lines); this keeps per op and provider the median,
-the interquartile range and the number of rounds, and the naive / torch ratio, with the machine, thread count,
-load average, versions and commit the raw file names::
+the interquartile range and the number of rounds, and the naive / torch ratio, with the machine, thread count, timer,
+load average, versions and commit the raw file names. On a shared machine, one thread and CPU time
+(``time.process_time``) are far less disturbed by other processes than wall time::
 
-    pytest tests/test_microbench.py --benchmark-enable -k bench_ --benchmark-json /tmp/microbench_raw.json
+    OMP_NUM_THREADS=1 pytest tests/test_microbench.py --benchmark-enable -k bench_ --benchmark-timer time.process_time \
+        --benchmark-json /tmp/microbench_raw.json
     python -m benchmarks.microbench_summary /tmp/microbench_raw.json benchmarks/results/microbench_cpu.json
 """
 
@@ -43,6 +45,7 @@ def summarize(raw: dict) -> dict:
         "torch_threads": sorted({r["torch_threads"] for r in rows if r["torch_threads"] is not None}),
         "commit": commit.get("id", "unknown")[:7] + ("-dirty" if commit.get("dirty") else ""),
         "recorded": raw.get("datetime"),
+        "timer": sorted({b.get("options", {}).get("timer") for b in raw["benchmarks"]} - {None}),
         "versions": {k: v for k, v in environment("cpu").items() if k in ("torch", "triton", "python")},
         "load_average_1min_during_run": [min(loads), max(loads)] if loads else None,
         "naive": "macer_kernels.reference: the scorer in fp32 (GQA expanded per head, full softmax materialised), "
