@@ -39,8 +39,8 @@ def decimal_fraction(value: numbers.Real) -> Fraction:
 
     ``0.35`` is stored as the binary ``0.34999999999999997779...``; read as 35/100 it gives the paper's numbers, e.g.
     ``floor(0.35 * 90 + 0.5) = 32`` where float arithmetic gives 31. A float that is not a short decimal reads as
-    the 17 significant digits ``repr`` prints (``1 / 3`` as ``0.3333333333333333``); pass a ``Fraction`` for an
-    exact rational such as 1/3.
+    the (up to 17) significant digits ``repr`` prints (``1 / 3`` as ``0.3333333333333333``); pass a ``Fraction`` for
+    an exact rational such as 1/3.
     """
     if isinstance(value, Fraction):
         return value

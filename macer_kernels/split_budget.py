@@ -22,8 +22,8 @@ def split_budget(n_audio: int, n_video: int, keep_ratio: float | Fraction, audio
     The products are computed exactly on the decimal numbers written: ``keep_ratio=0.35`` means 35/100, so
     ``split_budget(45, 45, 0.35, 0.3).total`` is ``floor(31.5 + 0.5) = 32`` (float arithmetic gives
     ``0.35 * 90 = 31.499999999999996`` and 31). A float is read as the shortest decimal that Python prints for it
-    (``repr``); one that is not a short decimal, such as ``1 / 3``, reads as those 17 digits
-    (0.3333333333333333). Pass a ``fractions.Fraction`` for an exact rational (``Fraction(1, 3)``).
+    (``repr``); one that is not a short decimal, such as ``1 / 3``, reads as the digits printed
+    (0.3333333333333333, 16 of them). Pass a ``fractions.Fraction`` for an exact rational (``Fraction(1, 3)``).
 
     Args:
         n_audio, n_video: token counts, non-negative integers.

@@ -94,7 +94,7 @@ def test_every_count_below_5000_matches_exact_integer_arithmetic(rho):
 
 
 def test_fractions_are_exact_and_long_floats_read_as_printed():
-    # A Fraction is used as given; a float that is not a short decimal reads as its repr (17 significant digits).
+    # A Fraction is used as given; a float that is not a short decimal reads as the digits its repr prints.
     assert split_budget(3, 0, Fraction(1, 2), 0) == Budget(2, 2, 0)  # 1.5 -> 2
     assert split_budget(10, 0, Fraction(1, 4), Fraction(1, 2)) == Budget(3, 3, 0)  # K_mm = floor(3) = 3
     # 1/6 as a float reads as 0.16666666666666666 (what repr prints): 9 times that is just below 1.5, so K_mm = 1;
