@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from fractions import Fraction
 
 import torch
 
@@ -30,6 +31,26 @@ def check_real(
     if below or above:
         raise ValueError(f"{name} must be in {interval}, got {value}")
     return value
+
+
+def decimal_fraction(value: numbers.Real) -> Fraction:
+    """The exact rational a user means by a real number: a ``Fraction`` as given, an integer as itself, and a float
+    as the decimal Python prints for it (``repr``, the shortest decimal that reads back as the same float).
+
+    ``0.35`` is stored as the binary ``0.34999999999999997779...``; read as 35/100 it gives the paper's numbers, e.g.
+    ``floor(0.35 * 90 + 0.5) = 32`` where float arithmetic gives 31. A float that is not a short decimal reads as
+    the (up to 17) significant digits ``repr`` prints (``1 / 3`` as ``0.3333333333333333``); pass a ``Fraction`` for
+    an exact rational such as 1/3.
+    """
+    if isinstance(value, Fraction):
+        return value
+    if isinstance(value, numbers.Integral):
+        return Fraction(int(value))
+    try:
+        # str() of Python and NumPy floats is the shortest round-trip decimal (NumPy's float32 prints '0.35' too).
+        return Fraction(str(value))
+    except ValueError:
+        return Fraction(float(value))
 
 
 def check_tensor(name: str, value: object, ndim: int | None = None) -> torch.Tensor:

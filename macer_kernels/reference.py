@@ -9,17 +9,21 @@ causal softmax is materialised, and the coverage greedy runs its k steps literal
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 
+from macer_kernels._validate import decimal_fraction
 from macer_kernels.types import Budget
 
 
-def split_budget_ref(n_audio: int, n_video: int, keep_ratio: float, audio_share: float) -> Budget:
-    """Sec. 4 K_mm, ``eq:capacity_nominal`` and ``eq:capacity_split``, with floor(x + 0.5) rounding."""
+def split_budget_ref(n_audio: int, n_video: int, keep_ratio: float | Fraction, audio_share: float | Fraction) -> Budget:
+    """Sec. 4 K_mm, ``eq:capacity_nominal`` and ``eq:capacity_split``, with floor(x + 0.5) rounding, in exact
+    rational arithmetic on the decimal numbers the user wrote (``decimal_fraction``: 0.35 is 35/100)."""
+    rho, alpha, half = decimal_fraction(keep_ratio), decimal_fraction(audio_share), Fraction(1, 2)
     n = n_audio + n_video
-    total = min(n, math.floor(keep_ratio * n + 0.5))
-    nominal_audio = math.floor(audio_share * total + 0.5)
+    total = min(n, math.floor(rho * n + half))
+    nominal_audio = math.floor(alpha * total + half)
     nominal_video = total - nominal_audio
     audio = min(n_audio, nominal_audio + max(0, nominal_video - n_video))
     return Budget(total=total, audio=audio, video=total - audio)
