@@ -6,14 +6,14 @@ from collections.abc import Sequence
 
 import torch
 
-from macer_kernels._validate import check_int, check_same_device, check_tensor, read_back
+from macer_kernels._validate import check_int, check_same_device, check_tensor, read_back, values_checked
 from macer_kernels.backend import dispatch, register
 
 
 def _check_keep(keep: torch.Tensor, n: int) -> torch.Tensor:
     keep = check_tensor("keep", keep, 1)
     check_int("keep", keep)
-    if keep.numel():
+    if keep.numel() and values_checked(keep):
         # One host synchronisation for the range and the order.
         lo, hi, increasing = read_back(keep.min(), keep.max(), (keep[1:] > keep[:-1]).all())
         if lo < 0 or hi >= n:

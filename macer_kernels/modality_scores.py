@@ -6,7 +6,15 @@ import math
 
 import torch
 
-from macer_kernels._validate import check_float, check_int, check_real, check_same_device, check_tensor, read_back
+from macer_kernels._validate import (
+    check_float,
+    check_int,
+    check_real,
+    check_same_device,
+    check_tensor,
+    read_back,
+    values_checked,
+)
 from macer_kernels.backend import dispatch, register
 
 MAX_MODALITIES = 8
@@ -67,7 +75,8 @@ def modality_scores(
         raise ValueError(f"query must have B >= 1, at least one row and D > 0, got shape {tuple(query.shape)}")
     if tuple(modality.shape) != (b, n):
         raise ValueError(f"modality must be [B={b}, N={n}], got {tuple(modality.shape)}")
-    if query_positions is None:
+    positions_given = query_positions is not None
+    if not positions_given:
         if lq > n:
             raise ValueError(f"query has Lq={lq} rows but key has only N={n} positions")
         query_positions = torch.arange(n - lq, n, device=query.device).expand(b, lq)
@@ -77,13 +86,14 @@ def modality_scores(
         if tuple(query_positions.shape) != (b, lq):
             raise ValueError(f"query_positions must be [B={b}, Lq={lq}], got {tuple(query_positions.shape)}")
     check_same_device(query=query, key=key, modality=modality, query_positions=query_positions)
-    ranges = [modality.min(), modality.max()] if n else []
-    ranges += [query_positions.min(), query_positions.max()]
-    ranges = read_back(*ranges)  # one host synchronisation for all data-dependent checks
-    if n and (ranges[0] < 0 or ranges[1] > MAX_MODALITIES):
-        raise ValueError(f"modality labels must be in [0, {MAX_MODALITIES}], got range [{ranges[0]}, {ranges[1]}]")
-    if ranges[-2] < 0 or ranges[-1] >= n:
-        raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range [{ranges[-2]}, {ranges[-1]}]")
+    if values_checked(modality):
+        # One host synchronisation for all data-dependent checks (the default positions need none).
+        ranges = read_back(*([modality.min(), modality.max()] if n else []),
+                           *([query_positions.min(), query_positions.max()] if positions_given else []))
+        if n and (ranges[0] < 0 or ranges[1] > MAX_MODALITIES):
+            raise ValueError(f"modality labels must be in [0, {MAX_MODALITIES}], got range [{ranges[0]}, {ranges[1]}]")
+        if positions_given and (ranges[-2] < 0 or ranges[-1] >= n):
+            raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range [{ranges[-2]}, {ranges[-1]}]")
     scale = 1.0 / math.sqrt(d) if scale is None else check_real("scale", scale, 0.0, math.inf, lo_open=True,
                                                                  hi_open=True)
     eps = check_real("eps", eps, 0.0, math.inf, hi_open=True)
@@ -110,9 +120,9 @@ def _modality_scores_torch(query, key, modality, query_positions, scale, eps):
     logits.masked_fill_(~visible[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # A_h(q, i), fp32
     labels = modality.long()
-    num_labels = int(labels.max()) + 1 if n else 1
-    # mass[b, (h, q), m] = sum_{j: label j = m} A_h(q, j): one product with the [N, labels] one-hot matrix.
-    one_hot = torch.nn.functional.one_hot(labels, num_labels).to(torch.float32)  # [B, N, labels]
+    # mass[b, (h, q), m] = sum_{j: label j = m} A_h(q, j): one product with the [N, labels] one-hot matrix. The
+    # width is the largest allowed label, not the largest present one: reading that back would synchronise.
+    one_hot = torch.nn.functional.one_hot(labels, MAX_MODALITIES + 1).to(torch.float32)  # [B, N, labels]
     rows = probs.view(b, hq * lq, n)
     mass = torch.bmm(rows, one_hot)
     denom = mass.gather(-1, labels[:, None, :].expand(b, hq * lq, n))

@@ -14,6 +14,7 @@ from macer_kernels._validate import (
     check_same_device,
     check_tensor,
     read_back,
+    values_checked,
 )
 from macer_kernels.backend import dispatch, register
 
@@ -73,7 +74,7 @@ def coverage_select(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, cover
     check_same_device(scores=scores, chunk_ids=chunk_ids)
     k = _check_k(k, scores.numel())
     coverage_weight = check_real("coverage_weight", coverage_weight, 0.0, math.inf, hi_open=True)
-    if scores.numel():
+    if scores.numel() and values_checked(scores):
         has_nan, lowest_chunk = read_back(torch.isnan(scores).any(), chunk_ids.min())  # one host synchronisation
         if has_nan:
             raise ValueError("scores contains NaN; scores must be comparable numbers")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from macer_kernels._validate import check_count, check_tensor
+from macer_kernels._validate import check_count, check_tensor, values_checked
 
 
 def temporal_chunks(temporal_positions: torch.Tensor, num_chunks: int) -> torch.Tensor:
@@ -27,7 +27,7 @@ def temporal_chunks(temporal_positions: torch.Tensor, num_chunks: int) -> torch.
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.long, device=t.device)
     if t.is_floating_point():
-        if not bool(torch.isfinite(t).all()):
+        if values_checked(t) and not bool(torch.isfinite(t).all()):
             raise ValueError("temporal_positions must be finite")
         t = t.to(torch.float64)
         lo, hi = t.min(), t.max()
