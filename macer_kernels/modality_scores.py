@@ -45,6 +45,17 @@ def modality_scores(
     one modality never depend on how much attention another modality receives (except through ``eps``). A row that
     sees no key of a modality (causal limit) contributes 0 to it, also for ``eps = 0`` (the limit eps -> 0+).
 
+    Non-finite inputs, the same in every backend: tokens labelled 0 always score exactly 0. In a batch element where
+    some logit ``scale * q . k_j`` of a kept pair (a query row of any head and a key ``j <= position`` it sees) is
+    NaN or infinite -- which it is whenever an element of a query row, or of a key that some row sees, is NaN or
+    +-inf -- every token labelled > 0 scores NaN. Keys that no query row sees do not matter, and other batch
+    elements are unaffected. (IEEE propagation through the softmax would do the same except for ``-inf`` logits,
+    which it would turn into zero weights; the rule does not depend on the signs of the products.)
+
+    Value checks (label range, ``query_positions`` in ``[0, N-1]``) run on CPU tensors always and on CUDA tensors
+    only in validation mode (``macer_kernels.validation()``); otherwise the call never synchronises with the host,
+    and labels or positions out of range give unspecified results (the kernels may fault).
+
     Args:
         query: ``[B, Hq, Lq, D]`` post-RoPE queries of the question span (fp32, bf16, fp16 or fp64).
         key: ``[B, Hkv, N, D]`` post-RoPE keys with ``Hq % Hkv == 0`` (query head ``h`` reads KV head
@@ -117,6 +128,10 @@ def _modality_scores_torch(query, key, modality, query_positions, scale, eps):
         logits[..., start:stop] = torch.matmul(q, k_block.transpose(-1, -2))
     logits = logits.view(b, hq, lq, n)
     visible = torch.arange(n, device=query.device)[None, None, :] <= query_positions[:, :, None].long()
+    # The non-finite rule of the docstring: a NaN or infinite logit of a kept (row, key) pair makes every scored token
+    # of its batch element NaN. IEEE arithmetic alone gives that for NaN and +inf logits but a zero weight for -inf
+    # ones, so the result would depend on the signs of the products; this test depends only on what is finite.
+    broken = torch.isfinite(logits).logical_not_().logical_and_(visible[:, None]).flatten(1).any(dim=1)  # [B]
     logits.masked_fill_(~visible[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # A_h(q, i), fp32
     labels = modality.long()
@@ -131,4 +146,4 @@ def _modality_scores_torch(query, key, modality, query_positions, scale, eps):
     unseen = denom == 0
     denom = denom.add_(eps).masked_fill_(unseen, 1.0)
     scores = rows.div_(denom).sum(dim=1) / (lq * hq)
-    return scores.masked_fill_(labels == 0, 0.0)
+    return scores.masked_fill_(broken[:, None], float("nan")).masked_fill_(labels == 0, 0.0)
