@@ -79,10 +79,15 @@ def validation(enabled: bool = True) -> Iterator[None]:
         stack.pop()
 
 
+HOST_DEVICE_TYPES: tuple[str, ...] = ("cpu",)
+"""Device types whose values live in host memory: reading them back costs no synchronisation, so their values are
+always checked. (The CPU tests of sync-freedom empty it to run CPU tensors through the checks as if on a GPU.)"""
+
+
 def values_checked(t: torch.Tensor) -> bool:
     """Whether an op may read ``t``'s values on the host to check them: always for CPU tensors (no synchronisation
     there), for CUDA and other device tensors only in validation mode (``validation_enabled()``)."""
-    return t.device.type == "cpu" or validation_enabled()
+    return t.device.type in HOST_DEVICE_TYPES or validation_enabled()
 
 
 def check_count(name: str, value: object) -> int:
