@@ -30,6 +30,7 @@ import torch
 from benchmarks.bench_modality_scores import slug
 from benchmarks.common import environment, median_time_us, print_table, runnable_backends, write_results
 from macer_kernels import coverage_select, temporal_chunks, topk_indices, use_backend
+from macer_kernels.reference import coverage_greedy_picks
 
 SIZES = (864, 20_000, 100_000)
 QUICK_SIZES = (50, 300)
@@ -45,18 +46,9 @@ def naive_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def naive_coverage(scores: torch.Tensor, chunks: torch.Tensor, k: int, weight: float) -> torch.Tensor:
-    """The literal greedy: k steps of argmax over s + sqrt(lambda / (1 + r_chunk)) (argmax takes the first maximum)."""
-    values = scores.double()
-    counts = torch.zeros(int(chunks.max()) + 1, dtype=torch.float64, device=scores.device)
-    taken = torch.zeros_like(values, dtype=torch.bool)
-    picks = torch.empty(k, dtype=torch.long, device=scores.device)
-    for step in range(k):
-        gain = (values + torch.sqrt(weight / (1.0 + counts[chunks]))).masked_fill_(taken, float("-inf"))
-        best = torch.argmax(gain)
-        picks[step] = best
-        taken[best] = True
-        counts[chunks[best]] += 1
-    return torch.sort(picks).values
+    """The literal greedy on the device: ``reference.coverage_greedy_picks``, the k-step definition the float64
+    reference uses too (one tie rule: value, then score, then the lower index), k steps of a few launches each."""
+    return torch.sort(coverage_greedy_picks(scores, chunks, k, weight)).values
 
 
 def wall_time_us(fn: Callable[[], object], device: torch.device, *, budget_s: float = 0.2, reps: int = 200) -> float:
