@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -41,6 +42,10 @@ def device_name(device: torch.device | str) -> str:
 
 
 def git_sha() -> str:
+    """The checkout's commit (``-dirty`` with uncommitted changes); ``MACER_GIT_SHA`` names it where there is no .git
+    (a copy of the tree on a lent GPU machine)."""
+    if os.environ.get("MACER_GIT_SHA"):
+        return os.environ["MACER_GIT_SHA"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
                              cwd=Path(__file__).resolve().parent)

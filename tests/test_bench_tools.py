@@ -1,6 +1,6 @@
-"""The benchmarks' per-call counts (``benchmarks.common``): launches, host synchronisations and device-to-host copies
-from torch.profiler events. The event names are CUDA's; on CPU they are fed as stand-ins, and a real CPU profile
-checks the call marking."""
+"""Benchmark tools: the per-call counts of ``benchmarks.common`` (launches, host synchronisations and device-to-host
+copies from torch.profiler events; the event names are CUDA's, fed here as stand-ins, and a real CPU profile checks
+the call marking), wall time and the environment record, and the compute-sanitizer driver of ``gpu_check.sh``."""
 
 from __future__ import annotations
 
@@ -57,3 +57,15 @@ def test_wall_time_fits_the_budget_and_environment_names_threads():
     assert us >= 0 and len(calls) == 1 + 3 + 3  # estimate, warm-up, timed runs
     env = common.environment("cpu")
     assert env["threads"] == torch.get_num_threads() and env["git_sha"] and env["columns"]["wall_us"]
+
+
+def test_sanitizer_driver_runs_every_case_and_reports_a_mismatch(capsys, monkeypatch):
+    """benchmarks/sanitize_ops.py (what gpu_check.sh runs under compute-sanitizer), on CPU with the PyTorch backend:
+    every case's inputs are valid; a backend whose result differs from PyTorch's is reported and fails the run."""
+    from benchmarks import sanitize_ops
+
+    assert sanitize_ops.main(["--backends", "torch", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("sanitize pass torch (")
+    monkeypatch.setattr(sanitize_ops, "_equal", lambda got, want: False)
+    assert sanitize_ops.main(["--backends", "torch", "--device", "cpu"]) == 1
+    assert "sanitize MISMATCH torch: modality_scores" in capsys.readouterr().out
