@@ -35,7 +35,8 @@ def compact(x: torch.Tensor, keep: torch.Tensor, dim: int = 1) -> torch.Tensor:
     Args:
         x: any tensor, e.g. hidden states ``[B, N, hidden]``, RoPE ``cos``/``sin`` ``[B, N, D]``, position ids
             ``[3, B, N]`` (``dim=2``).
-        keep: 1-D integer tensor of strictly increasing indices in ``[0, x.shape[dim] - 1]``.
+        keep: 1-D integer tensor of strictly increasing indices in ``[0, x.shape[dim] - 1]`` (checked on CPU tensors,
+            and on CUDA tensors only in validation mode: out-of-range indices may fault there).
         dim: the sequence dimension (negative values count from the end).
 
     Returns:

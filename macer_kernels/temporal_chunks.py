@@ -12,7 +12,8 @@ def temporal_chunks(temporal_positions: torch.Tensor, num_chunks: int) -> torch.
 
     Args:
         temporal_positions: 1-D tensor of the video tokens' temporal positions (integer or floating, e.g. the
-            temporal row of M-RoPE position ids). ``torch.arange(n)`` gives C equal-size bins.
+            temporal row of M-RoPE position ids). ``torch.arange(n)`` gives C equal-size bins. Floating positions must
+            be finite (checked on CPU tensors, and on CUDA tensors only in validation mode).
         num_chunks: C >= 1.
 
     Returns:
