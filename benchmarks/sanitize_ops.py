@@ -69,7 +69,24 @@ def _cases(device: torch.device) -> list[tuple[str, Callable[[], object]]]:
         cases.append((f"compact_many k={keep.numel()}",
                       lambda keep=keep: mk.compact_many([hidden, cos, pos_ids], keep, [1, 1, 2])))
     cases.append(("temporal_chunks", lambda: mk.temporal_chunks(torch.arange(37, device=device) * 3, 4)))
+    if hasattr(mk, "select_stage"):  # the fused stage entry point (issue 9 item 2), where this checkout has it
+        cases += _stage_cases(device, g)
     return cases
+
+
+def _stage_cases(device: torch.device, g: torch.Generator) -> list[tuple[str, Callable[[], object]]]:
+    """``select_stage`` over 2 samples of 37 tokens (5 text, 18 audio by top-K, 14 video by coverage) in shuffled
+    order, bf16 q/k with GQA 3 and a FlashAttention-layout cache."""
+    counts = {0: 5, 1: 18, 2: 14}
+    row = torch.cat([torch.full((c,), label) for label, c in counts.items()])
+    labels = torch.stack([row[torch.randperm(37, generator=torch.Generator().manual_seed(b))] for b in range(2)])
+    labels = labels.to(device)
+    chunk_ids = (torch.arange(37, device=device) * 4 // 37).expand(2, 37).contiguous()
+    q = torch.randn(2, 6, 3, 80, generator=g, device=device).to(torch.bfloat16)
+    k = torch.randn(2, 37, 2, 80, generator=g, device=device).to(torch.bfloat16).transpose(1, 2)
+    stage = [mk.StageModality(label=1, count=18, keep=5),
+             mk.StageModality(label=2, count=14, keep=6, coverage_weight=0.2, num_chunks=4)]
+    return [("select_stage", lambda: mk.select_stage(q, k, labels, stage, chunk_ids=chunk_ids, return_scores=True))]
 
 
 def _equal(got, want) -> bool:
