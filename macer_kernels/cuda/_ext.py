@@ -59,3 +59,9 @@ def workspace(nbytes: int, device: torch.device) -> torch.Tensor:
 def select_workspace_bytes(n: int, device: int) -> int:
     """Workspace of the selection ops for n scores (asks CUB once per (n, device))."""
     return int(ext().select_workspace_bytes(n, device))
+
+
+@functools.lru_cache(maxsize=64)
+def select_cta_max_n(device: int, coverage: bool) -> int:
+    """Largest n the one-CTA selection kernel takes on ``device`` (its shared memory; asked once per device)."""
+    return int(ext().select_cta_max_n(device, coverage))
