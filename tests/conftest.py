@@ -79,6 +79,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_triton)
 
 
+@pytest.fixture(autouse=True)
+def _validate_values_on_gpu(request):
+    """Tests that run on a GPU (marker ``cuda``, or ``triton`` where a GPU is present) run in validation mode, so bad
+    values in a test's CUDA tensors raise the ops' clear errors instead of giving unspecified results. On CPU tensors
+    values are always checked. A test that must run without host synchronisations (a CUDA graph capture) opens
+    ``macer_kernels.validation(False)`` itself; the inner block wins."""
+    node = request.node
+    if node.get_closest_marker("cuda") is None and not (HAS_GPU and node.get_closest_marker("triton") is not None):
+        yield
+        return
+    from macer_kernels import validation
+
+    with validation(True):
+        yield
+
+
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request) -> str:
     """Run a test on CPU, and on CUDA where a GPU is present."""
