@@ -25,7 +25,7 @@ from macer_kernels.backend import available_backends, backend_status, current_ba
 from macer_kernels.compact import compact, compact_many
 from macer_kernels.modality_scores import MAX_MODALITIES, modality_scores
 from macer_kernels.select import coverage_select, topk_indices
-from macer_kernels.split_budget import split_budget
+from macer_kernels.split_budget import decimal_fraction, split_budget
 from macer_kernels.stage import StageModality, select_stage
 from macer_kernels.temporal_chunks import temporal_chunks
 from macer_kernels.types import Budget
@@ -42,6 +42,7 @@ __all__ = [
     "compact_many",
     "coverage_select",
     "current_backend",
+    "decimal_fraction",
     "modality_scores",
     "select_stage",
     "set_validation",

@@ -128,11 +128,17 @@ def test_exit_restores_bit_identical_logits_even_after_exception(attn):
     attn_config = _decoder(model).config
     with torch.no_grad():
         want = model(**inputs).logits
+        seen = []
+        spy = _decoder(model).layers[0].register_forward_pre_hook(
+            lambda *_: seen.append(attn_config._attn_implementation))
         with pytest.raises(RuntimeError, match="boom"), macer.compress(model, macer_config_for(model)):
-            assert attn_config._attn_implementation == f"macer_{attn}"
+            # The attention wrapper is switched on only while a prefill runs (decode steps run the model's own).
+            assert attn_config._attn_implementation == attn
             pruned = model(**inputs).logits
             assert pruned.shape[1] < want.shape[1]
+            assert seen == [f"macer_{attn}"] and attn_config._attn_implementation == attn
             raise RuntimeError("boom")
+        spy.remove()
         assert attn_config._attn_implementation == attn
         assert all(not layer._forward_pre_hooks for layer in _decoder(model).layers)
         assert not _root(model)._forward_pre_hooks and not _decoder(model)._forward_hooks
@@ -327,3 +333,36 @@ def test_prompt_without_attention_mask():
     n, n_a, n_v = _counts(inputs)
     assert len(trace.audio_kept) == trace.budget.audio < n_a and len(trace.video_kept) == trace.budget.video < n_v
     assert out.logits.shape[1] == n - n_a - n_v + trace.budget.total
+
+
+def test_full_model_generate_points_to_thinker_generate():
+    """#13 item 7: inside compress, the full model's generate says to call .thinker.generate; leaving the context
+    removes the guard (the instance has no own attribute again)."""
+    omni = build_omni_model(num_layers=4, hidden_size=64, seed=5)
+    inputs = clip_inputs(omni, **CLIP)
+    with macer.compress(omni, macer_config_for(omni, audio_layer=1, video_layer=2)):
+        with pytest.raises(RuntimeError, match=r"call model\.thinker\.generate\(\.\.\.\) for text answers.*"
+                                               r"'Chelsie is not available'"):
+            omni.generate(**inputs)
+    assert "generate" not in omni.__dict__
+    with macer.compress(omni.thinker, macer_config_for(omni, audio_layer=1, video_layer=2)):
+        assert "generate" not in omni.thinker.__dict__  # the thinker's own generate is the supported path
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_decode_steps_run_without_prefill_hooks_or_the_attention_wrapper(attn):
+    """Layer hooks and the attention wrapper exist only during a prefill; SDPA decode steps get no MACER hook at
+    all, eager ones only the per-step mask hooks on layers whose cache differs from layer 0's."""
+    model = _thinker(attn)
+    inputs = clip_inputs(model, **CLIP)
+    decoder, seen = _decoder(model), []
+    with torch.no_grad(), macer.compress(model, macer_config_for(model, keep_ratio=0.25)) as trace:
+        spy = decoder.register_forward_pre_hook(  # runs after MACER's own decoder pre-hook
+            lambda *_: seen.append((decoder.config._attn_implementation,
+                                    [len(layer._forward_pre_hooks) for layer in decoder.layers])))
+        model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        spy.remove()
+    first = trace.last.stages[0].layer
+    assert seen[0] == (f"macer_{attn}", [0] * first + [1] * (6 - first))
+    changed = [0 if n == trace.cache_lengths[0] else 1 for n in trace.cache_lengths]
+    assert seen[1:] == [(attn, [0] * 6 if attn == "sdpa" else changed)] * 2

@@ -13,7 +13,6 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 # Blocks that fail on main today, keyed by their section heading. strict=True: the test fails once a block runs, so
 # the mark is removed together with the fix.
 KNOWN_BROKEN = {
-    "Using it with a model (`macer`)": "issue 13 item 4: the snippet uses `thinker` and `inputs` without defining them",
     "Backends": "issue 13: the snippet uses `q`, `k` and `labels` without defining them",
 }
 

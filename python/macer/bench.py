@@ -203,12 +203,12 @@ def _build(shape_kwargs: dict[str, Any], device: torch.device, dtype: torch.dtyp
 
 
 def _macer_config(model: torch.nn.Module, keep_ratio: float, settings: dict[str, Any]):
-    """The paper's defaults for 28/36-layer decoders, the 7B values otherwise; explicit layers win."""
-    from macer.config import PAPER_DEFAULTS
+    """The paper's defaults for the 7B/3B text shapes (by model identity), the 7B values otherwise; explicit layers
+    win."""
+    from macer.config import paper_defaults
     from macer.testing import macer_config_for
 
-    depth = _thinker(model).config.text_config.num_hidden_layers
-    overrides: dict[str, Any] = dict(PAPER_DEFAULTS.get(depth, {}))
+    overrides: dict[str, Any] = dict(paper_defaults(model) or {})
     for name in ("audio_layer", "video_layer"):
         if settings[name] is not None:
             overrides[name] = settings[name]
