@@ -12,6 +12,7 @@ See ``docs/integration.md`` for how it hooks into transformers and what is suppo
 
 from macer.adapters import supported_model_types
 from macer.config import PAPER_DEFAULTS, MacerConfig
+from macer.diagnostics import DiagnosticReport, diagnose  # noqa: F401  (re-exported: macer.diagnose)
 from macer.patch import SUPPORTED_ATTENTION, compress
 from macer.trace import PrefillRecord, Stage, Trace
 
