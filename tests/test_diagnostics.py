@@ -8,7 +8,9 @@ policy's trace, and the model left exactly as before."""
 from __future__ import annotations
 
 import inspect
+import json
 import math
+import re
 
 import macer
 import pytest
@@ -283,3 +285,39 @@ def _temporal_row(model, inputs) -> torch.Tensor:
         handle.remove()
     return seen["pos"][-3, 0].cpu()
 
+
+
+def test_macer_diagnose_command_writes_the_report(tmp_path, capsys):
+    from macer.cli import main
+
+    args = ["--layers", "3", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--frames", "2", "--audio-tokens",
+            "30", "--audio-layer", "1", "--video-layer", "2", "--keep-ratio", "0.5", "--seed", "5"]
+    assert main(["diagnose", *args, "--out", str(tmp_path)]) == 0
+    assert "temporal Gini macer:" in capsys.readouterr().out
+    data = json.loads((tmp_path / "diagnostics.json").read_text())
+    assert (tmp_path / "log_mass_ratio.png").stat().st_size > 0 and (tmp_path / "diagnostics.png").stat().st_size > 0
+    # The same report, computed directly on the same random model and clip.
+    torch.manual_seed(5)
+    model = build_thinker(num_layers=3, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=96)
+    inputs = clip_inputs(model, frames=2, audio_tokens=30, seed=5)
+    report = diagnose(model, inputs, macer_config_for(model, keep_ratio=0.5, audio_layer=1, video_layer=2))
+    assert data == json.loads(json.dumps(report.to_dict()))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent", "--video", "v.mp4", "--question", "q"], "not a local checkpoint directory"),
+        (["--model", "/tmp"], "--model, --video and --question go together"),
+        (["--frames", "0"], "needs --frames even >= 2"),
+        (["--layers", "4", "--audio-layer", "4"], "audio_layer must be in"),
+        (["--keep-ratio", "0"], r"--keep-ratio must be in \(0, 1\]"),
+    ],
+)
+def test_macer_diagnose_argument_errors(args, message, capsys):
+    from macer.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["diagnose", *args])
+    assert exc.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -61,6 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         bench_module.add_arguments(bench)
 
+    sub.add_parser("diagnose", add_help=False, help="attention diagnostics of one prompt: JSON + PNG figures")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["diagnose"]:  # macer.diagnostics parses its own arguments
+        from macer.diagnostics import main as diagnose_main
+
+        return diagnose_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "bench":
         if bench_module is None:

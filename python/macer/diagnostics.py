@@ -500,3 +500,97 @@ def _plot(report: DiagnosticReport, out: Path) -> list[Path]:
     fig.savefig(panel_path, dpi=110)
     plt.close(fig)
     return [curve_path, panel_path]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `macer diagnose`
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``macer diagnose``: the diagnostics of one prompt as JSON + PNG figures, on a random thinker built in code (a
+    synthetic clip at the paper's token counts) or a local Qwen2.5-Omni checkpoint with a video and a question."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="macer diagnose", description=main.__doc__.split(":", 1)[0])
+    parser.add_argument("--keep-ratio", type=float, default=0.25, help="rho of the policies and the sweep's budget")
+    parser.add_argument("--audio-layer", type=int, default=None, help="l_a (default: the paper's value, 3 for 7B)")
+    parser.add_argument("--video-layer", type=int, default=None, help="l_v (default: the paper's value, 5 for 7B)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the random model")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the random model")
+    parser.add_argument("--heads", type=int, default=8, help="attention heads of the random model")
+    parser.add_argument("--kv-heads", type=int, default=2, help="KV heads of the random model")
+    parser.add_argument("--frames", type=int, default=12, help="video frames of the synthetic clip (even, >= 2)")
+    parser.add_argument("--audio-tokens", type=int, default=1460, help="audio tokens of the synthetic clip (>= 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random model and clip")
+    parser.add_argument("--model", help="path of a local Qwen2.5-Omni (thinker) checkpoint directory")
+    parser.add_argument("--video", help="video file for --model (its audio track is used)")
+    parser.add_argument("--question", help="question about the video for --model")
+    parser.add_argument("--fps", type=float, default=2.0, help="video sampling fps for --model")
+    parser.add_argument("--out", default="out/diagnose", help="folder of diagnostics.json and the PNG figures")
+    parser.add_argument("--no-plot", action="store_true", help="write the JSON only")
+    args = parser.parse_args(argv)
+    if not 0 < args.keep_ratio <= 1:
+        parser.error(f"--keep-ratio must be in (0, 1], got {args.keep_ratio}")
+    layers = {k: v for k, v in (("audio_layer", args.audio_layer), ("video_layer", args.video_layer)) if v}
+    if args.model or args.video or args.question:
+        if not (args.model and args.video and args.question):
+            parser.error("--model, --video and --question go together")
+        if not Path(args.model).is_dir():
+            parser.error(f"--model {args.model}: not a local checkpoint directory (nothing is downloaded)")
+        if not Path(args.video).is_file():
+            parser.error(f"--video {args.video}: no such file")
+        model, inputs, config = _checkpoint_case(args, layers)
+    else:
+        if args.frames < 2 or args.frames % 2 or args.audio_tokens < 1:
+            parser.error("the synthetic clip needs --frames even >= 2 and --audio-tokens >= 1 (both modalities)")
+        if args.layers < 2 or args.hidden % args.heads or args.heads % args.kv_heads or (args.hidden // args.heads) % 2:
+            parser.error("--layers must be >= 2, --heads must divide --hidden into an even head size and "
+                         "--kv-heads must divide --heads")
+        from macer.testing import build_thinker, clip_inputs, macer_config_for
+
+        torch.manual_seed(args.seed)
+        model = build_thinker(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                              num_kv_heads=args.kv_heads, intermediate_size=3 * args.hidden)
+        inputs = clip_inputs(model, frames=args.frames, audio_tokens=args.audio_tokens, seed=args.seed)
+        layers.setdefault("audio_layer", min(3, args.layers - 1))
+        layers.setdefault("video_layer", min(5, args.layers - 1))
+        try:
+            config = macer_config_for(model, keep_ratio=args.keep_ratio, **layers)
+            config.check_depth(args.layers)
+        except ValueError as exc:
+            parser.error(str(exc))
+    report = diagnose(model, inputs, config)
+    print(f"prompt {report.prompt_length} tokens: {report.n_audio} audio, {report.n_video} video; question rows "
+          f"{report.query_positions}; {config}")
+    print("layer  log(mass_a/n_a)-log(mass_v/n_v)  cos(q,c_a)  cos(q,c_v)  sweep overlap audio/video")
+    for i in range(report.num_layers):
+        overlap = [report.readout_sweep[m]["overlap"][i] for m in ("audio", "video")]
+        print(f"{i + 1:5d}  {report.log_mass_ratio[i]:+31.4f}  {report.q_centroid_cosine[i][0]:+10.4f}  "
+              f"{report.q_centroid_cosine[i][1]:+10.4f}  " + "/".join(f"{v:.2f}" for v in overlap))
+    for name, values in report.temporal_gini.items():
+        print(f"temporal Gini {name}: " + ", ".join(f"{m} {'-' if v is None else f'{v:.3f}'}"
+                                                  for m, v in values.items()))
+    for path in report.save(args.out, plot=not args.no_plot):
+        print(f"wrote {path}")
+    return 0
+
+
+def _checkpoint_case(args: Any, layers: dict[str, int]) -> tuple[nn.Module, dict[str, Any], MacerConfig]:
+    """A local checkpoint, its processor's inputs for the video and question, and its scale's ``MacerConfig``."""
+    from transformers import Qwen2_5OmniProcessor, Qwen2_5OmniThinkerForConditionalGeneration
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    processor = Qwen2_5OmniProcessor.from_pretrained(args.model)
+    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+        args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
+    conversation = [{"role": "user", "content": [{"type": "video", "video": args.video}, {"type": "audio"},
+                                                 {"type": "text", "text": args.question}]}]
+    inputs = processor.apply_chat_template(
+        conversation, load_audio_from_video=True, add_generation_prompt=True, tokenize=True, return_dict=True,
+        return_tensors="pt", processor_kwargs={"videos_kwargs": {"fps": args.fps}})
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    inputs["use_audio_in_video"] = True
+    im_end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = MacerConfig.for_model(model, keep_ratio=args.keep_ratio, end_of_turn_token_id=im_end, **layers)
+    return model, inputs, config
