@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(args, mode)
     out_dir = output.output_dir(args.out, args.record)
     device = torch.device(GPU_DEVICE if mode == "gpu" else "cpu")
+    machine = output.machine(device)  # at the start: the commit that runs, even if the tree changes meanwhile
     cpu_label = "{num_layers}L-h{hidden_size}-mlp{intermediate_size}-heads{num_heads}/{num_kv_heads}".format(**settings)
     models = ([(cpu_label, {k: settings[k] for k in CPU_SHAPE})] if mode == "cpu"
               else [(shape, {"text_shape": shape, "vocab_size": REAL_VOCAB[shape]}) for shape in args.text_shapes])
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         del model
         if measure.uses_cuda(device):
             torch.cuda.empty_cache()
-    meta = {"machine": output.machine(device), "settings": settings,
+    meta = {"machine": machine, "settings": settings,
             "clip": "synthetic chat-templated question about an interleaved audio-video clip (macer.testing)",
             "timing": "median of `reps` rounds after `warmup` rounds; all configurations alternate in one process",
             "load_average_at_end": list(os.getloadavg())}

@@ -321,3 +321,11 @@ def test_macer_diagnose_argument_errors(args, message, capsys):
         main(["diagnose", *args])
     assert exc.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_inside_compress_is_refused():
+    model = _model(2)
+    inputs = clip_inputs(model, frames=2, grid_hw=(4, 4), audio_tokens=30)
+    config = macer_config_for(model, keep_ratio=0.5, audio_layer=1, video_layer=2)
+    with macer.compress(model, config), pytest.raises(RuntimeError, match=r"call diagnose outside macer\.compress"):
+        diagnose(model, inputs, config, policies={})

@@ -333,6 +333,10 @@ class _FullForward:
     def on_layer(self, index: int, module: nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
         if index != len(self.mass):
             raise RuntimeError(f"macer.diagnose: layer {index + 1} ran out of order")
+        if key.shape[2] != self.labels.numel():
+            raise RuntimeError(f"macer.diagnose: layer {index + 1} holds {key.shape[2]} tokens, the prompt has "
+                               f"{self.labels.numel()}; call diagnose outside macer.compress (it runs the policies "
+                               "itself)")
         labels = self.labels.to(key.device)
         probs, q, k = _question_probs(module, query, key, self.question, kwargs)
         is_audio, is_video = labels == AUDIO, labels == VISUAL
