@@ -11,6 +11,7 @@ op                        definition (``macer_paper.tex`` label)       shapes
 ``coverage_select``       ``eq:chunk_coverage_greedy``                  ``[n]``, ``[n]`` -> ``[k]``
 ``temporal_chunks``       Appendix B (C coarse temporal chunks)         ``[n]`` -> ``[n]``
 ``compact``               Sec. 4 (keep text + S_a + S_v in order)       ``x``, ``[k]`` -> ``x`` with k rows
+``select_stage``          one readout: ANMS scores + every selection     q, k, labels -> ``[B,out_len]``
 ========================  ===========================================  ================================
 """
 
@@ -19,6 +20,7 @@ from macer_kernels.compact import compact, compact_many
 from macer_kernels.modality_scores import MAX_MODALITIES, modality_scores
 from macer_kernels.select import coverage_select, topk_indices
 from macer_kernels.split_budget import split_budget
+from macer_kernels.stage import StageModality, select_stage
 from macer_kernels.temporal_chunks import temporal_chunks
 from macer_kernels.types import Budget
 
@@ -27,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MAX_MODALITIES",
     "Budget",
+    "StageModality",
     "available_backends",
     "backend_status",
     "compact",
@@ -34,6 +37,7 @@ __all__ = [
     "coverage_select",
     "current_backend",
     "modality_scores",
+    "select_stage",
     "split_budget",
     "temporal_chunks",
     "topk_indices",

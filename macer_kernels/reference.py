@@ -109,3 +109,35 @@ def temporal_chunks_ref(temporal_positions: torch.Tensor, num_chunks: int) -> to
 def compact_ref(x: torch.Tensor, keep: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """Keep the rows ``keep`` (sorted indices) of ``x`` along ``dim``."""
     return torch.stack([x.select(dim, int(i)) for i in keep], dim=dim) if len(keep) else x.narrow(dim, 0, 0)
+
+
+def stage_select_ref(scores: torch.Tensor, labels: torch.Tensor, modalities, chunk_ids: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """The selection of one stage from given scores ``[B, N]``: per sample, every token whose label is not a stage
+    modality plus, per stage modality (``StageModality``-like: ``label``, ``keep``, ``coverage_weight``), the picks of
+    ``topk_indices_ref`` (``coverage_weight`` None) or ``coverage_select_ref`` on that modality's tokens in index
+    order. Returns ``[B, out_len]`` int64, rows ascending."""
+    rows = []
+    for b in range(labels.shape[0]):
+        kept = torch.ones(labels.shape[1], dtype=torch.bool)
+        for m in modalities:
+            where = (labels[b].cpu() == m.label).nonzero().flatten()
+            kept[where] = False
+            s = scores[b].cpu()[where]
+            if m.coverage_weight is None:
+                picks = topk_indices_ref(s, m.keep)
+            else:
+                picks = coverage_select_ref(s, chunk_ids[b].cpu()[where], m.keep, m.coverage_weight)
+            kept[where[picks]] = True
+        rows.append(kept.nonzero().flatten())
+    return torch.stack(rows)
+
+
+def stage_ref(query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, modalities,
+              chunk_ids: torch.Tensor | None = None, query_positions: torch.Tensor | None = None, *,
+              scale: float | None = None, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``macer_kernels.select_stage``: ``modality_scores_ref`` in float64, then ``stage_select_ref`` on those scores.
+    Returns ``(keep [B, out_len] int64, scores [B, N] float64)``."""
+    scores = modality_scores_ref(query.cpu(), key.cpu(), labels.cpu(),
+                                 None if query_positions is None else query_positions.cpu(), scale=scale, eps=eps)
+    return stage_select_ref(scores, labels.cpu(), modalities, None if chunk_ids is None else chunk_ids.cpu()), scores

@@ -73,12 +73,16 @@ class _FakeProcessor:
 
 @pytest.mark.parametrize("fail", [False, True])
 def test_demo_real_checkpoint_path_with_stand_ins(tmp_path, capsys, monkeypatch, fail):
-    """The --model path end to end with the checkpoint and processor replaced by a 28-layer random thinker (so
-    ``for_model`` picks the 7B defaults) and a stand-in processor; the real processor is not exercised here."""
+    """The --model path end to end with the checkpoint and processor replaced by a 28-layer random thinker (identified
+    as the 7B checkpoint, so ``for_model`` picks its defaults) and a stand-in processor; the real processor is not
+    exercised here."""
     import transformers
+    from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
     from macer.testing import build_thinker
 
     model = build_thinker(num_layers=28, hidden_size=64, seed=0)
+    # for_model keys the paper's defaults by model identity (type and sizes), not depth: identify the stand-in as 7B.
+    monkeypatch.setattr(Qwen25OmniAdapter, "identify", lambda self, m: "qwen2.5-omni-7b")
     monkeypatch.setattr(transformers.Qwen2_5OmniThinkerForConditionalGeneration, "from_pretrained",
                         classmethod(lambda cls, path, **kw: model))
     monkeypatch.setattr(transformers.Qwen2_5OmniProcessor, "from_pretrained",

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import macer
 import pytest
 import torch
 from macer import MacerConfig
+from macer.adapters import get_adapter
 from macer.testing import (
     SYNTHETIC_TOKENS,
     build_omni_model,
@@ -62,11 +65,16 @@ def test_config_defaults_and_replace():
     config = MacerConfig()
     assert (config.audio_layer, config.video_layer, config.audio_share, config.coverage_weight) == (3, 5, 0.3, 0.2)
     assert (config.num_chunks, config.query_tokens, config.eps) == (8, 4, 1e-6)
-    assert config.end_of_turn_token_id == 151645 and config.trim_early_cache is False
+    assert config.end_of_turn_token_id is None and config.trim_early_cache is False
+    assert (config.question_span, config.scoring) == ("end_of_turn", "anms")
     assert config.replace(keep_ratio=0.5).keep_ratio == 0.5
-    assert MacerConfig(end_of_turn_token_id=None).end_of_turn_token_id is None
+    assert MacerConfig(end_of_turn_token_id=7).end_of_turn_token_id == 7
     with pytest.raises(ValueError, match="keep_ratio"):
         config.replace(keep_ratio=2)
+    with pytest.raises(ValueError, match=r"MacerConfig.question_span must be one of \['end_of_turn', 'prompt_end'\]"):
+        MacerConfig(question_span="last")
+    with pytest.raises(ValueError, match=r"MacerConfig.scoring must be one of \['anms', 'raw'\], got 'ANMS'"):
+        MacerConfig(scoring="ANMS")
 
 
 def test_for_model_paper_defaults():
@@ -76,10 +84,28 @@ def test_for_model_paper_defaults():
     three = MacerConfig.for_model(thinker_config(text_shape="3B"))
     assert (three.audio_layer, three.video_layer, three.audio_share, three.coverage_weight) == (4, 7, 0.32, 0.30)
     assert MacerConfig.for_model(thinker_config(text_shape="3B"), audio_share=0.5).audio_share == 0.5
+    assert macer.paper_defaults(thinker_config(text_shape="7B")) == macer.PAPER_DEFAULTS["qwen2.5-omni-7b"]
+
+
+def test_for_model_keys_defaults_by_identity_not_depth():
+    # 28 layers but not Omni-7B's width: the paper has no layers for it (they used to be given by depth alone).
+    narrow = thinker_config(num_layers=28, hidden_size=64)
+    assert macer.paper_defaults(narrow) is None
+    with pytest.raises(ValueError, match=r"defaults exist for \['qwen2.5-omni-3b', 'qwen2.5-omni-7b'\] only; this "
+                                         r"model \(model_type 'qwen2_5_omni_thinker', num_hidden_layers=28, "
+                                         r"hidden_size=64.*macer.testing.macer_config_for"):
+        MacerConfig.for_model(narrow)
+    # Another family with Omni-7B's sizes has no adapter here, so no paper defaults either.
+    other = type("Config", (), {"model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584,
+                                "num_attention_heads": 28, "num_key_value_heads": 4})()
+    assert macer.paper_defaults(other) is None
+    with pytest.raises(KeyError, match=r"keyed by model name .* not by decoder depth \(28\); use "
+                                       r"macer.paper_defaults\(model\)"):
+        macer.PAPER_DEFAULTS.get(28, {})
 
 
 def test_for_model_other_depth_needs_explicit_layers(model):
-    with pytest.raises(ValueError, match=r"28 layers .* 36 layers .* has 4: pass audio_layer= and video_layer="):
+    with pytest.raises(ValueError, match=r"num_hidden_layers=4.*pass audio_layer= and video_layer= explicitly"):
         MacerConfig.for_model(model)
     config = MacerConfig.for_model(model, audio_layer=1, video_layer=3)
     assert (config.audio_layer, config.video_layer) == (1, 3)
@@ -100,7 +126,7 @@ def test_compress_rejects_readout_layer_beyond_depth(model):
 
 
 def test_compress_rejects_wrong_config_type(model):
-    with pytest.raises(TypeError, match=r"config must be a macer\.MacerConfig, got dict"):
+    with pytest.raises(TypeError, match=r"config must be a policy \(macer\.MacerConfig, .*\), got dict"):
         with macer.compress(model, {"keep_ratio": 0.5}):
             pass
 
@@ -198,7 +224,8 @@ def test_question_span_errors(model):
         _run(model, config, **inputs)
     # "system" sits at position 1: fewer than query_tokens tokens before it.
     config = macer_config_for(model, audio_layer=1, video_layer=2, end_of_turn_token_id=SYNTHETIC_TOKENS.system)
-    with pytest.raises(ValueError, match=r"needs query_tokens=4 tokens before the last end-of-turn token \(position 1"):
+    with pytest.raises(ValueError, match=r"needs query_tokens=4 tokens before the last end-of-turn token 11 "
+                                         r"\(position 1\)"):
         _run(model, config, **inputs)
     # A question of one token: the 4 rows before <|im_end|> reach back into the media (last audio token).
     short = clip_inputs(model, **SMALL, question_tokens=1)
@@ -206,17 +233,35 @@ def test_question_span_errors(model):
         _run(model, macer_config_for(model, audio_layer=1, video_layer=2), **short)
 
 
-def test_no_end_of_turn_token_reads_last_prompt_tokens(model):
+def test_end_of_turn_token_defaults_from_the_model_and_never_falls_back(model):
+    """#13 item 1: the id defaults from the adapter (the synthetic <|im_end|> here, 151645 for the Qwen2 vocabulary);
+    a prompt without it, or an id outside the vocabulary, is a clear error; question_span='prompt_end' is the
+    explicit way to read the prompt's last tokens."""
     inputs = clip_inputs(model, **SMALL)
     n = inputs["input_ids"].shape[1]
-    with torch.no_grad(), macer.compress(model, macer_config_for(model, audio_layer=1, video_layer=2,
-                                                                  end_of_turn_token_id=None)) as trace:
-        model(**inputs)
-    assert trace.last.query_positions == list(range(n - 4, n))
-    with torch.no_grad(), macer.compress(model, macer_config_for(model, audio_layer=1, video_layer=2)) as trace:
+    layers = {"audio_layer": 1, "video_layer": 2}
+    with torch.no_grad(), macer.compress(model, MacerConfig(**layers)) as trace:  # no id given: the model's own
         model(**inputs)
     eot = n - 5  # <|im_end|> \n <|im_start|> assistant \n closes the prompt
     assert trace.last.query_positions == list(range(eot - 4, eot))
+    with pytest.raises(ValueError, match=r"end_of_turn_token_id=151645 is outside this model's vocabulary "
+                                         r"\(vocab_size=512\).* or leave it None for the model's own \(2\)"):
+        _run(model, MacerConfig(**layers, end_of_turn_token_id=151645), **inputs)
+    no_eot = inputs["input_ids"].clone()
+    no_eot[no_eot == SYNTHETIC_TOKENS.im_end] = SYNTHETIC_TOKENS.first_ordinary
+    with pytest.raises(ValueError, match=r"end_of_turn_token_id=2 does not occur in the prompt \(searched all "
+                                         rf"{n} input_ids.*question_span='prompt_end'"):
+        _run(model, MacerConfig(**layers), **{**inputs, "input_ids": no_eot})
+    with torch.no_grad(), macer.compress(model, MacerConfig(**layers, question_span="prompt_end")) as trace:
+        model(**{**inputs, "input_ids": no_eot})
+    assert trace.last.query_positions == list(range(n - 4, n))
+    # A config without a named <|im_end|> and the published vocabulary size (152064): the Qwen2 id.
+    real = thinker_config()
+    del real.im_end_token_id
+    real.text_config.vocab_size = 152064
+    assert get_adapter(model).end_of_turn_token_id(SimpleNamespace(config=real)) == 151645
+    real.text_config.vocab_size = 512
+    assert get_adapter(model).end_of_turn_token_id(SimpleNamespace(config=real)) is None
 
 
 def test_static_cache_is_refused(model):

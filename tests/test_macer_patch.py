@@ -128,11 +128,17 @@ def test_exit_restores_bit_identical_logits_even_after_exception(attn):
     attn_config = _decoder(model).config
     with torch.no_grad():
         want = model(**inputs).logits
+        seen = []
+        spy = _decoder(model).layers[0].register_forward_pre_hook(
+            lambda *_: seen.append(attn_config._attn_implementation))
         with pytest.raises(RuntimeError, match="boom"), macer.compress(model, macer_config_for(model)):
-            assert attn_config._attn_implementation == f"macer_{attn}"
+            # The attention wrapper is switched on only while a prefill runs (decode steps run the model's own).
+            assert attn_config._attn_implementation == attn
             pruned = model(**inputs).logits
             assert pruned.shape[1] < want.shape[1]
+            assert seen == [f"macer_{attn}"] and attn_config._attn_implementation == attn
             raise RuntimeError("boom")
+        spy.remove()
         assert attn_config._attn_implementation == attn
         assert all(not layer._forward_pre_hooks for layer in _decoder(model).layers)
         assert not _root(model)._forward_pre_hooks and not _decoder(model)._forward_hooks

@@ -19,7 +19,7 @@ import triton  # a missing Triton surfaces as ImportError, which the registry re
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 """True when the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` was set before the import)."""
 
-from macer_kernels.triton import modality_scores, select  # noqa: E402, F401  (importing registers the kernels)
+from macer_kernels.triton import compact, modality_scores, select, stage  # noqa: E402, F401  (importing registers the kernels)
 
 
 def unavailable_reason() -> str | None:

@@ -26,12 +26,14 @@ IEEE (not TF32) dot. Logits are kept in base 2 (``exp2`` with ``log2(e)`` folded
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from macer_kernels.backend import register
+from macer_kernels.modality_scores import MAX_MODALITIES
 from macer_kernels.triton._device import on_input_device
 
 STORE_LOGITS = False
@@ -158,7 +160,9 @@ def _combine_kernel(max_ptr, sum_ptr, rowmax_ptr, weight_ptr, T, eps, inv_rows,
     # keys all have exp(l - M) = 0 in this row, and 0 * (1 / 0) must not become NaN when eps = 0.
     scored = (mods >= 1) & (acc > 0.0)
     weight = tl.where(scored, inv_rows / tl.where(scored, acc + eps * z, 1.0), 0.0)
-    tl.store(rowmax_ptr + row, row_max)
+    # The row maximum from one lane: a scalar store is issued by every thread of the program (compute-sanitizer's
+    # racecheck reports the identical writes as a hazard), a one-element masked store by the lane that owns it.
+    tl.store(rowmax_ptr + row + mods, tl.where(mods == 0, row_max, 0.0), mask=mods == 0)
     tl.store(weight_ptr + row * M_PAD + mods, weight)
 
 
@@ -178,7 +182,7 @@ def _scores_rows(q_rows, k_head, pos_row, rowmax_ptr, weight_ptr, logit_ptr, lab
                           BLOCK_D, DOT_FP32)
     row_max = tl.load(rowmax_ptr + row0 + rows, mask=row_ok, other=0.0)
     p = tl.exp2(l2 - row_max[:, None])
-    # weight[r, label of key]: a select per label (NUM_M is the largest label present, usually 2).
+    # weight[r, label of key]: a select per label (NUM_M = MAX_MODALITIES, unrolled).
     w = tl.zeros_like(p)
     for mod in tl.static_range(1, NUM_M + 1):
         w_m = tl.load(weight_ptr + (row0 + rows) * M_PAD + mod, mask=row_ok, other=0.0)
@@ -235,6 +239,32 @@ def _block_n(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> i
     return block
 
 
+_PARTIALS: dict[tuple, torch.Tensor] = {}
+
+
+def _partials(device: torch.device, rows: int, tiles: int, num_m: int, m_pad: int, logit_cols: int
+              ) -> tuple[torch.Tensor, ...]:
+    """The workspace of one call as views of one fp32 buffer, cached per shape, device and stream: tile maxima
+    ``[rows, tiles]``, tile sums ``[rows, num_m + 1, tiles]``, stored logits ``[rows, logit_cols]``, row maxima
+    ``[rows]`` and weights ``[rows, m_pad]``. Every entry a kernel reads is written earlier in the same call, so
+    reuse needs no fill; calls on one stream run in order, and another stream gets its own buffer."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    shapes = ((rows, tiles), (rows, num_m + 1, tiles), (rows, logit_cols), (rows,), (rows, m_pad))
+    key = (device, stream, shapes)
+    buffer = _PARTIALS.get(key)
+    if buffer is None:
+        if len(_PARTIALS) >= 16:  # a bounded cache: one entry per (shape, stream) in use
+            _PARTIALS.pop(next(iter(_PARTIALS)))
+        buffer = _PARTIALS[key] = torch.empty(sum(math.prod(shape) for shape in shapes), dtype=torch.float32,
+                                              device=device)
+    views, offset = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        views.append(buffer[offset:offset + size].view(shape))
+        offset += size
+    return tuple(views)
+
+
 @functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -253,10 +283,12 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     """
     b, hq, lq, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
-    num_m = int(modality.max()) if n else 0  # the largest label present sizes the per-row state (<= MAX_MODALITIES)
-    if num_m == 0:
-        return torch.zeros(b, n, dtype=torch.float32, device=query.device)
+    # The label bound sizes the per-row state. It is the static MAX_MODALITIES, not the largest label present:
+    # reading that back (modality.max()) would synchronise with the host on every call.
+    num_m = MAX_MODALITIES
     out = torch.empty(b, n, dtype=torch.float32, device=query.device)  # phase 3 writes every key
+    if n == 0:
+        return out
     store = STORE_LOGITS if store_logits is None else store_logits
     group = hq // hkv
     rows_per_kv = group * lq  # the query rows that share one KV head
@@ -273,12 +305,9 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     block_n1 = _block_n(d, 2 * sms, n, b * hkv, dot_fp32)
     tiles = triton.cdiv(n, block_n1)
     total_rows = b * hq * lq
-    dev = query.device
-    tile_max = torch.empty(total_rows, tiles, dtype=torch.float32, device=dev)
-    tile_sums = torch.empty(total_rows, num_m + 1, tiles, dtype=torch.float32, device=dev)
-    logits = torch.empty(total_rows, n, dtype=torch.float32, device=dev) if store else tile_max  # unused when False
-    row_max = torch.empty(total_rows, dtype=torch.float32, device=dev)
-    weight = torch.empty(total_rows, m_pad, dtype=torch.float32, device=dev)
+    tile_max, tile_sums, logits, row_max, weight = _partials(query.device, total_rows, tiles, num_m, m_pad,
+                                                             n if store else 0)
+    logits = logits if store else tile_max  # not read when the logits are recomputed
     scale_log2 = scale * _LOG2E
     common = (n, rows_per_kv, lq, d)
     k_strides = (key.stride(0), key.stride(1), key.stride(2))

@@ -12,19 +12,25 @@ global order of all tokens by
 with ``rank`` the token's place in its chunk by (score desc, index asc). The keys are unique (the index is part of
 them), so the k picks are the tokens with fewer than k keys ahead of their own.
 
-Two paths, both exact:
+Top-k:
+
+* ``n <= stage.ONE_PROGRAM_MAX_N`` (16k): one launch of the stage kernel (``triton/stage.py``), one program, by
+  radix select on the score bits (8 bits per counting pass: 4 passes for <= 32-bit scores, 8 for float64) and a
+  prefix count for the ties at the boundary score; the picks come out in index order.
+* larger n: a kernel packs ``(score desc, index asc)`` into one unique int64 key per token (<= 32-bit scores) and
+  ``torch.topk`` selects on it; float64 scores use a stable sort.
+
+Coverage greedy (also for ``coverage_weight = 0``, where the bonus is exactly 0 and (1) reduces to top-k's order:
+it runs the coverage code, so comparing it with top-k tests something):
 
 * ``n <= PAIRWISE_MAX_N`` (the per-request sizes, e.g. 864 video tokens): tiled pairwise kernels count, for every
   token, the tokens of its chunk ahead of it (rank, then v), then all tokens whose key (1) comes first, then the
   picks of lower index (the output slot). ``O(n^2)`` comparisons spread over the grid, no sort, no host
-  synchronisation: three launches for the coverage greedy, two for top-k; the picks come out in index order.
+  synchronisation, three launches; the picks come out in index order. (The stage kernel's one-program coverage
+  does the same comparisons in one program: one launch, but one SM; ``docs/triton.md`` weighs the two.)
 * larger n: two stable sorts (PyTorch, CUB radix) group the tokens by chunk in (score desc, index asc) order; one
   kernel finds each token's chunk start by binary search and writes its v; one stable sort of v in score order
-  gives (1). For top-k of <= 32-bit scores a kernel packs ``(score desc, index asc)`` into one unique int64 key and
-  ``torch.topk`` selects on it.
-
-``coverage_weight = 0`` is plain top-k (the bonus is exactly 0 and the key reduces to (s desc, index asc)), so it
-takes the top-k path.
+  gives (1).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ import triton
 import triton.language as tl
 
 from macer_kernels.backend import register
+from macer_kernels.triton import stage as _stage
 from macer_kernels.triton._device import on_input_device
+from macer_kernels.triton.stage import _bonus_value
 
 PAIRWISE_MAX_N = 2048
 """Largest n handled by the pairwise (sort-free) kernels; above it the sort-based path runs. At n = 2048 a kernel
@@ -47,31 +55,6 @@ sort-based path. An estimate, not a measurement (no GPU was available): ``benchm
 # step in Python, so it takes bigger tiles; tails and multi-tile loops are still exercised for n > 256.
 _BLOCK_I = 256 if triton.knobs.runtime.interpret else 64
 _BLOCK_J = _BLOCK_I
-
-
-@triton.jit
-def _bonus_value(s64, rank, weight):
-    """``v = s + sqrt(lambda_c / (1 + rank))`` in float64 (``weight`` is lambda_c as a float64 scalar).
-
-    Equal values must compare equal here and in the reference, so every step must round like IEEE float64: on
-    NVIDIA, Triton lowers float64 ``/`` to ``div.rn.f64`` and ``sqrt`` to ``sqrt.rn.f64`` (correctly rounded; its
-    ``div_rn``/``sqrt_rn`` helpers are float32-only), and the interpreter uses numpy's IEEE operations."""
-    return s64 + tl.sqrt((weight + tl.zeros_like(s64)) / (1.0 + rank.to(tl.float64)))
-
-
-@triton.jit
-def _topk_position_kernel(s_ptr, pos_ptr, n, CMP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-    """``pos_i = #{j : s_j > s_i or (s_j == s_i and j < i)}``: token i's place in (score desc, index asc)."""
-    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
-    i_ok = i < n
-    s_i = tl.load(s_ptr + i, mask=i_ok, other=0.0).to(CMP)
-    count = tl.zeros([BLOCK_I], tl.int32)
-    for j0 in range(0, n, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        s_j = tl.load(s_ptr + j, mask=j < n, other=0.0).to(CMP)
-        before = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (j[None, :] < i[:, None]))
-        count += tl.sum((before & (j < n)[None, :]).to(tl.int32), axis=1)
-    tl.store(pos_ptr + i, count, mask=i_ok)
 
 
 @triton.jit
@@ -199,12 +182,10 @@ def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
     n = scores.numel()
     if k == 0:
         return torch.empty(0, dtype=torch.long, device=scores.device)
+    if n <= _stage.ONE_PROGRAM_MAX_N:
+        # One launch, one program: radix select on the score bits (triton/stage.py), every token one modality.
+        return _stage.launch_stage_select(scores.view(1, n), None, None, ((1, k, None, 0),), k)[0]
     scores = scores.contiguous()
-    if n <= PAIRWISE_MAX_N:
-        pos = torch.empty(n, dtype=torch.int32, device=scores.device)
-        _topk_position_kernel[_pairwise_grid(n)](scores, pos, n, CMP=_cmp_dtype(scores), BLOCK_I=_BLOCK_I,
-                                                 BLOCK_J=_BLOCK_J)
-        return _write_picks(pos, n, k)
     if scores.dtype == torch.float64:
         # A float64 score and an index do not fit one 64-bit key: a stable sort keeps equal scores in index order.
         order = torch.sort(scores, descending=True, stable=True).indices
@@ -221,8 +202,8 @@ def coverage_select_triton(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int
                            coverage_weight: float) -> torch.Tensor:
     """Triton ``eq:chunk_coverage_greedy``: the literal greedy's k picks, sorted ascending."""
     n = scores.numel()
-    if k == 0 or coverage_weight == 0.0:
-        return topk_indices_triton(scores, k)
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=scores.device)
     scores, chunk_ids = scores.contiguous(), chunk_ids.contiguous()
     dev = scores.device
     weight = _weight_tensor(coverage_weight, dev)

@@ -1,28 +1,41 @@
-"""macer: staged MACER pruning inside a decoder's prefill (the model layer over ``macer_kernels``).
+"""macer: staged token selection inside a decoder's prefill (the model layer over ``macer_kernels``).
 
 ```python
 import macer
-config = macer.MacerConfig.for_model(model, keep_ratio=0.25)   # the paper's defaults for the model's scale
-with macer.compress(model, config) as trace:
+config = macer.MacerConfig.for_model(model, keep_ratio=0.25)   # the paper's defaults for this model
+with macer.compress(model, config) as trace:                    # or any policy: macer.make_policy("fastv", ...)
     out = model.generate(**inputs, max_new_tokens=64)
 trace.budget, trace.audio_kept, trace.video_kept, trace.layer_tokens, trace.cache_lengths
 ```
-See ``docs/integration.md`` for how it hooks into transformers and what is supported.
+Layout: ``policy`` (the policy interface and the host plan), ``config`` (``MacerConfig``), ``policies`` (FastV,
+Random, full, the ablations, ``make_policy``), ``runtime`` (hooks, compaction, caches), ``adapters`` (one file per
+model family), ``trace``, ``cost``, ``testing``. See ``docs/integration.md``.
 """
 
-from macer.adapters import supported_model_types
-from macer.config import PAPER_DEFAULTS, MacerConfig
+from macer.adapters import MODEL_TYPE_TO_ADAPTER, supported_model_types
+from macer.config import PAPER_DEFAULTS, MacerConfig, paper_defaults
 from macer.diagnostics import DiagnosticReport, diagnose  # noqa: F401  (re-exported: macer.diagnose)
-from macer.patch import SUPPORTED_ATTENTION, compress
+from macer.policies import ABLATIONS, POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
+from macer.policy import Policy
+from macer.runtime import SUPPORTED_ATTENTION, compress
 from macer.trace import PrefillRecord, Stage, Trace
 
 __all__ = [
+    "ABLATIONS",
+    "MODEL_TYPE_TO_ADAPTER",
     "PAPER_DEFAULTS",
+    "POLICY_NAMES",
     "SUPPORTED_ATTENTION",
+    "FastVConfig",
+    "FullConfig",
     "MacerConfig",
+    "Policy",
     "PrefillRecord",
+    "RandomConfig",
     "Stage",
     "Trace",
     "compress",
+    "make_policy",
+    "paper_defaults",
     "supported_model_types",
 ]

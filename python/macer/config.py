@@ -1,45 +1,67 @@
-"""``MacerConfig``: the settings of one MACER run, with the paper's scale-specific defaults (``tab:macer_defaults``)."""
+"""``MacerConfig``: the settings of one MACER run (the ``"macer"`` policy), with the paper's defaults per model
+(``tab:macer_defaults``), found by model identity through the model's adapter."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PAPER_DEFAULTS", "MacerConfig", "decoder_depth"]
+from macer._checks import field_bool, field_choice, field_int, field_real
+from macer.adapters.base import text_config
+from macer.policy import AUDIO, QUESTION_SPANS, SCORINGS, VISUAL, Policy, Selection, StageSpec
+from macer_kernels import Budget, split_budget
 
-PAPER_DEFAULTS: dict[int, dict[str, Any]] = {
-    # decoder depth -> Table tab:macer_defaults (Qwen2.5-Omni-7B has 28 decoder layers, 3B has 36).
-    28: {"audio_layer": 3, "video_layer": 5, "audio_share": 0.30, "coverage_weight": 0.20},
-    36: {"audio_layer": 4, "video_layer": 7, "audio_share": 0.32, "coverage_weight": 0.30},
-}
-"""The paper's frozen per-scale settings, keyed by the number of decoder layers (28 = 7B, 36 = 3B)."""
+__all__ = ["PAPER_DEFAULTS", "MacerConfig", "decoder_depth", "paper_defaults"]
 
 
-def _check_int(name: str, value: object, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
-        raise ValueError(f"MacerConfig.{name} must be an integer >= {lo}, got {value!r}")
-    return int(value)
+class _PaperDefaults(dict):
+    """``{model name: MacerConfig fields}``. Keyed by model identity; a depth key fails with a pointer (the table
+    used to be keyed by depth, which gave any 28-layer model Omni-7B's layers)."""
+
+    def _refuse(self, key: object) -> None:
+        if isinstance(key, int) and not isinstance(key, bool):
+            raise KeyError(f"macer.PAPER_DEFAULTS is keyed by model name ({sorted(self)}), not by decoder depth "
+                           f"({key}); use macer.paper_defaults(model) or MacerConfig.for_model(model)")
+
+    def __getitem__(self, key: object) -> Any:
+        self._refuse(key)
+        return super().__getitem__(key)
+
+    def get(self, key: object, default: Any = None) -> Any:
+        self._refuse(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self._refuse(key)
+        return super().__contains__(key)
 
 
-def _check_real(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if math.isinf(hi) else ']'}"
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-    if ok:
-        ok = (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
-        raise ValueError(f"MacerConfig.{name} must be a finite real number in {interval}, got {value!r}")
-    return float(value)
+def _collect_defaults() -> _PaperDefaults:
+    from macer.adapters import MODEL_TYPE_TO_ADAPTER
+
+    table = _PaperDefaults()
+    for adapter in {cls for cls in MODEL_TYPE_TO_ADAPTER.values()}:
+        table.update(getattr(importlib.import_module(adapter.__module__), "PAPER_DEFAULTS", {}))
+    return table
+
+
+PAPER_DEFAULTS: dict[str, dict[str, Any]] = _collect_defaults()
+"""The paper's frozen per-model settings (``tab:macer_defaults``), by model name (``"qwen2.5-omni-7b"``, ...)."""
+
+
 
 
 @dataclass(frozen=True)
-class MacerConfig:
-    """Settings of MACER's staged pruning inside one prefill (Sec. 4, Appendix B, ``tab:macer_algorithm``).
+class MacerConfig(Policy):
+    """Settings of MACER's staged pruning inside one prefill (Sec. 4, Appendix B, ``tab:macer_algorithm``); the
+    ``"macer"`` policy of ``macer.compress``.
 
-    Defaults are the paper's Qwen2.5-Omni-7B values; ``MacerConfig.for_model`` picks the values for the model's scale.
-    Every field is validated on construction; errors name the field and the allowed range.
+    Defaults are the paper's Qwen2.5-Omni-7B values; ``MacerConfig.for_model`` picks the values for the model.
+    Every field is validated on construction; errors name the field and the allowed range. The README lists the
+    fields with their ranges; ``docs/integration.md`` maps the paper's ablations to settings.
 
     Attributes:
         keep_ratio: rho in (0, 1], the share of the prompt's audio + video tokens kept (``K_mm``, Sec. 4).
@@ -54,11 +76,18 @@ class MacerConfig:
         query_tokens: |Q| >= 1, the question rows whose attention is read: the last ``query_tokens`` tokens before the
             prompt's last end-of-turn token (Appendix B: "the last K = 4 tokens of the question span").
         eps: epsilon >= 0 of ``eq:macer_score``.
-        end_of_turn_token_id: id of the end-of-turn token that closes the user's question (``<|im_end|>`` = 151645
-            in the Qwen2.5 vocabulary), or None to read the question span from the last tokens of the prompt.
+        end_of_turn_token_id: id of the token that closes the user's question, or None (default) for the model's own
+            (``<|im_end|>``: 151645 in the Qwen2 vocabulary; ``macer.testing`` models name theirs), from its adapter.
+            If it does not occur in a prompt, ``compress`` raises instead of guessing.
+        question_span: ``"end_of_turn"`` (default: the rows before the last end-of-turn token) or ``"prompt_end"``
+            (the prompt's last ``query_tokens`` tokens, for prompts without a chat template's end-of-turn token).
+        scoring: ``"anms"`` (default, ``eq:macer_score``) or ``"raw"`` (the ablation without per-modality
+            renormalisation: the attention probability averaged over heads and question rows).
         trim_early_cache: also remove the dropped tokens from the KV caches of the layers before each stage after
             prefill (smaller decode memory; not the paper's setting, which keeps those caches full).
     """
+
+    name = "macer"
 
     keep_ratio: float = 0.25
     audio_share: float = 0.30
@@ -68,28 +97,37 @@ class MacerConfig:
     num_chunks: int = 8
     query_tokens: int = 4
     eps: float = 1e-6
-    end_of_turn_token_id: int | None = 151645
+    end_of_turn_token_id: int | None = None
     trim_early_cache: bool = False
+    question_span: str = "end_of_turn"
+    scoring: str = "anms"
 
     def __post_init__(self) -> None:
-        setattr_ = object.__setattr__  # frozen dataclass: normalise the validated values in place
-        setattr_(self, "keep_ratio", _check_real("keep_ratio", self.keep_ratio, 0.0, 1.0, lo_open=True))
-        setattr_(self, "audio_share", _check_real("audio_share", self.audio_share, 0.0, 1.0))
-        setattr_(self, "audio_layer", _check_int("audio_layer", self.audio_layer, 1))
-        setattr_(self, "video_layer", _check_int("video_layer", self.video_layer, 1))
-        setattr_(self, "coverage_weight", _check_real("coverage_weight", self.coverage_weight, 0.0, math.inf))
-        setattr_(self, "num_chunks", _check_int("num_chunks", self.num_chunks, 1))
-        setattr_(self, "query_tokens", _check_int("query_tokens", self.query_tokens, 1))
-        setattr_(self, "eps", _check_real("eps", self.eps, 0.0, math.inf))
+        owner, setattr_ = "MacerConfig", object.__setattr__  # frozen: normalise the validated values in place
+        setattr_(self, "keep_ratio", field_real(owner, "keep_ratio", self.keep_ratio, 0.0, 1.0, lo_open=True))
+        setattr_(self, "audio_share", field_real(owner, "audio_share", self.audio_share, 0.0, 1.0))
+        setattr_(self, "audio_layer", field_int(owner, "audio_layer", self.audio_layer, 1))
+        setattr_(self, "video_layer", field_int(owner, "video_layer", self.video_layer, 1))
+        setattr_(self, "coverage_weight", field_real(owner, "coverage_weight", self.coverage_weight, 0.0, math.inf))
+        setattr_(self, "num_chunks", field_int(owner, "num_chunks", self.num_chunks, 1))
+        setattr_(self, "query_tokens", field_int(owner, "query_tokens", self.query_tokens, 1))
+        setattr_(self, "eps", field_real(owner, "eps", self.eps, 0.0, math.inf))
         if self.end_of_turn_token_id is not None:
-            setattr_(self, "end_of_turn_token_id", _check_int("end_of_turn_token_id", self.end_of_turn_token_id, 0))
-        if not isinstance(self.trim_early_cache, bool):
-            raise ValueError(f"MacerConfig.trim_early_cache must be True or False, got {self.trim_early_cache!r}")
+            setattr_(self, "end_of_turn_token_id",
+                     field_int(owner, "end_of_turn_token_id", self.end_of_turn_token_id, 0))
+        field_bool(owner, "trim_early_cache", self.trim_early_cache)
+        field_choice(owner, "question_span", self.question_span, QUESTION_SPANS)
+        field_choice(owner, "scoring", self.scoring, SCORINGS)
 
     @property
     def stage_layers(self) -> tuple[int, int]:
         """``(audio_layer, video_layer)``, 1-based."""
         return self.audio_layer, self.video_layer
+
+    @property
+    def prune_layer(self) -> int:
+        """``L_p = max(l_a, l_v)`` of the paper's cost model (no credit for the earlier stage)."""
+        return max(self.audio_layer, self.video_layer)
 
     def check_depth(self, num_layers: int) -> None:
         """Raise ``ValueError`` unless both readout layers lie in ``[1, num_layers - 1]`` (a later layer must exist
@@ -102,21 +140,39 @@ class MacerConfig:
                     f"(layers are counted from 1 and pruning needs a later layer), got {value}"
                 )
 
+    def budget(self, n_audio: int, n_video: int) -> Budget:
+        return split_budget(n_audio, n_video, self.keep_ratio, self.audio_share)
+
+    def stage_specs(self, n_audio: int, n_video: int) -> list[StageSpec]:
+        if not n_audio + n_video:
+            return []
+        budget = self.budget(n_audio, n_video)
+        wanted = [(self.audio_layer, n_audio, Selection((AUDIO,), budget.audio)),
+                  (self.video_layer, n_video, Selection((VISUAL,), budget.video, "coverage", self.coverage_weight,
+                                                        self.num_chunks))]
+        specs = []
+        for layer in sorted({self.audio_layer, self.video_layer}):
+            selections = tuple(sel for at, count, sel in wanted if at == layer and count > 0)
+            if selections:
+                specs.append(StageSpec(layer, selections, self.scoring))
+        return specs
+
     def replace(self, **changes: Any) -> MacerConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
     def for_model(cls, model_or_config: Any, **overrides: Any) -> MacerConfig:
-        """The paper's defaults for the model's scale, then ``overrides``.
+        """The paper's defaults for this model, then ``overrides``.
 
-        Qwen2.5-Omni-7B (28 decoder layers): ``(l_a, l_v, alpha, lambda_c) = (3, 5, 0.30, 0.20)``;
-        3B (36 layers): ``(4, 7, 0.32, 0.30)`` (``tab:macer_defaults``). For any other depth the paper has no
-        calibrated layers: pass ``audio_layer`` and ``video_layer`` explicitly (the other fields then take the class
-        defaults, the 7B values, unless overridden).
+        The model is identified by its model type and text-model sizes (``macer.adapters``): Qwen2.5-Omni-7B gets
+        ``(l_a, l_v, alpha, lambda_c) = (3, 5, 0.30, 0.20)``, 3B ``(4, 7, 0.32, 0.30)`` (``tab:macer_defaults``).
+        For any other model the paper has no calibrated layers: pass ``audio_layer`` and ``video_layer``
+        explicitly (the other fields then take the class defaults, the 7B values, unless overridden). For the
+        random-weight models of ``macer.testing``, ``macer.testing.macer_config_for(model, ...)`` does that.
 
         Args:
-            model_or_config: a model (full Qwen2.5-Omni, its thinker, or anything with a text config) or its config.
+            model_or_config: a model (full Qwen2.5-Omni, its thinker, ...) or its config.
             overrides: any ``MacerConfig`` field, e.g. ``keep_ratio=0.25``.
         """
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
@@ -124,24 +180,41 @@ class MacerConfig:
             raise ValueError(f"MacerConfig.for_model got unknown fields {sorted(unknown)}; allowed: "
                              f"{[f.name for f in dataclasses.fields(cls)]}")
         depth = decoder_depth(model_or_config)
-        if depth in PAPER_DEFAULTS:
-            config = cls(**{**PAPER_DEFAULTS[depth], **overrides})
+        defaults = paper_defaults(model_or_config)
+        if defaults is not None:
+            config = cls(**{**defaults, **overrides})
         elif "audio_layer" in overrides and "video_layer" in overrides:
             config = cls(**overrides)
         else:
             raise ValueError(
-                f"MacerConfig.for_model: the paper's defaults exist for decoders of 28 layers (Qwen2.5-Omni-7B) and "
-                f"36 layers (3B); this model has {depth}: pass audio_layer= and video_layer= explicitly"
-            )
+                f"MacerConfig.for_model: the paper's defaults exist for {sorted(PAPER_DEFAULTS)} only; this model "
+                f"({_describe(model_or_config)}) is none of them: pass audio_layer= and video_layer= explicitly "
+                "(for a macer.testing model: macer.testing.macer_config_for(model, ...))")
         config.check_depth(depth)
         return config
 
 
+def paper_defaults(model_or_config: Any) -> dict[str, Any] | None:
+    """The paper's ``MacerConfig`` settings for a model it reports (identified by model type and text-model sizes
+    through the model's adapter), or None."""
+    from macer.adapters import adapter_for
+
+    adapter = adapter_for(model_or_config)
+    return adapter.paper_defaults(model_or_config) if adapter is not None else None
+
+
+def _describe(model_or_config: Any) -> str:
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    text = text_config(model_or_config)
+    sizes = {k: getattr(text, k, None) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                                   "num_key_value_heads")}
+    return f"model_type {model_type!r}, " + ", ".join(f"{k}={v}" for k, v in sizes.items())
+
+
 def decoder_depth(model_or_config: Any) -> int:
     """Number of decoder layers of a model or config (through ``.config``, ``thinker_config``, ``text_config``)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    config = getattr(config, "thinker_config", None) or config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(model_or_config)
     depth = getattr(text, "num_hidden_layers", None)
     if not isinstance(depth, int):
         raise ValueError(f"cannot find the decoder depth (num_hidden_layers) of {type(model_or_config).__name__}")

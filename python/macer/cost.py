@@ -25,7 +25,7 @@ from fractions import Fraction
 from itertools import pairwise
 from typing import Any
 
-from macer_kernels._validate import check_count, check_real
+from macer._checks import check_count, check_real
 
 Real = float | Fraction
 

@@ -172,6 +172,9 @@ def thinker_config(
     # Read by get_rope_index but not a declared field of the thinker config: set it explicitly.
     config.vision_start_token_id = tok.vision_start
     config.vision_end_token_id = tok.vision_end
+    # Names the synthetic <|im_end|>, from which the adapter defaults MacerConfig.end_of_turn_token_id (the real
+    # Qwen2.5-Omni config has no such field; Qwen3-Omni's has): 151645 lies outside this vocabulary.
+    config.im_end_token_id = tok.im_end
     config._attn_implementation = attn_implementation
     config.text_config._attn_implementation = attn_implementation
     return config
@@ -224,6 +227,7 @@ def build_omni_model(
         hf_logging.set_verbosity(verbosity)
     config.thinker_config.vision_start_token_id = SYNTHETIC_TOKENS.vision_start
     config.thinker_config.vision_end_token_id = SYNTHETIC_TOKENS.vision_end
+    config.thinker_config.im_end_token_id = SYNTHETIC_TOKENS.im_end
     attn = thinker.config.text_config._attn_implementation
     config.thinker_config._attn_implementation = attn
     config.thinker_config.text_config._attn_implementation = attn

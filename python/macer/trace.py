@@ -1,12 +1,21 @@
-"""What one ``macer.compress`` context did: budgets, kept tokens, sequence lengths per layer, cache sizes."""
+"""What one ``macer.compress`` context did: budgets, kept tokens, sequence lengths per layer, cache sizes.
+
+A record is filled without reading the device during the prefill: lengths come from the host plan, and the kept
+positions stay a device tensor until first read (``audio_kept`` / ``video_kept`` / ``budget`` copy them to the host
+once, when the caller asks).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from macer_kernels import Budget
 
 __all__ = ["PrefillRecord", "Stage", "Trace"]
+
+_AUDIO, _VISUAL = 1, 2  # macer.policy's labels (kept literal: this module is read by code that knows no policy)
 
 
 @dataclass
@@ -14,8 +23,9 @@ class Stage:
     """One pruning stage of a prefill.
 
     Attributes:
-        layer: readout layer, 1-based (scores read inside ``layers[layer - 1]``; tokens gone from ``layers[layer]``).
-        modalities: ``("audio",)``, ``("video",)`` or both when the two readout layers are equal.
+        layer: readout layer, 1-based (scores read inside ``layers[layer - 1]``; tokens gone from ``layers[layer]``);
+            0 for a stage before the first decoder layer (``RandomConfig``).
+        modalities: ``("audio",)``, ``("video",)`` or both (equal readout layers, or one joint selection).
         tokens_before, tokens_after: sequence length entering and leaving the stage.
     """
 
@@ -32,27 +42,58 @@ class PrefillRecord:
     Attributes:
         prompt_length: N, the prompt's token count.
         n_audio, n_video: audio and visual (video + image) token counts of the prompt.
-        budget: ``macer_kernels.Budget`` from ``split_budget`` on those counts (None when nothing is pruned).
+        budget: ``macer_kernels.Budget`` of the prefill (None when nothing is pruned). Policies with one joint
+            selection (FastV, Random) fix only ``total``; their ``audio`` / ``video`` are the counts they kept.
         query_positions: 0-based prompt positions of the question rows whose attention was read.
         audio_kept, video_kept: sorted 0-based prompt positions of the kept audio / visual tokens.
         layer_tokens: sequence length entering each decoder layer.
         cache_lengths: KV-cache length of each layer right after the prefill (empty without a cache).
         stages: the stages in the order they ran.
-        overhead_s: seconds spent in MACER's own work (scoring, selection, compaction); measured with device
-            synchronisation only under ``compress(..., profile=True)``, else None.
+        overhead_s: seconds spent in MACER's own work (planning, scoring, selection, compaction); measured with
+            device synchronisation only under ``compress(..., profile=True)``, else None.
+        policy: the policy's name (``"macer"``, ``"fastv"``, ...).
     """
 
     prompt_length: int
     n_audio: int
     n_video: int
-    budget: Budget | None
+    planned_budget: Budget | None
     query_positions: list[int]
-    audio_kept: list[int] = field(default_factory=list)
-    video_kept: list[int] = field(default_factory=list)
     layer_tokens: list[int] = field(default_factory=list)
     cache_lengths: list[int] = field(default_factory=list)
     stages: list[Stage] = field(default_factory=list)
     overhead_s: float | None = None
+    policy: str = "macer"
+    labels: torch.Tensor | None = field(default=None, repr=False)  # [N] host modality labels
+    kept_positions: torch.Tensor | None = field(default=None, repr=False)  # prompt positions after the last stage
+    _kept: tuple[list[int], list[int]] | None = field(default=None, repr=False)
+
+    def _read(self) -> tuple[list[int], list[int]]:
+        if self._kept is None:
+            if self.labels is None:
+                self._kept = ([], [])
+            else:
+                kept = (torch.arange(self.prompt_length) if self.kept_positions is None
+                        else self.kept_positions.cpu())  # the record's one device read, on the caller's request
+                labels = self.labels[kept]
+                self._kept = kept[labels == _AUDIO].tolist(), kept[labels == _VISUAL].tolist()
+        return self._kept
+
+    @property
+    def audio_kept(self) -> list[int]:
+        return self._read()[0]
+
+    @property
+    def video_kept(self) -> list[int]:
+        return self._read()[1]
+
+    @property
+    def budget(self) -> Budget | None:
+        planned = self.planned_budget
+        if planned is None or planned.audio is not None:
+            return planned
+        audio, video = self._read()
+        return Budget(planned.total, len(audio), len(video))
 
     @property
     def pruned(self) -> bool:
@@ -104,6 +145,6 @@ class Trace:
         last = self.last
         if last is None:
             return "Trace(no prefill yet)"
-        return (f"Trace(prefills={len(self.history)}, budget={last.budget}, audio_kept={len(last.audio_kept)}/"
-                f"{last.n_audio}, video_kept={len(last.video_kept)}/{last.n_video}, "
-                f"layer_tokens={last.layer_tokens})")
+        return (f"Trace(prefills={len(self.history)}, policy={last.policy!r}, budget={last.budget}, "
+                f"audio_kept={len(last.audio_kept)}/{last.n_audio}, video_kept={len(last.video_kept)}/"
+                f"{last.n_video}, layer_tokens={last.layer_tokens})")

@@ -1,71 +1,31 @@
-"""Model adapters, registered by ``config.model_type``.
+"""Model adapters: one file per model family, and the flat registry ``MODEL_TYPE_TO_ADAPTER``.
 
-An adapter tells the generic staged-pruning machinery (``macer.patch``) where a model keeps its decoder and how to
-read a prompt: which module receives ``input_ids`` (``root``), which module runs the decoder loop (``decoder``), its
-layer list, the modality label of every prompt token (0 text, ``AUDIO`` 1, ``VISUAL`` 2) and the temporal position of
-every token. Everything else (scoring, budgets, selection, compaction, KV caches) is model-independent.
+An adapter (``macer.adapters.base.Adapter``) tells the model-independent runtime where a model keeps its decoder and
+how to read a prompt: modality labels, temporal positions, the end-of-turn token, the family's paper defaults.
+Everything else (planning, scoring, selection, compaction, KV caches) knows nothing about the family.
 
-To support a new family, subclass ``Adapter`` and decorate it with ``@register_adapter("<model_type>", ...)``.
+To support a new family: write ``macer/adapters/<family>.py`` with an ``Adapter`` subclass and add its model types to
+``MODEL_TYPE_TO_ADAPTER`` below (or call ``register_adapter`` from your own code).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-import torch
 from torch import nn
 
-__all__ = ["AUDIO", "TEXT", "VISUAL", "Adapter", "DecoderParts", "get_adapter", "register_adapter",
-           "supported_model_types"]
+from macer.adapters.base import AUDIO, TEXT, VISUAL, Adapter, DecoderParts, text_config
+from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
 
-TEXT, AUDIO, VISUAL = 0, 1, 2
-"""Modality labels handed to ``macer_kernels.modality_scores`` (video and image tokens are both ``VISUAL``)."""
+__all__ = ["AUDIO", "MODEL_TYPE_TO_ADAPTER", "TEXT", "VISUAL", "Adapter", "DecoderParts", "adapter_for",
+           "get_adapter", "register_adapter", "supported_model_types", "text_config"]
 
-_ADAPTERS: dict[str, type[Adapter]] = {}
-
-
-@dataclass
-class DecoderParts:
-    """Where the pieces of one model are.
-
-    Attributes:
-        root: the module whose ``forward`` receives ``input_ids`` (a forward pre-hook captures the prompt there).
-        decoder: the module whose ``forward`` runs the decoder layers in a loop (pre/post hooks bracket one pass).
-        layers: the decoder layers, in order.
-        attn_config: the config object whose ``_attn_implementation`` the decoder's attention modules read.
-        outer: modules whose forward must not receive ``labels`` during a pruned prefill (logits are shorter).
-    """
-
-    root: nn.Module
-    decoder: nn.Module
-    layers: nn.ModuleList
-    attn_config: Any
-    outer: tuple[nn.Module, ...] = ()
-
-
-class Adapter(ABC):
-    """Base adapter, with the decoder-layer calling convention shared by transformers' decoder-only models:
-    ``layer(hidden_states, attention_mask=..., position_ids=..., position_embeddings=(cos, sin), ...)``."""
-
-    #: keyword arguments of a decoder layer call that carry one entry per token, with their sequence dimension
-    layer_token_kwargs: ClassVar[dict[str, int]] = {"position_ids": -1}
-    #: keyword argument holding the ``(cos, sin)`` RoPE tables, each ``[B, N, D]``
-    position_embeddings_kwarg: ClassVar[str] = "position_embeddings"
-
-    @abstractmethod
-    def parts(self, model: nn.Module) -> DecoderParts:
-        """Locate root, decoder and layers of ``model``."""
-
-    @abstractmethod
-    def labels(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[N]`` int64 modality label of each token of a batch-1 prompt (0 text, ``AUDIO``, ``VISUAL``)."""
-
-    @abstractmethod
-    def temporal_positions(self, decoder_kwargs: dict[str, Any], length: int, device: torch.device) -> torch.Tensor:
-        """``[N]`` temporal position of each prompt token, from the decoder call's keyword arguments."""
+MODEL_TYPE_TO_ADAPTER: dict[str, type[Adapter]] = {
+    "qwen2_5_omni": Qwen25OmniAdapter,
+    "qwen2_5_omni_thinker": Qwen25OmniAdapter,
+}
+"""``config.model_type`` -> adapter class."""
 
 
 def register_adapter(*model_types: str) -> Callable[[type[Adapter]], type[Adapter]]:
@@ -73,7 +33,7 @@ def register_adapter(*model_types: str) -> Callable[[type[Adapter]], type[Adapte
 
     def deco(cls: type[Adapter]) -> type[Adapter]:
         for model_type in model_types:
-            _ADAPTERS[model_type] = cls
+            MODEL_TYPE_TO_ADAPTER[model_type] = cls
         return cls
 
     return deco
@@ -81,20 +41,23 @@ def register_adapter(*model_types: str) -> Callable[[type[Adapter]], type[Adapte
 
 def supported_model_types() -> list[str]:
     """Model types with a registered adapter."""
-    _load_builtin()
-    return sorted(_ADAPTERS)
+    return sorted(MODEL_TYPE_TO_ADAPTER)
+
+
+def _model_type(model_or_config: Any) -> Any:
+    return getattr(getattr(model_or_config, "config", model_or_config), "model_type", None)
+
+
+def adapter_for(model_or_config: Any) -> Adapter | None:
+    """The adapter for a model or config's ``model_type``, or None."""
+    cls = MODEL_TYPE_TO_ADAPTER.get(_model_type(model_or_config))
+    return cls() if cls is not None else None
 
 
 def get_adapter(model: nn.Module) -> Adapter:
     """The adapter for ``model.config.model_type``; ``ValueError`` names the supported types otherwise."""
-    _load_builtin()
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in _ADAPTERS:
-        raise ValueError(f"macer.compress: model_type {model_type!r} ({type(model).__name__}) is not supported; "
-                         f"supported model types: {sorted(_ADAPTERS)}")
-    return _ADAPTERS[model_type]()
-
-
-def _load_builtin() -> None:
-    # Importing the module registers its adapters (lazily: it imports nothing heavy, but keeps the registry explicit).
-    from macer.adapters import qwen2_5_omni  # noqa: F401
+    adapter = adapter_for(model)
+    if adapter is None:
+        raise ValueError(f"macer.compress: model_type {_model_type(model)!r} ({type(model).__name__}) is not "
+                         f"supported; supported model types: {supported_model_types()}")
+    return adapter

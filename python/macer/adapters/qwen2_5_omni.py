@@ -26,10 +26,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer.adapters import AUDIO, VISUAL, Adapter, DecoderParts, register_adapter
+from macer.adapters.base import AUDIO, VISUAL, Adapter, DecoderParts, text_config
+
+__all__ = ["IM_END", "PAPER_DEFAULTS", "SIZES", "Qwen25OmniAdapter"]
+
+IM_END = 151645
+"""``<|im_end|>`` of the Qwen2 vocabulary (checked against transformers' constants, see docs/integration.md)."""
+
+SIZES: dict[str, dict[str, int]] = {
+    # The text model's published sizes: a model is identified by all four (plus its model type), never by depth alone.
+    "qwen2.5-omni-7b": {"num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
+                        "num_key_value_heads": 4},
+    "qwen2.5-omni-3b": {"num_hidden_layers": 36, "hidden_size": 2048, "num_attention_heads": 16,
+                        "num_key_value_heads": 2},
+}
+
+PAPER_DEFAULTS: dict[str, dict[str, Any]] = {
+    # tab:macer_defaults: (l_a, l_v, alpha, lambda_c), selected once on a held-out split and frozen.
+    "qwen2.5-omni-7b": {"audio_layer": 3, "video_layer": 5, "audio_share": 0.30, "coverage_weight": 0.20},
+    "qwen2.5-omni-3b": {"audio_layer": 4, "video_layer": 7, "audio_share": 0.32, "coverage_weight": 0.30},
+}
 
 
-@register_adapter("qwen2_5_omni", "qwen2_5_omni_thinker")
 class Qwen25OmniAdapter(Adapter):
     """Adapter for ``Qwen2_5OmniThinkerForConditionalGeneration`` and ``Qwen2_5OmniForConditionalGeneration``."""
 
@@ -50,19 +68,52 @@ class Qwen25OmniAdapter(Adapter):
         return DecoderParts(root=root, decoder=decoder, layers=decoder.layers, attn_config=decoder.config,
                             outer=(thinker,))
 
-    def labels(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    def labels(self, model: nn.Module, input_ids: torch.Tensor | None) -> torch.Tensor:
+        if input_ids is None:
+            raise ValueError("macer.compress needs the prompt's input_ids to label audio/video tokens; a prefill "
+                             "from inputs_embeds alone is not supported")
         config = self._thinker(model).config
-        ids = input_ids.reshape(-1)
-        labels = torch.zeros_like(ids)
-        labels[ids == config.audio_token_id] = AUDIO
-        labels[(ids == config.video_token_id) | (ids == config.image_token_id)] = VISUAL
+        labels = torch.zeros_like(input_ids)
+        labels[input_ids == config.audio_token_id] = AUDIO
+        labels[(input_ids == config.video_token_id) | (input_ids == config.image_token_id)] = VISUAL
         return labels
 
-    def temporal_positions(self, decoder_kwargs: dict[str, Any], length: int, device: torch.device) -> torch.Tensor:
+    def temporal_positions(self, decoder_kwargs: dict[str, Any], length: int) -> torch.Tensor | None:
         position_ids = decoder_kwargs.get("position_ids")
         if position_ids is None:
-            # The text model then uses arange positions itself (no multimodal grid was given).
-            return torch.arange(length, device=device)
-        if position_ids.ndim == 3:
-            return position_ids[-3, 0]
-        return position_ids[0]
+            return None  # the text model then uses arange positions itself (no multimodal grid was given)
+        return position_ids[-3] if position_ids.ndim == 3 else position_ids
+
+    def guards(self, model: nn.Module) -> dict[str, Any]:
+        if model.config.model_type != "qwen2_5_omni":
+            return {}
+
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(
+                "macer.compress: call model.thinker.generate(...) for text answers. The full "
+                "Qwen2_5OmniForConditionalGeneration.generate() runs the talker on the thinker's hidden states, which "
+                "a pruned prefill shortens, and on transformers 5.23 it fails even without MACER unless the speech "
+                "checkpoint is loaded ('Chelsie is not available'). The thinker's generate returns prompt + new "
+                "tokens, as usual.")
+
+        return {"generate": generate}
+
+    def end_of_turn_token_id(self, model: nn.Module) -> int | None:
+        # A config that names its <|im_end|> (macer.testing's synthetic vocabulary; Qwen3-Omni's configs) wins;
+        # else the Qwen2 id, if the vocabulary is that large.
+        config = getattr(model.config, "thinker_config", None) or model.config
+        named = getattr(config, "im_end_token_id", None)
+        if isinstance(named, int):
+            return named
+        return IM_END if text_config(config).vocab_size > IM_END else None
+
+    def identify(self, model_or_config: Any) -> str | None:
+        text = text_config(model_or_config)
+        for name, sizes in SIZES.items():
+            if all(getattr(text, key, None) == value for key, value in sizes.items()):
+                return name
+        return None
+
+    def paper_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
+        name = self.identify(model_or_config)
+        return dict(PAPER_DEFAULTS[name]) if name is not None else None

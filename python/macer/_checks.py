@@ -1,0 +1,61 @@
+"""Argument checks of the model layer. Every error names the parameter and what is allowed."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def check_count(name: str, value: object) -> int:
+    """A non-negative Python integer (bool is rejected)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value}")
+    return int(value)
+
+
+def check_real(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False,
+               hi_open: bool = False) -> float:
+    """A real number (not NaN) in the interval given by ``lo``, ``hi`` and the open flags."""
+    interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"{name} must be a real number in {interval}, got {value!r}")
+    value = float(value)
+    below = value <= lo if lo_open else value < lo
+    above = value >= hi if hi_open else value > hi
+    if below or above:
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return value
+
+
+def field_int(owner: str, name: str, value: object, lo: int) -> int:
+    """A config field holding an integer >= ``lo``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+        raise ValueError(f"{owner}.{name} must be an integer >= {lo}, got {value!r}")
+    return int(value)
+
+
+def field_real(owner: str, name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """A config field holding a finite real number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+    interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if math.isinf(hi) else ']'}"
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        raise ValueError(f"{owner}.{name} must be a finite real number in {interval}, got {value!r}")
+    return float(value)
+
+
+def field_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> str:
+    """A config field holding one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{owner}.{name} must be one of {list(choices)}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def field_bool(owner: str, name: str, value: object) -> bool:
+    """A config field holding True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{name} must be True or False, got {value!r}")
+    return value

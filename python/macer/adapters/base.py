@@ -1,0 +1,106 @@
+"""The adapter interface: everything the model-independent runtime (``macer.runtime``) needs to know about one model
+family. ``docs/integration.md`` ("Adapters") documents it for authors of new adapters.
+
+An adapter answers, for a model of its family:
+
+* where the pieces are (``parts``): the module that receives ``input_ids``, the module that runs the decoder layers,
+  the layer list, the config whose ``_attn_implementation`` the attention modules read;
+* what each prompt token is (``labels``, ``temporal_positions``): modality labels from the token ids and the temporal
+  position of every token, batched ``[B, N]`` (the runtime runs ``B = 1`` today);
+* the end-of-turn token that closes the user's question (``end_of_turn_token_id``) and the family's paper defaults,
+  keyed by model identity (``identify`` / ``paper_defaults``), never by depth alone;
+* per-token state of its own that a stage must shorten (``on_stage``): e.g. Qwen3-Omni's deepstack visual features.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from macer.policy import AUDIO, TEXT, VISUAL
+
+__all__ = ["AUDIO", "TEXT", "VISUAL", "Adapter", "DecoderParts", "text_config"]
+
+
+
+@dataclass
+class DecoderParts:
+    """Where the pieces of one model are.
+
+    Attributes:
+        root: the module whose ``forward`` receives ``input_ids`` (a forward pre-hook captures the prompt there).
+        decoder: the module whose ``forward`` runs the decoder layers in a loop (pre/post hooks bracket one pass).
+        layers: the decoder layers, in order.
+        attn_config: the config object whose ``_attn_implementation`` the decoder's attention modules read.
+        outer: modules whose forward must not receive ``labels`` during a pruned prefill (logits are shorter).
+    """
+
+    root: nn.Module
+    decoder: nn.Module
+    layers: nn.ModuleList
+    attn_config: Any
+    outer: tuple[nn.Module, ...] = ()
+
+
+def text_config(model_or_config: Any) -> Any:
+    """The decoder's (text model's) config of a model or config: through ``.config``, ``thinker_config`` and
+    ``get_text_config()``."""
+    config = getattr(model_or_config, "config", model_or_config)
+    config = getattr(config, "thinker_config", None) or config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class Adapter(ABC):
+    """Base adapter, with the decoder-layer calling convention shared by transformers' decoder-only models:
+    ``layer(hidden_states, attention_mask=..., position_ids=..., position_embeddings=(cos, sin), ...)``.
+
+    Subclasses implement ``parts``, ``labels`` and ``temporal_positions``; the other methods have defaults.
+    """
+
+    #: keyword arguments of a decoder layer call that carry one entry per token, with their sequence dimension
+    layer_token_kwargs: ClassVar[dict[str, int]] = {"position_ids": -1}
+    #: keyword argument holding the ``(cos, sin)`` RoPE tables, each ``[B, N, D]``
+    position_embeddings_kwarg: ClassVar[str] = "position_embeddings"
+
+    @abstractmethod
+    def parts(self, model: nn.Module) -> DecoderParts:
+        """Locate root, decoder and layers of ``model``."""
+
+    @abstractmethod
+    def labels(self, model: nn.Module, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """``[B, N]`` int64 modality label of each prompt token (``TEXT``, ``AUDIO``, ``VISUAL``), on the device of
+        ``input_ids`` (the runtime passes host tensors). ``input_ids`` is None when the prompt came as
+        ``inputs_embeds``: an adapter that takes labels from elsewhere (e.g. given by the caller) may accept that."""
+
+    @abstractmethod
+    def temporal_positions(self, decoder_kwargs: dict[str, Any], length: int) -> torch.Tensor | None:
+        """``[B, N]`` temporal position of each prompt token from the decoder call's keyword arguments (any device,
+        integer or floating), or None when the decoder uses ``0..N-1`` itself."""
+
+    def end_of_turn_token_id(self, model: nn.Module) -> int | None:
+        """The id of the token that closes the user's turn (``<|im_end|>`` for Qwen chat templates), or None if this
+        family cannot tell; ``MacerConfig.end_of_turn_token_id=None`` takes this value."""
+        return None
+
+    def identify(self, model_or_config: Any) -> str | None:
+        """The name of a known model (e.g. ``"qwen2.5-omni-7b"``) from its model type and size facts, or None."""
+        return None
+
+    def paper_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
+        """The paper's settings for this model (``MacerConfig`` fields), or None where the paper has none."""
+        return None
+
+    def guards(self, model: nn.Module) -> dict[str, Any]:
+        """Attributes to shadow on the model instance while ``compress`` is active (restored exactly on exit), e.g. a
+        ``generate`` that cannot work on a pruned prefill and should say what to call instead. None by default."""
+        return {}
+
+    def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:
+        """Called once per applied stage, right before ``layers[layer]`` runs on the shorter sequence, with the kept
+        rows ``keep`` (indices into the sequence that entered the stage, sorted, on the model's device) and the
+        decoder's keyword arguments: shorten any per-token state of the family's own here (nothing by default)."""
+        return None

@@ -1,0 +1,364 @@
+"""The policy interface: what a token-selection policy (MACER, FastV, Random, an ablation) declares, the host plan of
+one prefill, and the device work of one stage. Torch and ``macer_kernels`` only (no Hugging Face).
+
+A policy is a small frozen dataclass that says, from the prompt's audio/video counts alone, which stages run
+(``stage_specs``): after which decoder layer, which modalities are selected together, how many tokens each selection
+keeps, by which rule (top-k, the chunk-coverage greedy, a seeded random draw) and which scores (ANMS or raw attention
+probability) from which query rows. Everything that follows from the prompt is then computed once on the host at the
+start of a prefill (``plan_prefill``): counts, budgets, question rows, temporal chunk ids and the length of the
+sequence after every stage. Inside a stage (``run_stage``) only device work remains, with sizes known on the host, so
+no stage reads device memory back (``tests/test_macer_sync.py`` fails if one does).
+
+Layers are counted from 1 as in the paper: a stage at ``layer = l`` reads the attention inside ``layers[l - 1]`` and
+the dropped tokens are gone from ``layers[l]`` on; ``layer = 0`` prunes before the first decoder layer (no readout).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from macer_kernels import Budget, coverage_select, modality_scores, temporal_chunks, topk_indices
+
+__all__ = [
+    "AUDIO",
+    "MODALITY_NAMES",
+    "QUESTION_SPANS",
+    "SCORINGS",
+    "TEXT",
+    "VISUAL",
+    "Plan",
+    "PlannedStage",
+    "Policy",
+    "PromptFacts",
+    "Selection",
+    "StageSpec",
+    "plan_prefill",
+    "question_rows",
+    "run_stage",
+    "score",
+]
+
+TEXT, AUDIO, VISUAL = 0, 1, 2
+"""Modality labels (video and image tokens are both ``VISUAL``)."""
+
+MODALITY_NAMES = {AUDIO: "audio", VISUAL: "video"}
+
+Rule = Literal["topk", "coverage", "random"]
+Scoring = Literal["anms", "raw"]
+SCORINGS = ("anms", "raw")
+QUESTION_SPANS = ("end_of_turn", "prompt_end")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Keep ``k`` of the tokens whose label is in ``modalities`` (the others of the stage are dropped).
+
+    Attributes:
+        modalities: the labels selected together (``(AUDIO, VISUAL)`` = one joint ranking over both).
+        k: tokens kept, ``0 <= k <=`` the number of such tokens in the sequence entering the stage.
+        rule: ``"topk"`` (``topk_indices``), ``"coverage"`` (``coverage_select`` over ``num_chunks`` temporal
+            chunks of the prompt's tokens of these modalities) or ``"random"`` (a uniform ``k``-subset drawn on the
+            host from ``torch.Generator().manual_seed(seed)``: the same on every device).
+        coverage_weight, num_chunks: lambda_c and C of the coverage rule.
+        seed: seed of the random rule.
+    """
+
+    modalities: tuple[int, ...]
+    k: int
+    rule: Rule = "topk"
+    coverage_weight: float = 0.0
+    num_chunks: int = 8
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage: after decoder layer ``layer`` (1-based; 0 = before the first layer), the ``selections``.
+
+    ``scoring`` says which scores the top-k / coverage rules rank: ``"anms"`` (``eq:macer_score``, each
+    (row, head) renormalised over the token's own modality) or ``"raw"`` (the attention probability itself, averaged
+    over heads and query rows). ``query`` says which rows read it: ``"question"`` (the policy's question span) or
+    ``"last"`` (the prompt's final row, as FastV).
+    """
+
+    layer: int
+    selections: tuple[Selection, ...]
+    scoring: Scoring = "anms"
+    query: Literal["question", "last"] = "question"
+
+    @property
+    def needs_scores(self) -> bool:
+        return any(s.rule != "random" for s in self.selections)
+
+
+@dataclass(frozen=True)
+class PromptFacts:
+    """What the host knows about one prompt (batch 1) at the start of its prefill.
+
+    Attributes:
+        labels: ``[N]`` int64 modality labels, on the CPU.
+        temporal: ``[N]`` temporal positions (integer or floating), on the CPU.
+        input_ids: ``[N]`` token ids on the CPU, or None (a prefill from ``inputs_embeds``).
+        end_of_turn_token_id: the resolved id of the token closing the user's question (None: unknown).
+        num_layers: decoder depth.
+    """
+
+    labels: torch.Tensor
+    temporal: torch.Tensor
+    input_ids: torch.Tensor | None
+    end_of_turn_token_id: int | None
+    num_layers: int
+
+    @property
+    def length(self) -> int:
+        return self.labels.numel()
+
+    def count(self, *modalities: int) -> int:
+        return int(sum(int((self.labels == m).sum()) for m in modalities))
+
+
+class Policy(abc.ABC):
+    """Base of every selection policy. Subclasses are frozen dataclasses with at least ``keep_ratio``."""
+
+    #: the name ``macer.make_policy`` knows it by
+    name: str = ""
+    keep_ratio: float
+
+    @abc.abstractmethod
+    def budget(self, n_audio: int, n_video: int) -> Budget:
+        """The prompt's retained budget (``K_mm`` and, where the policy fixes it, its audio/video split)."""
+
+    @abc.abstractmethod
+    def stage_specs(self, n_audio: int, n_video: int) -> list[StageSpec]:
+        """The stages for a prompt with these counts, in layer order (empty: nothing is pruned)."""
+
+    @property
+    @abc.abstractmethod
+    def prune_layer(self) -> int:
+        """``L_p`` of the paper's cost model: layers that still see every multimodal token (0 = input pruning)."""
+
+    def check_depth(self, num_layers: int) -> None:
+        """Raise ``ValueError`` unless every stage layer lies in the decoder (a later layer must exist). Policies
+        with readout layers override this; a policy that prunes before the first layer has nothing to check."""
+        return None
+
+    # Question-span settings; policies that read question rows override them as dataclass fields.
+    query_tokens: int = 4
+    end_of_turn_token_id: int | None = None
+    question_span: str = "end_of_turn"
+    eps: float = 1e-6
+    trim_early_cache: bool = False
+
+    def layer_tokens(self, n_text: int, n_audio: int, n_video: int, num_layers: int) -> list[int]:
+        """Sequence length entering each of ``num_layers`` decoder layers for a prompt with these counts."""
+        tokens, length = [], n_text + n_audio + n_video
+        stages = {spec.layer: spec for spec in self.stage_specs(n_audio, n_video)}
+        counts = {AUDIO: n_audio, VISUAL: n_video}
+        for i in range(num_layers):
+            if i in stages:
+                length = _after(stages[i], counts, length)
+            tokens.append(length)
+        return tokens
+
+
+def _after(spec: StageSpec, counts: dict[int, int], length: int) -> int:
+    """Length after ``spec`` given the per-modality counts entering it (updated in place for joint selections the
+    per-modality split is not known on the host; only the total matters for lengths)."""
+    for sel in spec.selections:
+        members = sum(counts[m] for m in sel.modalities)
+        length -= members - sel.k
+        if len(sel.modalities) == 1:
+            counts[sel.modalities[0]] = sel.k
+    return length
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host plan
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def question_rows(facts: PromptFacts, query_tokens: int, question_span: str) -> torch.Tensor:
+    """Prompt positions of the question rows: the last ``query_tokens`` tokens before the prompt's last
+    end-of-turn token (``question_span="end_of_turn"``), or the prompt's last ``query_tokens`` tokens
+    (``"prompt_end"``). They must all come after every audio/video token."""
+    n = facts.length
+    if question_span == "prompt_end":
+        end, where = n, "the end of the prompt"
+    else:
+        eot = facts.end_of_turn_token_id
+        if eot is None:
+            raise ValueError("macer.compress: end_of_turn_token_id is unknown for this model (its adapter cannot "
+                             "tell): pass end_of_turn_token_id=<id of the token closing the user's question>, or "
+                             "question_span='prompt_end' to read the prompt's last query_tokens tokens")
+        if facts.input_ids is None:
+            raise ValueError("macer.compress: question_span='end_of_turn' searches input_ids for "
+                             f"end_of_turn_token_id={eot}, but the prompt came without input_ids; pass "
+                             "question_span='prompt_end'")
+        hits = (facts.input_ids == eot).nonzero().reshape(-1)
+        if not hits.numel():
+            raise ValueError(
+                f"macer.compress: end_of_turn_token_id={eot} does not occur in the prompt (searched all {n} "
+                "input_ids for the token that closes the user's question); pass the right end_of_turn_token_id, "
+                "or question_span='prompt_end' to read the prompt's last query_tokens tokens instead")
+        end, where = int(hits[-1]), f"the last end-of-turn token {eot} (position {int(hits[-1])})"
+    if end < query_tokens:
+        raise ValueError(f"macer.compress: the question span needs query_tokens={query_tokens} tokens before "
+                         f"{where}; the prompt has only {end} there")
+    rows = torch.arange(end - query_tokens, end)
+    media = (facts.labels != TEXT).nonzero().reshape(-1)
+    if media.numel() and int(rows[0]) <= int(media[-1]):
+        raise ValueError(
+            f"macer.compress: the question rows (prompt positions {int(rows[0])}..{int(rows[-1])}: the last "
+            f"query_tokens={query_tokens} tokens before {where}) must come after every audio/video token (last at "
+            f"{int(media[-1])}); check end_of_turn_token_id, question_span and the prompt layout")
+    return rows
+
+
+@dataclass
+class PlannedStage:
+    """A stage with everything the host knows: its spec, the query rows (prompt positions), the random picks
+    (prompt positions) and the sequence length entering and leaving it."""
+
+    spec: StageSpec
+    query: torch.Tensor
+    tokens_before: int
+    tokens_after: int
+    members: tuple[int, ...]  # tokens of each selection's modalities entering the stage
+    picks: tuple[torch.Tensor | None, ...]  # random rule: kept prompt positions, sorted
+
+
+@dataclass
+class Plan:
+    """The host plan of one prefill: the budget, the stages, the length entering every layer, and the per-prompt
+    tables a stage reads on the device (``chunks``: temporal chunk id of each prompt position, -1 where unused)."""
+
+    facts: PromptFacts
+    budget: Budget | None
+    stages: list[PlannedStage]
+    layer_tokens: list[int]
+    chunks: torch.Tensor | None = None
+
+
+def plan_prefill(policy: Policy, facts: PromptFacts) -> Plan:
+    """Everything a prefill needs that the prompt determines, on the host, before layer 1 runs."""
+    n_audio, n_video = facts.count(AUDIO), facts.count(VISUAL)
+    n_text = facts.length - n_audio - n_video
+    layer_tokens = policy.layer_tokens(n_text, n_audio, n_video, facts.num_layers)
+    if not n_audio + n_video:
+        return Plan(facts, None, [], layer_tokens)
+    budget = policy.budget(n_audio, n_video)
+    specs = policy.stage_specs(n_audio, n_video)
+    counts = {AUDIO: n_audio, VISUAL: n_video}
+    length, stages = facts.length, []
+    chunks: torch.Tensor | None = None
+    for spec in specs:
+        if spec.needs_scores:
+            if spec.query == "last":
+                query = torch.tensor([facts.length - 1])
+            else:
+                query = question_rows(facts, policy.query_tokens, policy.question_span)
+        else:
+            query = torch.empty(0, dtype=torch.long)
+        members, picks = [], []
+        for sel in spec.selections:
+            in_sel = _member_mask(facts.labels, sel.modalities)
+            members.append(sum(counts[m] for m in sel.modalities))
+            if sel.rule == "random":
+                if any(counts[m] != facts.count(m) for m in sel.modalities):
+                    raise ValueError("the random rule draws from the prompt's tokens: it must run before any other "
+                                     "stage prunes its modalities")
+                positions = in_sel.nonzero().reshape(-1)
+                generator = torch.Generator().manual_seed(sel.seed)
+                order = torch.randperm(positions.numel(), generator=generator)
+                picks.append(positions[order[: sel.k]].sort().values)
+            else:
+                picks.append(None)
+            if sel.rule == "coverage":
+                # Chunk ids over the prompt's tokens of these modalities: the set the stage sees when no earlier
+                # stage pruned them (MACER's video stage).
+                chunks = torch.full((facts.length,), -1, dtype=torch.long) if chunks is None else chunks
+                chunks[in_sel] = temporal_chunks(facts.temporal[in_sel], sel.num_chunks)
+        after = _after(spec, counts, length)
+        stages.append(PlannedStage(spec, query, length, after, tuple(members), tuple(picks)))
+        length = after
+    return Plan(facts, budget, stages, layer_tokens, chunks)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device work of one stage (sizes from the host plan; no host synchronisation)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def positions_where(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` True entries of a 1-D ``mask``, ascending, without reading ``mask`` on the host
+    (``count`` comes from the host plan; ``nonzero`` would synchronise to learn it)."""
+    n = mask.numel()
+    slot = torch.cumsum(mask, 0) - 1
+    target = torch.where(mask, slot, count)  # entries outside the mask all land in a discarded last slot
+    out = torch.empty(count + 1, dtype=torch.long, device=mask.device)
+    out.scatter_(0, target, torch.arange(n, device=mask.device))
+    return out[:count]
+
+
+def score(query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, scoring: Scoring, *,
+          scale: float | None, eps: float) -> torch.Tensor:
+    """``[N]`` fp32 scores of the sequence's tokens from the readout layer's post-RoPE queries ``[1, Hq, N, D]``
+    (all rows; ``rows`` picks the query rows) and keys ``[1, Hkv, N, D]``.
+
+    ``"anms"``: ``eq:macer_score`` with the tokens' labels. ``"raw"``: the attention probability averaged over
+    heads and rows; computed by the same kernel with every token in one group and ``eps = 0``, where the group's
+    mass is the whole softmax row (1), so the renormalisation divides by 1.
+    """
+    if scoring == "raw":
+        labels, eps = torch.ones_like(labels), 0.0
+    return modality_scores(query[:, :, rows], key, labels[None], rows[None], scale=scale, eps=eps)[0]
+
+
+def _member_mask(labels: torch.Tensor, modalities: tuple[int, ...]) -> torch.Tensor:
+    # Comparisons with Python scalars: no small tensor is copied to the device inside a stage.
+    mask = labels == modalities[0]
+    for modality in modalities[1:]:
+        mask |= labels == modality
+    return mask
+
+
+def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor | None, current: torch.Tensor,
+              labels: torch.Tensor, chunks: torch.Tensor | None, question: torch.Tensor,
+              picks: tuple[torch.Tensor | None, ...], *, scale: float | None, eps: float) -> torch.Tensor:
+    """The rows of the current sequence a stage keeps (sorted; ``stage.tokens_after`` of them).
+
+    Args:
+        current: ``[n]`` prompt positions of the rows entering the stage (device).
+        labels, chunks: per-prompt-position tables on the device (``chunks`` only for the coverage rule).
+        question: the stage's query rows as prompt positions (device); ``picks``: the random rule's picks (device).
+        query, key: the readout layer's post-RoPE queries and keys (None for a stage without scores).
+
+    This composes the ops with sizes from the host plan; it is the one place to switch to a fused
+    ``macer_kernels`` stage entry point (GPU hot-path issue #9, item 2) when that lands.
+    """
+    spec = stage.spec
+    cur_labels = labels[current]
+    scores = None
+    if spec.needs_scores:
+        rows = torch.searchsorted(current, question)
+        scores = score(query, key, cur_labels, rows, spec.scoring, scale=scale, eps=eps)
+    keep = torch.ones(current.numel(), dtype=torch.bool, device=current.device)
+    for sel, count, pick in zip(spec.selections, stage.members, picks, strict=True):
+        in_sel = _member_mask(cur_labels, sel.modalities)
+        keep &= ~in_sel
+        if sel.rule == "random":
+            chosen = torch.searchsorted(current, pick)
+        else:
+            members = positions_where(in_sel, count)
+            if sel.rule == "coverage":
+                picked = coverage_select(scores[members], chunks[current[members]], sel.k, sel.coverage_weight)
+            else:
+                picked = topk_indices(scores[members], sel.k)
+            chosen = members[picked]
+        keep[chosen] = True
+    return positions_where(keep, stage.tokens_after)
+

@@ -1,0 +1,151 @@
+"""No host synchronisation inside a stage, a compacted layer, the end of a prefill or a decode step (issue #10 item 2).
+
+On a CPU machine nothing synchronises, so the test counts the *patterns* that do on a GPU: every call of
+``Tensor.item / tolist / numpy / cpu / nonzero / __bool__ / __int__ / __float__ / __index__`` (and ``torch.nonzero``,
+``torch.equal``, ``torch.allclose``, ``.to("cpu")``) made by the model layer (``macer.*``; torch's own Python helpers
+called from it count too) while the runtime is inside a readout, a layer pre-hook, the prefill's end or a decode
+step. The host plan at the start of a prefill is outside that window: it is the prefill's one device read.
+The ops' own argument checks (``macer_kernels``) are outside this test: the GPU hot-path issue (#9) makes them
+sync-free and tests them there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import macer
+import pytest
+import torch
+from macer import runtime
+from macer.testing import build_thinker, clip_inputs, macer_config_for
+
+CLIP = {"frames": 4, "grid_hw": (8, 8), "audio_tokens": 60, "seed": 1}
+_METHODS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+_FUNCTIONS = ("nonzero", "equal", "allclose")
+
+
+def _caller_is_model_layer() -> str | None:
+    """The first frame outside torch and this file: ``file:line`` if it belongs to ``macer`` (not macer_kernels)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("torch") or name == __name__:
+            frame = frame.f_back
+            continue
+        if name == "macer" or name.startswith("macer."):
+            return f"{name}:{frame.f_lineno}"
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def count_syncs(monkeypatch):
+    """Yields the list of ``(pattern, where)`` sync calls the model layer made inside the runtime's hot window."""
+    found: list[tuple[str, str]] = []
+    window = [0]
+
+    def spy(name, original):
+        def wrapped(*args, **kwargs):
+            if window[0]:
+                where = _caller_is_model_layer()
+                if where is not None:
+                    found.append((name, where))
+            return original(*args, **kwargs)
+
+        return wrapped
+
+    for name in _METHODS:
+        monkeypatch.setattr(torch.Tensor, name, spy(f"Tensor.{name}", getattr(torch.Tensor, name)))
+    for name in _FUNCTIONS:
+        monkeypatch.setattr(torch, name, spy(f"torch.{name}", getattr(torch, name)))
+    original_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if window[0] and str(target) == "cpu":
+            where = _caller_is_model_layer()
+            if where is not None:
+                found.append(("Tensor.to(cpu)", where))
+        return original_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+
+    def hot(original):
+        def wrapped(*args, **kwargs):
+            window[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                window[0] -= 1
+
+        return wrapped
+
+    for name in ("readout", "_prefill_layer", "_end", "_begin_decode"):
+        monkeypatch.setattr(runtime._Session, name, hot(getattr(runtime._Session, name)))
+    yield found
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {attn: build_thinker(num_layers=5, hidden_size=64, attn_implementation=attn, seed=4)
+            for attn in ("sdpa", "eager")}
+
+
+POLICIES = {
+    "macer": lambda m: macer_config_for(m, keep_ratio=0.3, audio_layer=1, video_layer=3),
+    "macer-trim": lambda m: macer_config_for(m, keep_ratio=0.3, audio_layer=2, video_layer=2, trim_early_cache=True),
+    "macer-raw": lambda m: macer_config_for(m, keep_ratio=0.3, audio_layer=1, video_layer=3, scoring="raw"),
+    "fastv": lambda m: macer.FastVConfig(keep_ratio=0.3, layer=2),
+    "random": lambda m: macer.RandomConfig(keep_ratio=0.3, seed=3),
+}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_no_host_sync_in_stages_compacted_layers_and_decode(models, monkeypatch, attn, policy):
+    model = models[attn]
+    inputs = clip_inputs(model, **CLIP)
+    config = POLICIES[policy](model)
+    with count_syncs(monkeypatch) as found, torch.no_grad(), macer.compress(model, config) as trace:
+        model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert trace.history[0].layer_tokens[-1] < inputs["input_ids"].shape[1]  # something was pruned
+    assert found == [], f"host synchronisations in the hot path ({policy}, {attn}): {found}"
+
+
+def test_the_counter_sees_a_sync_added_to_a_stage(models, monkeypatch):
+    """The detector is not vacuous: a ``.item()`` put into the stage's device work is caught."""
+    from macer import policy as policy_module
+
+    original = policy_module.positions_where
+
+    def with_sync(mask, count):
+        assert int(mask.sum().item()) == count  # the kind of check that must not come back
+        return original(mask, count)
+
+    monkeypatch.setattr(policy_module, "positions_where", with_sync)
+    model = models["sdpa"]
+    with count_syncs(monkeypatch) as found, torch.no_grad(), macer.compress(model, POLICIES["macer"](model)):
+        model(**clip_inputs(model, **CLIP))
+    assert found and {name for name, _ in found} <= {"Tensor.item", "Tensor.__int__"}
+    assert all(where.startswith("macer.policy:") for _, where in found), found
+
+
+def test_one_host_read_per_prefill_and_none_for_cpu_inputs(models, monkeypatch):
+    """The plan brings ids, temporal row and mask to the host in one ``_to_host`` call per prefill; tensors already
+    on the CPU are passed through without a copy."""
+    calls = []
+    original = runtime._to_host
+
+    def spy(*tensors):
+        out = original(*tensors)
+        calls.append(all(o is t for o, t in zip(out, tensors, strict=True)))
+        return out
+
+    monkeypatch.setattr(runtime, "_to_host", spy)
+    model = models["eager"]
+    inputs = clip_inputs(model, **CLIP)
+    with torch.no_grad(), macer.compress(model, POLICIES["macer"](model)) as trace:
+        model.generate(**inputs, max_new_tokens=3, do_sample=False)  # one prefill, then decode steps
+        model(**inputs)
+    assert len(trace.history) == 2 and calls == [True, True]
