@@ -127,6 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="l_a (default: the paper's value for 28/36-layer models, else 3)")
     parser.add_argument("--video-layer", type=int, default=None,
                         help="l_v (default: the paper's value for 28/36-layer models, else 5)")
+    parser.add_argument("--fastv-layer", type=int, default=None,
+                        help="FastV's readout layer (default 5, the L_p that tab:main charges FastV with)")
     parser.add_argument("--naive-lengths", type=int, nargs="*", default=[2400, 20000],
                         help="gpu mode: sequence lengths of the naive output_attentions comparison (none: skip)")
     parser.add_argument("--threads", type=int, default=None,
@@ -223,6 +225,7 @@ def _settings(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         "mode": mode, "policies": policies, "keep_ratios": list(args.keep_ratios), "clips": clips,
         "warmup": warmup, "reps": reps, "decode_tokens": decode, "profile_reps": args.profile_reps,
         "grid": list(args.grid), "audio_layer": args.audio_layer, "video_layer": args.video_layer,
+        "fastv_layer": args.fastv_layer,
         "naive_lengths": list(args.naive_lengths),
         "num_layers": args.num_layers, "hidden_size": args.hidden_size, "num_heads": args.num_heads,
         "num_kv_heads": args.num_kv_heads, "intermediate_size": args.intermediate_size,
@@ -244,18 +247,28 @@ def _build(shape_kwargs: dict[str, Any], device: torch.device, dtype: torch.dtyp
 
 
 def _policy(name: str, model: torch.nn.Module, keep_ratio: float, settings: dict[str, Any]) -> Any:
-    """The policy ``name`` at ``keep_ratio``: MACER with the paper's defaults for 28/36-layer decoders (the 7B values
-    otherwise; explicit layers win)."""
-    from macer.config import PAPER_DEFAULTS
-    from macer.testing import macer_config_for
+    """The policy ``name`` at ``keep_ratio``. MACER: the paper's defaults for the 7B/3B text shapes (by model
+    identity), the 7B values otherwise, explicit ``--audio-layer`` / ``--video-layer`` win. FastV: the prompt's last
+    row after layer ``macer.cost.FASTV_PRUNE_LAYER`` (5, as ``tab:main`` charges it; ``--fastv-layer`` sets it).
+    Random: seed 0."""
+    import macer
+    from macer.config import paper_defaults
+    from macer.testing import SYNTHETIC_TOKENS
 
-    depth = thinker_of(model).config.text_config.num_hidden_layers
-    overrides: dict[str, Any] = dict(PAPER_DEFAULTS.get(depth, {}))
-    for field_name in ("audio_layer", "video_layer"):
-        if settings[field_name] is not None:
-            overrides[field_name] = settings[field_name]
+    # The synthetic prompts close the question with the synthetic <|im_end|> (the real id is outside their vocabulary).
+    question = {"end_of_turn_token_id": SYNTHETIC_TOKENS.im_end}
     if name == "macer":
-        return macer_config_for(model, keep_ratio=keep_ratio, **overrides)
+        overrides: dict[str, Any] = dict(paper_defaults(model) or {})
+        for field_name in ("audio_layer", "video_layer"):
+            if settings[field_name] is not None:
+                overrides[field_name] = settings[field_name]
+        return macer.MacerConfig(keep_ratio=keep_ratio, **{**overrides, **question})
+    if name == "fastv":
+        depth = thinker_of(model).config.text_config.num_hidden_layers
+        layer = settings["fastv_layer"] or min(cost.FASTV_PRUNE_LAYER, depth - 1)
+        return macer.FastVConfig(keep_ratio=keep_ratio, layer=layer, **question)
+    if name == "random":
+        return macer.RandomConfig(keep_ratio=keep_ratio)
     raise SystemExit(f"unknown policy {name!r}; known: {list(POLICIES)}")
 
 

@@ -16,7 +16,7 @@ import macer
 import pytest
 import torch
 from macer.adapters import AUDIO, VISUAL, get_adapter
-from macer.diagnostics import diagnose, gini
+from macer.diagnostics import default_policies, diagnose, gini
 from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, macer_config_for
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -153,11 +153,11 @@ def test_q_centroid_cosine_from_projections_and_rope(case):
 
 def test_temporal_gini_from_the_policys_trace(case):
     seed, model, inputs, config, report = case
-
     labels = get_adapter(model).labels(model, inputs["input_ids"][0])
     temporal = _temporal_row(model, inputs)
     start = int(temporal[labels != 0].min())
-    for name, policy in (("macer", config), ("macer_no_coverage", config.replace(coverage_weight=0.0))):
+    assert set(report.temporal_gini) == {"full", "macer", "no_coverage", "shared_topk", "fastv", "random"}
+    for name, policy in default_policies(config, _SHAPE["num_layers"]).items():
         with torch.no_grad(), macer.compress(model, policy) as trace:
             model(**inputs)
         for modality, kept in (("audio", trace.audio_kept), ("video", trace.video_kept)):
@@ -170,34 +170,40 @@ def test_temporal_gini_from_the_policys_trace(case):
     assert report.temporal_gini["full"] == {"audio": 0.0, "video": 0.0}
 
 
-def test_policy_curve_equals_eager_attention_under_compress(case):
+@pytest.mark.parametrize("name", ["macer", "fastv", "random"])
+def test_policy_curve_equals_eager_attention_under_compress(case, name):
     seed, model, inputs, config, report = case
-
+    policy = default_policies(config, _SHAPE["num_layers"])[name]
+    # The last layer that still holds every audio / video token: MACER l_a / l_v, FastV its layer, Random none.
+    full_until = {"macer": (config.audio_layer, config.video_layer), "fastv": (policy.prune_layer,) * 2,
+                  "random": (0, 0)}[name]
     ids = inputs["input_ids"][0]
     labels = get_adapter(model).labels(model, ids)
     n = ids.numel()
     tail = n - report.query_positions[0]
     _set_attention(model, "eager")
     try:
-        with torch.no_grad(), macer.compress(model, config) as trace:
+        with torch.no_grad(), macer.compress(model, policy) as trace:
             out = model(**inputs, output_attentions=True, use_cache=False)
     finally:
         _set_attention(model, "sdpa")
     kept = set(trace.audio_kept) | set(trace.video_kept)
     for layer, attn in enumerate(out.attentions, start=1):
-        # Audio is gone from layer l_a + 1 on, video from l_v + 1 on (tab:macer_algorithm).
         present = [p for p in range(n) if labels[p] == 0 or p in kept
-                   or (labels[p] == AUDIO and layer <= config.audio_layer)
-                   or (labels[p] == VISUAL and layer <= config.video_layer)]
-        assert attn.shape[-1] == len(present), f"seed {seed} layer {layer}"
+                   or (labels[p] == AUDIO and layer <= full_until[0])
+                   or (labels[p] == VISUAL and layer <= full_until[1])]
+        assert attn.shape[-1] == len(present), f"seed {seed} {name} layer {layer}"
         rows = list(range(len(present) - tail, len(present) - tail + config.query_tokens))
         p_bar = attn[0][:, rows].double().mean(dim=(0, 1))
         present_labels = labels[present]
         n_a, n_v = int((present_labels == AUDIO).sum()), int((present_labels == VISUAL).sum())
+        got = report.policy_log_mass_ratio[name][layer - 1]
+        if not n_a or not n_v:
+            assert got is None, f"seed {seed} {name} layer {layer}"
+            continue
         want = (math.log(p_bar[present_labels == AUDIO].sum().item() / n_a)
                 - math.log(p_bar[present_labels == VISUAL].sum().item() / n_v))
-        assert math.isclose(report.policy_log_mass_ratio["macer"][layer - 1], want, rel_tol=1e-6, abs_tol=1e-6), \
-            f"seed {seed} layer {layer}"
+        assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-6), f"seed {seed} {name} layer {layer}"
 
 
 def test_model_is_left_exactly_as_before():
@@ -251,8 +257,9 @@ def test_prompts_without_both_modalities_are_refused(kwargs, message):
 def test_bad_arguments_are_named():
     model = _model(1)
     inputs = clip_inputs(model, frames=2, grid_hw=(4, 4), audio_tokens=30)
-    with pytest.raises(ValueError, match="end_of_turn_token_id=151645 does not occur"):
-        diagnose(model, inputs, macer.MacerConfig(audio_layer=1, video_layer=2))
+    absent = SYNTHETIC_TOKENS.image  # no image in this prompt
+    with pytest.raises(ValueError, match=f"end_of_turn_token_id={absent} does not occur"):
+        diagnose(model, inputs, macer.MacerConfig(audio_layer=1, video_layer=2, end_of_turn_token_id=absent))
     with pytest.raises(ValueError, match="block_positions must be an integer >= 1"):
         diagnose(model, inputs, macer_config_for(model, audio_layer=1, video_layer=2), block_positions=0)
     with pytest.raises(TypeError, match=r"config must be a macer\.MacerConfig"):

@@ -49,9 +49,10 @@ from torch import nn
 
 from macer.adapters import AUDIO, TEXT, VISUAL, get_adapter
 from macer.config import MacerConfig
-from macer_kernels import coverage_select, modality_scores, split_budget, temporal_chunks, topk_indices
+from macer.policy import PromptFacts, question_rows, score
+from macer_kernels import coverage_select, temporal_chunks, topk_indices
 
-__all__ = ["DiagnosticReport", "diagnose", "gini"]
+__all__ = ["DiagnosticReport", "default_policies", "diagnose", "gini"]
 
 _TAP_PREFIX = "macer_diag_"
 _lock = threading.Lock()
@@ -108,6 +109,28 @@ def gini(counts: list[int] | list[float]) -> float | None:
     return sum(abs(a - b) for a in counts for b in counts) / (2 * n * total)
 
 
+def default_policies(config: MacerConfig, num_layers: int) -> dict[str, Any]:
+    """The policies ``diagnose`` compares by default, at ``config``'s keep ratio and question rows: ``macer``
+    (``config``), ``no_coverage`` (``coverage_weight=0``, the score-only selection of ``tab:temporal_gini``),
+    ``shared_topk`` (one joint top-K read at ``video_layer``, the ablation), ``fastv`` (the prompt's last row, after
+    layer ``macer.cost.FASTV_PRUNE_LAYER`` = 5 as ``tab:main`` charges it, or the last prunable layer of a shallower
+    decoder) and ``random`` (seed 0)."""
+    from macer.cost import FASTV_PRUNE_LAYER
+    from macer.policies import FastVConfig, RandomConfig
+
+    question = {"query_tokens": config.query_tokens, "end_of_turn_token_id": config.end_of_turn_token_id,
+                "question_span": config.question_span}
+    return {
+        "macer": config,
+        "no_coverage": config.replace(coverage_weight=0.0),
+        "shared_topk": FastVConfig(keep_ratio=config.keep_ratio, layer=config.video_layer, query="question",
+                                   **question),
+        "fastv": FastVConfig(keep_ratio=config.keep_ratio, layer=min(FASTV_PRUNE_LAYER, num_layers - 1),
+                             **question),
+        "random": RandomConfig(keep_ratio=config.keep_ratio),
+    }
+
+
 def diagnose(model: nn.Module, inputs: Mapping[str, Any], config: MacerConfig, *,
              policies: Mapping[str, Any] | None = None, block_positions: int | None = None) -> DiagnosticReport:
     """Measure the paper's diagnostics on one prompt (batch size 1, audio and video tokens both present).
@@ -118,7 +141,8 @@ def diagnose(model: nn.Module, inputs: Mapping[str, Any], config: MacerConfig, *
         config: ``MacerConfig``: the question rows (``query_tokens``, ``end_of_turn_token_id``), the chosen readout
             layers, and the budget and selection rules of the readout sweep.
         policies: ``{name: policy}`` run inside ``macer.compress`` for ``temporal_gini`` and
-            ``policy_log_mass_ratio``; default ``{"macer": config, "macer_no_coverage": coverage_weight = 0}``.
+            ``policy_log_mass_ratio``; default ``default_policies(config, num_layers)``: MACER, its no-coverage
+            and shared top-K ablations, FastV and Random at ``config.keep_ratio``.
         block_positions: temporal M-RoPE units per block of ``temporal_gini``; default the model's 2-second chunk,
             ``position_id_per_seconds * seconds_per_chunk`` of its config.
     """
@@ -138,14 +162,19 @@ def diagnose(model: nn.Module, inputs: Mapping[str, Any], config: MacerConfig, *
     if not n_audio or not n_video:
         raise ValueError(f"macer.diagnose: the prompt needs audio and video tokens (has {n_audio} audio, {n_video} "
                          "video): the diagnostics compare the two modalities")
-    question = _question_rows(ids, labels, config)
+    eot = config.end_of_turn_token_id
+    eot = adapter.end_of_turn_token_id(model) if eot is None else eot
+    # The runtime's own rule for the question rows; the temporal row is not needed for it (known only in the forward).
+    facts = PromptFacts(labels=labels, temporal=torch.zeros_like(labels), input_ids=ids, end_of_turn_token_id=eot,
+                        num_layers=num_layers)
+    question = question_rows(facts, config.query_tokens, config.question_span)
     block = _block_positions(model, block_positions)
     if policies is None:
-        policies = {"macer": config, "macer_no_coverage": config.replace(coverage_weight=0.0)}
+        policies = default_policies(config, num_layers)
 
     full = _FullForward(labels, question, config)
     temporal = _run_tapped(model, parts, adapter, inputs, n, full.on_layer)
-    budget = split_budget(n_audio, n_video, config.keep_ratio, config.audio_share)
+    budget = config.budget(n_audio, n_video)
     sweep = {
         "audio": _sweep(full.scores, labels, temporal, AUDIO, budget.audio, config.audio_layer, config),
         "video": _sweep(full.scores, labels, temporal, VISUAL, budget.video, config.video_layer, config),
@@ -171,24 +200,6 @@ def diagnose(model: nn.Module, inputs: Mapping[str, Any], config: MacerConfig, *
 # ---------------------------------------------------------------------------------------------------------------
 # The prompt
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _question_rows(ids: torch.Tensor, labels: torch.Tensor, config: MacerConfig) -> torch.Tensor:
-    """The last ``query_tokens`` positions before the prompt's last end-of-turn token, all after the media."""
-    if config.end_of_turn_token_id is None:
-        raise ValueError("macer.diagnose: config.end_of_turn_token_id is None; the question rows are the tokens "
-                         "before the last end-of-turn token, so it must be set")
-    hits = (ids == config.end_of_turn_token_id).nonzero().reshape(-1)
-    if not hits.numel():
-        raise ValueError(f"macer.diagnose: end_of_turn_token_id={config.end_of_turn_token_id} does not occur in "
-                         "input_ids; set MacerConfig.end_of_turn_token_id to the id that closes the question")
-    end = int(hits[-1])
-    last_media = int((labels != TEXT).nonzero()[-1])
-    if end - config.query_tokens <= last_media:
-        raise ValueError(f"macer.diagnose: the query_tokens={config.query_tokens} tokens before the last "
-                         f"end-of-turn token (position {end}) must come after every audio/video token (last at "
-                         f"{last_media})")
-    return torch.arange(end - config.query_tokens, end)
 
 
 def _block_positions(model: nn.Module, block_positions: int | None) -> int:
@@ -268,9 +279,9 @@ def _run_tapped(model: nn.Module, parts: Any, adapter: Any, inputs: Mapping[str,
     def begin(module, args, kwargs):
         if state["temporal"] is not None:
             return None  # a later decoder call (a decode step) is not diagnosed
-        embeds = kwargs.get("inputs_embeds")
-        device = embeds.device if embeds is not None else next(module.parameters()).device
-        state["temporal"] = adapter.temporal_positions(kwargs, n, device).reshape(-1).cpu()
+        temporal = adapter.temporal_positions(kwargs, n)
+        # None: the text model uses arange positions itself (no multimodal grid).
+        state["temporal"] = torch.arange(n) if temporal is None else temporal.reshape(-1).cpu()
         state["previous"] = parts.attn_config._attn_implementation
         parts.attn_config._attn_implementation = stack.enter_context(_tap_name(state["previous"]))
         return None
@@ -350,8 +361,7 @@ class _FullForward:
             cos.append(torch.nn.functional.cosine_similarity(q_mean, centroid, dim=-1).mean())
         scale = kwargs.get("scaling") or getattr(module, "scaling", None)
         rows = self.question.to(query.device)
-        scores = modality_scores(query[:, :, rows], key, labels[None], rows[None], scale=scale,
-                                 eps=self.config.eps)[0]
+        scores = score(query, key, labels, rows, self.config.scoring, scale=scale, eps=self.config.eps)
         # One host copy per layer; the diagnostics are an analysis pass, not the pruning hot path.
         values = torch.stack([mass_a, mass_v, cos[0], cos[1]]).double().cpu().tolist()
         self.mass.append((values[0], values[1]))
@@ -401,7 +411,7 @@ def _policy_forward(model: nn.Module, parts: Any, adapter: Any, inputs: Mapping[
                     num_layers: int) -> tuple[torch.Tensor, list[float | None]]:
     """One forward inside ``macer.compress(model, policy)``: the kept-token mask over the prompt and the log ratio
     at each layer over the tokens it holds."""
-    from macer.patch import compress
+    from macer.runtime import compress
 
     n = labels.numel()
     tail = n - int(question[0])  # rows from the first question row to the end: text, never dropped
