@@ -37,17 +37,18 @@ def _args(extra: list[str]) -> argparse.Namespace:
 def tiny_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     threads = torch.get_num_threads()
+    sha = common.git_sha()  # the run reads the commit at its start
     try:
         assert bench_e2e.run(_args([*_TINY, "--out", str(out), "--name", "tiny"])) == 0
     finally:
         torch.set_num_threads(threads)
     with (out / "tiny.csv").open() as f:
         rows = list(csv.DictReader(f))
-    return out, rows, json.loads((out / "tiny.json").read_text())
+    return out, rows, json.loads((out / "tiny.json").read_text()), sha
 
 
 def test_bench_writes_csv_json_and_plot(tiny_results):
-    out, rows, data = tiny_results
+    out, rows, data, sha = tiny_results
     assert (out / "tiny.png").stat().st_size > 0
     expected_columns = {"model", "clip", "method", "keep_ratio", "prefill_ms", "llm_prefill_ms", "encoders_ms",
                         "decode_ms_per_token", "peak_extra_mib", "kv_cache_mib", "overhead_ms", "overhead_share",
@@ -62,7 +63,7 @@ def test_bench_writes_csv_json_and_plot(tiny_results):
     # Every results file names its machine: device, CPU model, thread count, versions, commit.
     env = data["meta"]["machine"]
     assert env["torch"] == torch.__version__ and env["torch_threads"] == 1
-    assert env["cpu_model"] == output.cpu_model() and env["git_sha"] == common.git_sha()
+    assert env["cpu_model"] == output.cpu_model() and env["git_sha"] == sha
     import transformers
 
     assert env["transformers"] == transformers.__version__ and env["device"].startswith("CPU")
@@ -76,7 +77,7 @@ def test_bench_writes_csv_json_and_plot(tiny_results):
 def test_bench_accounting_matches_cost_model(tiny_results):
     # Recompute every accounting column from the prompt's counts alone (split_budget + staged_layer_tokens +
     # macer.cost) and compare with what the benchmark read from the trace and the returned KV cache.
-    _, rows, _ = tiny_results
+    _, rows, _, _ = tiny_results
     shape = cost.DecoderShape(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                               head_dim=16)
     full = rows[0]
