@@ -34,7 +34,8 @@ warm-up rounds:
 Modes:
 
 * ``cpu``: a mid-size thinker (12 layers, hidden 1024, 16 heads, 2 KV heads, MLP 2816; float32, sdpa) so that the
-  decoder dominates; about 4 minutes per policy-free run on 2 cores with ``--threads 1``. Target:
+  decoder dominates; full + MACER at three keep ratios took about 4 minutes on an idle 2-core machine with
+  ``--threads 1``, each further policy adds about as much as MACER. Target:
   ``llm_prefill_ratio`` within 1.15x of ``token_layer_ratio``.
 * ``gpu``: the real Qwen2.5-Omni-7B and 3B text shapes (``macer.testing.TEXT_SHAPES``, real vocabulary sizes;
   bf16, sdpa, random weights; the encoders stay tiny, their time is reported apart). Also the naive way of getting
