@@ -22,8 +22,9 @@ warm-up rounds:
   ``peak_extra_mib``, the peak memory above what was resident before the call (weights, inputs), from the CUDA
   allocator's peak or, on CPU, from the process RSS sampled every 2 ms after ``malloc_trim`` (coarser); and
   ``overhead_ms``, the policy's own work (scoring + selection + compaction, ``compress(..., profile=True)``), split
-  by op into ``scoring_ms`` / ``selection_ms`` / ``compaction_ms``, with ``overhead_share`` = overhead / full
-  ``prefill_ms``;
+  by op into ``scoring_ms`` / ``selection_ms`` / ``compaction_ms`` and ``stage_ms`` (the fused
+  ``macer_kernels.select_stage``: scores and selections of a readout in one call, which MACER's stages use),
+  with ``overhead_share`` = overhead / full ``prefill_ms``;
 * on a GPU, ``host_syncs`` per prefill: the CUDA runtime calls in which the host waits (``measure.SYNC_EVENTS``),
   counted by ``torch.profiler`` over one ``model(**inputs)`` prefill, and ``extra_host_syncs`` = policy - full;
 * next to the measured ``llm_prefill_ratio`` (policy / full, the median of per-round ratios;
@@ -60,7 +61,7 @@ import torch
 from macer import cost
 
 from benchmarks.e2e import measure, output
-from benchmarks.e2e.measure import COMPACTION_OPS, SCORING_OPS, SELECTION_OPS, Measurement, thinker_of
+from benchmarks.e2e.measure import COMPACTION_OPS, SCORING_OPS, SELECTION_OPS, STAGE_OPS, Measurement, thinker_of
 
 CPU_SHAPE: dict[str, int] = {"num_layers": 12, "hidden_size": 1024, "num_heads": 16, "num_kv_heads": 2,
                              "intermediate_size": 2816}
@@ -377,7 +378,7 @@ def _row(method: str, keep_ratio: float, runs: list[Measurement], profiled: list
         "kv_cache_mib": last.kv_prefill_bytes / _MIB,
         "overhead_ms": ms([m.overhead_s for m in profiled]) if method != "full" else None,
         "scoring_ms": op_ms(SCORING_OPS), "selection_ms": op_ms(SELECTION_OPS),
-        "compaction_ms": op_ms(COMPACTION_OPS),
+        "compaction_ms": op_ms(COMPACTION_OPS), "stage_ms": op_ms(STAGE_OPS),
         "layer_tokens": " ".join(map(str, layer_tokens)),
         "cache_matches_trace": last.cache_layer_lengths == layer_tokens,
         "token_layer_ratio": sum(layer_tokens) / (n_tokens * shape.num_layers), "paper_proxy": proxy,

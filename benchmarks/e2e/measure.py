@@ -19,6 +19,8 @@ from macer.adapters import get_adapter
 SCORING_OPS = ("modality_scores",)
 SELECTION_OPS = ("split_budget", "temporal_chunks", "topk_indices", "coverage_select")
 COMPACTION_OPS = ("compact", "compact_many")
+STAGE_OPS = ("select_stage",)
+"""The fused stage (scores and every selection of a readout in one call) that MACER's stages run since model v2."""
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                "cudaMemcpy2D")
@@ -87,7 +89,7 @@ def _timed_ops(clock: _Clock) -> Iterator[dict[str, list]]:
     """
     import macer_kernels
 
-    names = SCORING_OPS + SELECTION_OPS + COMPACTION_OPS
+    names = SCORING_OPS + SELECTION_OPS + COMPACTION_OPS + STAGE_OPS
     originals = {name: getattr(macer_kernels, name) for name in names}
     calls: dict[str, list] = {name: [] for name in names}
     depth = [0]
