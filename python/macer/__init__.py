@@ -14,6 +14,7 @@ model family), ``trace``, ``cost``, ``testing``. See ``docs/integration.md``.
 
 from macer.adapters import MODEL_TYPE_TO_ADAPTER, supported_model_types
 from macer.config import PAPER_DEFAULTS, MacerConfig, paper_defaults
+from macer.diagnostics import DiagnosticReport, diagnose  # noqa: F401  (re-exported: macer.diagnose)
 from macer.policies import ABLATIONS, POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
 from macer.policy import Policy
 from macer.runtime import SUPPORTED_ATTENTION, compress
