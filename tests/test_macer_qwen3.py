@@ -258,3 +258,19 @@ def test_input_pruning_shortens_deepstack_from_layer_0(eager_model):
     with torch.no_grad():
         want = eager_model.lm_head(lm.norm(hidden))
     torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["macer", "random"])
+def test_repeated_prefills_in_one_context(eager_model, policy):
+    """The deepstack rows of one prefill never leak into the next (an audio-only prefill in between, a generate with
+    its decode steps): the same prompt gives the same logits each time."""
+    config = _config() if policy == "macer" else macer.RandomConfig(keep_ratio=0.3, seed=1)
+    clip = qwen3_clip_inputs(eager_model, seed=6)
+    audio_only = qwen3_clip_inputs(eager_model, seed=7, frames=0, use_audio_in_video=False)
+    with torch.no_grad(), macer.compress(eager_model, config) as trace:
+        first = eager_model(**clip).logits
+        eager_model(**audio_only)
+        eager_model.generate(**clip, max_new_tokens=2, do_sample=False)
+        again = eager_model(**clip).logits
+    assert len(trace.history) == 4 and trace.history[0].video_kept == trace.history[-1].video_kept
+    assert torch.equal(first, again)

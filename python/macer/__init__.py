@@ -23,6 +23,7 @@ from macer.adapters import (
     supported_model_types,
 )
 from macer.config import PAPER_DEFAULTS, MacerConfig, paper_defaults
+from macer.diagnostics import DiagnosticReport, diagnose  # noqa: F401  (re-exported: macer.diagnose)
 from macer.policies import ABLATIONS, POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
 from macer.policy import Policy
 from macer.runtime import SUPPORTED_ATTENTION, compress

@@ -58,8 +58,10 @@ class Qwen3OmniAdapter(Adapter):
     """Adapter for ``Qwen3OmniMoeThinkerForConditionalGeneration`` and ``Qwen3OmniMoeForConditionalGeneration``."""
 
     def __init__(self) -> None:
-        # Prompt positions of the rows in the sequence after this prefill's stages (None: not compacted yet), and the
-        # shortened deepstack inputs of the last stage, computed once and reused by the later deepstack levels.
+        # Prompt positions of the rows in the sequence after the stages of the prefill that ``_owner`` (its RoPE cos
+        # table, one object per decoder call) identifies, and the shortened deepstack inputs of the last stage,
+        # computed once and reused by the later deepstack levels.
+        self._owner: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
         self._remap: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -117,9 +119,12 @@ class Qwen3OmniAdapter(Adapter):
         return dict(DERIVED_DEFAULTS[name]) if name is not None else None
 
     def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:
-        # A stage before the first layer (input pruning) opens a prefill; otherwise the full-length deepstack call
-        # after layers[0] has reset the rows, so stale rows of an earlier prefill are never composed with.
-        self._rows = keep if self._rows is None or layer == 0 else self._rows[keep]
+        # The decoder computes its (cos, sin) once per call and hands the same objects to every layer: a new cos is a
+        # new prefill, whose first stage starts from the full sequence (never from an earlier prefill's rows).
+        cos = decoder_kwargs[self.position_embeddings_kwarg][0]
+        if self._owner is not cos:
+            self._owner, self._rows = cos, None
+        self._rows = keep if self._rows is None else self._rows[keep]
 
     def guards(self, model: nn.Module) -> list[tuple[Any, str, Any]]:
         decoder = self.parts(model).decoder
@@ -127,8 +132,7 @@ class Qwen3OmniAdapter(Adapter):
 
         def deepstack(hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor):
             if hidden_states.shape[1] == visual_pos_masks.shape[-1]:
-                self._rows = self._remap = None  # this prefill has not been compacted (yet)
-                return original(hidden_states, visual_pos_masks, visual_embeds)
+                return original(hidden_states, visual_pos_masks, visual_embeds)  # not compacted (yet)
             rows = self._rows
             if rows is None:
                 raise RuntimeError("macer: a compacted sequence reached Qwen3-Omni's deepstack without a stage "
