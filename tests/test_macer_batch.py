@@ -92,8 +92,9 @@ def test_batch_matches_each_prompt_alone(attn, layout, policy):
         _ = trace.last
 
 
-def test_beam_search_rows_share_their_prompt_selection():
-    """num_beams expands each prompt into rows of the batch: each row is planned like its prompt alone."""
+def test_beam_search_and_several_sequences_share_their_prompt_selection():
+    """num_beams and num_return_sequences expand each prompt into rows of the batch: each row is planned like its
+    prompt alone."""
     model = _thinker("sdpa")
     prompts = _block_prompts(model)[1:]
     config = POLICIES["macer"](model)
@@ -102,7 +103,12 @@ def test_beam_search_rows_share_their_prompt_selection():
         assert len(trace.samples) == 4 and trace.samples[0].video_kept == trace.samples[1].video_kept
         want = [model.generate(**p, max_new_tokens=3, num_beams=2, do_sample=False)[0, -3:].tolist()
                 for p in prompts]
+        # num_return_sequences expands the rows the same way (top_k=1 sampling: each row is the greedy answer)
+        several = model.generate(**batch_inputs(prompts), max_new_tokens=3, do_sample=True, top_k=1,
+                                 num_return_sequences=2)[:, -3:]
+        greedy = [model.generate(**p, max_new_tokens=3, do_sample=False)[0, -3:].tolist() for p in prompts]
     assert got.tolist() == want
+    assert several.tolist() == [greedy[0], greedy[0], greedy[1], greedy[1]]
 
 
 def test_batch_of_one_prompt_has_one_sample():
