@@ -1,5 +1,8 @@
 """Batch size > 1 under ``macer.compress`` (issue #11): a left-padded batch of prompts of different lengths and media
-gives, per sample, the kept sets, prefill logits and greedy tokens of running that prompt alone; right padding, a
+gives, per sample, the kept sets, prefill logits and greedy tokens of running that prompt alone under ``compress``
+(itself checked against an independent staged forward in test_macer_selection / test_macer_labelled): Qwen2.5-Omni
+thinkers (MACER with and without trim_early_cache, FastV, Random; sdpa and eager; beam search and
+num_return_sequences) and the labelled path (``BatchLabelledAdapter`` on Llama / Qwen2 decoders). Right padding, a
 batch that mixes layouts under one ``use_audio_in_video`` flag, and the single-prompt trace attributes after a batch
 give clear errors."""
 
