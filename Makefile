@@ -6,12 +6,24 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test demo lint venv clean
 
+# One line per setup step; pip's and setuptools' output goes to $(LOG), printed only when a step fails.
+LOG := $(VENV)/setup.log
+quietly = $(1) >>$(LOG) 2>&1 || { echo "macer setup: that step failed; the end of $(LOG):"; tail -n 40 $(LOG); exit 1; }
+
 $(STAMP): requirements-ci.txt pyproject.toml setup.py
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements-ci.txt
-	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
-	touch $@
+	@if [ ! -x $(BIN)/python ]; then echo "macer setup: creating $(VENV) with $$($(PYTHON) --version)"; \
+		$(PYTHON) -m venv $(VENV) || exit 1; fi
+	@: > $(LOG)
+	@echo "macer setup: upgrading pip"
+	@$(call quietly,$(BIN)/python -m pip install -q --upgrade pip)
+	@echo "macer setup: installing pinned requirements-ci.txt (torch CPU, transformers, triton; first time: a few minutes)"
+	@$(call quietly,$(BIN)/python -m pip install -q -r requirements-ci.txt)
+	@echo "macer setup: installing macer-kernels (editable), building the CUDA extension if nvcc is found (about a minute)"
+	@$(call quietly,$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .)
+	@$(BIN)/python -c "import importlib.util as u; print('macer setup: CUDA extension', 'built' if \
+		u.find_spec('macer_kernels._C') else 'not built (MACER_NO_CUDA=1 or no nvcc): PyTorch and Triton paths only')"
+	@touch $@
+	@echo "macer setup: done ($(VENV) is reused from now on; pip's output is in $(LOG))"
 
 venv: $(STAMP)
 

@@ -7,6 +7,8 @@
 
 #include <array>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -93,6 +95,49 @@ void coverage_select(std::uintptr_t scores, int scores_dtype, int64_t n, int64_t
   macer::coverage_select(p);
 }
 
+// (label, keep, coverage_weight, coverage) per selected modality.
+using CtaModality = std::tuple<int64_t, int64_t, double, bool>;
+
+void select_cta(const std::string& op, std::uintptr_t scores, int scores_dtype,
+                const std::array<int64_t, 2>& scores_stride, std::uintptr_t labels, int labels_dtype,
+                const std::array<int64_t, 2>& labels_stride, std::uintptr_t chunk_ids, int chunk_dtype,
+                const std::array<int64_t, 2>& chunk_stride, std::uintptr_t out, int64_t out_stride, int64_t out_len,
+                int64_t batch, int64_t n, const std::vector<CtaModality>& modalities, int device,
+                std::uintptr_t stream) {
+  macer::SelectCtaParams p{};
+  p.op = op.c_str();
+  p.scores = ptr<const void>(scores);
+  p.labels = ptr<const void>(labels);
+  p.chunk_ids = ptr<const void>(chunk_ids);
+  p.out = ptr<int64_t>(out);
+  p.scores_dtype = scores_dtype;
+  p.labels_dtype = labels_dtype;
+  p.chunk_dtype = chunk_dtype;
+  for (int i = 0; i < 2; ++i) {
+    p.scores_stride[i] = scores_stride[i];
+    p.labels_stride[i] = labels_stride[i];
+    p.chunk_stride[i] = chunk_stride[i];
+  }
+  p.out_stride = out_stride;
+  p.out_len = out_len;
+  p.batch = batch;
+  p.n = n;
+  if (modalities.size() > static_cast<size_t>(macer::kMaxStageModalities)) {
+    throw std::invalid_argument("macer_kernels." + op + ": the number of selected modalities must be in [1, " +
+                                std::to_string(macer::kMaxStageModalities) + "]");
+  }
+  p.num_modalities = static_cast<int>(modalities.size());
+  for (size_t m = 0; m < modalities.size(); ++m) {
+    p.modalities[m].label = std::get<0>(modalities[m]);
+    p.modalities[m].keep = std::get<1>(modalities[m]);
+    p.modalities[m].coverage_weight = std::get<2>(modalities[m]);
+    p.modalities[m].coverage = std::get<3>(modalities[m]) ? 1 : 0;
+  }
+  p.device = device;
+  p.stream = stream_ptr(stream);
+  macer::select_cta(p);
+}
+
 // (src, dst, outer, row_units, unit_bytes, outer_stride, seq_stride, unit_stride), strides in bytes.
 using CompactSpec =
     std::tuple<std::uintptr_t, std::uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
@@ -117,6 +162,33 @@ void compact_many(const std::vector<CompactSpec>& specs, std::uintptr_t keep, in
   p.device = device;
   p.stream = stream_ptr(stream);
   macer::compact_many(p);
+}
+
+// (src, dst, shape, strides, element_bytes, dim) per tensor: the descriptor is computed here, not in Python.
+using CompactLayout =
+    std::tuple<std::uintptr_t, std::uintptr_t, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t>;
+
+macer::CompactTensor describe(const CompactLayout& l) {
+  return macer::compact_descriptor(ptr<const void>(std::get<0>(l)), ptr<void>(std::get<1>(l)), std::get<2>(l),
+                                   std::get<3>(l), std::get<4>(l), std::get<5>(l));
+}
+
+void compact_layouts(const std::vector<CompactLayout>& layouts, std::uintptr_t keep, int64_t k, int device,
+                     std::uintptr_t stream) {
+  macer::CompactParams p{};
+  p.tensors.reserve(layouts.size());
+  for (const auto& l : layouts) p.tensors.push_back(describe(l));
+  p.keep = ptr<const int64_t>(keep);
+  p.k = k;
+  p.device = device;
+  p.stream = stream_ptr(stream);
+  macer::compact_many(p);
+}
+
+CompactSpec compact_descriptor(const CompactLayout& l) {
+  const macer::CompactTensor t = describe(l);
+  return {reinterpret_cast<std::uintptr_t>(t.src), reinterpret_cast<std::uintptr_t>(t.dst), t.outer, t.row_units,
+          t.unit_bytes, t.outer_stride, t.seq_stride, t.unit_stride};
 }
 
 py::dict device_report() {
@@ -155,7 +227,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("select_workspace_bytes", &macer::select_workspace_bytes, py::arg("n"), py::arg("device"));
   m.def("topk_indices", &topk_indices, "Top-k indices, ties to the lower index, sorted ascending");
   m.def("coverage_select", &coverage_select, "eq:chunk_coverage_greedy without a k-step loop");
+  m.def("select_cta", &select_cta, "One-CTA top-K / coverage selection of B rows, one launch (see launchers.h)");
+  m.def("select_cta_max_n", &macer::select_cta_max_n, py::arg("device"), py::arg("coverage"));
+  m.attr("MAX_STAGE_MODALITIES") = macer::kMaxStageModalities;
   m.def("compact_many", &compact_many, "One gather launch per group of up to MAX_COMPACT_TENSORS tensors");
+  m.def("compact_layouts", &compact_layouts,
+        "compact_many from (src, dst, shape, strides, element_bytes, dim) per tensor: descriptors built here");
+  m.def("compact_descriptor", &compact_descriptor, "The CompactSpec tuple compact_layouts builds for one layout");
   m.def("device_report", &device_report, "CUDA device count, error, capability, runtime and driver versions");
   m.def("compiled_archs", &macer::compiled_archs, "SM versions with SASS in this module");
   m.def("ptx_arch", &macer::ptx_arch, "SM version of the embedded PTX");

@@ -6,6 +6,64 @@
 
 namespace macer {
 
+namespace {
+
+// The single stride of dims [from, to) if they flatten into one (size-1 dims ignored; 1 if there are none).
+bool merged_stride(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides, size_t from, size_t to,
+                   int64_t& out) {
+  int64_t prev_stride = 0;
+  bool any = false;
+  out = 1;
+  for (size_t i = from; i < to; ++i) {
+    if (shape[i] == 1) continue;
+    if (any && prev_stride != shape[i] * strides[i]) return false;
+    prev_stride = strides[i];
+    out = strides[i];
+    any = true;
+  }
+  return true;
+}
+
+}  // namespace
+
+CompactTensor compact_descriptor(const void* src, void* dst, const std::vector<int64_t>& shape,
+                                 const std::vector<int64_t>& strides, int64_t element_bytes, int64_t dim) {
+  constexpr const char* kOp = "compact";
+  const size_t rank = shape.size();
+  require(strides.size() == rank && dim >= 0 && static_cast<size_t>(dim) < rank, kOp,
+          "shape and strides must have the same length and dim must index them");
+  require(element_bytes == 1 || element_bytes == 2 || element_bytes == 4 || element_bytes == 8 ||
+              element_bytes == 16, kOp, "element size must be 1, 2, 4, 8 or 16 bytes");
+  const size_t d = static_cast<size_t>(dim);
+  int64_t outer = 1, inner = 1, outer_stride = 0, inner_stride = 0;
+  for (size_t i = 0; i < d; ++i) outer *= shape[i];
+  for (size_t i = d + 1; i < rank; ++i) inner *= shape[i];
+  require(merged_stride(shape, strides, 0, d, outer_stride) && merged_stride(shape, strides, d + 1, rank, inner_stride),
+          kOp, "the dims before and after the sequence dim must each flatten to one stride (copy it first)");
+  if (outer == 1) outer_stride = 0;
+  const int64_t seq_stride = shape[d] > 1 ? strides[d] : 0;
+  CompactTensor t{};
+  t.src = src;
+  t.dst = dst;
+  t.outer = outer;
+  t.outer_stride = outer_stride * element_bytes;
+  t.seq_stride = seq_stride * element_bytes;
+  if (inner_stride != 1 && inner > 1) {  // rows whose elements are not adjacent move one element at a time
+    t.unit_bytes = element_bytes;
+    t.row_units = inner;
+    t.unit_stride = inner_stride * element_bytes;
+    return t;
+  }
+  const int64_t row_bytes = inner * element_bytes;
+  const auto address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(src));
+  int64_t unit = 16;
+  while (unit > 1 && (row_bytes % unit || address % unit || t.outer_stride % unit || t.seq_stride % unit)) unit >>= 1;
+  t.unit_bytes = unit;
+  t.row_units = row_bytes / unit;
+  t.unit_stride = unit;
+  return t;
+}
+
 void compact_many(const CompactParams& p) {
   constexpr const char* kOp = "compact";
   for (const CompactTensor& t : p.tensors) {

@@ -73,6 +73,36 @@ void topk_indices(const SelectParams& p);
 void coverage_select(const SelectParams& p);
 
 // ---------------------------------------------------------------------------------------------------------------
+// One-CTA selection (csrc/kernels/select_cta.cuh): one launch, one thread block per row, for n up to
+// select_cta_max_n(device, coverage). topk_indices and coverage_select are one row with labels == nullptr and one
+// modality; stage_select is B rows with up to kMaxStageModalities selected labels.
+constexpr int kMaxStageModalities = 8;
+struct SelectCtaModality {
+  int64_t label;           // tokens with this label are this modality's candidates
+  int64_t keep;            // how many of them to keep, in [0, n]
+  double coverage_weight;  // lambda_c >= 0 (coverage only)
+  int coverage;            // 0: top-K, ties to the lower index; 1: the chunk-coverage greedy
+};
+struct SelectCtaParams {
+  const char* op;         // op name for error messages
+  const void* scores;     // [B, N] floating, dtype scores_dtype (float64 only without coverage)
+  const void* labels;     // [B, N] integer labels, or nullptr: every token is a candidate of modalities[0]
+  const void* chunk_ids;  // [B, N] integer chunk ids (read for coverage candidates only), or nullptr
+  int64_t* out;           // [B, out_len] int64, ascending kept positions per row (-1 for a row contradicting out_len)
+  int scores_dtype, labels_dtype, chunk_dtype;
+  int64_t scores_stride[2], labels_stride[2], chunk_stride[2];  // elements
+  int64_t out_stride, out_len;
+  int64_t batch, n;
+  int64_t key_capacity;  // set by the launcher: 64-bit keys in dynamic shared memory
+  int num_modalities;
+  SelectCtaModality modalities[kMaxStageModalities];
+  int device;
+  void* stream;
+};
+int64_t select_cta_max_n(int device, bool coverage);  // largest n of the one-CTA kernel on this device
+void select_cta(const SelectCtaParams& p);
+
+// ---------------------------------------------------------------------------------------------------------------
 // compact / compact_many: one gather launch for up to kMaxCompactTensors tensors sharing a sequence axis
 constexpr int kMaxCompactTensors = 8;
 struct CompactTensor {
@@ -90,6 +120,12 @@ struct CompactParams {
   void* stream;
 };
 void compact_many(const CompactParams& p);
+// The descriptor of a tensor of `shape` / `strides` (elements) and `element_bytes`, compacted along `dim` into the
+// contiguous `dst`: [outer, N, row_units] units of the widest size (16..1 bytes) dividing the row size, the strides
+// and the base address. Throws std::invalid_argument when the dims before or after `dim` do not flatten to one
+// stride each (the caller copies such a tensor to contiguous memory first).
+CompactTensor compact_descriptor(const void* src, void* dst, const std::vector<int64_t>& shape,
+                                 const std::vector<int64_t>& strides, int64_t element_bytes, int64_t dim);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Runtime queries (no kernel launches): used by macer_kernels.cuda.unavailable_reason().

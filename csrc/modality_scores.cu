@@ -54,6 +54,9 @@ void launch_tiles(const ModalityScoresParams& p, const Workspace& w) {
   const int64_t esize = sizeof(T);
   a.vec16 = aligned16(p.key) && p.head_dim % V == 0 && (p.k_stride[0] * esize) % 16 == 0 &&
             (p.k_stride[1] * esize) % 16 == 0 && (p.k_stride[2] * esize) % 16 == 0;
+  a.q_vec16 = p.q_stride[3] == 1 && aligned16(p.query) && p.head_dim % V == 0 &&
+              (p.q_stride[0] * esize) % 16 == 0 && (p.q_stride[1] * esize) % 16 == 0 &&
+              (p.q_stride[2] * esize) % 16 == 0;
   a.padded_dim = static_cast<int>(ceil_div(p.head_dim, C::kDimAlign) * C::kDimAlign);
 
   const size_t smem = scores::tile_smem_bytes<T>(a.padded_dim);

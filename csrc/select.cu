@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <climits>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "kernels/select.cuh"
 
@@ -61,12 +64,33 @@ void check_temp(const char* op, size_t needed, const Workspace& w) {
           "workspace too small for CUB's temporary storage (size it with select_workspace_bytes(n))");
 }
 
+// CUB's temporary storage per (device, items, key bits), asked once: a size query walks CUB's host-side dispatch
+// (device attribute lookups, tuning selection) on every call otherwise, and each op sorts two or four times.
+size_t sort_temp_bytes_cached(const char* op, int device, int num, int end_bit) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int>, size_t> cache;
+  const auto key = std::make_tuple(device, num, end_bit);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  size_t bytes = 0;
+  MACER_CUDA_CHECK(op, cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const uint64_t*>(nullptr),
+                                                       static_cast<uint64_t*>(nullptr),
+                                                       static_cast<const int64_t*>(nullptr),
+                                                       static_cast<int64_t*>(nullptr), num, 0, end_bit));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (cache.size() > 4096) cache.clear();  // bounded: shapes vary with the prompt
+  cache[key] = bytes;
+  return bytes;
+}
+
 // Stable sort of `count` (key, value) pairs by key bits [0, end_bit): keys[0], vals[0] -> keys[1], vals_out.
-void sort_pairs(const char* op, Workspace& w, int64_t count, int end_bit, int64_t* vals_out, cudaStream_t stream) {
-  size_t needed = 0;
+void sort_pairs(const char* op, int device, Workspace& w, int64_t count, int end_bit, int64_t* vals_out,
+                cudaStream_t stream) {
   const int num = static_cast<int>(count);
-  MACER_CUDA_CHECK(op, cub::DeviceRadixSort::SortPairs(nullptr, needed, w.keys[0], w.keys[1], w.vals[0], vals_out,
-                                                       num, 0, end_bit, stream));
+  size_t needed = sort_temp_bytes_cached(op, device, num, end_bit);
   check_temp(op, needed, w);
   MACER_CUDA_CHECK(op, cub::DeviceRadixSort::SortPairs(w.temp, needed, w.keys[0], w.keys[1], w.vals[0], vals_out,
                                                        num, 0, end_bit, stream));
@@ -86,7 +110,7 @@ void sort_by_score(const char* op, const SelectParams& p, Workspace& w, int64_t*
                                                                                p.scores_stride, p.n, w.keys[0],
                                                                                w.vals[0]);
   MACER_LAUNCH_CHECK(op, "score_keys_kernel");
-  sort_pairs(op, w, p.n, 64, order, stream);
+  sort_pairs(op, p.device, w, p.n, 64, order, stream);
 }
 
 // The first k entries of `order` (token indices), sorted ascending, into p.out.
@@ -94,7 +118,7 @@ void write_sorted_head(const char* op, const SelectParams& p, Workspace& w, cons
                        cudaStream_t stream) {
   select::head_keys_kernel<<<blocks_for(p.k), select::kThreads, 0, stream>>>(order, p.k, w.keys[0], w.vals[0]);
   MACER_LAUNCH_CHECK(op, "head_keys_kernel");
-  sort_pairs(op, w, p.k, bit_width(static_cast<uint64_t>(p.n - 1)), p.out, stream);
+  sort_pairs(op, p.device, w, p.k, bit_width(static_cast<uint64_t>(p.n - 1)), p.out, stream);
 }
 
 }  // namespace
@@ -141,7 +165,7 @@ void coverage_select(const SelectParams& p) {
                          : p.chunk_dtype == kInt16                       ? 16
                          : p.chunk_dtype == kInt32                       ? 32
                                                                          : 64;
-  sort_pairs(kOp, w, p.n, chunk_bits, w.vals[1], stream);
+  sort_pairs(kOp, p.device, w, p.n, chunk_bits, w.vals[1], stream);
   // 3. each token's greedy value from its rank inside the chunk.
   select::coverage_values_kernel<<<blocks, select::kThreads, 0, stream>>>(
       w.vals[1], w.keys[1], p.scores, p.scores_dtype, p.scores_stride, p.coverage_weight, p.n, w.value);
@@ -150,7 +174,7 @@ void coverage_select(const SelectParams& p) {
   select::value_keys_kernel<<<blocks, select::kThreads, 0, stream>>>(w.by_score, w.value, p.n, w.keys[0],
                                                                      w.vals[0]);
   MACER_LAUNCH_CHECK(kOp, "value_keys_kernel");
-  sort_pairs(kOp, w, p.n, 64, w.vals[1], stream);
+  sort_pairs(kOp, p.device, w, p.n, 64, w.vals[1], stream);
   // 5. the first k picks, ascending.
   write_sorted_head(kOp, p, w, w.vals[1], stream);
 }

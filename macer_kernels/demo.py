@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     counts = torch.bincount(chunk_ids[video_pick], minlength=chunks).tolist()
     sizes = torch.bincount(chunk_ids, minlength=chunks).tolist()
     print("video kept per temporal chunk: " + ", ".join(f"c{c}={k}/{s}" for c, (k, s) in enumerate(zip(counts, sizes))))
+    empty = [f"c{c}" for c, size in enumerate(sizes) if size == 0]
+    if empty:
+        groups = int(grid_of_video.max()) + 1
+        print(f"  ({', '.join(empty)} hold no tokens: the clip has {groups} temporal groups of 2 frames for {chunks} "
+              f"chunks, and each group's 144 tokens share one temporal position, so they land in one chunk)")
     print(f"sequence after both stages: {hidden.shape[1]} tokens (from {n}); readout ops took {elapsed_ms:.1f} ms "
           f"on CPU with backend {mk.current_backend()!r}")
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-from macer_kernels._validate import check_count, check_tensor
+from macer_kernels._validate import check_tensor
+
+_INT64_MAX = 2**63 - 1
 
 
 def temporal_chunks(temporal_positions: torch.Tensor, num_chunks: int) -> torch.Tensor:
@@ -12,16 +16,17 @@ def temporal_chunks(temporal_positions: torch.Tensor, num_chunks: int) -> torch.
 
     Args:
         temporal_positions: 1-D tensor of the video tokens' temporal positions (integer or floating, e.g. the
-            temporal row of M-RoPE position ids). ``torch.arange(n)`` gives C equal-size bins.
-        num_chunks: C >= 1.
+            temporal row of M-RoPE position ids). ``torch.arange(n)`` gives C equal-size bins. Integer positions must
+            span less than ``2**63 - 1`` (``t_max - t_min + 1`` fits int64); within that the ids are exact.
+        num_chunks: C, an integer in ``[1, 2**31)``.
 
     Returns:
         int64 tensor of ids in ``[0, C - 1]``, same length and device.
     """
     t = check_tensor("temporal_positions", temporal_positions, 1)
-    num_chunks = check_count("num_chunks", num_chunks)
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks must be an integer >= 1, got {num_chunks}")
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, numbers.Integral) or not 1 <= num_chunks < 2**31:
+        raise ValueError(f"num_chunks must be an integer >= 1 (and < 2**31), got {num_chunks!r}")
+    num_chunks = int(num_chunks)
     if t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"temporal_positions must be integer or floating, got {t.dtype}")
     if t.numel() == 0:
@@ -34,5 +39,19 @@ def temporal_chunks(temporal_positions: torch.Tensor, num_chunks: int) -> torch.
         return torch.floor(num_chunks * (t - lo) / (hi - lo + 1)).long()
     t = t.long()
     lo, hi = t.min(), t.max()
-    # Integer arithmetic: exact for any position range.
-    return torch.div(num_chunks * (t - lo), hi - lo + 1, rounding_mode="floor")
+    if t.device.type == "cpu":  # a free read on CPU; on a device the same check runs there, without a sync
+        if int(hi) - int(lo) + 1 > _INT64_MAX:
+            raise ValueError(f"temporal_positions must span less than 2**63 - 1 (t_max - t_min + 1 must fit int64), "
+                             f"got t_min={int(lo)}, t_max={int(hi)}")
+    else:
+        torch._assert_async(hi - lo + 1 > 0, "temporal_positions must span less than 2**63 - 1")
+    d, span = t - lo, hi - lo + 1
+    # C d can overflow int64 (spans beyond 2**63 / C). With R = C q + r (0 <= r < C) and d = q k + e (0 <= e < q):
+    # C d = R k + (C e - r k), so floor(C d / R) = k + floor((C e - r k) / R), where C e < C q <= R and
+    # r k < 2 C**2 < 2**63 (k <= d / q < 2 C): every intermediate fits int64. When R < C (q = 0), C d < C**2 fits.
+    q, r = torch.div(span, num_chunks, rounding_mode="floor"), torch.remainder(span, num_chunks)
+    q_safe = q.clamp(min=1)
+    k, e = torch.div(d, q_safe, rounding_mode="floor"), torch.remainder(d, q_safe)
+    large = k + torch.div(num_chunks * e - r * k, span, rounding_mode="floor")
+    small = torch.div(num_chunks * torch.where(q == 0, d, 0), span, rounding_mode="floor")
+    return torch.where(q == 0, small, large)

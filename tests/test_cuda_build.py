@@ -8,6 +8,7 @@ these tests inspect that build. Only if it is missing and nvcc is here (an insta
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -326,6 +327,7 @@ LAYOUTS = {
 }
 
 
+@needs_module
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_compact_descriptor_addresses_the_kept_rows(layout):
     make, dim, expected_unit = LAYOUTS[layout]
@@ -333,9 +335,91 @@ def test_compact_descriptor_addresses_the_kept_rows(layout):
     dim = dim % x.dim()
     keep = torch.tensor([0, 3, 4, 20, 36])
     out = x.index_select(dim, keep).contiguous()
-    spec = compact._spec(x, dim, out)
+    spec = _ext.ext().compact_descriptor((x.data_ptr(), out.data_ptr(), list(x.shape), list(x.stride()),
+                                          x.element_size(), dim))
     assert spec[4] == expected_unit
     assert torch.equal(_replay_gather(x, spec, keep), out.view(torch.uint8).reshape(-1))
+
+
+# --- the scoring kernel's query staging, replayed on CPU (csrc/kernels/modality_scores.cuh) -------------------------
+
+def _replay_query_staging(query: torch.Tensor, kvh: int, hkv: int, r0: int, padded_dim: int) -> torch.Tensor:
+    """The [32, padded_dim] query tile the kernel stages for KV head kvh, rows r0..r0+31 of its group: row offsets
+    (h = kvh * group + rr // Lq, q = rr % Lq) once per row, then 16-byte chunks of V elements (zero past D and past
+    the last row), or single elements when the stride over D is not 1."""
+    _, hq, lq, d = query.shape
+    group, rows = hq // hkv, hq // hkv * lq
+    v = 16 // query.element_size()
+    flat = torch.as_strided(query, (query.untyped_storage().nbytes() // query.element_size(),), (1,), 0)
+    st = query.stride()
+    base = query.storage_offset()  # b = 0
+    tile = torch.zeros(32, padded_dim, dtype=query.dtype)
+    offsets = [(kvh * group + rr // lq) * st[1] + (rr % lq) * st[2] if rr < rows else -1
+               for rr in range(r0, r0 + 32)]
+    if st[3] == 1:
+        for c in range(32 * (padded_dim // v)):
+            r, d0 = c // (padded_dim // v), (c % (padded_dim // v)) * v
+            valid = 0 if offsets[r] < 0 or d - d0 <= 0 else min(v, d - d0)
+            tile[r, d0:d0 + valid] = flat[base + offsets[r] + d0:base + offsets[r] + d0 + valid]
+    else:
+        for i in range(32 * padded_dim):
+            r, dd = divmod(i, padded_dim)
+            if offsets[r] >= 0 and dd < d:
+                tile[r, dd] = flat[base + offsets[r] + dd * st[3]]
+    return tile
+
+
+@pytest.mark.parametrize("layout", ["bhld", "blhd", "bhdl"])
+@pytest.mark.parametrize(("hq", "hkv", "lq", "d"), [(28, 4, 4, 128), (7, 1, 5, 80), (4, 2, 3, 12)])
+def test_query_staging_index_math_reads_each_rows_query(layout, hq, hkv, lq, d):
+    seed = hq * 100 + lq * 10 + len(layout)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, lq, d, generator=g)
+    query = {"bhld": q, "blhd": q.transpose(1, 2).contiguous().transpose(1, 2),
+             "bhdl": q.transpose(2, 3).contiguous().transpose(2, 3)}[layout]
+    padded = -(-d // 4) * 4  # fp32 tiles pad D to a multiple of 4
+    group = hq // hkv
+    for kvh in range(hkv):
+        rows = q[0, kvh * group:(kvh + 1) * group].reshape(group * lq, d)  # row rr = (h, q) in (h, q) order
+        for r0 in range(0, group * lq, 32):
+            want = torch.zeros(32, padded)
+            part = rows[r0:r0 + 32]
+            want[:len(part), :d] = part
+            assert torch.equal(_replay_query_staging(query, kvh, hkv, r0, padded), want), f"seed={seed} kvh={kvh}"
+
+
+@needs_module
+def test_compact_descriptor_rejects_layouts_that_do_not_flatten():
+    x = torch.randn(4, 16, 3, 2).transpose(2, 3)
+    with pytest.raises(ValueError, match=re.escape("compact: the dims before and after the sequence dim must each")):
+        _ext.ext().compact_descriptor((x.data_ptr(), 0, list(x.shape), list(x.stride()), 4, 1))
+    with pytest.raises(ValueError, match=re.escape("compact: element size must be 1, 2, 4, 8 or 16 bytes")):
+        _ext.ext().compact_descriptor((x.data_ptr(), 0, list(x.shape), list(x.stride()), 3, 1))
+
+
+def test_compact_many_is_one_module_call_with_one_layout_per_tensor(monkeypatch):
+    calls = []
+
+    class FakeModule:
+        def compact_layouts(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(compact, "ext", FakeModule)
+    monkeypatch.setattr(compact, "check_cuda_tensor", lambda *args: None)
+    monkeypatch.setattr(compact, "launch_args", lambda t: (0, 5))
+    hidden, cos = torch.randn(1, 40, 16).bfloat16(), torch.randn(1, 40, 8)
+    positions = torch.arange(120).view(3, 1, 40)
+    keep = torch.tensor([1, 5, 39])
+    with no_host_sync():
+        outs = compact.compact_many_cuda([hidden, cos, positions], keep, [1, 1, 2])
+    ((layouts, keep_ptr, k, device, stream),) = calls
+    assert (keep_ptr, k, device, stream) == (keep.data_ptr(), 3, 0, 5)
+    assert [o.shape for o in outs] == [(1, 3, 16), (1, 3, 8), (3, 1, 3)]
+    # the source's own shape (its N, not k: a size-1 sequence dim would otherwise lose its stride)
+    assert layouts == [(t.data_ptr(), o.data_ptr(), t.shape, t.stride(), t.element_size(), d)
+                       for t, o, d in zip((hidden, cos, positions), outs, (1, 1, 2))]
+    compact.compact_many_cuda([hidden], keep[:0], [1])  # k = 0: nothing to launch
+    assert len(calls) == 1
 
 
 def test_compact_many_keeps_its_contiguous_copies_alive_through_the_launch(monkeypatch):
@@ -349,7 +433,7 @@ def test_compact_many_keeps_its_contiguous_copies_alive_through_the_launch(monke
     class FakeModule:
         MAX_COMPACT_TENSORS = 8
 
-        def compact_many(self, specs, keep_ptr, k, device, stream):
+        def compact_layouts(self, layouts, keep_ptr, k, device, stream):
             alive_at_launch.extend(ref() is not None for ref in copies)
 
     contiguous = torch.Tensor.contiguous
@@ -367,6 +451,203 @@ def test_compact_many_keeps_its_contiguous_copies_alive_through_the_launch(monke
     tangled = torch.randn(4, 16, 3, 2).transpose(2, 3)  # dims after the sequence dim do not flatten to one stride
     compact.compact_many_cuda([tangled, torch.randn(4, 16, 2, 3)], torch.arange(16), [1, 1])
     assert len(copies) == 1 and alive_at_launch == [True]
+
+
+# --- launch plans of the selection wrappers, recorded with a fake module on CPU tensors -------------------------------
+
+class RecordingModule:
+    """Stands in for ``_C``: records every call (name, arguments) and launches nothing."""
+
+    MAX_STAGE_MODALITIES = 8
+
+    def __init__(self, cta_limit: int = 16384):
+        names = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64")
+        self.DTYPE_CODES = {name: code for code, name in enumerate(names)}  # the codes of csrc/launchers.h
+        self.calls: list[tuple[str, tuple]] = []
+        self.cta_limit = cta_limit
+
+    def __getattr__(self, name):
+        def record(*args):
+            self.calls.append((name, args))
+            return {"select_workspace_bytes": 1 << 16, "select_cta_max_n": self.cta_limit}.get(name)
+
+        return record
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Fail on any call that reads a tensor's values back to the host (on CUDA tensors these synchronise)."""
+    names = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def refuse(name):
+        def call(self, *args, **kwargs):
+            raise AssertionError(f"host synchronisation: Tensor.{name}")
+
+        return call
+
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, refuse(name))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    from macer_kernels.cuda import stage
+
+    module = RecordingModule()
+    _ext.select_cta_max_n.cache_clear()
+    _ext.select_workspace_bytes.cache_clear()
+    for target in (select, stage, _ext):
+        monkeypatch.setattr(target, "ext", lambda: module)
+        if hasattr(target, "check_cuda_tensor"):
+            monkeypatch.setattr(target, "check_cuda_tensor", lambda *args: None)
+        if hasattr(target, "launch_args"):
+            monkeypatch.setattr(target, "launch_args", lambda t: (0, 7))
+    yield module
+    _ext.select_cta_max_n.cache_clear()
+    _ext.select_workspace_bytes.cache_clear()
+
+
+def _launches(module):
+    return [(name, args) for name, args in module.calls if name not in ("select_cta_max_n",
+                                                                        "select_workspace_bytes")]
+
+
+def test_selection_up_to_the_limit_is_one_launch_of_the_one_cta_kernel(recording):
+    scores = torch.randn(2000)[::2]
+    chunks = torch.arange(1000, dtype=torch.int32) // 40
+    with no_host_sync():
+        select.topk_indices_cuda(scores, 250)
+        select.coverage_select_cuda(scores, chunks, 100, 0.2)
+    (topk, args_t), (cov, args_c) = _launches(recording)
+    assert topk == cov == "select_cta"
+    # (op, scores, dtype, strides, labels, labels dtype, strides, chunks, dtype, strides, out, out stride, out_len,
+    #  B, n, modalities, device, stream)
+    assert args_t[0] == "topk_indices" and args_t[1] == scores.data_ptr() and args_t[3] == (0, 2)
+    assert args_t[4] == 0 and args_t[7] == 0 and args_t[12:16] == (250, 1, 1000, [(0, 250, 0.0, False)])
+    assert args_c[0] == "coverage_select" and args_c[7] == chunks.data_ptr() and args_c[9] == (0, 1)
+    assert args_c[12:16] == (100, 1, 1000, [(0, 100, 0.2, True)]) and args_c[16:] == (0, 7)
+    # the limit is asked once per (device, coverage), then cached
+    select.topk_indices_cuda(scores, 3)
+    assert [name for name, _ in recording.calls].count("select_cta_max_n") == 2
+
+
+def test_selection_above_the_limit_and_float64_coverage_take_the_multi_cta_chain(recording):
+    recording.cta_limit = 999
+    scores, chunks = torch.randn(1000), torch.zeros(1000, dtype=torch.long)
+    with no_host_sync():
+        select.topk_indices_cuda(scores, 5)
+        select.coverage_select_cuda(scores, chunks, 5, 0.2)
+    recording.cta_limit = 10**6
+    _ext.select_cta_max_n.cache_clear()
+    select.coverage_select_cuda(scores.double(), chunks, 5, 0.2)  # float64 coverage: never one CTA
+    select.topk_indices_cuda(scores.double(), 5)  # float64 top-K compares float64 keys: one CTA
+    assert [name for name, _ in _launches(recording)] == ["topk_indices", "coverage_select", "coverage_select",
+                                                          "select_cta"]
+    assert select.topk_indices_cuda(scores, 0).shape == (0,) and len(_launches(recording)) == 4  # k = 0: none
+
+
+def test_stage_select_is_one_launch_with_one_parameter_set(recording):
+    from macer_kernels.cuda import stage
+
+    scores = torch.randn(3, 500)
+    labels = torch.randint(0, 3, (3, 500), dtype=torch.uint8)
+    chunks = torch.randint(0, 8, (3, 500), dtype=torch.int32)
+    modalities = ((1, 40, None, 1), (2, 30, 0.2, 8))
+    with no_host_sync():
+        out = stage.stage_select_cuda(scores, labels, chunks, modalities, 321)
+    assert out.shape == (3, 321) and out.dtype == torch.long
+    ((name, args),) = _launches(recording)
+    assert name == "select_cta" and args[0] == "stage_select"
+    assert args[1:4] == (scores.data_ptr(), 0, (500, 1)) and args[4:7] == (labels.data_ptr(), 5, (500, 1))
+    assert args[7:10] == (chunks.data_ptr(), 7, (500, 1)) and args[10:15] == (out.data_ptr(), 321, 321, 3, 500)
+    assert args[15] == [(1, 40, 0.0, False), (2, 30, 0.2, True)]
+    empty = stage.stage_select_cuda(scores[:, :0], labels[:, :0], None, ((1, 0, None, 0),), 0)
+    assert empty.shape == (3, 0) and len(_launches(recording)) == 1  # out_len = 0 (here N = 0): no launch
+
+
+def test_stage_select_above_the_limit_runs_the_sort_chain_without_a_host_sync(recording):
+    from test_cuda_select_emulation import stage_case, stage_oracle
+
+    from macer_kernels.cuda import stage
+
+    recording.cta_limit = 100
+    scores, labels, chunk_ids, n_audio, n_video = stage_case(3, 2, 257, False)
+    modalities = ((1, n_audio // 4, None, 1), (2, n_video // 4, 0.2, 8))
+    out_len = 257 - (n_audio - n_audio // 4) - (n_video - n_video // 4)
+    with no_host_sync():
+        got = stage.stage_select_cuda(scores, labels, chunk_ids, modalities, out_len)
+    assert _launches(recording) == []
+    assert torch.equal(got, stage_oracle(scores, labels, chunk_ids, modalities, out_len)), "seed=3"
+
+
+@pytest.mark.parametrize(("args", "error", "message"), [
+    ((torch.randn(2, 5), torch.zeros(2, 4, dtype=torch.long), None, ((1, 0, None, 1),), 5), ValueError,
+     "labels must be an integer tensor of shape (2, 5)"),
+    ((torch.randn(2, 5), torch.zeros(2, 5), None, ((1, 0, None, 1),), 5), ValueError,
+     "labels must be an integer tensor"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, 0.1, 1),), 5), ValueError,
+     "modality 1 uses coverage, so chunk_ids must be given"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 6, None, 1),), 5), ValueError,
+     "keep of modality 1 must be in [0, 5], got 6"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, None, 1), (1, 0, None, 1)), 5),
+     ValueError, "modality label 1 is listed twice"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, (), 5), ValueError,
+     "modalities must hold 1 to 8 entries, got 0"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, -1.0, 1),), 5), ValueError,
+     "coverage_weight of modality 1 must be >= 0 or None, got -1.0"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, None, 1),), 6), ValueError,
+     "out_len must be in [0, 5], got 6"),
+    ((torch.randn(0, 5), torch.zeros(0, 5, dtype=torch.long), None, ((1, 0, None, 1),), 5), ValueError,
+     "B must be >= 1, got 0"),
+])
+def test_stage_select_rejects_bad_arguments_on_the_host(recording, args, error, message):
+    from macer_kernels.cuda import stage
+
+    with pytest.raises(error, match=re.escape(f"stage_select: {message}")):
+        stage.stage_select_cuda(*args)
+    assert _launches(recording) == []
+
+
+@needs_module
+def test_module_rejects_bad_one_cta_arguments():
+    C = _ext.ext()
+
+    def call(**over):
+        a = dict(op="stage_select", scores=0, sd=0, ss=(4, 1), labels=1, ld=8, ls=(4, 1), chunks=1, cd=8, cs=(4, 1),
+                 out=0, os=4, out_len=4, b=1, n=4, mods=[(1, 2, 0.0, False)])
+        a.update(over)
+        C.select_cta(a["op"], a["scores"], a["sd"], a["ss"], a["labels"], a["ld"], a["ls"], a["chunks"], a["cd"],
+                     a["cs"], a["out"], a["os"], a["out_len"], a["b"], a["n"], a["mods"], 0, 0)
+
+    cases = [
+        (dict(mods=[]), "the number of selected modalities must be in [1, 8]"),
+        (dict(mods=[(i, 0, 0.0, False) for i in range(9)]), "the number of selected modalities must be in [1, 8]"),
+        (dict(b=0), "B must be in [1, 2^31 - 1]"),
+        (dict(n=0), "n must be >= 1"),
+        (dict(sd=8), "scores dtype code must be a floating code"),
+        (dict(labels=0, mods=[(0, 1, 0.0, False), (1, 1, 0.0, False)]), "without labels exactly one modality"),
+        (dict(ld=0), "labels dtype code must be an integer code"),
+        (dict(out_len=5), "out_len must be in [0, n]"),
+        (dict(mods=[(1, 5, 0.0, False)]), "keep must be in [0, n]"),
+        (dict(mods=[(1, 2, -1.0, True)]), "coverage_weight must be >= 0"),
+        (dict(mods=[(1, 2, 1.0, True)], chunks=0), "coverage needs chunk_ids with an integer dtype code"),
+        (dict(mods=[(1, 2, 1.0, True)], sd=3), "coverage in one CTA compares float32 score bits: float64 scores take"),
+        (dict(labels=0, out_len=3), "without labels out_len must equal keep"),
+    ]
+    for over, message in cases:
+        with pytest.raises(ValueError, match=re.escape(f"macer_kernels.stage_select: {message}")):
+            call(**over)
+    if not HAS_GPU:  # the argument checks pass; the device query then fails without a driver
+        with pytest.raises(RuntimeError, match=r"^macer_kernels\.stage_select: cudaGetDevice failed: cuda\w+"):
+            call()
+        with pytest.raises(RuntimeError, match=r"^macer_kernels\.select_cta_max_n: cudaGetDevice failed"):
+            C.select_cta_max_n(0, True)
 
 
 # --- torch.library: the fake implementations let a graph be traced without running a kernel ------------------------
@@ -390,6 +671,11 @@ def test_custom_ops_trace_with_fake_tensors():
     targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
     assert {f"{library.NAMESPACE}.{op}.default" for op in
             ("modality_scores", "topk_indices", "coverage_select", "compact", "compact_many")} <= targets
+    stage = make_fx(lambda s, m, c: torch.ops.macer_cuda.stage_select(s, m, c, [1, 2], [3, 4], [-1.0, 0.2], 30),
+                    tracing_mode="fake")(*_fake_cuda(((2, 40), torch.float32, "cuda"), ((2, 40), torch.uint8, "cuda"),
+                                                     ((2, 40), torch.int32, "cuda")))
+    (output,) = [node for node in stage.graph.nodes if node.op == "output"]
+    assert tuple(output.args[0].meta["val"].shape) == (2, 30)
     (output,) = [node for node in graph.graph.nodes if node.op == "output"]
     shapes = [tuple(value.meta["val"].shape) for value in output.args[0]]
     assert shapes == [(1, 8, 32), (1, 8, 64), (3, 1, 8)]

@@ -90,6 +90,13 @@ def test_modality_scores_layouts(dtype):
     _check_scores(*_scores_case(1, 8, 2, 3, 96, 300, dtype, offset=True))
     query, key, modality, qpos = _scores_case(1, 8, 2, 3, 64, 300, dtype)
     _check_scores(query.transpose(2, 3).contiguous().transpose(2, 3), key, modality.to(torch.int8), qpos.int())
+    # Q rows contiguous over D but the base one element off 16 bytes: the staging's scalar chunk path
+    shifted = torch.empty(query.numel() + 1, dtype=dtype, device=DEV)[1:].view(query.shape)
+    shifted.copy_(query)
+    _check_scores(shifted, key, modality, qpos)
+    # Q in [B, Lq, Hq, D] memory read as [B, Hq, Lq, D] (row offsets from both strides), D = 80 (a partial chunk)
+    query, key, modality, qpos = _scores_case(1, 28, 4, 5, 80, 300, dtype)
+    _check_scores(query.transpose(1, 2).contiguous().transpose(1, 2), key, modality, qpos)
 
 
 def test_modality_scores_labels_positions_and_eps():
@@ -200,6 +207,133 @@ def test_select_workspace_too_small_is_reported():
     with pytest.raises(ValueError, match="topk_indices: workspace too small for CUB's temporary storage"):
         _ext.ext().topk_indices(scores.data_ptr(), 0, n, 1, 10, out.data_ptr(), scratch.data_ptr(), arrays_only,
                                 scores.device.index, torch.cuda.current_stream().cuda_stream)
+
+
+# --- the one-CTA kernel: both sides of its limit, stage_select --------------------------------------------------
+
+def _cta_limit(coverage: bool) -> int:
+    from macer_kernels.cuda._ext import select_cta_max_n
+
+    return select_cta_max_n(torch.cuda.current_device(), coverage)
+
+
+def test_one_cta_limits_cover_the_paper_sizes():
+    major, _ = torch.cuda.get_device_capability()
+    # sm_89: 99 KB of shared memory per block -> 8192 coverage / ~12k top-K; sm_90: 227 KB -> 16384 / ~28k.
+    assert _cta_limit(True) >= 8192 and _cta_limit(False) >= 12000, (_cta_limit(True), _cta_limit(False))
+    if major >= 9:
+        assert _cta_limit(True) == 16384 and _cta_limit(False) >= 20000
+
+
+@pytest.mark.parametrize("coverage", [False, True])
+def test_selection_on_both_sides_of_the_one_cta_limit(coverage):
+    limit = _cta_limit(coverage)
+    for n in (limit - 1, limit, limit + 1):
+        g = torch.Generator(device=DEV).manual_seed(n)
+        for ties in (False, True):
+            scores = _random_scores(n, torch.float32, ties, seed=n + ties)
+            chunks = torch.randint(0, 24, (n,), generator=g, device=DEV)
+            for k in (1, n // 5, n):
+                if coverage:
+                    got = mk.coverage_select(scores, chunks, k, 0.2)
+                    want = _coverage_select_torch(scores.cpu(), chunks.cpu(), k, 0.2)
+                else:
+                    got = mk.topk_indices(scores, k)
+                    want = _topk_indices_torch(scores.cpu(), k)
+                assert torch.equal(got.cpu(), want), (n, k, ties)
+
+
+def test_one_cta_selection_is_a_single_launch():
+    from torch.profiler import ProfilerActivity, profile
+
+    scores = torch.randn(864, device=DEV)
+    chunks = torch.arange(864, device=DEV) // 36
+    from macer_kernels.cuda.select import coverage_select_cuda, topk_indices_cuda
+
+    for call in (lambda: topk_indices_cuda(scores, 216), lambda: coverage_select_cuda(scores, chunks, 216, 0.2)):
+        call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        assert len(kernels) == 1 and "select_cta_kernel" in kernels[0].name, [e.name for e in kernels]
+
+
+def _stage_on_gpu(seed, b, n, ties, stage, label_dtype=torch.uint8, chunk_dtype=torch.int64):
+    from test_cuda_select_emulation import STAGES, stage_case, stage_oracle
+
+    from macer_kernels.cuda.stage import stage_select_cuda
+
+    scores, labels, chunk_ids, n_audio, n_video = stage_case(seed, b, n, ties)
+    modalities = STAGES[stage](n_audio, n_video)
+    counts = {1: n_audio, 2: n_video}
+    out_len = n - sum(counts[label] - keep for label, keep, _, _ in modalities)
+    got = stage_select_cuda(scores.to(DEV), labels.to(DEV, label_dtype), chunk_ids.to(DEV, chunk_dtype), modalities,
+                            out_len)
+    assert got.dtype == torch.long and got.shape == (b, out_len)
+    if n <= 1500:
+        want = stage_oracle(scores, labels, chunk_ids, modalities, out_len)
+    else:
+        from macer_kernels.cuda.stage import stage_select_sorts
+
+        want = stage_select_sorts(scores, labels, chunk_ids, modalities, out_len)  # equals the oracle (CPU test)
+    assert torch.equal(got.cpu(), want), f"seed={seed} b={b} n={n} ties={ties} stage={stage}"
+
+
+@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize(("b", "n"), [(1, 30), (3, 257), (2, 1200), (4, 2400)])
+def test_stage_select_matches_the_oracle(stage, b, n):
+    for ties in (False, True):
+        _stage_on_gpu(1000 * stage + n + ties, b, n, ties, stage)
+    _stage_on_gpu(7, b, n, True, stage, torch.int32, torch.int32)
+
+
+def test_stage_select_above_the_limit_and_bad_rows():
+    from test_cuda_select_emulation import stage_case
+
+    from macer_kernels.cuda.stage import stage_select_cuda, stage_select_sorts
+
+    n = _cta_limit(True) + 3
+    _stage_on_gpu(11, 2, n, True, 0)
+    scores, labels, chunk_ids, n_audio, n_video = stage_case(5, 2, 100, False)
+    labels[1, labels[1] == 1] = 0
+    modalities = ((1, 3, None, 1), (2, n_video, 0.2, 8))
+    out_len = 100 - (n_audio - 3)
+    got = stage_select_cuda(scores.to(DEV), labels.to(DEV), chunk_ids.to(DEV), modalities, out_len)
+    assert torch.equal(got.cpu(), stage_select_sorts(scores, labels, chunk_ids, modalities, out_len))
+    assert bool((got[1] == -1).all()) and bool((got[0] >= 0).all())
+
+
+def test_stage_select_single_token_and_everything_kept():
+    from macer_kernels.cuda.stage import stage_select_cuda
+
+    scores = torch.tensor([[0.5]], device=DEV)
+    labels = torch.tensor([[2]], device=DEV)
+    chunks = torch.tensor([[0]], device=DEV)
+    for keep, out_len in ((0, 0), (1, 1)):
+        got = stage_select_cuda(scores, labels, chunks, ((2, keep, 0.1, 1),), out_len)
+        assert got.tolist() == [[0] * out_len]
+    text = torch.zeros(1, 5, dtype=torch.long, device=DEV)
+    assert stage_select_cuda(torch.randn(1, 5, device=DEV), text, None, ((1, 0, None, 1),), 5).tolist() == [
+        [0, 1, 2, 3, 4]]
+
+
+def test_stage_select_custom_op_matches_and_compiles():
+    from test_cuda_select_emulation import stage_case
+
+    from macer_kernels.cuda.stage import stage_select_cuda
+
+    scores, labels, chunk_ids, n_audio, n_video = stage_case(21, 2, 900, False)
+    scores, labels, chunk_ids = scores.to(DEV), labels.to(DEV), chunk_ids.to(DEV)
+    out_len = 900 - (n_audio - 50) - (n_video - 60)
+    want = stage_select_cuda(scores, labels, chunk_ids, ((1, 50, None, 0), (2, 60, 0.2, 8)), out_len)
+
+    def stage(s, m, c):
+        return torch.ops.macer_cuda.stage_select(s, m, c, [1, 2], [50, 60], [-1.0, 0.2], out_len)
+
+    assert torch.equal(stage(scores, labels, chunk_ids), want)
+    assert torch.equal(torch.compile(stage, fullgraph=True)(scores, labels, chunk_ids), want)
 
 
 # --- compaction ----------------------------------------------------------------------------------------------------

@@ -323,3 +323,17 @@ def test_prompt_without_attention_mask():
     n, n_a, n_v = _counts(inputs)
     assert len(trace.audio_kept) == trace.budget.audio < n_a and len(trace.video_kept) == trace.budget.video < n_v
     assert out.logits.shape[1] == n - n_a - n_v + trace.budget.total
+
+
+def test_full_model_generate_points_to_thinker_generate():
+    """#13 item 7: inside compress, the full model's generate says to call .thinker.generate; leaving the context
+    removes the guard (the instance has no own attribute again)."""
+    omni = build_omni_model(num_layers=4, hidden_size=64, seed=5)
+    inputs = clip_inputs(omni, **CLIP)
+    with macer.compress(omni, macer_config_for(omni, audio_layer=1, video_layer=2)):
+        with pytest.raises(RuntimeError, match=r"call model\.thinker\.generate\(\.\.\.\) for text answers.*"
+                                               r"'Chelsie is not available'"):
+            omni.generate(**inputs)
+    assert "generate" not in omni.__dict__
+    with macer.compress(omni.thinker, macer_config_for(omni, audio_layer=1, video_layer=2)):
+        assert "generate" not in omni.thinker.__dict__  # the thinker's own generate is the supported path

@@ -37,9 +37,13 @@ def _labels(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def _anms(probs: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, eps: float) -> torch.Tensor:
-    """eq:macer_score from attention probabilities [H, n, n] (float64)."""
+def _anms(probs: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, eps: float,
+          scoring: str = "anms") -> torch.Tensor:
+    """eq:macer_score from attention probabilities [H, n, n] (float64); ``"raw"``: the probability itself, averaged
+    over heads and rows (the ablation without per-modality renormalisation)."""
     a = probs[:, rows].double()  # [H, Lq, n]
+    if scoring == "raw":
+        return a.mean(dim=(0, 1))
     scores = torch.zeros(a.shape[-1], dtype=torch.float64)
     for m in (AUDIO, VISUAL):
         in_m = labels == m
@@ -103,7 +107,7 @@ def reference_kept(model, inputs, config) -> tuple[list[int], list[int]]:
                 continue
             cur_labels = labels[current]
             rows = torch.searchsorted(current, question)
-            scores = _anms(weights["probs"][0], rows, cur_labels, config.eps)
+            scores = _anms(weights["probs"][0], rows, cur_labels, config.eps, config.scoring)
             keep = torch.ones(length, dtype=torch.bool)
             for modality in stages[i]:
                 members = (cur_labels == modality).nonzero().reshape(-1)
@@ -162,6 +166,21 @@ def test_kept_sets_match_independent_reference(eager_model, layers, clip, attn):
     assert trace.video_kept == want_video
     assert all(ids[i] == SYNTHETIC_TOKENS.audio for i in trace.audio_kept)
     assert all(ids[i] == SYNTHETIC_TOKENS.video for i in trace.video_kept)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_raw_scoring_ablation_matches_reference(eager_model, attn):
+    """``MacerConfig(scoring="raw")`` (the ``macer_raw`` ablation) ranks by the raw attention probability."""
+    config = macer_config_for(eager_model, keep_ratio=0.3, audio_layer=2, video_layer=4, scoring="raw")
+    inputs = clip_inputs(eager_model, seed=1, **SMALL_CLIP)
+    want = reference_kept(eager_model, inputs, config)
+    anms = reference_kept(eager_model, inputs, config.replace(scoring="anms"))
+    model = eager_model if attn == "eager" else build_thinker(num_layers=6, hidden_size=64, attn_implementation="sdpa",
+                                                              seed=3)
+    with torch.no_grad(), macer.compress(model, config) as trace:
+        model(**inputs)
+    assert (trace.audio_kept, trace.video_kept) == want
+    assert want != anms  # the two scorings pick different tokens here, so the test tells them apart
 
 
 @pytest.mark.parametrize(("audio_share", "keep_ratio"), [(0.0, 0.3), (1.0, 0.3), (0.3, 0.005)],

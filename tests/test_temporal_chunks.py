@@ -1,5 +1,7 @@
 """temporal_chunks: floor(C (t - t_min) / (t_max - t_min + 1))."""
 
+import random
+
 import pytest
 import torch
 
@@ -41,8 +43,12 @@ def test_constant_and_empty():
 @pytest.mark.parametrize(
     ("t", "c", "error", "message"),
     [
-        (torch.arange(4), 0, ValueError, "num_chunks must be an integer >= 1"),
-        (torch.arange(4), 2.0, ValueError, "num_chunks must be a non-negative integer"),
+        (torch.arange(4), 0, ValueError, r"num_chunks must be an integer >= 1 .*got 0"),
+        (torch.arange(4), -1, ValueError, r"num_chunks must be an integer >= 1 .*got -1"),
+        (torch.arange(4), 2.0, ValueError, r"num_chunks must be an integer >= 1 .*got 2.0"),
+        (torch.arange(4), 2**31, ValueError, r"num_chunks must be an integer >= 1 \(and < 2\*\*31\)"),
+        (torch.tensor([-(2**62), 2**62]), 2, ValueError, r"span less than 2\*\*63 - 1 .*t_min=-4611686018427387904"),
+        (torch.tensor([-(2**63), 2**63 - 1]), 2, ValueError, "must span less than 2"),
         (torch.arange(4)[None], 2, ValueError, "temporal_positions must have 1 dimensions"),
         (torch.tensor([0.0, float("inf")]), 2, ValueError, "temporal_positions must be finite"),
         (torch.tensor([True, False]), 2, TypeError, "temporal_positions must be integer or floating"),
@@ -51,3 +57,35 @@ def test_constant_and_empty():
 def test_errors(t, c, error, message):
     with pytest.raises(error, match=message):
         temporal_chunks(t, c)
+
+
+def _exact(t: list[int], c: int) -> list[int]:
+    """Python-int oracle (unbounded integers): floor(C (t - t_min) / (t_max - t_min + 1))."""
+    lo, hi = min(t), max(t)
+    return [c * (x - lo) // (hi - lo + 1) for x in t]
+
+
+@pytest.mark.parametrize("c", [1, 2, 7, 8, 1000, 2**31 - 1])
+@pytest.mark.parametrize("base", [0, -(2**62), 2**62 - 1])
+def test_exact_near_int64_limits(c, base):
+    # Spans near 2**63 / C and up to the largest allowed (t_max - t_min + 1 = 2**63 - 1), where C (t - t_min) no
+    # longer fits int64; every id against Python's unbounded integers, including each chunk's first/last position.
+    seed = torch.seed() % 2**31
+    rng = random.Random(seed)
+    for span in {min(2**63 // c - 1, 2**63 - 1), min(2**63 // c + 12345, 2**63 - 1), 2**62 + 3, 2**63 - 1}:
+        lo = max(-(2**63), min(base, 2**63 - span))  # keeps t_max = lo + span - 1 within int64
+        offsets = [rng.randrange(span) for _ in range(200)]
+        starts = [-(-k * span // c) for k in range(1, min(c, 50))]  # ceil(k span / C): first position of chunk k
+        t = [lo, lo + span - 1, *(lo + o for o in offsets), *(lo + s for s in starts), *(lo + s - 1 for s in starts)]
+        out = temporal_chunks(torch.tensor(t), c)
+        assert out.tolist() == _exact(t, c), f"seed={seed} span={span} base={base} c={c}"
+        assert 0 <= int(out.min()) and int(out.max()) <= c - 1
+
+
+def test_matches_python_ints_on_random_small_ranges():
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        c = int(torch.randint(1, 20, (1,), generator=g))
+        t = torch.randint(-1000, 1000, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g)
+        assert temporal_chunks(t, c).tolist() == _exact(t.tolist(), c), f"seed={seed} c={c} t={t.tolist()}"

@@ -76,6 +76,7 @@ struct TileArgs {
   int64_t q_stride[4], k_stride[3], mod_stride[2], pos_stride[2];
   float scale_log2;  // scale * log2(e)
   bool vec16;        // key base, strides and D allow 16-byte loads
+  bool q_vec16;      // the same for the query (whose stride over D is 1)
   int padded_dim;    // D rounded up to TileConfig::kDimAlign
 };
 
@@ -207,17 +208,32 @@ __global__ void __launch_bounds__(kThreads) scores_tile_kernel(const TileArgs a)
     load_chunk<T, S>(kbase + (n0 + j) * a.k_stride[2] + d0, valid, a.vec16, ks + j * ld + d0);
   }
 
+  // Element offset of each query row of the current row tile (-1 past the last row): the 64-bit div/mod by Lq runs
+  // once per row here instead of once per staged element.
+  __shared__ int64_t row_offset[kRowTile];
+  const T* qbase = static_cast<const T*>(a.query) + b * a.q_stride[0];
   for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-    const T* qbase = static_cast<const T*>(a.query) + b * a.q_stride[0];
-    for (int i = threadIdx.x; i < kRowTile * a.padded_dim; i += kThreads) {
-      const int r = i / a.padded_dim, d = i % a.padded_dim;
-      const int64_t rr = r0 + r;
-      S v = to_smem<T>(T(0.0f));
-      if (rr < rows && d < a.head_dim) {
-        const int64_t h = kvh * group + rr / a.q_len, q = rr % a.q_len;
-        v = to_smem<T>(qbase[h * a.q_stride[1] + q * a.q_stride[2] + d * a.q_stride[3]]);
+    if (threadIdx.x < kRowTile) {
+      const int64_t rr = r0 + threadIdx.x;
+      row_offset[threadIdx.x] =
+          rr < rows ? (kvh * group + rr / a.q_len) * a.q_stride[1] + (rr % a.q_len) * a.q_stride[2] : -1;
+    }
+    __syncthreads();
+    if (a.q_stride[3] == 1) {  // rows of Q are contiguous over D: 16-byte chunks like K (scalar where unaligned)
+      for (int c = threadIdx.x; c < kRowTile * chunks; c += kThreads) {
+        const int r = c / chunks, d0 = (c % chunks) * V;
+        const int64_t offset = row_offset[r];
+        const int64_t left = a.head_dim - d0;
+        const int valid = offset < 0 || left <= 0 ? 0 : static_cast<int>(left < V ? left : V);
+        load_chunk<T, S>(qbase + (valid > 0 ? offset + d0 : 0), valid, a.q_vec16, qs + r * ld + d0);
       }
-      qs[r * ld + d] = v;
+    } else {
+      for (int i = threadIdx.x; i < kRowTile * a.padded_dim; i += kThreads) {
+        const int r = i / a.padded_dim, d = i % a.padded_dim;
+        const int64_t offset = row_offset[r];
+        qs[r * ld + d] = offset >= 0 && d < a.head_dim ? to_smem<T>(qbase[offset + d * a.q_stride[3]])
+                                                       : to_smem<T>(T(0.0f));
+      }
     }
     __syncthreads();
     tile_logits<T>(ks, qs, s, ld, lds, a.padded_dim);
@@ -263,7 +279,7 @@ __global__ void __launch_bounds__(kThreads) scores_tile_kernel(const TileArgs a)
         if (lane == 0) part[m] = make_float2(mx, sum);
       }
     }
-    __syncthreads();  // qs and s are rewritten by the next row tile
+    __syncthreads();  // qs, s and row_offset are rewritten by the next row tile
   }
 }
 

@@ -1,17 +1,17 @@
 """CUDA backend: the kernels of ``csrc/`` through the torch-free module ``macer_kernels._C``.
 
 Importing this package registers the ``"cuda"`` implementations of ``modality_scores``, ``topk_indices``,
-``coverage_select``, ``compact`` and ``compact_many`` (see ``macer_kernels.backend``), and the ``torch.library``
-custom ops ``torch.ops.macer_cuda.*`` that ``torch.compile`` can trace (``macer_kernels.cuda.library``). Importing
-never touches a GPU and works on a machine without one, or without the compiled module; ``unavailable_reason()``
-then says why the backend cannot run.
+``coverage_select``, ``stage_select``, ``compact`` and ``compact_many`` (see ``macer_kernels.backend``), and the
+``torch.library`` custom ops ``torch.ops.macer_cuda.*`` that ``torch.compile`` can trace
+(``macer_kernels.cuda.library``). Importing never touches a GPU and works on a machine without one, or without the
+compiled module; ``unavailable_reason()`` then says why the backend cannot run.
 """
 
 from __future__ import annotations
 
 import torch
 
-from macer_kernels.cuda import compact, library, modality_scores, select  # noqa: F401  (importing registers)
+from macer_kernels.cuda import compact, library, modality_scores, select, stage  # noqa: F401  (importing registers)
 from macer_kernels.cuda._ext import IMPORT_ERROR, ext
 
 

@@ -7,12 +7,15 @@ and dtype codes, and the stream as an integer. This file owns that translation.
 from __future__ import annotations
 
 import functools
+import importlib
 from types import ModuleType
 
 import torch
 
 try:
-    from macer_kernels import _C as _ext_module
+    # import_module, not `from macer_kernels import _C`: a missing module must surface as ModuleNotFoundError (the
+    # "not built" reason), where the from-import turns it into a plain ImportError ("cannot import name '_C'").
+    _ext_module = importlib.import_module("macer_kernels._C")
 except ImportError as exc:  # not built (no nvcc, MACER_NO_CUDA=1) or built for another Python
     _ext_module = None
     IMPORT_ERROR: ImportError | None = exc
@@ -59,3 +62,9 @@ def workspace(nbytes: int, device: torch.device) -> torch.Tensor:
 def select_workspace_bytes(n: int, device: int) -> int:
     """Workspace of the selection ops for n scores (asks CUB once per (n, device))."""
     return int(ext().select_workspace_bytes(n, device))
+
+
+@functools.lru_cache(maxsize=64)
+def select_cta_max_n(device: int, coverage: bool) -> int:
+    """Largest n the one-CTA selection kernel takes on ``device`` (its shared memory; asked once per device)."""
+    return int(ext().select_cta_max_n(device, coverage))

@@ -4,14 +4,11 @@ positions of a stage's hidden states, RoPE cos/sin and position ids together."""
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 
 from macer_kernels.backend import register
 from macer_kernels.cuda._ext import check_cuda_tensor, ext, launch_args
-
-_UNITS = (16, 8, 4, 2, 1)
 
 
 def _merged_stride(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
@@ -23,39 +20,31 @@ def _merged_stride(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | No
     return dims[-1][1] if dims else 1
 
 
-def _spec(x: torch.Tensor, dim: int, out: torch.Tensor) -> tuple[int, int, int, int, int, int, int, int]:
-    """Describe ``x`` as ``[outer, N, row_units]`` units of U bytes (see ``CompactTensor`` in csrc/launchers.h)."""
-    shape, strides, esize = tuple(x.shape), x.stride(), x.element_size()
-    outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
-    outer_stride = _merged_stride(shape[:dim], strides[:dim])
-    inner_stride = _merged_stride(shape[dim + 1:], strides[dim + 1:])
-    seq_stride = strides[dim] if shape[dim] > 1 else 0
-    outer_stride = 0 if outer == 1 else outer_stride
-    if inner_stride != 1 and inner > 1:
-        # Rows whose elements are not adjacent move one element at a time (rare: e.g. a transposed view).
-        unit, row_units, unit_stride = esize, inner, inner_stride * esize
-    else:
-        row_bytes = inner * esize
-        addresses = (row_bytes, x.data_ptr(), outer_stride * esize, seq_stride * esize)
-        unit = next(u for u in _UNITS if all(a % u == 0 for a in addresses))
-        row_units, unit_stride = row_bytes // unit, unit
-    return (x.data_ptr(), out.data_ptr(), outer, row_units, unit, outer_stride * esize, seq_stride * esize,
-            unit_stride)
+def _flattens(t: torch.Tensor, dim: int) -> bool:
+    """Whether the dims before and after ``dim`` each flatten to one stride (always true when contiguous)."""
+    if t.is_contiguous():
+        return True
+    shape, strides = tuple(t.shape), t.stride()
+    return (_merged_stride(shape[:dim], strides[:dim]) is not None
+            and _merged_stride(shape[dim + 1:], strides[dim + 1:]) is not None)
 
 
 def compact_many_cuda(tensors: list[torch.Tensor], keep: torch.Tensor, dims: list[int]) -> list[torch.Tensor]:
     """Keep positions ``keep`` (int64 ``[k]``, strictly increasing) of every tensor along its ``dims`` entry; the
     outputs are new contiguous tensors. All tensors share one launch per group of ``_C.MAX_COMPACT_TENSORS``.
 
-    Any strides are read in place when the dims before and after the sequence dim each flatten to one stride; other
-    layouts are copied to contiguous memory first.
+    Per tensor this allocates the output and passes (pointers, shape, strides, element size, dim); the module builds
+    the ``[outer, N, row_units]`` descriptors (``compact_descriptor`` in csrc/compact.cu). Any strides are read in
+    place when the dims before and after the sequence dim each flatten to one stride; other layouts are copied to
+    contiguous memory first.
     """
     for i, t in enumerate(tensors):
         check_cuda_tensor("compact", f"tensors[{i}]", t)
     check_cuda_tensor("compact", "keep", keep)
-    keep = keep.to(torch.long).contiguous()
-    k = keep.numel()
-    outs, specs = [], []
+    if keep.dtype != torch.long or not keep.is_contiguous():
+        keep = keep.to(torch.long).contiguous()
+    k = keep.shape[0]
+    outs, layouts = [], []
     # The contiguous copies must outlive the launch: a copy freed while the loop goes on goes back to the caching
     # allocator, which hands the same block to the next output, and the one launch would then read a source from
     # memory it writes. (Freed after the launch is fine: later allocations are ordered after it on this stream.)
@@ -65,16 +54,15 @@ def compact_many_cuda(tensors: list[torch.Tensor], keep: torch.Tensor, dims: lis
         shape[d] = k
         out = torch.empty(shape, dtype=t.dtype, device=t.device)
         outs.append(out)
-        if out.numel() == 0:
+        if k == 0 or t.numel() == 0:
             continue
-        if (_merged_stride(tuple(t.shape[:d]), t.stride()[:d]) is None
-                or _merged_stride(tuple(t.shape[d + 1:]), t.stride()[d + 1:]) is None):
+        if not _flattens(t, d):
             t = t.contiguous()
             copies.append(t)
-        specs.append(_spec(t, d, out))
-    if specs:
+        layouts.append((t.data_ptr(), out.data_ptr(), t.shape, t.stride(), t.element_size(), d))
+    if layouts:
         device, stream = launch_args(keep)
-        ext().compact_many(specs, keep.data_ptr(), k, device, stream)
+        ext().compact_layouts(layouts, keep.data_ptr(), k, device, stream)
     return outs
 
 

@@ -9,8 +9,9 @@ They validate only what the kernels need; the caller guarantees the value ranges
 ``benchmarks/bench_readout.py --overhead`` measures the cost of a call through ``torch.ops.macer_cuda.*`` against
 the direct call (see docs/cuda.md).
 
-Ops (namespace ``macer_cuda``): ``modality_scores``, ``topk_indices``, ``coverage_select``, ``compact``,
-``compact_many``; arguments as in ``macer_kernels.backend``'s contract.
+Ops (namespace ``macer_cuda``): ``modality_scores``, ``topk_indices``, ``coverage_select``, ``stage_select``,
+``compact``, ``compact_many``; arguments as in ``macer_kernels.backend``'s contract (``stage_select`` takes its
+modalities as parallel lists, a weight < 0 meaning top-K, since a schema has no optional tuple entries).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from macer_kernels.cuda.compact import compact_cuda, compact_many_cuda
 from macer_kernels.cuda.modality_scores import modality_scores_cuda
 from macer_kernels.cuda.select import coverage_select_cuda, topk_indices_cuda
+from macer_kernels.cuda.stage import stage_select_cuda
 
 NAMESPACE = "macer_cuda"
 
@@ -56,6 +58,20 @@ def coverage_select(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, cover
 @coverage_select.register_fake
 def _(scores, chunk_ids, k, coverage_weight):
     return scores.new_empty((k,), dtype=torch.long)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::stage_select", mutates_args=(), device_types="cuda")
+def stage_select(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None, mod_labels: list[int],
+                 keeps: list[int], coverage_weights: list[float], out_len: int) -> torch.Tensor:
+    """``[B, out_len]`` int64 kept positions of a stage; ``coverage_weights[i] < 0`` selects top-K for modality i."""
+    modalities = tuple((label, keep, None if weight < 0 else weight, None)
+                       for label, keep, weight in zip(mod_labels, keeps, coverage_weights, strict=True))
+    return stage_select_cuda(scores, labels, chunk_ids, modalities, out_len)
+
+
+@stage_select.register_fake
+def _(scores, labels, chunk_ids, mod_labels, keeps, coverage_weights, out_len):
+    return scores.new_empty((scores.shape[0], out_len), dtype=torch.long)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::compact", mutates_args=(), device_types="cuda")

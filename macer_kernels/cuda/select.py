@@ -1,5 +1,10 @@
-"""``topk_indices`` and ``coverage_select`` (``eq:chunk_coverage_greedy``) on the CUDA kernels of
-``csrc/kernels/select.cuh``: a fixed chain of elementwise kernels and CUB stable radix sorts, no k-step loop."""
+"""``topk_indices`` and ``coverage_select`` (``eq:chunk_coverage_greedy``) on the CUDA kernels.
+
+Up to ``select_cta_max_n(device, coverage)`` scores (thousands to tens of thousands, the device's shared memory):
+one launch of the one-CTA kernel of ``csrc/kernels/select_cta.cuh``. Above that, and for coverage over float64
+scores: the multi-CTA chain of ``csrc/kernels/select.cuh`` (elementwise kernels and CUB stable radix sorts, no k-step
+loop). Neither path synchronises with the host.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from macer_kernels.cuda._ext import (
     dtype_code,
     ext,
     launch_args,
+    select_cta_max_n,
     select_workspace_bytes,
     workspace,
 )
@@ -27,15 +33,32 @@ def _check_scores(op: str, scores: torch.Tensor) -> None:
     check_cuda_tensor(op, "scores", scores)
 
 
+def _select_one_cta(op: str, scores: torch.Tensor, chunk_ids: torch.Tensor | None, k: int,
+                    coverage_weight: float | None, out: torch.Tensor, device: int, stream: int) -> None:
+    """One launch of the one-CTA kernel: one row, every score a candidate, k picks into ``out``."""
+    chunk_ptr, chunk_code, chunk_stride = 0, 0, 0
+    if chunk_ids is not None:
+        chunk_ptr, chunk_stride = chunk_ids.data_ptr(), chunk_ids.stride(0)
+        chunk_code = dtype_code(op, "chunk_ids", chunk_ids)
+    modality = (0, k, 0.0 if coverage_weight is None else float(coverage_weight), coverage_weight is not None)
+    ext().select_cta(op, scores.data_ptr(), dtype_code(op, "scores", scores), (0, scores.stride(0)), 0, 0, (0, 0),
+                     chunk_ptr, chunk_code, (0, chunk_stride), out.data_ptr(), 0, k, 1, scores.numel(), [modality],
+                     device, stream)
+
+
 def topk_indices_cuda(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``[k]`` (int64, ascending) of the k largest of ``scores`` ``[n]`` (any stride), ties to the lower
-    index: one stable radix sort by descending score (compared in float64), then one sort of the first k indices."""
+    index, scores compared in float64. One launch up to the one-CTA limit (a radix select in shared memory); above
+    it one stable radix sort by descending score, then one sort of the first k indices."""
     _check_scores("topk_indices", scores)
     out = torch.empty(k, dtype=torch.long, device=scores.device)
     if k == 0:
         return out
     n = scores.numel()
     device, stream = launch_args(scores)
+    if n <= select_cta_max_n(device, False):
+        _select_one_cta("topk_indices", scores, None, k, None, out, device, stream)
+        return out
     nbytes = select_workspace_bytes(n, device)
     scratch = workspace(nbytes, scores.device)
     ext().topk_indices(scores.data_ptr(), dtype_code("topk_indices", "scores", scores), n, scores.stride(0), k,
@@ -54,6 +77,10 @@ def coverage_select_cuda(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, 
         return out
     n = scores.numel()
     device, stream = launch_args(scores)
+    # One CTA compares float32 score bits inside a chunk: exact for fp32/fp16/bf16 scores, not for float64 ones.
+    if scores.dtype != torch.float64 and n <= select_cta_max_n(device, True):
+        _select_one_cta("coverage_select", scores, chunk_ids, k, coverage_weight, out, device, stream)
+        return out
     nbytes = select_workspace_bytes(n, device)
     scratch = workspace(nbytes, scores.device)
     ext().coverage_select(scores.data_ptr(), dtype_code("coverage_select", "scores", scores), n, scores.stride(0),

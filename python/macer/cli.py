@@ -1,4 +1,4 @@
-"""Command line: ``macer demo`` (staged pruning end to end) and ``macer bench`` (end-to-end benchmarks).
+"""Command line of MACER: ``macer demo`` runs staged pruning end to end (``macer bench`` says where it moved).
 
 ``macer demo`` builds a Qwen2.5-Omni thinker with random weights in code (no download), a synthetic clip at the
 paper's token counts (12 frames -> 864 video tokens, 1460 audio tokens, interleaved), and runs full prefill vs MACER
@@ -9,12 +9,14 @@ with the 7B defaults at keep ratio 0.25, then a short ``generate``. ``macer demo
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -22,57 +24,146 @@ __all__ = ["main"]
 
 DEMO_SHAPE = {"num_layers": 8, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 1536}
 """Default random thinker of the demo: deep enough for the 7B readout layers (3, 5) and wide enough that the
-decoder, not the tiny encoders, dominates prefill time on a 2-core CPU (about 2-4 s per full prefill)."""
+decoder, not the tiny encoders, dominates prefill time on a 2-core CPU (about 1 s per full prefill when idle)."""
 
 REAL_SYSTEM_PROMPT = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
                       "auditory and visual inputs, as well as generating text and speech.")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``macer`` console script."""
-    parser = argparse.ArgumentParser(prog="macer", description=__doc__.splitlines()[0])
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``macer demo: error: <what, naming the flag and the allowed range>``, exit 2
+    (argparse's default prints the whole usage block first, which buries the reason)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def _even_count(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(f"must be an even integer >= 0 (Qwen2.5-Omni groups 2 frames), got {value}")
+    return value
+
+
+def _float_in(lo: float, hi: float, *, lo_open: bool) -> Callable[[str], float]:
+    interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if math.isinf(hi) else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number in {interval}, got {text!r}") from None
+        if not math.isfinite(value) or not (lo < value if lo_open else lo <= value) or not value <= hi:
+            raise argparse.ArgumentTypeError(f"must be a number in {interval}, got {text}")
+        return value
+
+    return parse
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``macer`` argument parser and its ``demo`` subparser (``bench`` only points to the benchmark)."""
+    parser = _Parser(prog="macer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="full prefill vs MACER on a random thinker (default) or a local checkpoint")
-    demo.add_argument("--keep-ratio", type=float, default=0.25, help="rho, share of audio+video tokens kept")
-    demo.add_argument("--layers", type=int, default=DEMO_SHAPE["num_layers"], help="decoder layers (random model)")
-    demo.add_argument("--hidden", type=int, default=DEMO_SHAPE["hidden_size"], help="hidden size (random model)")
-    demo.add_argument("--heads", type=int, default=DEMO_SHAPE["num_heads"], help="attention heads (random model)")
-    demo.add_argument("--kv-heads", type=int, default=DEMO_SHAPE["num_kv_heads"], help="KV heads (random model)")
-    demo.add_argument("--frames", type=int, default=12, help="video frames of the synthetic clip (2 per grid)")
-    demo.add_argument("--audio-tokens", type=int, default=1460, help="audio tokens of the synthetic clip")
+    count = _int_at_least
+    demo.add_argument("--keep-ratio", type=_float_in(0, 1, lo_open=True), default=0.25,
+                      help="rho in (0, 1], share of audio+video tokens kept (default 0.25)")
+    demo.add_argument("--layers", type=count(2), default=DEMO_SHAPE["num_layers"],
+                      help="decoder layers of the random model, >= 2 (default 8)")
+    demo.add_argument("--audio-layer", type=count(1), default=None,
+                      help="l_a: audio is scored inside this layer (counted from 1) and pruned after it; in "
+                           "[1, layers - 1]; default the paper's 7B value 3 (--model: the checkpoint's scale)")
+    demo.add_argument("--video-layer", type=count(1), default=None,
+                      help="l_v, the same for video; default the paper's 7B value 5")
+    demo.add_argument("--hidden", type=count(2), default=DEMO_SHAPE["hidden_size"],
+                      help="hidden size of the random model (default 512); hidden / heads must be even")
+    demo.add_argument("--heads", type=count(1), default=DEMO_SHAPE["num_heads"],
+                      help="attention heads of the random model (default 8); must divide --hidden")
+    demo.add_argument("--kv-heads", type=count(1), default=DEMO_SHAPE["num_kv_heads"],
+                      help="KV heads of the random model (default 2); must divide --heads")
+    demo.add_argument("--frames", type=_even_count, default=12,
+                      help="video frames of the synthetic clip, even (2 per temporal group), 0 = no video")
+    demo.add_argument("--audio-tokens", type=count(0), default=1460,
+                      help="audio tokens of the synthetic clip (25 per second), 0 = no audio")
     demo.add_argument("--blocks", action="store_true", help="video block then audio block (use_audio_in_video=False)")
     demo.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
-    demo.add_argument("--new-tokens", type=int, default=8, help="tokens to generate")
-    demo.add_argument("--repeats", type=int, default=2, help="timed prefills of each kind (median reported)")
+    demo.add_argument("--new-tokens", type=count(1), default=8, help="tokens to generate (>= 1)")
+    demo.add_argument("--repeats", type=count(1), default=5,
+                      help="timed prefills of each kind after one warm-up of each (>= 1, default 5)")
     demo.add_argument("--out", default="out", help="directory for the PNG of kept tokens")
-    demo.add_argument("--model", help="path of a local Qwen2.5-Omni (thinker) checkpoint")
+    demo.add_argument("--model", help="path of a local Qwen2.5-Omni (thinker) checkpoint directory")
     demo.add_argument("--video", help="video file for --model (its audio track is used)")
     demo.add_argument("--question", help="question about the video for --model")
-    demo.add_argument("--fps", type=float, default=2.0, help="video sampling fps for --model (processor default 2)")
+    demo.add_argument("--fps", type=_float_in(0, math.inf, lo_open=True), default=2.0,
+                      help="video sampling fps for --model (> 0; processor default 2)")
 
-    bench = sub.add_parser("bench", help="end-to-end benchmarks: full vs MACER (module macer.bench)")
-    try:
-        import macer.bench as bench_module
-    except ImportError as exc:  # macer.bench belongs to the benchmarks; the CLI must not depend on it being present
-        bench_module = None
-        bench_error = str(exc)
-        bench.add_argument("rest", nargs=argparse.REMAINDER)
-    else:
-        bench_module.add_arguments(bench)
+    sub.add_parser("bench", add_help=False, help="moved: python -m benchmarks.bench_e2e (from a clone)")
+    return parser, demo
 
+
+BENCH_MOVED = ("macer bench: the end-to-end benchmark is no longer part of the installed package; from a clone of the "
+               "repository run `python -m benchmarks.bench_e2e` (results in out/bench/; --record writes the committed "
+               "benchmarks/results/)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``macer`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # whatever its arguments were (they belonged to the moved harness)
+        print(BENCH_MOVED, file=sys.stderr)
+        return 2
+    parser, demo = _build_parser()
     args = parser.parse_args(argv)
-    if args.command == "bench":
-        if bench_module is None:
-            print(f"macer bench is not available: the module macer.bench could not be imported ({bench_error})",
-                  file=sys.stderr)
-            return 2
-        return int(bench_module.run(args) or 0)
     if args.model or args.video or args.question:
         if not (args.model and args.video and args.question):
-            parser.error("--model, --video and --question go together")
+            demo.error("--model, --video and --question go together")
+        if not Path(args.model).is_dir():
+            what = "is not a directory" if Path(args.model).exists() else "does not exist"
+            demo.error(f"--model {args.model}: the local path {what} (macer demo reads a checkpoint directory "
+                       "from disk; it does not download)")
+        if not Path(args.video).is_file():
+            what = "is not a file" if Path(args.video).exists() else "does not exist"
+            demo.error(f"--video {args.video}: the file {what}")
         return _demo_real(args)
+    _check_random_model_args(demo, args)
     return _demo_random(args)
+
+
+def _check_random_model_args(demo: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks between flags (each flag's own range is checked by its ``type=``)."""
+    if args.hidden % args.heads or (args.hidden // args.heads) % 2:
+        demo.error(f"--heads {args.heads} must divide --hidden {args.hidden} into an even head size "
+                   f"(e.g. --heads {_even_divisor_hint(args.hidden)})")
+    if args.heads % args.kv_heads:
+        demo.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    bad = [f"{flag} {value}" if value else f"{flag} (default {default}, the paper's 7B layer)"
+           for flag, value, default in (("--audio-layer", args.audio_layer, 3), ("--video-layer", args.video_layer, 5))
+           if (value or default) > args.layers - 1]
+    if bad:
+        demo.error(f"{' and '.join(bad)} must be in [1, {args.layers - 1}] for --layers {args.layers} (layers count "
+                   "from 1; the pruned sequence needs a later layer)")
+    if args.frames == 0 and args.audio_tokens == 0:
+        demo.error("--frames 0 with --audio-tokens 0 leaves no audio or video tokens, so MACER has nothing to prune: "
+                   "give --frames (even, > 0) or --audio-tokens (> 0)")
+
+
+def _even_divisor_hint(hidden: int) -> str:
+    heads = [h for h in range(1, 65) if hidden % h == 0 and (hidden // h) % 2 == 0]
+    return ", ".join(map(str, heads[-4:])) if heads else "1"
 
 
 # ------------------------------------------------------------------------------------------------ random model
@@ -87,14 +178,16 @@ def _demo_random(args: argparse.Namespace) -> int:
     from macer.adapters import get_adapter
     from macer.testing import build_thinker, clip_inputs, macer_config_for
 
+    load_before = _load_average()  # before this process adds its own load
     torch.manual_seed(0)
     shape = {"num_layers": args.layers, "hidden_size": args.hidden, "num_heads": args.heads,
              "num_kv_heads": args.kv_heads, "intermediate_size": 3 * args.hidden}
     model = build_thinker(attn_implementation=args.attn, **shape)
     inputs = clip_inputs(model, frames=args.frames, audio_tokens=args.audio_tokens,
                          use_audio_in_video=not args.blocks and args.frames > 0 and args.audio_tokens > 0)
-    # The paper's 7B readout layers and shares; the vocabulary is synthetic, hence its own <|im_end|> id.
-    config = macer_config_for(model, keep_ratio=args.keep_ratio)
+    # The paper's 7B readout layers and shares unless given; the vocabulary is synthetic, hence its own <|im_end|> id.
+    layers = {"audio_layer": args.audio_layer or 3, "video_layer": args.video_layer or 5}
+    config = macer_config_for(model, keep_ratio=args.keep_ratio, **layers)
     ids = inputs["input_ids"][0]
     n = ids.numel()
     print(f"Qwen2.5-Omni thinker, random weights: {args.layers} layers, hidden {args.hidden}, {args.heads}/"
@@ -103,47 +196,98 @@ def _demo_random(args: argparse.Namespace) -> int:
                             ("keep_ratio", "audio_layer", "video_layer", "audio_share", "coverage_weight",
                              "num_chunks", "query_tokens"))
     print(f"MACER config: {config_text}")
-    layout = "interleaved 2-s chunks" if inputs["use_audio_in_video"] else "blocks"
+    if args.frames and args.audio_tokens:
+        layout = "interleaved 2-s chunks" if inputs["use_audio_in_video"] else "blocks"
+    else:
+        layout = "audio only" if args.audio_tokens else "video only"
     print(f"prompt: {n} tokens ({args.frames} frames, {layout})")
 
     with torch.no_grad():
         llm = _LLMTimer(get_adapter(model).parts(model).decoder)
-        full_times, macer_times, full_llm, macer_llm = [], [], [], []
-        model(**inputs)  # warm-up
-        for _ in range(max(1, args.repeats)):  # alternate so that machine noise hits both alike
-            seconds, full = _timed(lambda: model(**inputs, use_cache=True))
-            full_times.append(seconds)
-            full_llm.append(llm.seconds)
+
+        def full_prefill():
+            return model(**inputs, use_cache=True)
+
+        def macer_prefill():
             with macer.compress(model, config, profile=True) as trace:
-                seconds, pruned = _timed(lambda: model(**inputs, use_cache=True))
-            macer_times.append(seconds)
-            macer_llm.append(llm.seconds)
+                out = model(**inputs, use_cache=True)
+            return out, trace.last
+
+        # One untimed run of each first: the first calls pay for lazy initialisation and cold caches (on a fresh
+        # install the first two runs looked no faster with MACER).
+        full_prefill()
+        macer_prefill()
+        times: dict[str, list[float]] = {"full": [], "MACER": [], "full decoder": [], "MACER decoder": []}
+        for round_ in range(args.repeats):  # alternate the order so that machine noise hits both alike
+            for kind in (("full", "MACER") if round_ % 2 == 0 else ("MACER", "full")):
+                seconds, result = _timed(full_prefill if kind == "full" else macer_prefill)
+                times[kind].append(seconds)
+                times[f"{kind} decoder"].append(llm.seconds)
+                if kind == "full":
+                    full = result
+                else:
+                    pruned, record = result
         llm.remove()
-        record = trace.last
         print(f"tokens: text {n - record.n_audio - record.n_video}, audio {record.n_audio}, video {record.n_video}")
         budget = record.budget
         print(f"budget (split_budget): K_mm={budget.total}  K_a={budget.audio}  K_v={budget.video}")
         _print_stages(record)
         print(f"tokens per layer (1..{len(record.layer_tokens)}): {record.layer_tokens}")
         _print_caches(full.past_key_values, pruned.past_key_values)
-        proxy = sum(record.layer_tokens) / (n * len(record.layer_tokens))
-        f_all, m_all = statistics.median(full_times), statistics.median(macer_times)
-        f_llm, m_llm = statistics.median(full_llm), statistics.median(macer_llm)
-        print(f"prefill time (median of {len(full_times)}): full {f_all:.2f} s, MACER {m_all:.2f} s "
-              f"(x{f_all / m_all:.2f}); decoder only: full {f_llm:.2f} s, MACER {m_llm:.2f} s (x{f_llm / m_llm:.2f}); "
-              f"token-layer proxy {proxy:.3f} (ideal x{1 / proxy:.2f}); MACER's own work {record.overhead_s:.3f} s")
+        _print_times(times, record, n, load_before)
 
         new = args.new_tokens
         seconds_full, out_full = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False))
-        with macer.compress(model, config) as trace:
+        with macer.compress(model, config):
             seconds_macer, out_macer = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False))
         answer_full, answer_macer = out_full[0, n:].tolist(), out_macer[0, n:].tolist()
-        print(f"generate {new} tokens: full {seconds_full:.2f} s -> {answer_full}")
+        print(f"generate {new} tokens (one run each): full {seconds_full:.2f} s -> {answer_full}")
         print(f"                  MACER {seconds_macer:.2f} s -> {answer_macer} (random weights: ids, not words)")
 
-    path = _plot_timeline(Path(args.out), ids, record, inputs, model)
+    path = _plot_kept_tokens(Path(args.out), model, inputs, record, config)
     print(f"kept tokens along the timeline: {path}")
     return 0
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on Windows
+        return None
+
+
+def _print_times(times: dict[str, list[float]], record, n: int, load_before: float | None) -> None:
+    """Wall times with their spread, and whether the machine was busy: a reader judges the ratio from both."""
+    def spread(name: str) -> str:
+        values = times[name]
+        return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+
+    runs = len(times["full"])
+    f_all, m_all = statistics.median(times["full"]), statistics.median(times["MACER"])
+    f_llm, m_llm = statistics.median(times["full decoder"]), statistics.median(times["MACER decoder"])
+    proxy = sum(record.layer_tokens) / (n * len(record.layer_tokens))
+    print(f"prefill time, {runs} run{'s' if runs > 1 else ''} of each after a warm-up, min / median / max: "
+          f"full {spread('full')} s, MACER {spread('MACER')} s (median x{f_all / m_all:.2f})")
+    print(f"decoder only, min / median / max: full {spread('full decoder')} s, MACER {spread('MACER decoder')} s "
+          f"(median x{f_llm / m_llm:.2f}); token-layer proxy {proxy:.3f} (ideal x{1 / proxy:.2f}); "
+          f"MACER's own work {record.overhead_s:.3f} s")
+    worst = max(max(v) / min(v) - 1 for v in times.values())
+    cores = os.cpu_count() or 1
+    load = "unknown" if load_before is None else f"{load_before:.1f}"
+    busy = load_before is not None and load_before >= 0.5 * cores
+    noisy = worst > 0.15
+    if busy or noisy:
+        reasons = []
+        if busy:
+            reasons.append(f"load average {load} on {cores} cores before the demo started: other processes share "
+                           "the CPUs")
+        if noisy:
+            reasons.append(f"repeated runs differ by up to {100 * worst:.0f}%")
+        print(f"machine busy: {'; '.join(reasons)}. The times are slower and noisier than on an idle machine; "
+              "the counts above are exact either way")
+    else:
+        print(f"machine quiet: load average {load} on {cores} cores before the demo started, runs within "
+              f"{100 * worst:.0f}% of each other")
 
 
 class _LLMTimer:
@@ -189,50 +333,95 @@ def _print_caches(full_cache, pruned_cache) -> None:
           f"{100 * macer_bytes / full_bytes:.0f}% of full)")
 
 
-def _plot_timeline(out_dir: Path, ids: torch.Tensor, record, inputs: dict[str, Any], model) -> Path:
+def _plot_kept_tokens(out_dir: Path, model, inputs: dict[str, Any], record, config) -> Path:
+    """PNG of the kept and dropped audio/video tokens at their clip time, readable without the README.
+
+    Times come from the temporal M-RoPE row (``position_id_per_seconds`` units per second, 25 in Qwen2.5-Omni): an
+    audio token is one tick at its 40 ms step; a video token stands for one patch of a 2-frame group and is drawn as a
+    bar over the seconds its group covers, at row = its patch index in the group (row-major), so each group is a
+    column whose kept share can be read off. The video panel also shows the C temporal chunks of the coverage greedy.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from macer.testing import SYNTHETIC_TOKENS
+    from macer_kernels import temporal_chunks
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    thinker_config = model.config
+    ids = inputs["input_ids"][0].cpu()
+    feature_mask = inputs.get("feature_attention_mask")
     rope, _ = model.get_rope_index(
         inputs["input_ids"], None, inputs.get("video_grid_thw"), inputs["attention_mask"], inputs["use_audio_in_video"],
-        inputs["feature_attention_mask"].sum(-1) if "feature_attention_mask" in inputs else None,
-        inputs.get("video_second_per_grid"))
-    temporal = rope[0, 0].double()
-    media = (ids == SYNTHETIC_TOKENS.audio) | (ids == SYNTHETIC_TOKENS.video)
-    seconds = (temporal - temporal[media].min()) / model.config.position_id_per_seconds
-    generator = torch.Generator().manual_seed(0)
-    # Video: each temporal grid drawn as a small image (x = grid time + width index, y = height index) so that the
-    # spatial pattern of kept tokens shows; audio: one point per token at its time, with a fixed vertical jitter.
-    is_video = ids == SYNTHETIC_TOKENS.video
-    x, y = seconds.clone(), torch.rand(ids.numel(), generator=generator, dtype=torch.float64)
-    if bool(is_video.any()):
-        height = rope[1, 0].double() - rope[1, 0][is_video].min()
-        width = rope[2, 0].double() - rope[2, 0][is_video].min()
-        times = seconds[is_video].unique()
-        gap = float(times.diff().min()) if times.numel() > 1 else 1.0
-        x[is_video] += width[is_video] * 0.8 * gap / (float(width[is_video].max()) + 1)
-        y[is_video] = -height[is_video]
-    fig, axes = plt.subplots(2, 1, figsize=(11, 4), sharex=True)
-    for ax, token, kept, name in ((axes[0], SYNTHETIC_TOKENS.audio, record.audio_kept, "audio"),
-                                  (axes[1], SYNTHETIC_TOKENS.video, record.video_kept, "video")):
-        members = (ids == token).nonzero().reshape(-1)
-        kept_mask = torch.zeros(ids.numel(), dtype=torch.bool)
-        kept_mask[kept] = True
-        dropped = members[~kept_mask[members]]
-        keep = members[kept_mask[members]]
-        ax.scatter(x[dropped], y[dropped], s=2, c="lightgray", label="dropped")
-        ax.scatter(x[keep], y[keep], s=4, c="tab:red" if name == "audio" else "tab:blue", label="kept")
-        ax.set_yticks([])
-        ax.set_ylabel(f"{name}\n{len(kept)}/{members.numel()}")
-        ax.legend(loc="upper right", fontsize=7, markerscale=3)
-    axes[1].set_xlabel("clip time (s, from the temporal M-RoPE position ids)")
-    axes[0].set_title(f"MACER kept tokens (keep ratio {record.budget.total / (record.n_audio + record.n_video):.2f})")
+        feature_mask.sum(-1) if feature_mask is not None else None, inputs.get("video_second_per_grid"))
+    rope = rope[:, 0].cpu().double()
+    per_second = float(thinker_config.position_id_per_seconds)
+    is_audio, is_video = ids == thinker_config.audio_token_id, ids == thinker_config.video_token_id
+    # Each stream from its own first token: interleaved, both start at the same position; in the block layout the
+    # audio positions continue after the video block's, which is prompt order, not clip time.
+    seconds = torch.zeros(ids.numel(), dtype=torch.float64)
+    for stream in (is_audio, is_video):
+        if stream.any():
+            seconds[stream] = (rope[0][stream] - rope[0][stream].min()) / per_second
+    kept = torch.zeros(ids.numel(), dtype=torch.bool)
+    kept[list(record.audio_kept) + list(record.video_kept)] = True
+
+    fig, (ax_a, ax_v) = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True, height_ratios=(1, 3))
+    audio_pos = is_audio.nonzero().reshape(-1)
+    if audio_pos.numel():
+        for row, mask, color, name in ((1, kept, "tab:red", "kept"), (0, ~kept, "lightgray", "dropped")):
+            chosen = audio_pos[mask[audio_pos]]
+            ax_a.eventplot(seconds[chosen].numpy(), lineoffsets=row, linelengths=0.8, linewidths=0.6, colors=color)
+            ax_a.text(1.005, row, f"{name} {chosen.numel()}", transform=ax_a.get_yaxis_transform(), va="center",
+                      fontsize=8)
+        ax_a.set_yticks([0, 1], ["dropped", "kept"])
+    else:
+        ax_a.set_yticks([])
+        ax_a.text(0.5, 0.5, "no audio tokens in this prompt", transform=ax_a.transAxes, ha="center", va="center")
+    ax_a.set_ylim(-0.6, 1.6)
+    ax_a.set_ylabel(f"audio tokens\n(one tick = {1000 / per_second:.0f} ms)")
+
+    video_pos = is_video.nonzero().reshape(-1)
+    if video_pos.numel():
+        t_video = rope[0][video_pos]
+        h, w = rope[1][video_pos], rope[2][video_pos]
+        patch = (h - h.min()) * (w.max() - w.min() + 1) + (w - w.min())
+        group_starts = seconds[video_pos].unique()
+        group_s = float(group_starts.diff().min()) if group_starts.numel() > 1 else 2.0
+        if inputs.get("video_second_per_grid") is not None:
+            group_s = float(inputs["video_second_per_grid"].reshape(-1)[0])
+        x0 = seconds[video_pos]
+        for mask, color, name in ((~kept[video_pos], "lightgray", "dropped"), (kept[video_pos], "tab:blue", "kept")):
+            ax_v.hlines(patch[mask], x0[mask], x0[mask] + 0.9 * group_s, colors=color, linewidth=1.2,
+                        label=f"{name} ({int(mask.sum())})")
+        lo, hi = float(t_video.min()), float(t_video.max())
+        span, chunks = hi - lo + 1, config.num_chunks
+        sizes = torch.bincount(temporal_chunks(t_video.long(), chunks), minlength=chunks)
+        bounds = [c * span / chunks / per_second for c in range(chunks + 1)]
+        for c in range(chunks + 1):
+            ax_v.axvline(bounds[c], color="tab:green", linestyle="--", linewidth=0.8,
+                         label="coverage chunk boundary" if c == 0 else None)
+        top = float(patch.max())
+        for c in range(chunks):
+            ax_v.text((bounds[c] + bounds[c + 1]) / 2, top * 1.03 + 1, f"c{c}" + ("" if sizes[c] else "\nempty"),
+                      ha="center", va="bottom", fontsize=7, color="tab:green")
+        ax_v.set_ylim(-1, top * 1.15 + 3)
+        ax_v.legend(loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=7, frameon=False)
+        ax_v.set_ylabel(f"video patch index in its 2-frame\ngroup of {group_s:.1f} s (row-major)")
+    else:
+        ax_v.set_yticks([])
+        ax_v.text(0.5, 0.5, "no video tokens in this prompt", transform=ax_v.transAxes, ha="center", va="center")
+    ax_v.set_xlabel(f"clip time (s) = temporal M-RoPE position / {per_second:g}, from each stream's first token; "
+                    "a video bar spans its frame group")
+    budget = record.budget
+    ax_a.set_title(
+        f"MACER kept tokens: keep ratio {config.keep_ratio:g} of {record.n_audio + record.n_video} audio+video tokens "
+        f"-> K_mm={budget.total}\naudio: K_a={budget.audio}, kept {len(record.audio_kept)}/{record.n_audio} after "
+        f"layer {config.audio_layer}    video: K_v={budget.video}, kept {len(record.video_kept)}/{record.n_video} "
+        f"after layer {config.video_layer}, coverage over C={config.num_chunks} chunks (lambda_c="
+        f"{config.coverage_weight:g})", fontsize=9)
     fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "macer_kept_tokens.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -253,9 +442,15 @@ def _demo_real(args: argparse.Namespace) -> int:
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    processor = Qwen2_5OmniProcessor.from_pretrained(args.model)
-    # The thinker alone: on transformers 5.23 the full model's generate() cannot return text only.
-    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    try:
+        processor = Qwen2_5OmniProcessor.from_pretrained(args.model)
+        # The thinker alone: on transformers 5.23 the full model's generate() cannot return text only.
+        model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    except (OSError, ValueError) as exc:  # transformers' errors for a folder without the checkpoint's files
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"macer demo: error: --model {args.model}: not a loadable Qwen2.5-Omni checkpoint directory ({reason})",
+              file=sys.stderr)
+        return 2
     conversation = [
         {"role": "system", "content": [{"type": "text", "text": REAL_SYSTEM_PROMPT}]},
         {"role": "user", "content": [{"type": "video", "video": args.video}, {"type": "audio"},
@@ -279,7 +474,14 @@ def _demo_real(args: argparse.Namespace) -> int:
         im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         if isinstance(im_end, int) and im_end != getattr(tokenizer, "unk_token_id", None):
             overrides["end_of_turn_token_id"] = im_end
-    config = macer.MacerConfig.for_model(model, keep_ratio=args.keep_ratio, **overrides)
+    for name in ("audio_layer", "video_layer"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    try:
+        config = macer.MacerConfig.for_model(model, keep_ratio=args.keep_ratio, **overrides)
+    except ValueError as exc:  # e.g. a depth without the paper's defaults: the flags to pass are named
+        print(f"macer demo: error: {exc} (--audio-layer / --video-layer set them)", file=sys.stderr)
+        return 2
     n = inputs["input_ids"].shape[1]
     with torch.no_grad():
         seconds_full, full = _timed(lambda: model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False))
@@ -294,28 +496,11 @@ def _demo_real(args: argparse.Namespace) -> int:
     decode = processor.batch_decode
     print(f"full  ({seconds_full:.1f} s): {decode(full[:, n:], skip_special_tokens=True)[0]}")
     print(f"MACER ({seconds_macer:.1f} s): {decode(pruned[:, n:], skip_special_tokens=True)[0]}")
-    _plot_timeline_real(Path(args.out), inputs, record, model)
+    if record.budget is None:  # the processor produced no audio or video tokens: nothing was pruned, nothing to draw
+        print("the prompt has no audio or video tokens: MACER kept it whole")
+        return 0
+    print(f"kept tokens along the timeline: {_plot_kept_tokens(Path(args.out), model, inputs, record, config)}")
     return 0
-
-
-def _plot_timeline_real(out_dir: Path, inputs: dict[str, Any], record, model) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    n = inputs["input_ids"].shape[1]
-    fig, ax = plt.subplots(figsize=(11, 2.5))
-    ax.eventplot([record.audio_kept, record.video_kept], colors=["tab:red", "tab:blue"], lineoffsets=[1, 0])
-    ax.set_yticks([0, 1], ["video", "audio"])
-    ax.set_xlim(0, n)
-    ax.set_xlabel("prompt position")
-    fig.tight_layout()
-    path = out_dir / "macer_kept_tokens.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"kept tokens along the prompt: {path}")
 
 
 if __name__ == "__main__":

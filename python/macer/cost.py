@@ -42,6 +42,9 @@ __all__ = [
     "input_prune_flops_ratio",
     "kv_cache_bytes",
     "paper_flops_ratio",
+    "policy_flops_ratio",
+    "policy_layer_tokens",
+    "policy_token_layer_proxy",
     "probe_prune_flops_ratio",
     "run_cost",
     "staged_layer_tokens",
@@ -162,6 +165,39 @@ def paper_flops_ratio(method: str, model: str, keep_ratio: Real) -> Real:
         return input_prune_flops_ratio(keep_ratio, eta)
     prune_layer = FASTV_PRUNE_LAYER if method == "fastv" else c.prune_layer
     return probe_prune_flops_ratio(keep_ratio, c.num_layers, prune_layer, eta)
+
+
+def policy_flops_ratio(policy: Any, model: str) -> Real:
+    """The paper's FLOPs ratio (``eq:appendix_probe_flops``) of a selection policy on one of its backbones.
+
+    A policy prunes its multimodal tokens to ``keep_ratio`` after ``policy.prune_layer`` full-length layers: MACER
+    at ``L_p = max(l_a, l_v)``, FastV as probe-prune at ``L_p = layer``, Random as input-prune (``L_p = 0``, where the
+    formula is ``eq:appendix_input_flops``). ``policy_flops_ratio(RandomConfig(0.55), "qwen2.5-omni-7b")`` and
+    ``FastVConfig(0.5, layer=FASTV_PRUNE_LAYER)`` give ``tab:main``'s Random and FastV cells.
+
+    Args:
+        policy: a ``macer`` policy (``keep_ratio`` and ``prune_layer``).
+        model: one of ``PAPER_CONSTANTS``.
+    """
+    if model not in PAPER_CONSTANTS:
+        raise ValueError(f"model must be one of {sorted(PAPER_CONSTANTS)}, got {model!r}")
+    c = PAPER_CONSTANTS[model]
+    return probe_prune_flops_ratio(policy.keep_ratio, c.num_layers, policy.prune_layer, c.attention_share)
+
+
+def policy_token_layer_proxy(policy: Any, num_layers: int) -> Real:
+    """``eq:appendix_efficiency`` for a policy: ``(L_p + rho (L - L_p)) / L`` with its ``prune_layer``."""
+    return token_layer_proxy(policy.keep_ratio, num_layers, policy.prune_layer)
+
+
+def policy_layer_tokens(policy: Any, n_text: int, n_audio: int, n_video: int, num_layers: int) -> list[int]:
+    """Sequence length entering each decoder layer when ``policy`` runs on a prompt with these counts (exact: the
+    policy's own stages and budgets; a joint selection's audio/video split does not change the lengths)."""
+    for name, value in (("n_text", n_text), ("n_audio", n_audio), ("n_video", n_video)):
+        check_count(name, value)
+    num_layers, _ = _depth(num_layers, 0)
+    policy.check_depth(num_layers)
+    return policy.layer_tokens(n_text, n_audio, n_video, num_layers)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -372,20 +408,24 @@ class RunCost:
         ])
 
 
-def run_cost(layer_tokens: Sequence[int], model_or_config: Any, multimodal_tokens: int) -> RunCost:
+def run_cost(layer_tokens: Sequence[int], model_or_config: Any, multimodal_tokens: int,
+             prompt_length: int | None = None) -> RunCost:
     """Exact cost of a prefill whose layer ``i`` saw ``layer_tokens[i]`` tokens, against the full prefill.
 
     Args:
-        layer_tokens: one length per decoder layer; ``layer_tokens[0]`` is the full prompt length N (MACER never
-            prunes before layer 1 has run) and the last entry is ``n_text + K_mm``.
+        layer_tokens: one length per decoder layer; the last entry is ``n_text + K_mm``.
         model_or_config: anything ``DecoderShape.from_config`` reads, or a ``DecoderShape``.
         multimodal_tokens: n_a + n_v of the prompt, in ``[N - layer_tokens[-1], N]``.
+        prompt_length: N; default ``layer_tokens[0]`` (right for MACER and FastV, which never prune before layer 1
+            has run; a policy that prunes before the decoder, ``RandomConfig``, must pass it).
     """
     shape = model_or_config if isinstance(model_or_config, DecoderShape) else DecoderShape.from_config(model_or_config)
     tokens = _layer_tokens(layer_tokens, shape)
     if any(b > a for a, b in pairwise(tokens)):
         raise ValueError(f"layer_tokens must be non-increasing (tokens are only ever dropped), got {tokens}")
-    n = tokens[0]
+    n = tokens[0] if prompt_length is None else check_count("prompt_length", prompt_length)
+    if tokens[0] > n:
+        raise ValueError(f"prompt_length must be >= layer_tokens[0] = {tokens[0]}, got {n}")
     dropped = n - tokens[-1]
     n_mm = check_count("multimodal_tokens", multimodal_tokens)
     if not dropped <= n_mm <= n:
@@ -424,4 +464,7 @@ def trace_cost(trace: Any, model_or_config: Any) -> RunCost:
         raise ValueError("trace must hold a finished prefill (trace.layer_tokens and trace.budget are empty); "
                          "run the model inside `macer.compress` first")
     tokens = list(layer_tokens)
+    last = getattr(trace, "last", None)
+    if last is not None:  # the record knows the prompt (also for a policy that prunes before layer 1)
+        return run_cost(tokens, model_or_config, last.n_audio + last.n_video, last.prompt_length)
     return run_cost(tokens, model_or_config, tokens[0] - tokens[-1] + int(budget.total))

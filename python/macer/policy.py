@@ -6,8 +6,9 @@ A policy is a small frozen dataclass that says, from the prompt's audio/video co
 keeps, by which rule (top-k, the chunk-coverage greedy, a seeded random draw) and which scores (ANMS or raw attention
 probability) from which query rows. Everything that follows from the prompt is then computed once on the host at the
 start of a prefill (``plan_prefill``): counts, budgets, question rows, temporal chunk ids and the length of the
-sequence after every stage. Inside a stage (``run_stage``) only device work remains, with sizes known on the host, so
-no stage reads device memory back (``tests/test_macer_sync.py`` fails if one does).
+sequence after every stage. Inside a stage (``run_stage``: ``macer_kernels.select_stage`` for MACER's stages, the ops
+composed for the others) only device work remains, with sizes known on the host, so no stage reads device memory back
+(``tests/test_macer_sync.py`` fails if one does).
 
 Layers are counted from 1 as in the paper: a stage at ``layer = l`` reads the attention inside ``layers[l - 1]`` and
 the dropped tokens are gone from ``layers[l]`` on; ``layer = 0`` prunes before the first decoder layer (no readout).
@@ -21,7 +22,15 @@ from typing import Literal
 
 import torch
 
-from macer_kernels import Budget, coverage_select, modality_scores, temporal_chunks, topk_indices
+from macer_kernels import (
+    Budget,
+    StageModality,
+    coverage_select,
+    modality_scores,
+    select_stage,
+    temporal_chunks,
+    topk_indices,
+)
 
 __all__ = [
     "AUDIO",
@@ -326,6 +335,13 @@ def _member_mask(labels: torch.Tensor, modalities: tuple[int, ...]) -> torch.Ten
     return mask
 
 
+def _fused(stage: PlannedStage) -> bool:
+    """Whether ``macer_kernels.select_stage`` computes this stage: ANMS scores, one modality per selection, top-k or
+    coverage (it scores and selects with the same labels, so raw scores and joint selections are composed here)."""
+    return stage.spec.scoring == "anms" and all(len(s.modalities) == 1 and s.rule != "random"
+                                                for s in stage.spec.selections)
+
+
 def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor | None, current: torch.Tensor,
               labels: torch.Tensor, chunks: torch.Tensor | None, question: torch.Tensor,
               picks: tuple[torch.Tensor | None, ...], *, scale: float | None, eps: float) -> torch.Tensor:
@@ -337,15 +353,23 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
         question: the stage's query rows as prompt positions (device); ``picks``: the random rule's picks (device).
         query, key: the readout layer's post-RoPE queries and keys (None for a stage without scores).
 
-    This composes the ops with sizes from the host plan; it is the one place to switch to a fused
-    ``macer_kernels`` stage entry point (GPU hot-path issue #9, item 2) when that lands.
+    MACER's stages run the fused ``macer_kernels.select_stage`` (scores and every selection in one call, at most 4
+    launches on the GPU backends); raw scores, joint and random selections compose the ops. Both take their sizes
+    from the host plan and read nothing back.
     """
     spec = stage.spec
     cur_labels = labels[current]
-    scores = None
-    if spec.needs_scores:
-        rows = torch.searchsorted(current, question)
-        scores = score(query, key, cur_labels, rows, spec.scoring, scale=scale, eps=eps)
+    rows = torch.searchsorted(current, question) if spec.needs_scores else None
+    if _fused(stage):
+        modalities = [StageModality(sel.modalities[0], count, sel.k,
+                                    sel.coverage_weight if sel.rule == "coverage" else None,
+                                    sel.num_chunks if sel.rule == "coverage" else None)
+                      for sel, count in zip(spec.selections, stage.members, strict=True)]
+        coverage = any(sel.rule == "coverage" for sel in spec.selections)
+        return select_stage(query[:, :, rows], key, cur_labels[None], modalities,
+                            chunk_ids=chunks[current][None] if coverage else None, query_positions=rows[None],
+                            scale=scale, eps=eps)[0]
+    scores = score(query, key, cur_labels, rows, spec.scoring, scale=scale, eps=eps) if spec.needs_scores else None
     keep = torch.ones(current.numel(), dtype=torch.bool, device=current.device)
     for sel, count, pick in zip(spec.selections, stage.members, picks, strict=True):
         in_sel = _member_mask(cur_labels, sel.modalities)
@@ -361,4 +385,3 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
             chosen = members[picked]
         keep[chosen] = True
     return positions_where(keep, stage.tokens_after)
-

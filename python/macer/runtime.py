@@ -310,7 +310,7 @@ class _Session:
         self.handles: list[Any] = []
         self.step_handles: list[Any] = []
         self.name: str | None = None
-        self.guarded: dict[str, Any] = {}
+        self.guarded: list[tuple[Any, str, Any]] = []
         self.prompt_ids: torch.Tensor | None = None
         self.state: _Prefill | None = None
         # cache object -> (prompt rows held by each layer, prompt length): decode sizes masks per layer from them
@@ -331,9 +331,9 @@ class _Session:
             self.handles.append(self.parts.root.register_forward_pre_hook(self._root_hook, with_kwargs=True))
             self.handles.append(self.parts.decoder.register_forward_pre_hook(self._begin, with_kwargs=True))
             self.handles.append(self.parts.decoder.register_forward_hook(self._end, with_kwargs=True))
-            for attr, value in self.adapter.guards(self.model).items():
-                self.guarded[attr] = self.model.__dict__.get(attr, _MISSING)
-                self.model.__dict__[attr] = value
+            for obj, attr, value in self.adapter.guards(self.model):
+                self.guarded.append((obj, attr, obj.__dict__.get(attr, _MISSING)))
+                obj.__dict__[attr] = value
         except BaseException:
             self.uninstall()
             raise
@@ -344,11 +344,11 @@ class _Session:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        for attr, value in self.guarded.items():
+        for obj, attr, value in reversed(self.guarded):
             if value is _MISSING:
-                self.model.__dict__.pop(attr, None)
+                obj.__dict__.pop(attr, None)
             else:
-                self.model.__dict__[attr] = value
+                obj.__dict__[attr] = value
         self.guarded.clear()
         for layer in self.parts.layers:
             for module in layer.modules():

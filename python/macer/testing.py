@@ -10,8 +10,10 @@ Used by the tests, ``macer demo`` and the end-to-end benchmarks. The signatures 
   clip, or plain text, at the paper's token counts by default (12 frames -> 864 video tokens, 1460 audio tokens).
 
 The vocabulary is small (``vocab_size``, default 512) with the special tokens remapped into it (``SYNTHETIC_TOKENS``),
-so ``lm_head`` over every position stays cheap. Pass ``MacerConfig(end_of_turn_token_id=SYNTHETIC_TOKENS.im_end)``
-(or use ``macer_config_for``) when pruning these models: the real ``<|im_end|>`` id 151645 is outside this vocabulary.
+so ``lm_head`` over every position stays cheap. The config names its ``<|im_end|>`` (``im_end_token_id``), from which
+the adapter defaults ``MacerConfig.end_of_turn_token_id`` (the real id 151645 is outside this vocabulary).
+``MacerConfig.for_model`` has no paper settings for these models (they are not Omni-7B/3B, except with
+``text_shape="7B"`` / ``"3B"``): give ``audio_layer`` / ``video_layer``, or use ``macer_config_for``.
 
 Token layout, copied from the Qwen2.5-Omni processor (``transformers`` 5.23, ``processing_qwen2_5_omni.py``):
 
@@ -362,10 +364,12 @@ def clip_inputs(
 
 
 def macer_config_for(model: Any, **overrides: Any):
-    """``MacerConfig`` for a model built here: ``end_of_turn_token_id`` is the synthetic ``<|im_end|>``; the other
-    fields are the ``MacerConfig`` defaults (the paper's 7B values) unless overridden."""
-    from macer.config import MacerConfig
+    """``MacerConfig`` for a model built here: the paper's settings where ``model`` has a real text shape
+    (``text_shape="7B"`` / ``"3B"``), else the ``MacerConfig`` defaults (the 7B values), then ``overrides``;
+    ``end_of_turn_token_id`` is the synthetic ``<|im_end|>``."""
+    from macer.config import MacerConfig, paper_defaults
 
+    overrides = {**(paper_defaults(model) or {}), **overrides}
     overrides.setdefault("end_of_turn_token_id", SYNTHETIC_TOKENS.im_end)
     return MacerConfig(**overrides)
 

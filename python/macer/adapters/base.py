@@ -94,10 +94,11 @@ class Adapter(ABC):
         """The paper's settings for this model (``MacerConfig`` fields), or None where the paper has none."""
         return None
 
-    def guards(self, model: nn.Module) -> dict[str, Any]:
-        """Attributes to shadow on the model instance while ``compress`` is active (restored exactly on exit), e.g. a
-        ``generate`` that cannot work on a pruned prefill and should say what to call instead. None by default."""
-        return {}
+    def guards(self, model: nn.Module) -> list[tuple[Any, str, Any]]:
+        """``(object, attribute, value)`` triples shadowed on instances while ``compress`` is active (restored exactly
+        on exit): e.g. a ``generate`` that cannot work on a pruned prefill and says what to call instead, or a
+        submodule method wrapped to remap per-token state (Qwen3-Omni's ``_deepstack_process``). None by default."""
+        return []
 
     def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:
         """Called once per applied stage, right before ``layers[layer]`` runs on the shorter sequence, with the kept

@@ -84,9 +84,9 @@ class Qwen25OmniAdapter(Adapter):
             return None  # the text model then uses arange positions itself (no multimodal grid was given)
         return position_ids[-3] if position_ids.ndim == 3 else position_ids
 
-    def guards(self, model: nn.Module) -> dict[str, Any]:
+    def guards(self, model: nn.Module) -> list[tuple[Any, str, Any]]:
         if model.config.model_type != "qwen2_5_omni":
-            return {}
+            return []
 
         def generate(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError(
@@ -96,7 +96,7 @@ class Qwen25OmniAdapter(Adapter):
                 "checkpoint is loaded ('Chelsie is not available'). The thinker's generate returns prompt + new "
                 "tokens, as usual.")
 
-        return {"generate": generate}
+        return [(model, "generate", generate)]
 
     def end_of_turn_token_id(self, model: nn.Module) -> int | None:
         # A config that names its <|im_end|> (macer.testing's synthetic vocabulary; Qwen3-Omni's configs) wins;

@@ -1,0 +1,132 @@
+"""``stage_select`` on the CUDA kernels: the selection half of a fused MACER stage, one launch per stage.
+
+Contract (shared with ``macer_kernels.stage``): ``stage_select(scores, labels, chunk_ids, modalities, out_len)``
+returns ``keep`` ``[B, out_len]`` int64, per row the ascending positions of every token whose label is not selected
+plus, for each selected modality ``(label, keep, coverage_weight, num_chunks)``, its ``keep`` picks: top-K with ties
+to the lower index when ``coverage_weight`` is None, else the chunk-coverage greedy (``eq:chunk_coverage_greedy``,
+the tie rule of ``reference.coverage_select_ref``) over that modality's tokens with their ``chunk_ids``.
+
+Up to the one-CTA limit (``select_cta_max_n``: the device's shared memory) this is one launch of
+``csrc/kernels/select_cta.cuh`` with one thread block per sample. Above it, and for coverage over float64 scores, a
+batched chain of torch sorts on the GPU (:func:`stage_select_sorts`, about 10 launches per modality). Neither path
+synchronises with the host: every output size is a host integer. A row whose data contradicts the host's counts (a
+modality with fewer than ``keep`` tokens, or a kept total other than ``out_len``) comes back filled with -1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from macer_kernels.backend import register
+from macer_kernels.cuda._ext import check_cuda_tensor, dtype_code, ext, launch_args, select_cta_max_n
+
+_OP = "stage_select"
+# (label, keep, coverage_weight, num_chunks); num_chunks (0 for top-K, a bound or None for coverage) is not needed:
+# the kernel checks on the device whether the chunk ids fit its key field.
+Modality = tuple[int, int, float | None, int | None]
+
+
+def _check(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
+           modalities: tuple[Modality, ...], out_len: int) -> None:
+    """Host-side checks only (shapes, dtypes, host numbers): nothing reads device memory."""
+    if scores.dim() != 2 or not scores.is_floating_point():
+        raise ValueError(f"{_OP}: scores must be a floating [B, N] tensor, got {scores.dtype} {tuple(scores.shape)}")
+    b, n = scores.shape
+    for name, t in (("labels", labels), ("chunk_ids", chunk_ids)):
+        if t is None:
+            continue
+        if t.shape != scores.shape or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{_OP}: {name} must be an integer tensor of shape {(b, n)}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if b < 1:
+        raise ValueError(f"{_OP}: B must be >= 1, got {b}")
+    if not 1 <= len(modalities) <= int(ext().MAX_STAGE_MODALITIES):
+        raise ValueError(f"{_OP}: modalities must hold 1 to {int(ext().MAX_STAGE_MODALITIES)} entries, "
+                         f"got {len(modalities)}")
+    seen = set()
+    for label, keep, weight, _ in modalities:
+        if label in seen:
+            raise ValueError(f"{_OP}: modality label {label} is listed twice")
+        seen.add(label)
+        if not 0 <= keep <= n:
+            raise ValueError(f"{_OP}: keep of modality {label} must be in [0, {n}], got {keep}")
+        if weight is not None and not weight >= 0:
+            raise ValueError(f"{_OP}: coverage_weight of modality {label} must be >= 0 or None, got {weight}")
+        if weight is not None and chunk_ids is None:
+            raise ValueError(f"{_OP}: modality {label} uses coverage, so chunk_ids must be given")
+    if not 0 <= out_len <= n:
+        raise ValueError(f"{_OP}: out_len must be in [0, {n}], got {out_len}")
+
+
+def _stable_argsort(x: torch.Tensor, descending: bool = False) -> torch.Tensor:
+    return torch.sort(x, dim=1, descending=descending, stable=True).indices
+
+
+def stage_select_sorts(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
+                       modalities: tuple[Modality, ...], out_len: int) -> torch.Tensor:
+    """The same contract with batched torch sorts (any device, no host synchronisation): the multi-CTA path.
+
+    Per modality: the candidates first, in (score desc, index asc) order; for coverage each candidate's rank t inside
+    its chunk in that order gives ``v = s + sqrt(lambda_c / (1 + t))`` and a stable sort by v keeps the order for
+    equal values (score desc, index asc): the greedy's pick order, as ``macer_kernels.select._coverage_order``.
+    """
+    b, n = scores.shape
+    s = scores.to(torch.float64) + 0.0  # -0.0 -> +0.0: equal to 0.0 for every sort below
+    index = torch.arange(n, device=scores.device).expand(b, n)
+    keep_mask = torch.ones(b, n, dtype=torch.bool, device=scores.device)
+    bad = torch.zeros(b, dtype=torch.bool, device=scores.device)
+    for label, keep, weight, _ in modalities:
+        member = labels == label
+        keep_mask &= ~member
+        bad |= member.sum(1) < keep
+        if keep == 0:
+            continue
+        order = _stable_argsort(s, descending=True)
+        order = order.gather(1, _stable_argsort((~member).gather(1, order).to(torch.uint8)))  # candidates first
+        if weight is not None:
+            big = torch.iinfo(torch.int64).max
+            chunks = torch.where(member, chunk_ids.to(torch.int64), big)  # other tokens: one chunk, sorted last
+            by_chunk = order.gather(1, _stable_argsort(chunks.gather(1, order)))
+            sorted_chunks = chunks.gather(1, by_chunk)
+            new_chunk = torch.ones(b, n, dtype=torch.bool, device=scores.device)
+            new_chunk[:, 1:] = sorted_chunks[:, 1:] != sorted_chunks[:, :-1]
+            start = torch.cummax(torch.where(new_chunk, index, 0), dim=1).values
+            rank = (index - start).to(torch.float64)
+            value = torch.empty(b, n, dtype=torch.float64, device=scores.device)
+            value.scatter_(1, by_chunk, s.gather(1, by_chunk) + torch.sqrt(weight / (1.0 + rank)))
+            value = torch.where(member, value, -torch.inf)  # stable: candidates stay ahead of equal -inf others
+            order = order.gather(1, _stable_argsort(value.gather(1, order), descending=True))
+        keep_mask.scatter_(1, order[:, :keep], True)
+    bad |= keep_mask.sum(1) != out_len
+    keep_idx = torch.where(keep_mask, index, n).sort(dim=1).values[:, :out_len]
+    return torch.where(bad[:, None], -1, keep_idx)
+
+
+def stage_select_cuda(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
+                      modalities: tuple[Modality, ...], out_len: int) -> torch.Tensor:
+    """``stage_select`` on CUDA tensors: one launch up to the one-CTA limit (see the module docstring)."""
+    _check(scores, labels, chunk_ids, modalities, out_len)
+    for name, t in (("scores", scores), ("labels", labels), ("chunk_ids", chunk_ids)):
+        if t is not None:
+            check_cuda_tensor(_OP, name, t)
+    b, n = scores.shape
+    coverage = any(weight is not None for _, _, weight, _ in modalities)
+    device, stream = launch_args(scores)
+    if n > select_cta_max_n(device, coverage) or (coverage and scores.dtype == torch.float64):
+        return stage_select_sorts(scores, labels, chunk_ids, modalities, out_len)
+    out = torch.empty(b, out_len, dtype=torch.long, device=scores.device)
+    if out_len == 0:  # nothing kept (N = 0 included): no launch
+        return out
+    chunk_ptr, chunk_code, chunk_stride = 0, 0, (0, 0)
+    if chunk_ids is not None:
+        chunk_ptr, chunk_stride = chunk_ids.data_ptr(), chunk_ids.stride()
+        chunk_code = dtype_code(_OP, "chunk_ids", chunk_ids)
+    mods = [(int(label), int(keep), 0.0 if weight is None else float(weight), weight is not None)
+            for label, keep, weight, _ in modalities]
+    ext().select_cta(_OP, scores.data_ptr(), dtype_code(_OP, "scores", scores), scores.stride(), labels.data_ptr(),
+                     dtype_code(_OP, "labels", labels), labels.stride(), chunk_ptr, chunk_code, chunk_stride,
+                     out.data_ptr(), out_len, out_len, b, n, mods, device, stream)
+    return out
+
+
+register(_OP, "cuda")(stage_select_cuda)
