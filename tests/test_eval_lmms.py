@@ -36,13 +36,19 @@ CLIP_SIZE = (64, 48)  # width, height: smart_resize -> 56 x 56 -> 2 x 2 merged t
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
+    # lmms-eval caches the loaded JSONL under ~/.cache/huggingface unless told otherwise (also for the CLI run).
+    env = pytest.MonkeyPatch()
+    env.setenv("LMMS_EVAL_DATASETS_CACHE", str(root / "datasets_cache"))
     checkpoint = write_checkpoint(root / "tiny")
     release = write_dailyomni_release(root / "release", questions=2)
     tasks = root / "tasks"
     prepare_module.prepare("dailyomni", release, tasks)
     from lmms_eval.tasks import TaskManager
 
-    return {"root": root, "checkpoint": checkpoint, "tasks": tasks, "manager": TaskManager(include_path=str(tasks))}
+    # include_defaults=False: indexing lmms-eval's ~200 built-in task folders takes seconds and none is used here.
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    yield {"root": root, "checkpoint": checkpoint, "tasks": tasks, "manager": manager}
+    env.undo()
 
 
 def _evaluate(setup, policy: str, log, limit: int | None = None, **extra):
