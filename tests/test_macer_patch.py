@@ -337,3 +337,22 @@ def test_full_model_generate_points_to_thinker_generate():
     assert "generate" not in omni.__dict__
     with macer.compress(omni.thinker, macer_config_for(omni, audio_layer=1, video_layer=2)):
         assert "generate" not in omni.thinker.__dict__  # the thinker's own generate is the supported path
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_decode_steps_run_without_prefill_hooks_or_the_attention_wrapper(attn):
+    """Layer hooks and the attention wrapper exist only during a prefill; SDPA decode steps get no MACER hook at
+    all, eager ones only the per-step mask hooks on layers whose cache differs from layer 0's."""
+    model = _thinker(attn)
+    inputs = clip_inputs(model, **CLIP)
+    decoder, seen = _decoder(model), []
+    with torch.no_grad(), macer.compress(model, macer_config_for(model, keep_ratio=0.25)) as trace:
+        spy = decoder.register_forward_pre_hook(  # runs after MACER's own decoder pre-hook
+            lambda *_: seen.append((decoder.config._attn_implementation,
+                                    [len(layer._forward_pre_hooks) for layer in decoder.layers])))
+        model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        spy.remove()
+    first = trace.last.stages[0].layer
+    assert seen[0] == (f"macer_{attn}", [0] * first + [1] * (6 - first))
+    changed = [0 if n == trace.cache_lengths[0] else 1 for n in trace.cache_lengths]
+    assert seen[1:] == [(attn, [0] * 6 if attn == "sdpa" else changed)] * 2

@@ -130,8 +130,8 @@ POLICIES = {
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_keep_ratio_one_is_bit_identical_and_exit_restores_for_every_policy(attn):
-    model = build_thinker(num_layers=5, hidden_size=64, attn_implementation=attn, seed=6)
-    inputs = clip_inputs(model, **CLIP)
+    model = build_thinker(num_layers=5, hidden_size=32, num_heads=2, num_kv_heads=1, attn_implementation=attn, seed=6)
+    inputs = clip_inputs(model, frames=4, grid_hw=(4, 4), audio_tokens=40, seed=1)  # 8 video + 40 audio tokens
     with torch.no_grad():
         want = model(**inputs).logits
         for name, make in POLICIES.items():

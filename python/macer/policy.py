@@ -175,8 +175,9 @@ class Policy(abc.ABC):
 
 
 def _after(spec: StageSpec, counts: dict[int, int], length: int) -> int:
-    """Length after ``spec`` given the per-modality counts entering it (updated in place for joint selections the
-    per-modality split is not known on the host; only the total matters for lengths)."""
+    """Length after ``spec`` given the per-modality counts entering it; ``counts`` is updated in place for
+    single-modality selections (a joint selection's split is unknown on the host, and only totals size the
+    sequence)."""
     for sel in spec.selections:
         members = sum(counts[m] for m in sel.modalities)
         length -= members - sel.k
