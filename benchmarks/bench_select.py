@@ -9,27 +9,36 @@ loop of PyTorch ops on the device for the coverage greedy, run only where k <= 5
 several launches); ``torch`` is the PyTorch backend; then every other backend that can run on the device. The target
 is a selection of 864 tokens under 30 us.
 
-Columns: ``median_us``, the device time between CUDA events (``triton.testing.do_bench``). do_bench queues an L2
-flush before every run, and the host launches the op while the GPU is still flushing, so this column leaves out the
-host's launch overhead (Python, the argument checks, allocations), which for a few microseconds of kernels can be
-most of the latency. ``wall_us`` is what the caller waits for: the host wall time of one call and a synchronize,
-median over runs, on an idle GPU. ``exact`` says whether the provider returned the same indices as the PyTorch
-backend, which the tests hold to the float64 references.
+Columns (``benchmarks.common`` defines them): ``median_us``, the device time between CUDA events
+(``triton.testing.do_bench``), which leaves out the host's launch overhead (Python, the argument checks,
+allocations) before the first launch, for a few microseconds of kernels most of the latency; ``wall_us``, what the
+caller waits for (one call and a synchronize, L2 warm): **the selection targets read this column**; ``launches``,
+``syncs``, ``d2h`` and ``kernel_us`` per call from torch.profiler (None on CPU). ``exact`` says whether the provider
+returned the same indices as the PyTorch backend, which the tests hold to the float64 references.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from benchmarks.bench_modality_scores import slug
-from benchmarks.common import environment, median_time_us, print_table, runnable_backends, write_results
+from benchmarks.common import (
+    PROFILE_COLUMNS,
+    environment,
+    median_time_us,
+    print_table,
+    profile_call,
+    runnable_backends,
+    wall_time_us,
+    write_results,
+)
 from macer_kernels import coverage_select, temporal_chunks, topk_indices, use_backend
+from macer_kernels.reference import coverage_greedy_picks
 
 SIZES = (864, 20_000, 100_000)
 QUICK_SIZES = (50, 300)
@@ -45,36 +54,9 @@ def naive_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def naive_coverage(scores: torch.Tensor, chunks: torch.Tensor, k: int, weight: float) -> torch.Tensor:
-    """The literal greedy: k steps of argmax over s + sqrt(lambda / (1 + r_chunk)) (argmax takes the first maximum)."""
-    values = scores.double()
-    counts = torch.zeros(int(chunks.max()) + 1, dtype=torch.float64, device=scores.device)
-    taken = torch.zeros_like(values, dtype=torch.bool)
-    picks = torch.empty(k, dtype=torch.long, device=scores.device)
-    for step in range(k):
-        gain = (values + torch.sqrt(weight / (1.0 + counts[chunks]))).masked_fill_(taken, float("-inf"))
-        best = torch.argmax(gain)
-        picks[step] = best
-        taken[best] = True
-        counts[chunks[best]] += 1
-    return torch.sort(picks).values
-
-
-def wall_time_us(fn: Callable[[], object], device: torch.device, *, budget_s: float = 0.2, reps: int = 200) -> float:
-    """Median host wall time of ``fn()`` followed by a device synchronize, in microseconds: launch overhead and any
-    host synchronisation inside ``fn`` included. Like do_bench, the number of runs fits a time budget (at least 5),
-    so the literal greedy (a fraction of a second per call at k = 5000) does not take minutes."""
-    def timed() -> float:
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
-
-    estimate = timed()  # also the warm-up of a first call
-    reps = max(5, min(reps, int(budget_s / max(estimate, 1e-9))))
-    for _ in range(min(10, reps)):
-        timed()
-    return 1e6 * statistics.median(timed() for _ in range(reps))
+    """The literal greedy on the device: ``reference.coverage_greedy_picks``, the k-step definition the float64
+    reference uses too (one tie rule: value, then score, then the lower index), k steps of a few launches each."""
+    return torch.sort(coverage_greedy_picks(scores, chunks, k, weight)).values
 
 
 def _backend_fn(name: str, fn: Callable, *args) -> Callable[[], torch.Tensor]:
@@ -85,7 +67,7 @@ def _backend_fn(name: str, fn: Callable, *args) -> Callable[[], torch.Tensor]:
     return run
 
 
-def run(sizes, device: torch.device) -> list[dict]:
+def run(sizes, device: torch.device, *, quick: bool = False) -> list[dict]:
     rows = []
     backends = runnable_backends("coverage_select", device)
     for n in sizes:
@@ -106,8 +88,11 @@ def run(sizes, device: torch.device) -> list[dict]:
             for name, provider in providers.items():
                 us = median_time_us(provider, device)
                 naive_us = us if name == "naive" else naive_us
-                rows.append({"op": op, "provider": name, "n": n, "k": k, "median_us": us,
-                             "wall_us": wall_time_us(provider, device),
+                wall = wall_time_us(provider, device, **({"budget_s": 0.02, "min_reps": 1} if quick else {}))
+                # The literal greedy's k steps of launches would flood the profiler; its counts say nothing new.
+                literal = name == "naive" and op == "coverage_select"
+                counts = dict.fromkeys(PROFILE_COLUMNS) if literal else profile_call(provider, device)
+                rows.append({"op": op, "provider": name, "n": n, "k": k, "median_us": us, "wall_us": wall, **counts,
                              "speedup": naive_us / us if naive_us else float("nan"),
                              "exact": bool(torch.equal(provider(), expected))})
     return rows
@@ -117,9 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU smoke run on tiny sizes; writes no results")
     parser.add_argument("--sizes", type=int, nargs="+", help="override the token counts n")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args(argv)
     if args.quick:
-        print_table(run(args.sizes or QUICK_SIZES, torch.device("cpu")))
+        print_table(run(args.sizes or QUICK_SIZES, torch.device("cpu"), quick=True))
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_select needs a CUDA GPU (use --quick for a CPU smoke run)")
@@ -128,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows)
     meta = {**environment(device), "keep_ratio": KEEP_RATIO, "coverage_weight": COVERAGE_WEIGHT,
             "num_chunks": NUM_CHUNKS, "scores_dtype": "float32"}
-    paths = write_results(f"select_{slug(meta['device'])}", rows, meta)
+    paths = write_results(f"select_{slug(meta['device'])}", rows, meta, args.out)
     print("wrote", *paths)
 
 

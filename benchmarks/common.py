@@ -1,19 +1,32 @@
-"""Shared benchmark plumbing: timing, environment description, result files.
+"""Shared benchmark plumbing: timing, profiling, environment description, result files.
 
-Every benchmark reports the median of many timed runs after warm-up. On CUDA it times with
-``triton.testing.do_bench`` when Triton is present (CUDA events, L2 flushed between runs), else with CUDA events;
-on CPU with ``time.perf_counter``. Results are written with the device name, library versions and git SHA.
+Three numbers per call, because a target must say which it reads:
+
+* ``median_us`` (``median_time_us``): device time. On CUDA ``triton.testing.do_bench`` (CUDA events around each
+  call, L2 flushed before each) when Triton is present, else CUDA events; on CPU ``time.perf_counter``. do_bench
+  queues the L2 flush before every call and the host launches the call while the GPU is still flushing, so host
+  work done before the call's first launch (argument checks, allocations, Python) is hidden, while host work after
+  a synchronisation inside the call is counted.
+* ``wall_us`` (``wall_time_us``): what the caller waits for, the host wall time of one call plus a synchronize,
+  median over repeated calls on the same inputs (L2 warm, as inside a prefill), the GPU idle before each call.
+* ``launches`` / ``syncs`` / ``d2h`` / ``kernel_us`` (``profile_call``): per call, from torch.profiler: kernel launches
+  (runtime and driver API, so CUDA-extension, PyTorch and Triton launches alike), host synchronisations
+  (stream/device/event synchronize and blocking ``cudaMemcpy``), device-to-host copies, and the summed device time
+  of the call's GPU work. None on CPU.
+
+Results are written with the device, library versions, git SHA and thread counts.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -29,6 +42,10 @@ def device_name(device: torch.device | str) -> str:
 
 
 def git_sha() -> str:
+    """The checkout's commit (``-dirty`` with uncommitted changes); ``MACER_GIT_SHA`` names it where there is no .git
+    (a copy of the tree on a lent GPU machine)."""
+    if os.environ.get("MACER_GIT_SHA"):
+        return os.environ["MACER_GIT_SHA"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
                              cwd=Path(__file__).resolve().parent)
@@ -39,10 +56,30 @@ def git_sha() -> str:
         return "unknown"
 
 
+COLUMNS = {
+    "median_us": "device time per call (do_bench on CUDA: CUDA events, L2 flushed, host time before the first launch "
+                 "hidden); host wall time on CPU",
+    "wall_us": "host wall time of one call + synchronize, median, L2 warm, GPU idle before the call",
+    "launches": "kernel launches per call (torch.profiler: cudaLaunchKernel*, cuLaunchKernel*, cudaGraphLaunch)",
+    "syncs": "host synchronisations per call (stream/device/event synchronize, blocking cudaMemcpy)",
+    "d2h": "device-to-host copies per call",
+    "kernel_us": "summed device time of the call's GPU work (torch.profiler, L2 warm)",
+}
+"""What each timing/counting column means; stored in every result file's meta."""
+
+
 def environment(device: torch.device | str) -> dict:
-    """Device, versions and git SHA, stored next to every result."""
+    """Device, versions, git SHA and thread counts, stored next to every result."""
+    device = torch.device(device)
     env = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
-           "git_sha": git_sha(), "cuda": torch.version.cuda}
+           "git_sha": git_sha(), "cuda": torch.version.cuda, "threads": torch.get_num_threads(),
+           "interop_threads": torch.get_num_interop_threads(), "host_cpu": platform.processor() or platform.machine(),
+           "columns": COLUMNS}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["gpu"] = {"capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
+                      "memory_gib": round(props.total_memory / 2**30, 1),
+                      "l2_mib": round(getattr(props, "L2_cache_size", 0) / 2**20, 1)}
     try:
         import triton
 
@@ -104,6 +141,80 @@ def median_time_us(fn: Callable[[], object], device: torch.device | str, *, warm
         fn()
         times.append(1e6 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def wall_time_us(fn: Callable[[], object], device: torch.device | str, *, budget_s: float = 0.2, reps: int = 200,
+                 min_reps: int = 5) -> float:
+    """Median host wall time of ``fn()`` followed by a device synchronize, in microseconds: launch overhead and any
+    host synchronisation inside ``fn`` included, L2 warm (the same inputs every call). The number of runs fits a time
+    budget (at least ``min_reps``), as do_bench does, so a slow provider does not take minutes."""
+    device = torch.device(device)
+
+    def timed() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the GPU idle before the call: its queue is not part of the call
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    estimate = timed()  # also the warm-up of a first call
+    reps = max(min_reps, min(reps, int(budget_s / max(estimate, 1e-9))))
+    for _ in range(min(10, reps)):
+        timed()
+    return 1e6 * statistics.median(timed() for _ in range(reps))
+
+
+LAUNCH_EVENTS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel", "cuLaunchKernel",
+                           "cuLaunchKernelEx", "cuLaunchCooperativeKernel", "cudaGraphLaunch"})
+"""Host-side CUDA API events that launch device work (runtime API: PyTorch and the extension; driver API: Triton)."""
+SYNC_EVENTS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                         "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2"})
+"""Host-side CUDA API events that block the host until the GPU is done."""
+_CALL_MARK = "macer_bench_call"
+PROFILE_COLUMNS = ("launches", "syncs", "d2h", "kernel_us")
+
+
+def summarize_profile(events: Iterable, calls: int) -> dict[str, float]:
+    """Per-call counts from torch.profiler events (``prof.events()``) of ``calls`` calls, each inside a
+    ``record_function(_CALL_MARK)`` range: only host API events inside those ranges count (not the synchronize that
+    ends the profile); device events count whole (the synchronize adds none)."""
+    from torch.autograd import DeviceType
+
+    events = list(events)
+    ranges = [(e.time_range.start, e.time_range.end) for e in events
+              if e.name == _CALL_MARK and e.device_type == DeviceType.CPU]
+    if len(ranges) != calls:
+        raise RuntimeError(f"profile holds {len(ranges)} marked calls, expected {calls}")
+
+    def in_call(e) -> bool:
+        return any(start <= e.time_range.start <= end for start, end in ranges)
+
+    api = [e.name for e in events if e.device_type == DeviceType.CPU and e.name != _CALL_MARK and in_call(e)]
+    device = [e for e in events if e.device_type == DeviceType.CUDA and e.name != _CALL_MARK]
+    return {"launches": sum(name in LAUNCH_EVENTS for name in api) / calls,
+            "syncs": sum(name in SYNC_EVENTS for name in api) / calls,
+            "d2h": sum("DtoH" in e.name for e in device) / calls,
+            "kernel_us": sum(e.time_range.elapsed_us() for e in device) / calls}
+
+
+def profile_call(fn: Callable[[], object], device: torch.device | str, *, calls: int = 5) -> dict[str, float | None]:
+    """Launches, host synchronisations, device-to-host copies and device time per call of ``fn`` (after one warm-up
+    call), from torch.profiler; all None on CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return dict.fromkeys(PROFILE_COLUMNS)
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            with record_function(_CALL_MARK):
+                fn()
+        torch.cuda.synchronize(device)
+    return summarize_profile(prof.events(), calls)
 
 
 def copy_bandwidth_gbs(device: torch.device | str, nbytes: int = 1 << 30) -> float:

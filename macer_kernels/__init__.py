@@ -13,13 +13,19 @@ op                        definition (``macer_paper.tex`` label)       shapes
 ``compact``               Sec. 4 (keep text + S_a + S_v in order)       ``x``, ``[k]`` -> ``x`` with k rows
 ``select_stage``          one readout: ANMS scores + every selection     q, k, labels -> ``[B,out_len]``
 ========================  ===========================================  ================================
+
+No op synchronises with the host on CUDA tensors: shapes, dtypes, devices and strides are always checked, but values
+(label and position ranges, NaN scores, sorted keep indices, chunk ids) are checked on CUDA tensors only in
+validation mode (``validation()``, ``set_validation(True)`` or ``MACER_VALIDATE=1``); CPU tensors are always
+value-checked. See ``macer_kernels._validate``.
 """
 
+from macer_kernels._validate import set_validation, validation, validation_enabled
 from macer_kernels.backend import available_backends, backend_status, current_backend, use_backend
 from macer_kernels.compact import compact, compact_many
 from macer_kernels.modality_scores import MAX_MODALITIES, modality_scores
 from macer_kernels.select import coverage_select, topk_indices
-from macer_kernels.split_budget import split_budget
+from macer_kernels.split_budget import decimal_fraction, split_budget
 from macer_kernels.stage import StageModality, select_stage
 from macer_kernels.temporal_chunks import temporal_chunks
 from macer_kernels.types import Budget
@@ -36,10 +42,14 @@ __all__ = [
     "compact_many",
     "coverage_select",
     "current_backend",
+    "decimal_fraction",
     "modality_scores",
     "select_stage",
+    "set_validation",
     "split_budget",
     "temporal_chunks",
     "topk_indices",
     "use_backend",
+    "validation",
+    "validation_enabled",
 ]

@@ -6,14 +6,14 @@ from collections.abc import Sequence
 
 import torch
 
-from macer_kernels._validate import check_int, check_same_device, check_tensor, read_back
+from macer_kernels._validate import check_int, check_same_device, check_tensor, read_back, values_checked
 from macer_kernels.backend import dispatch, register
 
 
 def _check_keep(keep: torch.Tensor, n: int) -> torch.Tensor:
     keep = check_tensor("keep", keep, 1)
     check_int("keep", keep)
-    if keep.numel():
+    if keep.numel() and values_checked(keep):
         # One host synchronisation for the range and the order.
         lo, hi, increasing = read_back(keep.min(), keep.max(), (keep[1:] > keep[:-1]).all())
         if lo < 0 or hi >= n:
@@ -35,7 +35,8 @@ def compact(x: torch.Tensor, keep: torch.Tensor, dim: int = 1) -> torch.Tensor:
     Args:
         x: any tensor, e.g. hidden states ``[B, N, hidden]``, RoPE ``cos``/``sin`` ``[B, N, D]``, position ids
             ``[3, B, N]`` (``dim=2``).
-        keep: 1-D integer tensor of strictly increasing indices in ``[0, x.shape[dim] - 1]``.
+        keep: 1-D integer tensor of strictly increasing indices in ``[0, x.shape[dim] - 1]`` (checked on CPU tensors,
+            and on CUDA tensors only in validation mode: out-of-range indices may fault there).
         dim: the sequence dimension (negative values count from the end).
 
     Returns:

@@ -6,7 +6,15 @@ import math
 
 import torch
 
-from macer_kernels._validate import check_float, check_int, check_real, check_same_device, check_tensor, read_back
+from macer_kernels._validate import (
+    check_float,
+    check_int,
+    check_real,
+    check_same_device,
+    check_tensor,
+    read_back,
+    values_checked,
+)
 from macer_kernels.backend import dispatch, register
 
 MAX_MODALITIES = 8
@@ -36,6 +44,17 @@ def modality_scores(
     and tokens labelled 0 (text) score 0. Each (q, h) row is renormalised over its own modality only, so the scores of
     one modality never depend on how much attention another modality receives (except through ``eps``). A row that
     sees no key of a modality (causal limit) contributes 0 to it, also for ``eps = 0`` (the limit eps -> 0+).
+
+    Non-finite inputs, the same in every backend: tokens labelled 0 always score exactly 0. In a batch element where
+    some logit ``scale * q . k_j`` of a kept pair (a query row of any head and a key ``j <= position`` it sees) is
+    NaN or infinite -- which it is whenever an element of a query row, or of a key that some row sees, is NaN or
+    +-inf -- every token labelled > 0 scores NaN. Keys that no query row sees do not matter, and other batch
+    elements are unaffected. (IEEE propagation through the softmax would do the same except for ``-inf`` logits,
+    which it would turn into zero weights; the rule does not depend on the signs of the products.)
+
+    Value checks (label range, ``query_positions`` in ``[0, N-1]``) run on CPU tensors always and on CUDA tensors
+    only in validation mode (``macer_kernels.validation()``); otherwise the call never synchronises with the host,
+    and labels or positions out of range give unspecified results (the kernels may fault).
 
     Args:
         query: ``[B, Hq, Lq, D]`` post-RoPE queries of the question span (fp32, bf16, fp16 or fp64).
@@ -67,7 +86,8 @@ def modality_scores(
         raise ValueError(f"query must have B >= 1, at least one row and D > 0, got shape {tuple(query.shape)}")
     if tuple(modality.shape) != (b, n):
         raise ValueError(f"modality must be [B={b}, N={n}], got {tuple(modality.shape)}")
-    if query_positions is None:
+    positions_given = query_positions is not None
+    if not positions_given:
         if lq > n:
             raise ValueError(f"query has Lq={lq} rows but key has only N={n} positions")
         query_positions = torch.arange(n - lq, n, device=query.device).expand(b, lq)
@@ -77,13 +97,14 @@ def modality_scores(
         if tuple(query_positions.shape) != (b, lq):
             raise ValueError(f"query_positions must be [B={b}, Lq={lq}], got {tuple(query_positions.shape)}")
     check_same_device(query=query, key=key, modality=modality, query_positions=query_positions)
-    ranges = [modality.min(), modality.max()] if n else []
-    ranges += [query_positions.min(), query_positions.max()]
-    ranges = read_back(*ranges)  # one host synchronisation for all data-dependent checks
-    if n and (ranges[0] < 0 or ranges[1] > MAX_MODALITIES):
-        raise ValueError(f"modality labels must be in [0, {MAX_MODALITIES}], got range [{ranges[0]}, {ranges[1]}]")
-    if ranges[-2] < 0 or ranges[-1] >= n:
-        raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range [{ranges[-2]}, {ranges[-1]}]")
+    if values_checked(modality):
+        # One host synchronisation for all data-dependent checks (the default positions need none).
+        ranges = read_back(*([modality.min(), modality.max()] if n else []),
+                           *([query_positions.min(), query_positions.max()] if positions_given else []))
+        if n and (ranges[0] < 0 or ranges[1] > MAX_MODALITIES):
+            raise ValueError(f"modality labels must be in [0, {MAX_MODALITIES}], got range [{ranges[0]}, {ranges[1]}]")
+        if positions_given and (ranges[-2] < 0 or ranges[-1] >= n):
+            raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range [{ranges[-2]}, {ranges[-1]}]")
     scale = 1.0 / math.sqrt(d) if scale is None else check_real("scale", scale, 0.0, math.inf, lo_open=True,
                                                                  hi_open=True)
     eps = check_real("eps", eps, 0.0, math.inf, hi_open=True)
@@ -107,12 +128,16 @@ def _modality_scores_torch(query, key, modality, query_positions, scale, eps):
         logits[..., start:stop] = torch.matmul(q, k_block.transpose(-1, -2))
     logits = logits.view(b, hq, lq, n)
     visible = torch.arange(n, device=query.device)[None, None, :] <= query_positions[:, :, None].long()
+    # The non-finite rule of the docstring: a NaN or infinite logit of a kept (row, key) pair makes every scored token
+    # of its batch element NaN. IEEE arithmetic alone gives that for NaN and +inf logits but a zero weight for -inf
+    # ones, so the result would depend on the signs of the products; this test depends only on what is finite.
+    broken = torch.isfinite(logits).logical_not_().logical_and_(visible[:, None]).flatten(1).any(dim=1)  # [B]
     logits.masked_fill_(~visible[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # A_h(q, i), fp32
     labels = modality.long()
-    num_labels = int(labels.max()) + 1 if n else 1
-    # mass[b, (h, q), m] = sum_{j: label j = m} A_h(q, j): one product with the [N, labels] one-hot matrix.
-    one_hot = torch.nn.functional.one_hot(labels, num_labels).to(torch.float32)  # [B, N, labels]
+    # mass[b, (h, q), m] = sum_{j: label j = m} A_h(q, j): one product with the [N, labels] one-hot matrix. The
+    # width is the largest allowed label, not the largest present one: reading that back would synchronise.
+    one_hot = torch.nn.functional.one_hot(labels, MAX_MODALITIES + 1).to(torch.float32)  # [B, N, labels]
     rows = probs.view(b, hq * lq, n)
     mass = torch.bmm(rows, one_hot)
     denom = mass.gather(-1, labels[:, None, :].expand(b, hq * lq, n))
@@ -121,4 +146,4 @@ def _modality_scores_torch(query, key, modality, query_positions, scale, eps):
     unseen = denom == 0
     denom = denom.add_(eps).masked_fill_(unseen, 1.0)
     scores = rows.div_(denom).sum(dim=1) / (lq * hq)
-    return scores.masked_fill_(labels == 0, 0.0)
+    return scores.masked_fill_(broken[:, None], float("nan")).masked_fill_(labels == 0, 0.0)

@@ -9,17 +9,21 @@ causal softmax is materialised, and the coverage greedy runs its k steps literal
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 
+from macer_kernels._validate import decimal_fraction
 from macer_kernels.types import Budget
 
 
-def split_budget_ref(n_audio: int, n_video: int, keep_ratio: float, audio_share: float) -> Budget:
-    """Sec. 4 K_mm, ``eq:capacity_nominal`` and ``eq:capacity_split``, with floor(x + 0.5) rounding."""
+def split_budget_ref(n_audio: int, n_video: int, keep_ratio: float | Fraction, audio_share: float | Fraction) -> Budget:
+    """Sec. 4 K_mm, ``eq:capacity_nominal`` and ``eq:capacity_split``, with floor(x + 0.5) rounding, in exact
+    rational arithmetic on the decimal numbers the user wrote (``decimal_fraction``: 0.35 is 35/100)."""
+    rho, alpha, half = decimal_fraction(keep_ratio), decimal_fraction(audio_share), Fraction(1, 2)
     n = n_audio + n_video
-    total = min(n, math.floor(keep_ratio * n + 0.5))
-    nominal_audio = math.floor(audio_share * total + 0.5)
+    total = min(n, math.floor(rho * n + half))
+    nominal_audio = math.floor(alpha * total + half)
     nominal_video = total - nominal_audio
     audio = min(n_audio, nominal_audio + max(0, nominal_video - n_video))
     return Budget(total=total, audio=audio, video=total - audio)
@@ -71,30 +75,37 @@ def topk_indices_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.tensor(sorted(order[:k]), dtype=torch.long)
 
 
-def coverage_select_ref(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, coverage_weight: float) -> torch.Tensor:
-    """``eq:chunk_coverage_greedy``, the literal k-step greedy in float64; sorted result.
+def coverage_greedy_picks(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int,
+                          coverage_weight: float) -> torch.Tensor:
+    """``eq:chunk_coverage_greedy`` run literally for k steps: the picks ``[k]`` (int64) in the order taken.
 
-    Each step takes the unpicked token with the largest value ``s_j + sqrt(lambda_c / (1 + r_{c(j)}))``. Equal
-    values go to the higher score, then to the lower index. For equal scores (and for ``lambda_c = 0``) this is
-    "ties to the lower index"; preferring the higher score first only matters where the float64 sum absorbs a score
-    difference (scores ~1e-16 times the bonus or smaller), and keeps the rule's exact-arithmetic property that a
-    token is never picked before a higher-scored token of its own chunk.
+    Each step takes the unpicked token with the largest key ``(value, score, -index)``, value ``s_j + sqrt(lambda_c /
+    (1 + r_{c(j)}))`` in float64, ``r_g`` the tokens already taken from chunk ``g``: equal values go to the higher
+    score, then to the lower index. For equal scores (and for ``lambda_c = 0``) this is "ties to the lower index";
+    preferring the higher score first only matters where the float64 sum absorbs a score difference (scores ~1e-16
+    times the bonus or smaller), and keeps the rule's exact-arithmetic property that a token is never picked before a
+    higher-scored token of its own chunk. Tensor ops on the inputs' device with no host read, so the "naive"
+    benchmark provider runs this same definition on a GPU.
     """
-    values = scores.to(torch.float64).tolist()
-    chunks = chunk_ids.tolist()
-    taken: set[int] = set()
-    counts: dict[int, int] = {}
-    for _ in range(k):
-        best, best_key = -1, None
-        for j, s in enumerate(values):
-            if j in taken:
-                continue
-            key = (s + math.sqrt(coverage_weight / (1 + counts.get(chunks[j], 0))), s, -j)
-            if best_key is None or key > best_key:
-                best, best_key = j, key
-        taken.add(best)
-        counts[chunks[best]] = counts.get(chunks[best], 0) + 1
-    return torch.tensor(sorted(taken), dtype=torch.long)
+    s = scores.to(torch.float64)
+    taken = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
+    in_chunk = torch.zeros_like(s)  # r_{c(j)} for every token j
+    picks = torch.empty(k, dtype=torch.long, device=s.device)
+    for step in range(k):
+        value = (s + torch.sqrt(coverage_weight / (1.0 + in_chunk))).masked_fill_(taken, float("-inf"))
+        best = ~taken & (value == value.max())  # the largest value ...
+        best &= s == torch.where(best, s, float("-inf")).max()  # ... then the largest score among those ...
+        pick = torch.argmax(best.to(torch.uint8))  # ... then the lowest index (argmax returns the first maximum)
+        picks[step] = pick
+        taken[pick] = True
+        in_chunk += chunk_ids == chunk_ids[pick]
+    return picks
+
+
+def coverage_select_ref(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, coverage_weight: float) -> torch.Tensor:
+    """``eq:chunk_coverage_greedy``, the literal k-step greedy in float64 (``coverage_greedy_picks``); sorted result
+    on the CPU."""
+    return torch.sort(coverage_greedy_picks(scores.cpu(), chunk_ids.cpu(), k, coverage_weight)).values
 
 
 def temporal_chunks_ref(temporal_positions: torch.Tensor, num_chunks: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from macer_kernels._validate import (
     check_same_device,
     check_tensor,
     read_back,
+    values_checked,
 )
 from macer_kernels.backend import dispatch, register
 
@@ -29,7 +30,8 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest scores (``TopKIdx``, eq. ``Top-k``), ties to the lower index, sorted ascending.
 
     Args:
-        scores: 1-D floating tensor of n scores (no NaN).
+        scores: 1-D floating tensor of n scores (no NaN: checked on CPU tensors, and on CUDA tensors in validation
+            mode, ``macer_kernels.validation()``; otherwise never read back, and NaN gives unspecified picks).
         k: integer in ``[0, n]``.
 
     Returns:
@@ -56,7 +58,8 @@ def coverage_select(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, cover
 
     Args:
         scores: 1-D floating tensor of n scores (no NaN).
-        chunk_ids: 1-D integer tensor of n non-negative chunk ids (e.g. from ``temporal_chunks``).
+        chunk_ids: 1-D integer tensor of n non-negative chunk ids (e.g. from ``temporal_chunks``). Both value
+            conditions are checked on CPU tensors, and on CUDA tensors only in validation mode.
         k: integer in ``[0, n]``.
         coverage_weight: lambda_c, a finite number >= 0.
 
@@ -73,7 +76,7 @@ def coverage_select(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, cover
     check_same_device(scores=scores, chunk_ids=chunk_ids)
     k = _check_k(k, scores.numel())
     coverage_weight = check_real("coverage_weight", coverage_weight, 0.0, math.inf, hi_open=True)
-    if scores.numel():
+    if scores.numel() and values_checked(scores):
         has_nan, lowest_chunk = read_back(torch.isnan(scores).any(), chunk_ids.min())  # one host synchronisation
         if has_nan:
             raise ValueError("scores contains NaN; scores must be comparable numbers")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from macer_kernels._validate import check_count, check_real
+from fractions import Fraction
+
+from macer_kernels._validate import check_count, check_real, decimal_fraction
 from macer_kernels.reference import split_budget_ref
 from macer_kernels.types import Budget
 
 
-def split_budget(n_audio: int, n_video: int, keep_ratio: float, audio_share: float) -> Budget:
+def split_budget(n_audio: int, n_video: int, keep_ratio: float | Fraction, audio_share: float | Fraction) -> Budget:
     """Split the retained multimodal budget between audio and video (Sec. 4; ``eq:capacity_nominal``,
     ``eq:capacity_split``).
 
@@ -17,17 +19,28 @@ def split_budget(n_audio: int, n_video: int, keep_ratio: float, audio_share: flo
 
     Capacity a modality cannot use is reassigned to the other, so ``K_a <= n_a`` and ``K_v <= n_v`` always hold.
 
+    The products are computed exactly on the decimal numbers written: ``keep_ratio=0.35`` means 35/100, so
+    ``split_budget(45, 45, 0.35, 0.3).total`` is ``floor(31.5 + 0.5) = 32`` (float arithmetic gives
+    ``0.35 * 90 = 31.499999999999996`` and 31). A float is read as the shortest decimal that Python prints for it
+    (``repr``); one that is not a short decimal, such as ``1 / 3``, reads as the digits printed
+    (0.3333333333333333, 16 of them). Pass a ``fractions.Fraction`` for an exact rational (``Fraction(1, 3)``).
+
     Args:
         n_audio, n_video: token counts, non-negative integers.
-        keep_ratio: rho in (0, 1].
-        audio_share: alpha, the retained-audio share, in [0, 1].
+        keep_ratio: rho in (0, 1], a float or a ``Fraction``.
+        audio_share: alpha, the retained-audio share, in [0, 1], a float or a ``Fraction``.
 
     Returns:
         ``Budget(total, audio, video)``.
     """
     n_audio = check_count("n_audio", n_audio)
     n_video = check_count("n_video", n_video)
-    keep_ratio = check_real("keep_ratio", keep_ratio, 0.0, 1.0, lo_open=True)
-    audio_share = check_real("audio_share", audio_share, 0.0, 1.0)
-    # Scalar arithmetic: the reference is the implementation, on validated arguments.
+    check_real("keep_ratio", keep_ratio, 0.0, 1.0, lo_open=True)
+    check_real("audio_share", audio_share, 0.0, 1.0)
+    # A Fraction just outside the range can round into it as a float (1 + 10**-20 -> 1.0): check the exact value.
+    if not 0 < decimal_fraction(keep_ratio) <= 1:
+        raise ValueError(f"keep_ratio must be in (0.0, 1.0], got {keep_ratio}")
+    if not 0 <= decimal_fraction(audio_share) <= 1:
+        raise ValueError(f"audio_share must be in [0.0, 1.0], got {audio_share}")
+    # Scalar arithmetic, once per prompt: the reference is the implementation, on validated arguments.
     return split_budget_ref(n_audio, n_video, keep_ratio, audio_share)

@@ -23,6 +23,7 @@ from macer_kernels._validate import (
     check_same_device,
     check_tensor,
     read_back,
+    values_checked,
 )
 from macer_kernels.backend import dispatch, register, resolve
 from macer_kernels.modality_scores import MAX_MODALITIES
@@ -53,12 +54,6 @@ class StageModality:
     keep: int
     coverage_weight: float | None = None
     num_chunks: int | None = None
-
-
-def _values_checked(t: torch.Tensor) -> bool:
-    # Value checks read device memory on the host, a synchronisation on CUDA tensors; so they run on CPU tensors only.
-    # This is macer_kernels._validate.values_checked (branch ops: CUDA too in an opt-in validation mode) once merged.
-    return t.device.type == "cpu"
 
 
 @functools.lru_cache(maxsize=32)
@@ -135,8 +130,9 @@ def select_stage(
         integer known before the call); with ``return_scores``, ``(keep, scores)``.
 
     No host synchronisation on CUDA tensors: shapes, dtypes, budgets are checked on the host; value checks (label
-    range, positions in range, each sample really holding ``count`` tokens of a label, chunk ids) run on CPU tensors
-    only. Wrong values on CUDA give wrong positions, never an out-of-bounds access.
+    range, positions in range, each sample really holding ``count`` tokens of a label, chunk ids) run where
+    ``macer_kernels._validate.values_checked`` says: CPU tensors always, CUDA tensors in validation mode. Wrong values
+    on CUDA tensors otherwise give wrong positions, never an out-of-bounds access.
     """
     query = check_tensor("query", query, 4)
     key = check_tensor("key", key, 4)
@@ -183,7 +179,7 @@ def select_stage(
     eps = check_real("eps", eps, 0.0, math.inf, hi_open=True)
     if not isinstance(return_scores, bool):
         raise ValueError(f"return_scores must be a bool, got {return_scores!r}")
-    if _values_checked(labels):
+    if values_checked(labels):
         _check_values(labels, positions, chunk_ids, mods, n)
     out_len = n - sum(m.count - m.keep for m in mods)
     spec: StageSpec = tuple(
@@ -199,7 +195,7 @@ def select_stage(
 
 def _check_values(labels: torch.Tensor, positions: torch.Tensor, chunk_ids: torch.Tensor | None,
                   mods: tuple[StageModality, ...], n: int) -> None:
-    """The data-dependent checks, in one read-back (CPU tensors only, see ``_values_checked``)."""
+    """The data-dependent checks, in one read-back (where ``values_checked``: CPU tensors, or validation mode)."""
     values = [labels.min(), labels.max()] if n else []
     values += [positions.min(), positions.max()]
     for m in mods:

@@ -6,7 +6,7 @@ import numbers
 
 import torch
 
-from macer_kernels._validate import check_tensor
+from macer_kernels._validate import check_tensor, values_checked
 
 _INT64_MAX = 2**63 - 1
 
@@ -17,7 +17,9 @@ def temporal_chunks(temporal_positions: torch.Tensor, num_chunks: int) -> torch.
     Args:
         temporal_positions: 1-D tensor of the video tokens' temporal positions (integer or floating, e.g. the
             temporal row of M-RoPE position ids). ``torch.arange(n)`` gives C equal-size bins. Integer positions must
-            span less than ``2**63 - 1`` (``t_max - t_min + 1`` fits int64); within that the ids are exact.
+            span less than ``2**63 - 1`` (``t_max - t_min + 1`` fits int64); within that the ids are exact. Floating
+            positions must be finite. Both are checked on CPU tensors, and on CUDA tensors only in validation mode
+            (``macer_kernels.validation``), so the op never reads device values back on the host.
         num_chunks: C, an integer in ``[1, 2**31)``.
 
     Returns:
@@ -32,19 +34,16 @@ def temporal_chunks(temporal_positions: torch.Tensor, num_chunks: int) -> torch.
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.long, device=t.device)
     if t.is_floating_point():
-        if not bool(torch.isfinite(t).all()):
+        if values_checked(t) and not bool(torch.isfinite(t).all()):
             raise ValueError("temporal_positions must be finite")
         t = t.to(torch.float64)
         lo, hi = t.min(), t.max()
         return torch.floor(num_chunks * (t - lo) / (hi - lo + 1)).long()
     t = t.long()
     lo, hi = t.min(), t.max()
-    if t.device.type == "cpu":  # a free read on CPU; on a device the same check runs there, without a sync
-        if int(hi) - int(lo) + 1 > _INT64_MAX:
-            raise ValueError(f"temporal_positions must span less than 2**63 - 1 (t_max - t_min + 1 must fit int64), "
-                             f"got t_min={int(lo)}, t_max={int(hi)}")
-    else:
-        torch._assert_async(hi - lo + 1 > 0, "temporal_positions must span less than 2**63 - 1")
+    if values_checked(t) and int(hi) - int(lo) + 1 > _INT64_MAX:
+        raise ValueError(f"temporal_positions must span less than 2**63 - 1 (t_max - t_min + 1 must fit int64), "
+                         f"got t_min={int(lo)}, t_max={int(hi)}")
     d, span = t - lo, hi - lo + 1
     # C d can overflow int64 (spans beyond 2**63 / C). With R = C q + r (0 <= r < C) and d = q k + e (0 <= e < q):
     # C d = R k + (C e - r k), so floor(C d / R) = k + floor((C e - r k) / R), where C e < C q <= R and

@@ -1,14 +1,20 @@
-"""Test gating: `cuda` tests need a GPU; `triton` tests need Triton and either a GPU or the interpreter.
+"""Test gating and seeds.
 
-The Triton interpreter must be selected before `triton` is first imported, so on a machine without a GPU this file
-sets TRITON_INTERPRET=1 (unless the caller chose otherwise). Nothing here touches CUDA at import time beyond the
-driver query pytest needs to decide what to skip.
+Gating: `cuda` tests need a GPU; `triton` tests need Triton and either a GPU or the interpreter. The Triton
+interpreter must be selected before `triton` is first imported, so on a machine without a GPU this file sets
+TRITON_INTERPRET=1 (unless the caller chose otherwise). Nothing here touches CUDA at import time beyond the driver
+query pytest needs to decide what to skip.
+
+Seeds: every test draws its random inputs from one seed per test, fresh on each run (or ``--seed N``), given to it
+as the ``seed`` fixture and also set as torch's global seed. A failing test's report names the seed and the command
+that reruns it on the same inputs (a ``seed`` section next to the captured output).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shutil
 
 import pytest
@@ -25,6 +31,40 @@ if not HAS_GPU:
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+def pytest_addoption(parser):
+    parser.addoption("--seed", type=int, default=None,
+                     help="seed of every test's random inputs (default: a fresh seed per test, named on failure)")
+
+
+_SEED_KEY = pytest.StashKey[int]()
+
+
+def pytest_runtest_setup(item):
+    """Pick this test's seed (``--seed`` or a fresh one) and make it torch's global seed, so inputs drawn without a
+    generator are reproducible too. A hook, not an autouse fixture: hypothesis refuses function-scoped fixtures."""
+    import torch
+
+    chosen = item.config.getoption("--seed")
+    value = chosen if chosen is not None else random.SystemRandom().randrange(2**31)
+    item.stash[_SEED_KEY] = value
+    torch.manual_seed(value)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """This test's seed (named in the failure report; ``--seed`` reruns it)."""
+    return request.node.stash[_SEED_KEY]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and _SEED_KEY in item.stash:
+        value = item.stash[_SEED_KEY]
+        report.sections.append(("seed", f"seed {value}: rerun with  pytest '{item.nodeid}' --seed {value}"))
+    return report
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -37,6 +77,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if "triton" in item.keywords and not triton_ok:
             item.add_marker(skip_triton)
+
+
+@pytest.fixture(autouse=True)
+def _validate_values_on_gpu(request):
+    """Tests that run on a GPU (marker ``cuda``, or ``triton`` where a GPU is present) run in validation mode, so bad
+    values in a test's CUDA tensors raise the ops' clear errors instead of giving unspecified results. On CPU tensors
+    values are always checked. A test that must run without host synchronisations (a CUDA graph capture) opens
+    ``macer_kernels.validation(False)`` itself; the inner block wins."""
+    node = request.node
+    if node.get_closest_marker("cuda") is None and not (HAS_GPU and node.get_closest_marker("triton") is not None):
+        yield
+        return
+    from macer_kernels import validation
+
+    with validation(True):
+        yield
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

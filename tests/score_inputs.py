@@ -7,10 +7,11 @@ import torch
 
 def score_inputs(b, hq, hkv, lq, n, d, *, labels=3, dtype=torch.float32, device="cpu", seed=None, layout="bhnd",
                  q_scale=1.0):
-    """query ``[B,Hq,Lq,D]``, key ``[B,Hkv,N,D]`` and modality labels ``[B,N]`` in ``0..labels-1``, freshly drawn
-    (or from ``seed``). ``layout="bnhd"`` gives a FlashAttention/vLLM cache ``[B,N,Hkv,D]`` seen as ``[B,Hkv,N,D]``
-    without a copy."""
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    """query ``[B,Hq,Lq,D]``, key ``[B,Hkv,N,D]`` and modality labels ``[B,N]`` in ``0..labels-1``, drawn from
+    ``seed``, or without one from torch's global generator, which conftest seeds with the test's seed (named in a
+    failure report, ``--seed`` reruns it). ``layout="bnhd"`` gives a FlashAttention/vLLM cache ``[B,N,Hkv,D]`` seen
+    as ``[B,Hkv,N,D]`` without a copy."""
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(2**31, (1,))))
     query = (q_scale * torch.randn(b, hq, lq, d, generator=g)).to(dtype).to(device)
     if layout == "bhnd":
         key = torch.randn(b, hkv, n, d, generator=g).to(dtype).to(device)

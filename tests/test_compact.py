@@ -18,18 +18,14 @@ def _runs_named(backend, op):
     return device
 
 
-def _seed():
-    return torch.seed() % 2**31
-
 
 def _keep(n, k, g):
     return torch.randperm(n, generator=g)[:k].sort().values
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.long])
-def test_compact_matches_reference(backend, dtype):
+def test_compact_matches_reference(backend, dtype, seed):
     device = _runs_named(backend, "compact")
-    seed = _seed()
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(2, 37, 24, generator=g) * 100).to(dtype).to(device)
     for k in (0, 1, 19, 37):
@@ -39,9 +35,8 @@ def test_compact_matches_reference(backend, dtype):
         assert torch.equal(out.cpu(), compact_ref(x.cpu(), keep.cpu(), 1)), f"seed={seed} k={k}"
 
 
-def test_compact_other_dims_and_views(backend):
+def test_compact_other_dims_and_views(backend, seed):
     device = _runs_named(backend, "compact")
-    seed = _seed()
     g = torch.Generator().manual_seed(seed)
     pos = torch.randint(0, 1000, (3, 1, 50), generator=g).to(device)  # M-RoPE position ids [3, B, N]
     keep = _keep(50, 20, g).to(device)
@@ -57,9 +52,8 @@ def test_compact_other_dims_and_views(backend):
         assert torch.equal(compact(x, keep, dim).cpu(), compact_ref(x.cpu(), keep.cpu(), dim)), f"seed={seed}"
 
 
-def test_compact_many_matches_compact(backend):
+def test_compact_many_matches_compact(backend, seed):
     device = _runs_named(backend, "compact_many")
-    seed = _seed()
     g = torch.Generator().manual_seed(seed)
     n = 41
     hidden = torch.randn(1, n, 64, generator=g).to(torch.bfloat16).to(device)
@@ -73,7 +67,7 @@ def test_compact_many_matches_compact(backend):
 
 
 @pytest.mark.triton
-def test_triton_compact_many_is_one_launch_per_eight_tensors(monkeypatch):
+def test_triton_compact_many_is_one_launch_per_eight_tensors(monkeypatch, seed):
     """Every dtype in one launch (each slot has its own typed pointers); nine tensors take two launches."""
     pytest.importorskip("triton")
     from conftest import HAS_GPU
@@ -92,7 +86,6 @@ def test_triton_compact_many_is_one_launch_per_eight_tensors(monkeypatch):
 
     monkeypatch.setattr(triton_compact, "_compact_kernel", Counting())
     device = "cuda" if HAS_GPU else "cpu"
-    seed = _seed()
     g = torch.Generator().manual_seed(seed)
     n = 23
     dtypes = [torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8,

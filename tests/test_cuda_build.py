@@ -689,7 +689,8 @@ def test_readout_benchmark_quick_mode_runs_and_writes_nothing(capsys, monkeypatc
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     bench_readout.main(["--quick"])
     table = capsys.readouterr().out
-    assert table.splitlines()[0].split() == ["provider", "tokens", "kept", "median_us", "speedup", "exact"]
+    assert table.splitlines()[0].split() == ["provider", "tokens", "kept", "median_us", "wall_us", "launches", "syncs",
+                                             "d2h", "kernel_us", "speedup", "exact"]
     rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
     assert {"naive", "torch"} <= set(rows) and all(r[-1] == "True" for r in rows.values())
     assert not list(tmp_path.iterdir())

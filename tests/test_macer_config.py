@@ -136,10 +136,12 @@ def test_unsupported_model_type():
         config = type("Config", (), {"model_type": "llama"})()
 
     with pytest.raises(ValueError, match=r"model_type 'llama' \(Tiny\) is not supported; supported model types: "
-                                         r"\['qwen2_5_omni', 'qwen2_5_omni_thinker'\]"):
+                                         r"\['qwen2_5_omni', 'qwen2_5_omni_thinker', 'qwen3_omni_moe', "
+                                         r"'qwen3_omni_moe_thinker'\]\. .*adapter=macer.LabelledAdapter"):
         with macer.compress(Tiny(), MacerConfig()):
             pass
-    assert macer.supported_model_types() == ["qwen2_5_omni", "qwen2_5_omni_thinker"]
+    assert macer.supported_model_types() == ["qwen2_5_omni", "qwen2_5_omni_thinker", "qwen3_omni_moe",
+                                             "qwen3_omni_moe_thinker"]
 
 
 def test_unsupported_attention_and_sliding_window(model):

@@ -284,7 +284,13 @@ def test_decode_positions_after_trim_early_cache_follow_the_prompt():
 
 def test_image_tokens_count_as_visual():
     """An image block (``<|IMAGE|>`` tokens, one temporal position) with an audio block: the image tokens are scored
-    and selected as the visual modality; keep ratio 1 is exact."""
+    and selected as the visual modality, and the kept sets equal the independent reference of
+    tests/test_macer_selection.py (eager attention probabilities, float64 ANMS, the literal greedy); keep ratio 1 is
+    exact."""
+    from test_macer_selection import reference_kept
+
+    from macer_kernels.reference import split_budget_ref
+
     model = _thinker("eager")
     base = clip_inputs(model, frames=0, audio_tokens=60, use_audio_in_video=False, seed=1)
     ids = base["input_ids"][0].tolist()
@@ -293,18 +299,22 @@ def test_image_tokens_count_as_visual():
            *ids[at:]]
     vision = model.config.vision_config
     inputs = {**base, "input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-              "pixel_values": torch.randn(64, vision.in_channels * vision.temporal_patch_size * vision.patch_size**2),
+              "pixel_values": torch.randn(64, vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+                                          generator=torch.Generator().manual_seed(1)),
               "image_grid_thw": torch.tensor([[1, 8, 8]])}
     image_positions = [i for i, t in enumerate(ids) if t == SYNTHETIC_TOKENS.image]
+    config = macer_config_for(model, keep_ratio=0.25)
+    want_audio, want_video = reference_kept(model, inputs, config)
     with torch.no_grad():
         want = model(**inputs).logits
         with macer.compress(model, macer_config_for(model, keep_ratio=1.0)):
             assert torch.equal(model(**inputs).logits, want)
-        with macer.compress(model, macer_config_for(model, keep_ratio=0.25)) as trace:
+        with macer.compress(model, config) as trace:
             out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
-    assert trace.history[0].n_video == 16 and trace.budget.video > 0
-    assert len(trace.history[0].video_kept) == trace.budget.video < 16
-    assert set(trace.history[0].video_kept) <= set(image_positions)
+    record = trace.history[0]
+    assert record.n_video == 16 and record.budget == split_budget_ref(60, 16, 0.25, config.audio_share)
+    assert 0 < record.budget.video < 16 and set(want_video) <= set(image_positions)
+    assert (record.audio_kept, record.video_kept) == (want_audio, want_video)
     assert out.shape[1] == len(ids) + 2
 
 

@@ -76,7 +76,7 @@ def reference_kept(model, inputs, config) -> tuple[list[int], list[int]]:
     budget = split_budget_ref(n_a, n_v, config.keep_ratio, config.audio_share)
     # Temporal positions straight from the model's get_rope_index.
     rope, _ = model.get_rope_index(
-        inputs["input_ids"], None, inputs.get("video_grid_thw"), inputs["attention_mask"],
+        inputs["input_ids"], inputs.get("image_grid_thw"), inputs.get("video_grid_thw"), inputs["attention_mask"],
         inputs["use_audio_in_video"],
         inputs["feature_attention_mask"].sum(-1) if "feature_attention_mask" in inputs else None,
         inputs.get("video_second_per_grid"))

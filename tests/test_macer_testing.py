@@ -44,14 +44,28 @@ def test_paper_clip_layout_matches_get_rope_index(model, interleaved):
         assert bool(audio[: int(video.nonzero()[-1])].any())
 
 
-def test_forward_runs_for_every_modality_mix(model):
+def test_every_modality_mix_feeds_its_features_to_the_model(model):
+    # Values, not shapes: the text-only clip gives the logits of a plain text forward, and in every other mix the
+    # clip's features reach the model at the right place: perturbing them leaves the logits before the first
+    # audio/video token bit for bit unchanged (causal) and changes them from that token on.
     for kwargs in ({}, {"use_audio_in_video": False}, {"frames": 0, "use_audio_in_video": False},
                    {"audio_tokens": 0, "use_audio_in_video": False},
                    {"frames": 0, "audio_tokens": 0, "use_audio_in_video": False}):
         inputs = clip_inputs(model, grid_hw=(4, 4), audio_tokens=kwargs.pop("audio_tokens", 60), **kwargs)
+        ids = inputs["input_ids"][0]
         with torch.no_grad():
-            logits = model(**inputs).logits
-        assert logits.shape[:2] == inputs["input_ids"].shape
+            logits = model(**inputs).logits[0]
+            features = [key for key in ("input_features", "pixel_values_videos") if key in inputs]
+            if not features:
+                plain = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits[0]
+                assert torch.equal(logits, plain), kwargs
+                continue
+            perturbed = model(**{**inputs, **{key: inputs[key] + 1 for key in features}}).logits[0]
+        multimodal = (ids == SYNTHETIC_TOKENS.audio) | (ids == SYNTHETIC_TOKENS.video)
+        first = int(multimodal.nonzero()[0])
+        assert torch.isfinite(logits).all(), kwargs
+        assert torch.equal(perturbed[:first], logits[:first]), kwargs
+        assert not torch.allclose(perturbed[first:], logits[first:]), kwargs
 
 
 def test_builder_errors():

@@ -42,9 +42,10 @@ def test_half_precision_inputs_accumulate_in_fp32(backend, dtype):
     # Reference on the same (rounded) inputs in float64: only fp32 accumulation error may remain.
     ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu())
     err = rel_err(out.cpu(), ref)
-    # FlashAttention's rule: no worse than twice what PyTorch itself makes computing in this dtype.
-    torch_err = rel_err(modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), dtype=dtype).float(), ref)
-    assert err < max(2 * torch_err, 1e-5)
+    # A fixed ceiling at fp32 accumulation (measured ~1e-7), not "2x what PyTorch makes computing in this dtype":
+    # that is ~2e-3 for bf16 and would pass a kernel that accumulates in half precision.
+    half_err = rel_err(modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), dtype=dtype).float(), ref)
+    assert err < 1e-5 < half_err / 10, (err, half_err)
 
 
 def test_query_rows_not_at_the_end_mask_later_keys(backend):
@@ -139,7 +140,6 @@ def _peak_bytes(prof) -> int:
         (lambda q, k, m: (q.long(), k, m), TypeError, "query must be float32"),
         (lambda q, k, m: (q, k, m + MAX_MODALITIES), ValueError, r"modality labels must be in \[0, 8\]"),
         (lambda q, k, m: (q, k, m - 1), ValueError, r"modality labels must be in \[0, 8\]"),
-        (lambda q, k, m: (q, k[..., :6, :], m[:, :6]), ValueError, None),  # fine: Lq=4 <= N=6
         (lambda q, k, m: (q, k[..., :3, :], m[:, :3]), ValueError, "query has Lq=4 rows but key has only N=3"),
         (lambda q, k, m: (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), m), ValueError,
          "key must have a contiguous head dimension"),
@@ -151,12 +151,20 @@ def _peak_bytes(prof) -> int:
 )
 def test_errors(make, error, message):
     q, k, m = score_inputs(1, 4, 2, 4, 12, 8, seed=0)
-    args = make(q, k, m)
-    if message is None:
-        modality_scores(*args)
-        return
     with pytest.raises(error, match=message):
-        modality_scores(*args)
+        modality_scores(*make(q, k, m))
+
+
+@pytest.mark.parametrize("n", [4, 6], ids=["N=Lq", "N=Lq+2"])
+def test_as_many_rows_as_keys_is_allowed_and_exact(backend, n):
+    # The smallest legal N (every key is a query row) next to the error case N = 3 < Lq = 4 above: values, not just
+    # "does not raise".
+    _, device = backend
+    q, k, m = score_inputs(1, 4, 2, 4, n, 8, device=device)
+    m[0, :2] = torch.tensor([1, 2])  # never all text (all-zero scores would make the comparison empty)
+    out = modality_scores(q, k, m)
+    assert out.shape == (1, n)
+    assert rel_err(out.cpu(), modality_scores_ref(q.cpu(), k.cpu(), m.cpu())) < 1e-5
 
 
 @pytest.mark.parametrize(

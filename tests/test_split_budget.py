@@ -1,12 +1,37 @@
-"""split_budget: the capacity-coordinated split (eq:capacity_nominal, eq:capacity_split)."""
+"""split_budget: the capacity-coordinated split (eq:capacity_nominal, eq:capacity_split).
+
+The expected budgets come from integer arithmetic on the decimal digits of the ratios (``_exact_budget``), not from
+the Fraction arithmetic of the implementation: ``floor(p n / q + 1/2) = (2 p n + q) // (2 q)`` for rho = p / q.
+"""
 
 import math
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from macer_kernels import Budget, split_budget
+
+
+def _digits(text: str) -> tuple[int, int]:
+    """A decimal string as integers (p, q) with value p / q, from its digits and exponent ("0.35" -> (35, 100))."""
+    sign, digits, exponent = Decimal(text).as_tuple()
+    assert sign == 0, text
+    p = int("".join(map(str, digits)))
+    return (p * 10**exponent, 1) if exponent >= 0 else (p, 10**-exponent)
+
+
+def _exact_budget(n_audio: int, n_video: int, rho: str, alpha: str) -> Budget:
+    """eq:capacity_nominal / eq:capacity_split in integers: floor(p x / q + 1/2) is (2 p x + q) // (2 q)."""
+    rp, rq = _digits(rho)
+    ap, aq = _digits(alpha)
+    n = n_audio + n_video
+    total = min(n, (2 * rp * n + rq) // (2 * rq))
+    nominal_audio = (2 * ap * total + aq) // (2 * aq)
+    audio = min(n_audio, nominal_audio + max(0, total - nominal_audio - n_video))
+    return Budget(total, audio, total - audio)
 
 
 def test_paper_7b_default_case():
@@ -35,6 +60,49 @@ def test_reassignment_when_a_modality_is_short(n_audio, n_video, expected):
     assert split_budget(n_audio, n_video, 0.25, 0.30) == expected
 
 
+def test_half_way_products_round_up_as_written_in_decimal():
+    # 0.35 * 90 = 31.5 exactly, but 31.499999999999996 in float arithmetic (the float 0.35 is slightly below 0.35).
+    assert split_budget(45, 45, 0.35, 0.3) == Budget(32, 10, 22)
+    # alpha K_mm half-way: 0.35 * 10 = 3.5 -> 4 (float: 3.4999999999999996 -> 3).
+    assert split_budget(10, 10, 0.5, 0.35) == Budget(10, 4, 6)
+    # 0.7 * 5 = 3.5 -> 4 (float: 3.4999999999999996 -> 3).
+    assert split_budget(2, 3, 0.7, 0.5) == Budget(4, 2, 2)
+
+
+ALPHAS = ("0.3", "0.35", "0.5", "0.15")
+
+
+@pytest.mark.parametrize("rho", ["0.25", "0.35", "0.45", "0.7"])
+def test_every_count_below_5000_matches_exact_integer_arithmetic(rho):
+    # The paper's keep ratios (and 0.7) over every n < 5000; the audio shares take turns (n % 4) and hit half-way
+    # products alpha K_mm; audio from balanced to short (n % 37 tokens), so the reassignment runs too.
+    rp, rq = _digits(rho)
+    half_way_totals = half_way_shares = 0
+    for n in range(5000):
+        alpha = ALPHAS[n % len(ALPHAS)]
+        for n_audio in (n // 2, n % 37):
+            want = _exact_budget(n_audio, n - n_audio, rho, alpha)
+            got = split_budget(n_audio, n - n_audio, float(rho), float(alpha))
+            assert got == want, (n_audio, n - n_audio, rho, alpha)
+        ap, aq = _digits(alpha)
+        half_way_totals += (2 * rp * n) % (2 * rq) == rq
+        half_way_shares += (2 * ap * want.total) % (2 * aq) == aq
+    # The sweep holds half-way points of both products, among them those that float arithmetic rounds down.
+    float_misses = sum(math.floor(float(rho) * n + 0.5) != (2 * rp * n + rq) // (2 * rq) for n in range(5000))
+    assert half_way_totals > 100 and half_way_shares > 100
+    assert float_misses == {"0.25": 0, "0.35": 36, "0.45": 0, "0.7": 73}[rho]
+
+
+def test_fractions_are_exact_and_long_floats_read_as_printed():
+    # A Fraction is used as given; a float that is not a short decimal reads as the digits its repr prints.
+    assert split_budget(3, 0, Fraction(1, 2), 0) == Budget(2, 2, 0)  # 1.5 -> 2
+    assert split_budget(10, 0, Fraction(1, 4), Fraction(1, 2)) == Budget(3, 3, 0)  # K_mm = floor(3) = 3
+    # 1/6 as a float reads as 0.16666666666666666 (what repr prints): 9 times that is just below 1.5, so K_mm = 1;
+    # Fraction(1, 6) is exact: 9/6 = 1.5 -> 2.
+    assert split_budget(9, 0, 1 / 6, 0.5).total == 1
+    assert split_budget(9, 0, Fraction(1, 6), 0.5).total == 2
+
+
 def test_keep_ratio_one_keeps_everything():
     assert split_budget(1460, 864, 1.0, 0.3) == Budget(2324, 1460, 864)
     assert split_budget(7, 0, 1.0, 0.0) == Budget(7, 7, 0)
@@ -52,6 +120,9 @@ def test_keep_ratio_one_keeps_everything():
         ({"keep_ratio": "0.5"}, "keep_ratio must be a real number"),
         ({"audio_share": -0.1}, r"audio_share must be in \[0.0, 1.0\]"),
         ({"audio_share": 1.5}, r"audio_share must be in \[0.0, 1.0\]"),
+        # Just outside the range, but 1.0 once rounded to a float: the exact value is checked.
+        ({"keep_ratio": Fraction(10**20 + 1, 10**20)}, r"keep_ratio must be in \(0.0, 1.0\]"),
+        ({"audio_share": Fraction(10**20 + 1, 10**20)}, r"audio_share must be in \[0.0, 1.0\]"),
     ],
 )
 def test_errors_name_the_parameter_and_range(kwargs, message):
@@ -68,11 +139,11 @@ def test_errors_name_the_parameter_and_range(kwargs, message):
 )
 def test_budget_invariants(n_audio, n_video, keep_ratio, audio_share):
     b = split_budget(n_audio, n_video, keep_ratio, audio_share)
-    n = n_audio + n_video
     assert b.total == b.audio + b.video
-    assert b.total == min(n, math.floor(keep_ratio * n + 0.5))
+    assert b == _exact_budget(n_audio, n_video, repr(keep_ratio), repr(audio_share))
     assert 0 <= b.audio <= n_audio and 0 <= b.video <= n_video
-    nominal_audio = math.floor(audio_share * b.total + 0.5)
+    ap, aq = _digits(repr(audio_share))
+    nominal_audio = (2 * ap * b.total + aq) // (2 * aq)
     # Neither modality gets less than its nominal share unless it lacks the tokens.
     assert b.audio >= min(n_audio, nominal_audio)
     assert b.video >= min(n_video, b.total - nominal_audio)

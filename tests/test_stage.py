@@ -339,7 +339,7 @@ def test_triton_paths_read_nothing_back_to_the_host(monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, method, guarded)
-    monkeypatch.setattr(stage, "_values_checked", lambda t: False)
+    monkeypatch.setattr(stage, "values_checked", lambda t: False)
     seed = _fresh_seed()
     q, k, labels, chunks = stage_inputs(seed, 2, 40, {1: 10, 2: 20})
     scores = torch.rand(300, generator=torch.Generator().manual_seed(seed))

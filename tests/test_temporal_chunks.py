@@ -14,14 +14,14 @@ def test_arange_gives_equal_bins():
 
 
 @pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.float32, torch.float64])
-def test_matches_reference(device, dtype):
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+def test_matches_reference(device, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
     t = torch.randint(-50, 400, (333,), generator=g).to(dtype).to(device)
     if dtype.is_floating_point:
         t = t + torch.rand(333, generator=g).to(dtype).to(device)
     out = temporal_chunks(t, 8)
     assert out.dtype == torch.long and out.device == t.device
-    assert torch.equal(out.cpu(), temporal_chunks_ref(t.cpu(), 8))
+    assert torch.equal(out.cpu(), temporal_chunks_ref(t.cpu(), 8)), seed
     assert 0 <= int(out.min()) and int(out.max()) <= 7
 
 

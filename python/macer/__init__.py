@@ -12,8 +12,17 @@ Random, full, the ablations, ``make_policy``), ``runtime`` (hooks, compaction, c
 model family), ``trace``, ``cost``, ``testing``. See ``docs/integration.md``.
 """
 
-from macer.adapters import MODEL_TYPE_TO_ADAPTER, supported_model_types
+from macer.adapters import (
+    AUDIO,
+    MODEL_TYPE_TO_ADAPTER,
+    TEXT,
+    VISUAL,
+    LabelledAdapter,
+    label_rows,
+    supported_model_types,
+)
 from macer.config import PAPER_DEFAULTS, MacerConfig, paper_defaults
+from macer.diagnostics import DiagnosticReport, diagnose  # noqa: F401  (re-exported: macer.diagnose)
 from macer.policies import ABLATIONS, POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
 from macer.policy import Policy
 from macer.runtime import SUPPORTED_ATTENTION, compress
@@ -21,12 +30,16 @@ from macer.trace import PrefillRecord, Stage, Trace
 
 __all__ = [
     "ABLATIONS",
+    "AUDIO",
     "MODEL_TYPE_TO_ADAPTER",
     "PAPER_DEFAULTS",
     "POLICY_NAMES",
     "SUPPORTED_ATTENTION",
+    "TEXT",
+    "VISUAL",
     "FastVConfig",
     "FullConfig",
+    "LabelledAdapter",
     "MacerConfig",
     "Policy",
     "PrefillRecord",
@@ -34,6 +47,7 @@ __all__ = [
     "Stage",
     "Trace",
     "compress",
+    "label_rows",
     "make_policy",
     "paper_defaults",
     "supported_model_types",

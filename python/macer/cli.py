@@ -112,6 +112,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                       help="video sampling fps for --model (> 0; processor default 2)")
 
     sub.add_parser("bench", add_help=False, help="moved: python -m benchmarks.bench_e2e (from a clone)")
+    sub.add_parser("diagnose", add_help=False, help="attention diagnostics of one prompt: JSON + PNG figures")
     return parser, demo
 
 
@@ -126,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # whatever its arguments were (they belonged to the moved harness)
         print(BENCH_MOVED, file=sys.stderr)
         return 2
+    if argv[:1] == ["diagnose"]:  # macer.diagnostics parses its own arguments
+        from macer.diagnostics import main as diagnose_main
+
+        return diagnose_main(argv[1:])
     parser, demo = _build_parser()
     args = parser.parse_args(argv)
     if args.model or args.video or args.question:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,6 +168,8 @@ class MacerConfig(Policy):
 
         The model is identified by its model type and text-model sizes (``macer.adapters``): Qwen2.5-Omni-7B gets
         ``(l_a, l_v, alpha, lambda_c) = (3, 5, 0.30, 0.20)``, 3B ``(4, 7, 0.32, 0.30)`` (``tab:macer_defaults``).
+        Qwen3-Omni-30B-A3B (48 layers, not in the paper) gets ``(5, 9, 0.30, 0.20)``, derived from the paper's depth
+        fractions, with a ``UserWarning`` saying so (``docs/integration.md``).
         For any other model the paper has no calibrated layers: pass ``audio_layer`` and ``video_layer``
         explicitly (the other fields then take the class defaults, the 7B values, unless overridden). For the
         random-weight models of ``macer.testing``, ``macer.testing.macer_config_for(model, ...)`` does that.
@@ -181,8 +184,18 @@ class MacerConfig(Policy):
                              f"{[f.name for f in dataclasses.fields(cls)]}")
         depth = decoder_depth(model_or_config)
         defaults = paper_defaults(model_or_config)
+        derived = _derived_defaults(model_or_config) if defaults is None else None
         if defaults is not None:
             config = cls(**{**defaults, **overrides})
+        elif derived is not None:
+            name, fields = derived
+            if not {"audio_layer", "video_layer"} <= set(overrides):
+                warnings.warn(
+                    f"MacerConfig.for_model: {name} is not in the paper; its defaults {fields} are derived from the "
+                    "paper's depth fractions (docs/integration.md), not the paper's calibrated values. Confirm the "
+                    "readout layers with the diagnostics' readout-layer sweep on real weights (issue #10).",
+                    UserWarning, stacklevel=2)
+            config = cls(**{**fields, **overrides})
         elif "audio_layer" in overrides and "video_layer" in overrides:
             config = cls(**overrides)
         else:
@@ -192,6 +205,15 @@ class MacerConfig(Policy):
                 "(for a macer.testing model: macer.testing.macer_config_for(model, ...))")
         config.check_depth(depth)
         return config
+
+
+def _derived_defaults(model_or_config: Any) -> tuple[str, dict[str, Any]] | None:
+    """(model name, settings) the adapter derived for a known model the paper does not report, or None."""
+    from macer.adapters import adapter_for
+
+    adapter = adapter_for(model_or_config)
+    fields = adapter.derived_defaults(model_or_config) if adapter is not None else None
+    return (adapter.identify(model_or_config), fields) if fields is not None else None
 
 
 def paper_defaults(model_or_config: Any) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ from itertools import pairwise
 from typing import Any
 
 from macer._checks import check_count, check_real
+from macer_kernels import decimal_fraction
 
 Real = float | Fraction
 
@@ -159,8 +160,9 @@ def paper_flops_ratio(method: str, model: str, keep_ratio: Real) -> Real:
     if model not in PAPER_CONSTANTS:
         raise ValueError(f"model must be one of {sorted(PAPER_CONSTANTS)}, got {model!r}")
     c = PAPER_CONSTANTS[model]
-    # The constants are decimal numbers: an exact keep ratio gets the exact eta, so the result stays exact.
-    eta = Fraction(str(c.attention_share)) if isinstance(keep_ratio, Fraction) else c.attention_share
+    # The constants are decimal numbers: an exact keep ratio gets the exact eta, read as split_budget reads its
+    # ratios (one definition: decimal_fraction), so the result stays exact.
+    eta = decimal_fraction(c.attention_share) if isinstance(keep_ratio, Fraction) else c.attention_share
     if METHOD_PRUNE_STYLE[method] == "input":
         return input_prune_flops_ratio(keep_ratio, eta)
     prune_layer = FASTV_PRUNE_LAYER if method == "fastv" else c.prune_layer

@@ -114,6 +114,8 @@ class PromptFacts:
         input_ids: ``[N]`` token ids on the CPU, or None (a prefill from ``inputs_embeds``).
         end_of_turn_token_id: the resolved id of the token closing the user's question (None: unknown).
         num_layers: decoder depth.
+        question_end: the position of the token closing the user's question when the adapter knows it without
+            token ids (``Adapter.question_end``); it takes precedence over the end-of-turn search.
     """
 
     labels: torch.Tensor
@@ -121,6 +123,7 @@ class PromptFacts:
     input_ids: torch.Tensor | None
     end_of_turn_token_id: int | None
     num_layers: int
+    question_end: int | None = None
 
     @property
     def length(self) -> int:
@@ -194,9 +197,12 @@ def _after(spec: StageSpec, counts: dict[int, int], length: int) -> int:
 def question_rows(facts: PromptFacts, query_tokens: int, question_span: str) -> torch.Tensor:
     """Prompt positions of the question rows: the last ``query_tokens`` tokens before the prompt's last
     end-of-turn token (``question_span="end_of_turn"``), or the prompt's last ``query_tokens`` tokens
-    (``"prompt_end"``). They must all come after every audio/video token."""
+    (``"prompt_end"``); before ``facts.question_end`` when the adapter gave it. They must all come after every
+    audio/video token."""
     n = facts.length
-    if question_span == "prompt_end":
+    if facts.question_end is not None:
+        end, where = facts.question_end, f"question_end={facts.question_end}"
+    elif question_span == "prompt_end":
         end, where = n, "the end of the prompt"
     else:
         eot = facts.end_of_turn_token_id

@@ -101,7 +101,8 @@ def _unregister_names(name: str) -> None:
 
 
 @contextlib.contextmanager
-def compress(model: nn.Module, config: Policy, *, profile: bool = False) -> Iterator[Trace]:
+def compress(model: nn.Module, config: Policy, *, profile: bool = False,
+             adapter: Adapter | None = None) -> Iterator[Trace]:
     """Run a selection policy's staged pruning in every prefill of ``model`` inside the ``with`` block.
 
     ``model(**inputs)`` and ``model.generate(**inputs)`` work as usual (batch size 1); each prefill is pruned on its
@@ -113,6 +114,8 @@ def compress(model: nn.Module, config: Policy, *, profile: bool = False) -> Iter
         config: a policy: ``MacerConfig`` (MACER), ``FastVConfig``, ``RandomConfig``, ``FullConfig``, or any
             ``macer.make_policy(name)``. Its layers must lie in the decoder (checked here).
         profile: synchronise the device around MACER's own work and record it in ``PrefillRecord.overhead_s``.
+        adapter: use this adapter instead of the one registered for the model type, e.g.
+            ``macer.LabelledAdapter(labels, ...)`` for any decoder called with ``inputs_embeds``.
 
     Yields:
         ``macer.Trace``: budgets, kept tokens, tokens per layer and cache lengths of every prefill.
@@ -120,7 +123,11 @@ def compress(model: nn.Module, config: Policy, *, profile: bool = False) -> Iter
     if not isinstance(config, Policy):
         raise TypeError(f"macer.compress: config must be a policy (macer.MacerConfig, FastVConfig, RandomConfig, "
                         f"FullConfig or macer.make_policy(name)), got {type(config).__name__}")
-    adapter = get_adapter(model)
+    if adapter is None:
+        adapter = get_adapter(model)
+    elif not isinstance(adapter, Adapter):
+        raise TypeError(f"macer.compress: adapter must be a macer.adapters.Adapter (e.g. macer.LabelledAdapter), got "
+                        f"{type(adapter).__name__}")
     parts = adapter.parts(model)
     config.check_depth(len(parts.layers))
     if any(id(module) in _ACTIVE for layer in parts.layers for module in layer.modules()):
@@ -196,7 +203,7 @@ def _plan(session: _Session, input_ids: torch.Tensor | None, kwargs: dict[str, A
     labels = session.adapter.labels(session.model, None if ids is None else ids[None])[0].long()
     facts = PromptFacts(labels=labels, temporal=torch.arange(length) if temporal is None else temporal,
                         input_ids=ids, end_of_turn_token_id=session.end_of_turn,
-                        num_layers=len(session.parts.layers))
+                        num_layers=len(session.parts.layers), question_end=session.adapter.question_end(length))
     plan = plan_prefill(session.policy, facts)
     scored = [s.query.tolist() for s in plan.stages if s.spec.needs_scores]
     record = PrefillRecord(

@@ -16,14 +16,18 @@ from typing import Any
 from torch import nn
 
 from macer.adapters.base import AUDIO, TEXT, VISUAL, Adapter, DecoderParts, text_config
+from macer.adapters.labelled import LabelledAdapter, label_rows
 from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
+from macer.adapters.qwen3_omni import Qwen3OmniAdapter
 
-__all__ = ["AUDIO", "MODEL_TYPE_TO_ADAPTER", "TEXT", "VISUAL", "Adapter", "DecoderParts", "adapter_for",
-           "get_adapter", "register_adapter", "supported_model_types", "text_config"]
+__all__ = ["AUDIO", "MODEL_TYPE_TO_ADAPTER", "TEXT", "VISUAL", "Adapter", "DecoderParts", "LabelledAdapter",
+           "adapter_for", "get_adapter", "label_rows", "register_adapter", "supported_model_types", "text_config"]
 
 MODEL_TYPE_TO_ADAPTER: dict[str, type[Adapter]] = {
     "qwen2_5_omni": Qwen25OmniAdapter,
     "qwen2_5_omni_thinker": Qwen25OmniAdapter,
+    "qwen3_omni_moe": Qwen3OmniAdapter,
+    "qwen3_omni_moe_thinker": Qwen3OmniAdapter,
 }
 """``config.model_type`` -> adapter class."""
 
@@ -59,5 +63,7 @@ def get_adapter(model: nn.Module) -> Adapter:
     adapter = adapter_for(model)
     if adapter is None:
         raise ValueError(f"macer.compress: model_type {_model_type(model)!r} ({type(model).__name__}) is not "
-                         f"supported; supported model types: {supported_model_types()}")
+                         f"supported; supported model types: {supported_model_types()}. For another decoder-only "
+                         "language model, give the prompt's modality labels: "
+                         "macer.compress(model, config, adapter=macer.LabelledAdapter(labels, ...))")
     return adapter

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The GPU check of issue 9 in one command: build the CUDA extension, run the GPU tests, the three microbenchmarks,
+# compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over every op, and the end-to-end benchmark.
+#
+#   benchmarks/gpu_check.sh [OUT_DIR]     # OUT_DIR default: $OUT if set (a lent device machine), else
+#                                         # benchmarks/results/gpu_check
+#
+# Sized to finish in under 8 minutes on an H100: every step has a time limit, all of them share one budget
+# (GPU_CHECK_BUDGET_S, default 450 s), and a step that would start with too little left is skipped and says so.
+# Order: build, `pytest -m cuda`, the microbenchmarks, the sanitizer, then on the time left the Triton tests on the GPU
+# (`pytest -m "triton and not cuda"`: many kernel compilations) and the end-to-end benchmark (7B shapes, 3 rounds).
+# Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default 90), GPU_CHECK_BUDGET_S.
+#
+# Output in OUT_DIR: summary.txt (one line per step: status, exit code, seconds), log.txt (all output), and
+# gpu_check.tar.gz (the files/ folder: each step's log, the benchmarks' CSV/JSON, pytest's junit XML). When OUT_DIR
+# is $OUT the files/ folder is removed after packing, so three files come back from the device machine. A copy of the
+# repository without .git cannot name its commit: pass it as MACER_GIT_SHA=<sha> (the result files record it).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT_DIR=${1:-${OUT:-$ROOT/benchmarks/results/gpu_check}}
+mkdir -p "$OUT_DIR/files"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+FILES=$OUT_DIR/files
+SUMMARY=$OUT_DIR/summary.txt
+LOG=$OUT_DIR/log.txt
+PY=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET_S:-450}
+START=$(date +%s)
+export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT:$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+export MACER_CUDA_ARCHS=${MACER_CUDA_ARCHS:-90}
+: >"$SUMMARY"
+: >"$LOG"
+
+# step NAME LIMIT_S COMMAND...: run COMMAND with at most LIMIT_S seconds (less if the budget has less left), its
+# output to files/NAME.log and log.txt; one line in summary.txt.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((BUDGET - ($(date +%s) - START)))
+    ((limit > left)) && limit=$left
+    if ((limit < 20)); then
+        printf '%-26s skipped (%ds of the %ds budget left)\n' "$name" "$left" "$BUDGET" | tee -a "$SUMMARY"
+        return 0
+    fi
+    printf '\n=== %s (limit %ds, at %ds)\n' "$name" "$limit" "$(($(date +%s) - START))" | tee -a "$LOG"
+    local t0=$(date +%s) rc
+    # bash -c: COMMAND may be one of the functions below (exported), which timeout alone cannot run.
+    timeout --signal=INT --kill-after=15 "$limit" bash -c '"$@"' step "$@" >"$FILES/$name.log" 2>&1
+    rc=$?
+    cat "$FILES/$name.log" >>"$LOG"
+    local status=ok
+    ((rc == 124 || rc == 137)) && status=TIMEOUT
+    ((rc != 0 && rc != 124 && rc != 137)) && status=FAILED
+    printf '%-26s %-8s rc=%-3d %4ds\n' "$name" "$status" "$rc" "$(($(date +%s) - t0))" | tee -a "$SUMMARY"
+    return 0
+}
+
+# compute-sanitizer over the op driver. The driver compiles its Triton kernels in the warm-up step first (cached in
+# ~/.triton), so the tools spend their time on the kernels, not on compilation. memcheck and initcheck run with
+# PyTorch's caching allocator off, so every tensor is its own allocation and an out-of-bounds access cannot land
+# silently in a neighbour's memory.
+sanitize() {
+    local tool=$1 env=()
+    [[ $tool == memcheck || $tool == initcheck ]] && env=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    local extra=()
+    [[ $tool == memcheck ]] && extra=(--leak-check no)
+    "${env[@]}" compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 30 "${extra[@]}" \
+        "$PY" -m benchmarks.sanitize_ops
+}
+
+environment() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+    "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', \
+triton.__version__, torch.cuda.get_device_name(), 'threads', torch.get_num_threads())"
+    nvcc --version | tail -1
+    compute-sanitizer --version | head -1
+    echo "git sha: ${MACER_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo 'unknown (no .git; set MACER_GIT_SHA)')}"
+    nproc
+}
+
+build() {
+    "$PY" setup.py -q build_ext --inplace &&
+        "$PY" -c "import macer_kernels as mk; s = mk.backend_status(); print(s); \
+raise SystemExit(0 if s['cuda'] is None else 'the cuda backend is not usable: ' + s['cuda'])"
+}
+
+export -f sanitize environment build
+export PY FILES
+export PATH=$PATH:/usr/local/cuda/bin
+
+step environment 30 environment
+step build 240 build
+step pytest_cuda 180 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider --junitxml="$FILES/pytest_cuda.xml"
+step bench_modality_scores 100 "$PY" -m benchmarks.bench_modality_scores --out "$FILES"
+step bench_select 100 "$PY" -m benchmarks.bench_select --out "$FILES"
+step bench_readout 60 "$PY" -m benchmarks.bench_readout --overhead --out "$FILES"
+step sanitize_warmup 90 "$PY" -m benchmarks.sanitize_ops
+for tool in memcheck racecheck initcheck synccheck; do
+    step "sanitize_$tool" 90 sanitize "$tool"
+done
+step pytest_triton 150 "$PY" -m pytest -m "triton and not cuda" -q -rfEs -p no:cacheprovider \
+    --junitxml="$FILES/pytest_triton.xml"
+if [[ -f benchmarks/bench_e2e.py ]]; then
+    step bench_e2e 240 "$PY" benchmarks/bench_e2e.py --mode gpu --text-shapes 7B --reps 3 --warmup 1 \
+        --out "$FILES" --name bench_e2e_gpu_check
+fi
+
+printf '%-26s %ds in all\n' total "$(($(date +%s) - START))" | tee -a "$SUMMARY"
+tar czf "$OUT_DIR/gpu_check.tar.gz" -C "$OUT_DIR" files
+[[ "${OUT:-}" == "$OUT_DIR" ]] && rm -rf "$FILES"
+
+# The reply of a device call shows the end of the output: the tables, then the summary.
+for name in bench_modality_scores bench_select bench_readout; do
+    printf '\n--- %s\n' "$name"
+    grep -v '^wrote' "$LOG" | sed -n "/^=== $name /,/^=== /p" | grep -v '^===' | tail -25
+done
+printf '\n--- sanitizer\n'
+grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize (pass|MISMATCH)' "$LOG" | sort | uniq -c
+printf '\n--- summary (%s)\n' "$OUT_DIR"
+cat "$SUMMARY"

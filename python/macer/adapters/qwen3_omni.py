@@ -1,0 +1,151 @@
+"""Qwen3-Omni (transformers ``qwen3_omni_moe``): the thinker, and the full model through ``.thinker``.
+
+Module tree (transformers 5.23)::
+
+    Qwen3OmniMoeForConditionalGeneration      (model_type "qwen3_omni_moe"; talker and code2wav optional)
+      .thinker: Qwen3OmniMoeThinkerForConditionalGeneration   (model_type "qwen3_omni_moe_thinker")
+        .model: Qwen3OmniMoeThinkerModel       <- root: receives input_ids, computes the M-RoPE position ids
+          .audio_tower, .visual
+          .language_model: Qwen3OmniMoeThinkerTextModel   <- decoder: runs layers[i] in a loop
+            .layers[i]: Qwen3OmniMoeThinkerTextDecoderLayer (attention + dense MLP or sparse MoE block)
+
+What differs from Qwen2.5-Omni:
+
+* Position ids are float (``[3, B, N]``, under ``generate`` ``[4, B, N]`` with a text row first); the temporal row
+  ``position_ids[-3]`` puts audio (13 positions per second, one per audio token) and video (its grid times) on one
+  time axis.
+* Deepstack: the decoder receives ``visual_pos_masks`` (``[B, N]`` bool) and ``deepstack_visual_embeds`` (one
+  ``[n_visual, D]`` tensor per level, 3 in the real model) and adds level ``i`` to the visual rows after ``layers[i]``
+  through ``_deepstack_process``. Both are locals of the decoder's forward, so a stage before or among those layers
+  must shorten them where they are used: the adapter wraps ``_deepstack_process`` on the decoder instance for the
+  ``compress`` context (``guards``), tracks the rows still present through ``on_stage`` and, while a prefill runs
+  on a compacted sequence, hands the original the mask's columns at those rows and the embedding rows of the visual
+  tokens among them (``cumsum(mask) - 1`` at those positions). On a full-length sequence it calls the original
+  unchanged (keep ratio 1 stays bit-identical).
+* MoE routing is per token with no capacity limit, so dropping tokens does not change the routing of the kept ones:
+  nothing else to adapt.
+* Audio output: the talker reads the thinker's hidden states of every prompt token, which a pruned prefill does not
+  have; ``compress`` refuses a full model whose talker is loaded (``model.disable_talker()`` first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from macer.adapters.base import AUDIO, VISUAL, Adapter, DecoderParts, text_config
+from macer.adapters.qwen2_5_omni import IM_END
+
+__all__ = ["DERIVED_DEFAULTS", "SIZES", "Qwen3OmniAdapter"]
+
+SIZES: dict[str, dict[str, int]] = {
+    # The thinker's text model (Qwen3-Omni-30B-A3B Instruct / Thinking / Captioner share it).
+    "qwen3-omni-30b-a3b": {"num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
+                           "num_key_value_heads": 4},
+}
+
+DERIVED_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Not in the paper: readout layers at the paper's depth fractions (7B: 3/28, 5/28; 3B: 4/36, 7/36) of 48 layers,
+    # audio 5.1-5.3 -> 5, video 8.6-9.3 -> 9; alpha and lambda_c are the 7B values. docs/integration.md has the
+    # reasoning; the diagnostics' readout-layer sweep on real weights is how a user confirms them.
+    "qwen3-omni-30b-a3b": {"audio_layer": 5, "video_layer": 9, "audio_share": 0.30, "coverage_weight": 0.20},
+}
+
+
+class Qwen3OmniAdapter(Adapter):
+    """Adapter for ``Qwen3OmniMoeThinkerForConditionalGeneration`` and ``Qwen3OmniMoeForConditionalGeneration``."""
+
+    def __init__(self) -> None:
+        # Prompt positions of the rows in the sequence after the stages of the prefill that ``_owner`` (its RoPE cos
+        # table, one object per decoder call) identifies, and the shortened deepstack inputs of the last stage,
+        # computed once and reused by the later deepstack levels.
+        self._owner: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
+        self._remap: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _thinker(self, model: nn.Module) -> nn.Module:
+        return model.thinker if model.config.model_type == "qwen3_omni_moe" else model
+
+    def parts(self, model: nn.Module) -> DecoderParts:
+        if model.config.model_type == "qwen3_omni_moe" and getattr(model, "has_talker", False):
+            raise ValueError("macer.compress: this Qwen3-Omni model has its talker loaded; audio output reads the "
+                             "thinker's hidden states of every prompt token, which a pruned prefill does not keep. "
+                             "Call model.disable_talker() (text answers: generate(..., return_audio=False)) or "
+                             "compress model.thinker")
+        thinker = self._thinker(model)
+        root = getattr(thinker, "model", None)
+        decoder = getattr(root, "language_model", None)
+        if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "_deepstack_process"):
+            raise ValueError(f"macer.compress: cannot find the decoder of {type(thinker).__name__} (expected "
+                             "thinker.model.language_model with layers and _deepstack_process); transformers "
+                             "version not supported")
+        return DecoderParts(root=root, decoder=decoder, layers=decoder.layers, attn_config=decoder.config,
+                            outer=(thinker,))
+
+    def labels(self, model: nn.Module, input_ids: torch.Tensor | None) -> torch.Tensor:
+        if input_ids is None:
+            raise ValueError("macer.compress needs the prompt's input_ids to label audio/video tokens; a prefill "
+                             "from inputs_embeds alone is not supported")
+        config = self._thinker(model).config
+        labels = torch.zeros_like(input_ids)
+        labels[input_ids == config.audio_token_id] = AUDIO
+        labels[(input_ids == config.video_token_id) | (input_ids == config.image_token_id)] = VISUAL
+        return labels
+
+    def temporal_positions(self, decoder_kwargs: dict[str, Any], length: int) -> torch.Tensor | None:
+        position_ids = decoder_kwargs.get("position_ids")
+        if position_ids is None:
+            return None  # the text model then uses arange positions itself (no multimodal grid was given)
+        return position_ids[-3] if position_ids.ndim == 3 else position_ids
+
+    def end_of_turn_token_id(self, model: nn.Module) -> int | None:
+        # The full model's config names <|im_end|> (im_end_token_id); a thinker alone has the Qwen2 vocabulary.
+        named = getattr(model.config, "im_end_token_id", None)
+        if isinstance(named, int):
+            return named
+        return IM_END if text_config(model).vocab_size > IM_END else None
+
+    def identify(self, model_or_config: Any) -> str | None:
+        text = text_config(model_or_config)
+        for name, sizes in SIZES.items():
+            if all(getattr(text, key, None) == value for key, value in sizes.items()):
+                return name
+        return None
+
+    def derived_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
+        name = self.identify(model_or_config)
+        return dict(DERIVED_DEFAULTS[name]) if name is not None else None
+
+    def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:
+        # The decoder computes its (cos, sin) once per call and hands the same objects to every layer: a new cos is a
+        # new prefill, whose first stage starts from the full sequence (never from an earlier prefill's rows).
+        cos = decoder_kwargs[self.position_embeddings_kwarg][0]
+        if self._owner is not cos:
+            self._owner, self._rows = cos, None
+        self._rows = keep if self._rows is None else self._rows[keep]
+
+    def guards(self, model: nn.Module) -> list[tuple[Any, str, Any]]:
+        decoder = self.parts(model).decoder
+        original = decoder._deepstack_process
+
+        def deepstack(hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor):
+            if hidden_states.shape[1] == visual_pos_masks.shape[-1]:
+                return original(hidden_states, visual_pos_masks, visual_embeds)  # not compacted (yet)
+            rows = self._rows
+            if rows is None:
+                raise RuntimeError("macer: a compacted sequence reached Qwen3-Omni's deepstack without a stage "
+                                   "(please report this)")
+            if self._remap is None or self._remap[0] is not rows or self._remap[1] is not visual_pos_masks:
+                # Once per stage (the deepstack levels after it reuse it): the mask's columns at the rows present
+                # and, for the visual rows among them, their index into the embeddings (rank among visual tokens).
+                # The boolean selection reads a count back, as transformers' own h[mask] does in every level.
+                mask = visual_pos_masks.to(rows.device)
+                kept = mask[:, rows]
+                rank = mask[0].cumsum(0) - 1
+                self._remap = (rows, visual_pos_masks, kept, rank[rows][kept[0]])
+            _, _, kept, index = self._remap
+            return original(hidden_states, kept, visual_embeds.index_select(0, index.to(visual_embeds.device)))
+
+        return [(decoder, "_deepstack_process", deepstack)]

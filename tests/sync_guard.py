@@ -1,0 +1,94 @@
+"""A guard that fails when code of ``macer_kernels`` reads a tensor's values on the host.
+
+On a GPU every such read (``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``, ``.cpu()``, ``nonzero``, a boolean
+mask index, ...) is a host synchronisation. ``no_host_reads()`` replaces those entry points of ``torch.Tensor`` and
+``torch`` for the duration of a ``with`` block; a call whose nearest caller outside ``torch`` is a module of
+``macer_kernels`` raises ``HostRead`` naming the call and the line. Calls from anywhere else (the test itself,
+Triton's interpreter copying its arguments) pass through, so the guard also works on CPU tensors.
+
+Reads inside aten kernels (e.g. ``one_hot`` without ``num_classes``, ``repeat_interleave`` without
+``output_size``) are not Python calls; run the op on ``meta`` tensors to catch those: a meta tensor has no values,
+so any kernel that needs them raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator
+
+import torch
+
+
+class HostRead(AssertionError):
+    """A host read of tensor values from ``macer_kernels`` code (a synchronisation on a GPU)."""
+
+
+# Tensor methods that read values back (or, for `cpu`/`numpy`, copy them to the host).
+_TENSOR_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "cpu",
+                   "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select")
+# torch functions whose output size depends on values, or whose result is a host bool.
+_TORCH_FUNCTIONS = ("nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "equal", "allclose",
+                    "is_nonzero")
+
+
+def _culprit() -> str | None:
+    """``file:line`` of the nearest frame outside torch and this module, if it belongs to macer_kernels."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module != __name__ and module.split(".")[0] != "torch":
+            if module.split(".")[0] == "macer_kernels":
+                return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _is_cpu(device) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu"
+
+
+def _guarded(what: str, fn, condition=None):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if condition is None or condition(*args, **kwargs):
+            where = _culprit()
+            if where is not None:
+                raise HostRead(f"{what} called from {where}: a host synchronisation on a GPU")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _to_host(self, *args, **kwargs) -> bool:
+    """``Tensor.to(...)`` towards the CPU."""
+    return _is_cpu(kwargs.get("device")) or any(_is_cpu(a) for a in args if isinstance(a, (str, torch.device)))
+
+
+def _bool_mask_index(self, index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+@contextlib.contextmanager
+def no_host_reads() -> Iterator[None]:
+    """Inside the block, ``macer_kernels`` code that reads tensor values on the host raises ``HostRead``."""
+    patches = [(torch.Tensor, name, _guarded(f"Tensor.{name}", getattr(torch.Tensor, name)))
+               for name in _TENSOR_METHODS]
+    patches += [(torch, name, _guarded(f"torch.{name}", getattr(torch, name))) for name in _TORCH_FUNCTIONS]
+    patches.append((torch.Tensor, "to", _guarded("Tensor.to(cpu)", torch.Tensor.to, _to_host)))
+    patches.append((torch.Tensor, "__getitem__",
+                    _guarded("indexing with a boolean mask", torch.Tensor.__getitem__, _bool_mask_index)))
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patches]
+    try:
+        for owner, name, replacement in patches:
+            setattr(owner, name, replacement)
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)

@@ -1,0 +1,71 @@
+"""Benchmark tools: the per-call counts of ``benchmarks.common`` (launches, host synchronisations and device-to-host
+copies from torch.profiler events; the event names are CUDA's, fed here as stand-ins, and a real CPU profile checks
+the call marking), wall time and the environment record, and the compute-sanitizer driver of ``gpu_check.sh``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import Interval
+
+from benchmarks import common
+
+
+def _event(name: str, start: int, end: int, device: DeviceType = DeviceType.CPU) -> SimpleNamespace:
+    return SimpleNamespace(name=name, device_type=device, time_range=Interval(start, end))
+
+
+def test_counts_per_call_inside_the_marked_calls_only():
+    mark = common._CALL_MARK
+    events = [
+        _event(mark, 0, 100), _event(mark, 200, 300),
+        # call 1: a PyTorch launch, an extension launch, a .item() (async copy + stream synchronize)
+        _event("cudaLaunchKernel", 10, 12), _event("cudaLaunchKernelExC", 20, 22),
+        _event("cudaMemcpyAsync", 30, 40), _event("cudaStreamSynchronize", 41, 60),
+        # call 2: a Triton launch through the driver API
+        _event("cuLaunchKernel", 210, 215),
+        # outside both calls: the synchronize that ends the profile
+        _event("cudaDeviceSynchronize", 400, 500), _event("cudaLaunchKernel", 150, 151),
+        # device side: two kernels and the copy of the .item()
+        _event("macer::scores_kernel", 15, 35, DeviceType.CUDA), _event("_scores_kernel", 216, 226, DeviceType.CUDA),
+        _event("Memcpy DtoH (Device -> Pageable)", 42, 44, DeviceType.CUDA),
+        _event(mark, 5, 90, DeviceType.CUDA),  # the GPU copy of the annotation is not device work
+    ]
+    counts = common.summarize_profile(events, calls=2)
+    assert counts == {"launches": 1.5, "syncs": 0.5, "d2h": 0.5, "kernel_us": 16.0}
+    with pytest.raises(RuntimeError, match="profile holds 2 marked calls, expected 3"):
+        common.summarize_profile(events, calls=3)
+
+
+def test_a_real_cpu_profile_is_marked_per_call():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            with record_function(common._CALL_MARK):
+                torch.ones(4).sum()
+    assert common.summarize_profile(prof.events(), calls=3) == {"launches": 0, "syncs": 0, "d2h": 0, "kernel_us": 0}
+    assert common.profile_call(lambda: None, "cpu") == dict.fromkeys(common.PROFILE_COLUMNS)
+
+
+def test_wall_time_fits_the_budget_and_environment_names_threads():
+    calls = []
+    us = common.wall_time_us(lambda: calls.append(1), "cpu", budget_s=0.0, min_reps=3)
+    assert us >= 0 and len(calls) == 1 + 3 + 3  # estimate, warm-up, timed runs
+    env = common.environment("cpu")
+    assert env["threads"] == torch.get_num_threads() and env["git_sha"] and env["columns"]["wall_us"]
+
+
+def test_sanitizer_driver_runs_every_case_and_reports_a_mismatch(capsys, monkeypatch):
+    """benchmarks/sanitize_ops.py (what gpu_check.sh runs under compute-sanitizer), on CPU with the PyTorch backend:
+    every case's inputs are valid; a backend whose result differs from PyTorch's is reported and fails the run."""
+    from benchmarks import sanitize_ops
+
+    assert sanitize_ops.main(["--backends", "torch", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("sanitize pass torch (")
+    monkeypatch.setattr(sanitize_ops, "_equal", lambda got, want: False)
+    assert sanitize_ops.main(["--backends", "torch", "--device", "cpu"]) == 1
+    assert "sanitize MISMATCH torch: modality_scores" in capsys.readouterr().out

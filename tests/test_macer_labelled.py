@@ -1,0 +1,261 @@
+"""The labelled path: ``macer.compress(model, config, adapter=macer.LabelledAdapter(labels, ...))`` on decoders that a
+model calls with ``inputs_embeds`` (tiny random ``LlamaForCausalLM`` and ``Qwen2ForCausalLM``), and on a stand-in for
+OmniVinci (VILA-style: media embeddings spliced into the text embeddings at a placeholder token, then
+``llm.generate(inputs_embeds=...)``).
+
+Kept sets are compared with the independent staged forward of ``staged_reference``; the pruned prefill's logits with
+the reference's logits of the rows it kept.
+"""
+
+from __future__ import annotations
+
+import macer
+import pytest
+import torch
+from staged_reference import AUDIO, VISUAL, staged_kept
+from torch import nn
+
+VOCAB, HIDDEN, EOT, NEWLINE = 256, 64, 2, 10
+
+
+def build_decoder(family: str, *, attn: str = "eager", seed: int = 0, num_layers: int = 4):
+    """A tiny random ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config = config_cls(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=4096,
+                        eos_token_id=EOT, pad_token_id=0, bos_token_id=1)
+    config._attn_implementation = attn
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def media_prompt(model, *, seed: int = 0, frames: int = 6, per_frame: int = 10, audio_per_segment: int = 12,
+                 question: int = 8):
+    """``inputs_embeds`` of a chat prompt around a VILA-style interleaved clip (per segment: a frame's rows, "\\n",
+    the audio rows of that segment, "\\n"), with its labels, the frame index of every row and the end-of-turn row."""
+    g = torch.Generator().manual_seed(seed)
+    embed = model.get_input_embeddings()
+
+    def ids(n):
+        return torch.randint(16, VOCAB, (n,), generator=g)
+
+    rows, labels, times = [embed(ids(6))], [torch.zeros(6)], [torch.zeros(6)]
+    newline = embed(torch.tensor([NEWLINE]))
+    for f in range(frames):
+        rows += [torch.randn(per_frame, HIDDEN, generator=g) * 0.05, newline,
+                 torch.randn(audio_per_segment, HIDDEN, generator=g) * 0.05, newline]
+        labels += [torch.full((per_frame,), VISUAL), torch.zeros(1), torch.full((audio_per_segment,), AUDIO),
+                   torch.zeros(1)]
+        times += [torch.full((per_frame + audio_per_segment + 2,), float(f))]
+    tail = [*ids(question).tolist(), EOT, NEWLINE, 3, 4, NEWLINE]
+    rows.append(embed(torch.tensor(tail)))
+    labels.append(torch.zeros(len(tail)))
+    times.append(torch.full((len(tail),), float(frames)))
+    with torch.no_grad():
+        embeds = torch.cat(rows)[None]
+    labels = torch.cat(labels).long()
+    question_end = embeds.shape[1] - 5  # the EOT row
+    return embeds, labels, torch.cat(times), question_end
+
+
+def reference(model, embeds, labels, temporal, question_end, config):
+    decoder = model.model
+    n = labels.numel()
+    position_ids = torch.arange(n)[None]
+    question = torch.arange(question_end - config.query_tokens, question_end)
+    return staged_kept(decoder.layers, decoder.rotary_emb, embeds, position_ids, labels,
+                       torch.arange(n) if temporal is None else temporal, question, config)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def eager_model(family):
+    return build_decoder(family, attn="eager", seed=4)
+
+
+def _config(**kw):
+    return macer.MacerConfig(**{"keep_ratio": 0.3, "audio_layer": 1, "video_layer": 2, "coverage_weight": 0.05, **kw})
+
+
+@pytest.mark.parametrize(
+    ("layers", "with_times", "attn"),
+    [
+        pytest.param((1, 2), True, "eager", id="audio-first-frame-times-eager"),
+        pytest.param((2, 1), False, "sdpa", id="video-first-row-order-sdpa"),
+        pytest.param((2, 2), True, "sdpa", id="same-layer-frame-times-sdpa"),
+    ],
+)
+def test_kept_sets_and_logits_match_independent_reference(family, eager_model, layers, with_times, attn):
+    embeds, labels, times, question_end = media_prompt(eager_model, seed=1)
+    temporal = times if with_times else None
+    config = _config(audio_layer=layers[0], video_layer=layers[1])
+    want_audio, want_video, hidden = reference(eager_model, embeds, labels, temporal, question_end, config)
+    model = eager_model if attn == "eager" else build_decoder(family, attn="sdpa", seed=4)
+    adapter = macer.LabelledAdapter(labels, temporal_positions=temporal, question_end=question_end)
+    with torch.no_grad(), macer.compress(model, config, adapter=adapter) as trace:
+        logits = model(inputs_embeds=embeds).logits
+    n_a, n_v = int((labels == AUDIO).sum()), int((labels == VISUAL).sum())
+    assert len(trace.audio_kept) + len(trace.video_kept) < n_a + n_v  # something was dropped
+    assert trace.audio_kept == want_audio
+    assert trace.video_kept == want_video
+    kept = sorted((labels == 0).nonzero().reshape(-1).tolist() + want_audio + want_video)
+    assert logits.shape[1] == len(kept)
+    with torch.no_grad():
+        want = model.lm_head(model.model.norm(hidden))
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+
+
+def test_generate_from_inputs_embeds_and_exactness(family, eager_model):
+    """generate() prunes the prefill and decodes on the compacted caches; keep ratio 1 is bit-identical to the
+    unpatched model; leaving the block restores the model bit for bit."""
+    embeds, labels, times, question_end = media_prompt(eager_model, seed=2)
+    mask = torch.ones(1, embeds.shape[1], dtype=torch.long)
+    with torch.no_grad():
+        before = eager_model(inputs_embeds=embeds).logits
+        full = eager_model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    adapter = macer.LabelledAdapter(labels, temporal_positions=times, question_end=question_end)
+    with torch.no_grad(), macer.compress(eager_model, _config(), adapter=adapter) as trace:
+        out = eager_model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    record = trace.history[0]
+    n_text = int((labels == 0).sum())
+    assert out.shape == (1, 4)
+    assert record.cache_lengths[-1] == n_text + len(record.audio_kept) + len(record.video_kept)  # after prefill
+    with torch.no_grad(), macer.compress(eager_model, _config(keep_ratio=1.0), adapter=adapter):
+        same = eager_model(inputs_embeds=embeds).logits
+        same_out = eager_model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(same, before)
+    assert torch.equal(same_out, full)
+    with torch.no_grad():
+        after = eager_model(inputs_embeds=embeds).logits
+    assert torch.equal(after, before)
+
+
+def test_bad_labels_are_refused(eager_model):
+    embeds, labels, _, question_end = media_prompt(eager_model, seed=3)
+    with pytest.raises(ValueError, match="labels must be 0"):
+        macer.LabelledAdapter(labels + 3)
+    with pytest.raises(ValueError, match="temporal_positions has"):
+        macer.LabelledAdapter(labels, temporal_positions=torch.arange(3))
+    with pytest.raises(ValueError, match="question_end"):
+        macer.LabelledAdapter(labels, question_end=labels.numel() + 1)
+    # Without question_end, no token ids to search for an end-of-turn token: the error names the ways out.
+    with torch.no_grad(), macer.compress(eager_model, _config(), adapter=macer.LabelledAdapter(labels)), \
+            pytest.raises(ValueError, match="question_span='prompt_end'"):
+        eager_model(inputs_embeds=embeds)
+    adapter = macer.LabelledAdapter(labels[:-1], question_end=question_end)
+    with torch.no_grad(), macer.compress(eager_model, _config(), adapter=adapter), \
+            pytest.raises(ValueError, match="labels for"):
+        eager_model(inputs_embeds=embeds)
+
+
+def test_label_rows_by_provenance():
+    g = torch.Generator().manual_seed(0)
+    audio, visual = torch.randn(5, 8, generator=g).bfloat16(), torch.randn(2, 3, 8, generator=g).bfloat16()
+    text = torch.randn(4, 8, generator=g).bfloat16()
+    flat = visual.reshape(-1, 8)
+    embeds = torch.cat([text[:2], flat[:4], audio[1:4], text[2:], flat[4:]])
+    want = [0, 0, 2, 2, 2, 2, 1, 1, 1, 0, 0, 2, 2]
+    assert macer.label_rows(embeds[None], audio=audio, visual=[visual]).tolist() == want
+    with pytest.raises(ValueError, match="dtype"):
+        macer.label_rows(embeds, audio=audio.float())
+
+
+class VilaStandIn(nn.Module):
+    """What OmniVinci's remote code does around its Qwen2 decoder, in miniature: encoders and projectors produce
+    media rows, ``_embed`` replaces the ``<video>`` placeholder of ``input_ids`` with the clip's rows (per segment: a
+    frame's projected patches, the "\\n" embedding, the segment's projected audio, "\\n"), and ``generate`` calls
+    ``self.llm.generate(inputs_embeds=...)``."""
+
+    VIDEO_TOKEN = 5
+
+    def __init__(self, llm: nn.Module, seed: int = 0):
+        super().__init__()
+        self.llm = llm
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.mm_projector = nn.Linear(12, HIDDEN)
+            self.sound_mm_projector = nn.Linear(8, HIDDEN)
+
+    def _embed(self, input_ids: torch.Tensor, frames: torch.Tensor, sound: torch.Tensor) -> torch.Tensor:
+        embed = self.llm.get_input_embeddings()
+        text = embed(input_ids[0])
+        video = self.mm_projector(frames)  # [F, P, D]
+        audio = self.sound_mm_projector(sound).chunk(frames.shape[0])  # one audio piece per frame segment
+        newline = embed(torch.tensor([NEWLINE]))
+        clip = torch.cat([piece for f in range(frames.shape[0]) for piece in (video[f], newline, audio[f], newline)])
+        at = int((input_ids[0] == self.VIDEO_TOKEN).nonzero()[0])
+        return torch.cat([text[:at], clip, text[at + 1:]])[None]
+
+    @torch.no_grad()
+    def generate(self, input_ids, frames, sound, **kwargs):
+        embeds = self._embed(input_ids, frames, sound)
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long)
+        return self.llm.generate(inputs_embeds=embeds, attention_mask=mask, **kwargs)
+
+
+def stand_in_labels(input_ids: torch.Tensor, frames: torch.Tensor, sound: torch.Tensor) -> torch.Tensor:
+    """The caller's labels for the stand-in's splice, from the same segment lengths its ``_embed`` uses (what a user
+    of OmniVinci computes from the media it passes: frames' token counts and each segment's audio rows)."""
+    at = int((input_ids[0] == VilaStandIn.VIDEO_TOKEN).nonzero()[0])
+    per_frame = frames.shape[1]
+    audio_pieces = [piece.shape[0] for piece in sound.chunk(frames.shape[0])]
+    clip = []
+    for n_audio in audio_pieces:
+        clip += [VISUAL] * per_frame + [0] + [AUDIO] * n_audio + [0]
+    return torch.tensor([0] * at + clip + [0] * (input_ids.shape[1] - at - 1))
+
+
+def test_vila_style_stand_in():
+    """The OmniVinci recipe of docs/integration.md on its Qwen2 decoder: labels for the spliced prompt, compress the
+    inner decoder, call the wrapper's own generate. Kept sets equal the reference on the spliced embeddings."""
+    llm = build_decoder("qwen2", attn="eager", seed=6)
+    model = VilaStandIn(llm, seed=1)
+    g = torch.Generator().manual_seed(5)
+    question = torch.randint(16, VOCAB, (8,), generator=g).tolist()
+    input_ids = torch.tensor([[1, 11, NEWLINE, VilaStandIn.VIDEO_TOKEN, *question, EOT, NEWLINE, 3, 4, NEWLINE]])
+    frames, sound = torch.randn(6, 10, 12, generator=g), torch.randn(6 * 9, 8, generator=g)
+    labels = stand_in_labels(input_ids, frames, sound)
+    question_end = labels.numel() - 5
+    config = _config(audio_layer=2, video_layer=1)
+    # The same labels by provenance: the projectors' output rows, captured while the model splices.
+    captured = {"audio": [], "visual": []}
+    hooks = [model.mm_projector.register_forward_hook(lambda m, a, out: captured["visual"].append(out)),
+             model.sound_mm_projector.register_forward_hook(lambda m, a, out: captured["audio"].append(out))]
+    with torch.no_grad():
+        embeds = model._embed(input_ids, frames, sound)
+    for hook in hooks:
+        hook.remove()
+    assert embeds.shape[1] == labels.numel()
+    assert torch.equal(macer.label_rows(embeds, **captured), labels)
+    want_audio, want_video, _ = reference(llm, embeds, labels, None, question_end, config)
+    adapter = macer.LabelledAdapter(labels, question_end=question_end)
+    with macer.compress(model.llm, config, adapter=adapter) as trace:
+        out = model.generate(input_ids, frames, sound, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 3)
+    assert (trace.audio_kept, trace.video_kept) == (want_audio, want_video)
+    assert len(want_audio) + len(want_video) == trace.budget.total < int((labels != 0).sum())
+
+
+def test_hybrid_mamba_decoder_is_refused():
+    """nemotron_h (the decoder of nemotron_h_omni): single-mixer Mamba/attention/MLP blocks without RoPE tables are
+    not the layer convention the labelled path needs (docs/integration.md says what support would take)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    config = NemotronHConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                             layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
+                             mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1, intermediate_size=64)
+    model = NemotronHForCausalLM(config).eval()
+    adapter = macer.LabelledAdapter(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"cannot find a decoder in NemotronHForCausalLM"), \
+            macer.compress(model, _config(), adapter=adapter):
+        pass
