@@ -11,7 +11,7 @@ import pytest
 import torch
 from score_inputs import rel_err, score_inputs
 
-from macer_kernels import modality_scores
+from macer_kernels import StageModality, modality_scores, select_stage
 from macer_kernels.reference import modality_scores_ref
 
 # The Triton interpreter computes with numpy, which warns on the NaN arithmetic these inputs are made of.
@@ -103,3 +103,21 @@ def test_triton_flags_the_last_row_in_both_strategies(store_logits, hq, lq, valu
     out = modality_scores_triton(q.to(device), k.to(device), m.to(device), positions.to(device), D ** -0.5, 1e-6,
                                  store_logits=store_logits).cpu()
     _check_rule(out, q, k, m, positions, 1, f"store_logits={store_logits}, Hq={hq}, Lq={lq}, {value}, seed {seed}")
+
+
+def test_select_stage_scores_follow_the_rule(backend):
+    # select_stage calls the backend's scoring function directly (not the public op): its scores obey the same rule.
+    # Which tokens a stage keeps from NaN scores is not part of the rule, so only the scores are checked here.
+    _, device = backend
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    q, k, m = score_inputs(B, HQ, HKV, LQ, N, D, seed=seed)
+    m[:] = 0
+    m[:, 5:25] = 1
+    m[:, 25:35] = 2
+    positions = torch.tensor(POSITIONS)
+    broken = _poison("nan key element", q, k)
+    mods = [StageModality(label=1, count=20, keep=5), StageModality(label=2, count=10, keep=3)]
+    keep, out = select_stage(q.to(device), k.to(device), m.to(device), mods, query_positions=positions.to(device),
+                             return_scores=True)
+    assert keep.shape == (B, N - 22), f"seed {seed}"
+    _check_rule(out.cpu(), q, k, m, positions, broken, f"select_stage, seed {seed}")
