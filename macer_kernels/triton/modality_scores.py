@@ -19,6 +19,11 @@ normalised. The kernels follow flash-decoding:
    back, see ``STORE_LOGITS``) and writes ``sum_r exp(l_ri - M_r) * weight_{r, m(i)}``, one fp32 per key, without
    atomics (so results are deterministic).
 
+Non-finite inputs (the rule of ``macer_kernels.modality_scores``): phase 1 flags a row with a non-finite logit of a
+kept pair (its tile maximum stored as NaN), the combine turns the flags of a row's tiles into weight slot 0, and
+phase 3 writes NaN for the scored keys of a batch element with a flagged row and exactly 0 for label-0 keys; the
+flag is an explicit test reduced as an integer, never NaN propagating through a max.
+
 All arithmetic after the dot product is fp32; products of bf16/fp16 inputs are exact in fp32, fp32 inputs use the
 IEEE (not TF32) dot. Logits are kept in base 2 (``exp2`` with ``log2(e)`` folded into the scale).
 """
