@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -70,12 +71,39 @@ def modality_scores(
     Returns:
         ``[B, N]`` float32 scores. Accumulation is fp32 whatever the input dtype.
     """
+    query, key, modality, positions, scale, eps = check_score_inputs(query, key, modality, query_positions, scale,
+                                                                     eps, labels_name="modality")
+    if values_checked(modality):
+        n, given = key.shape[2], query_positions is not None
+        # One host synchronisation for all data-dependent checks (the default positions need none).
+        ranges = read_back(*([modality.min(), modality.max()] if n else []),
+                           *([positions.min(), positions.max()] if given else []))
+        if n and (ranges[0] < 0 or ranges[1] > MAX_MODALITIES):
+            raise ValueError(f"modality labels must be in [0, {MAX_MODALITIES}], got range [{ranges[0]}, {ranges[1]}]")
+        if given and (ranges[-2] < 0 or ranges[-1] >= n):
+            raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range [{ranges[-2]}, {ranges[-1]}]")
+    return dispatch("modality_scores", query.device, query, key, modality, positions, scale, eps)
+
+
+@functools.lru_cache(maxsize=32)
+def _default_positions(n: int, lq: int, device: torch.device) -> torch.Tensor:
+    """``[1, Lq]`` positions ``N - Lq .. N - 1`` (the question rows end the sequence), cached: a fresh ``arange``
+    would be one more kernel launch per call. Only ever read."""
+    return torch.arange(n - lq, n, device=device)[None]
+
+
+def check_score_inputs(query: object, key: object, labels: object, query_positions: object, scale: object,
+                       eps: object, *, labels_name: str
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
+    """Host checks (shapes, dtypes, devices, strides, scalars) of the scoring inputs, shared by ``modality_scores``
+    and ``select_stage``; no value is read. Returns ``(query, key, labels, positions, scale, eps)`` with the default
+    positions ``N - Lq .. N - 1`` filled in and the default scale ``1 / sqrt(D)``."""
     query = check_tensor("query", query, 4)
     key = check_tensor("key", key, 4)
-    modality = check_tensor("modality", modality, 2)
+    labels = check_tensor(labels_name, labels, 2)
     check_float("query", query)
     check_float("key", key)
-    check_int("modality", modality)
+    check_int(labels_name, labels)
     b, hq, lq, d = query.shape
     bk, hkv, n, dk = key.shape
     if bk != b or dk != d:
@@ -84,33 +112,24 @@ def modality_scores(
         raise ValueError(f"query heads (Hq={hq}) must be a positive multiple of key heads (Hkv={hkv})")
     if b == 0 or lq == 0 or d == 0:
         raise ValueError(f"query must have B >= 1, at least one row and D > 0, got shape {tuple(query.shape)}")
-    if tuple(modality.shape) != (b, n):
-        raise ValueError(f"modality must be [B={b}, N={n}], got {tuple(modality.shape)}")
-    positions_given = query_positions is not None
-    if not positions_given:
+    if tuple(labels.shape) != (b, n):
+        raise ValueError(f"{labels_name} must be [B={b}, N={n}], got {tuple(labels.shape)}")
+    if query_positions is None:
         if lq > n:
             raise ValueError(f"query has Lq={lq} rows but key has only N={n} positions")
-        query_positions = torch.arange(n - lq, n, device=query.device).expand(b, lq)
+        positions = _default_positions(n, lq, query.device).expand(b, lq)
     else:
-        query_positions = check_tensor("query_positions", query_positions, 2)
-        check_int("query_positions", query_positions)
-        if tuple(query_positions.shape) != (b, lq):
-            raise ValueError(f"query_positions must be [B={b}, Lq={lq}], got {tuple(query_positions.shape)}")
-    check_same_device(query=query, key=key, modality=modality, query_positions=query_positions)
-    if values_checked(modality):
-        # One host synchronisation for all data-dependent checks (the default positions need none).
-        ranges = read_back(*([modality.min(), modality.max()] if n else []),
-                           *([query_positions.min(), query_positions.max()] if positions_given else []))
-        if n and (ranges[0] < 0 or ranges[1] > MAX_MODALITIES):
-            raise ValueError(f"modality labels must be in [0, {MAX_MODALITIES}], got range [{ranges[0]}, {ranges[1]}]")
-        if positions_given and (ranges[-2] < 0 or ranges[-1] >= n):
-            raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range [{ranges[-2]}, {ranges[-1]}]")
+        positions = check_tensor("query_positions", query_positions, 2)
+        check_int("query_positions", positions)
+        if tuple(positions.shape) != (b, lq):
+            raise ValueError(f"query_positions must be [B={b}, Lq={lq}], got {tuple(positions.shape)}")
+    check_same_device(query=query, key=key, **{labels_name: labels}, query_positions=positions)
     scale = 1.0 / math.sqrt(d) if scale is None else check_real("scale", scale, 0.0, math.inf, lo_open=True,
                                                                  hi_open=True)
     eps = check_real("eps", eps, 0.0, math.inf, hi_open=True)
     if key.stride(-1) != 1:
         raise ValueError(f"key must have a contiguous head dimension (stride(-1) == 1), got strides {key.stride()}")
-    return dispatch("modality_scores", query.device, query, key, modality, query_positions, scale, eps)
+    return query, key, labels, positions, scale, eps
 
 
 @register("modality_scores", "torch")

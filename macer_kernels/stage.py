@@ -8,7 +8,6 @@ CUDA backends it is at most 4 kernel launches: the scoring launches of ``modalit
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +16,6 @@ import torch
 
 from macer_kernels._validate import (
     check_count,
-    check_float,
     check_int,
     check_real,
     check_same_device,
@@ -26,7 +24,7 @@ from macer_kernels._validate import (
     values_checked,
 )
 from macer_kernels.backend import dispatch, register, resolve
-from macer_kernels.modality_scores import MAX_MODALITIES
+from macer_kernels.modality_scores import MAX_MODALITIES, check_score_inputs
 
 StageSpec = tuple[tuple[int, int, float | None, int | None], ...]
 """What ``stage_select`` backends receive: one ``(label, keep, coverage_weight, num_chunks)`` per stage modality.
@@ -54,13 +52,6 @@ class StageModality:
     keep: int
     coverage_weight: float | None = None
     num_chunks: int | None = None
-
-
-@functools.lru_cache(maxsize=32)
-def _default_positions(n: int, lq: int, device: torch.device) -> torch.Tensor:
-    """``[1, Lq]`` positions ``N - Lq .. N - 1`` (the question rows end the sequence), cached: a fresh ``arange``
-    would be one more kernel launch per call. Only ever read."""
-    return torch.arange(n - lq, n, device=device)[None]
 
 
 def _check_modalities(modalities: object, n: int) -> tuple[StageModality, ...]:
@@ -134,24 +125,9 @@ def select_stage(
     ``macer_kernels._validate.values_checked`` says: CPU tensors always, CUDA tensors in validation mode. Wrong values
     on CUDA tensors otherwise give wrong positions, never an out-of-bounds access.
     """
-    query = check_tensor("query", query, 4)
-    key = check_tensor("key", key, 4)
-    labels = check_tensor("labels", labels, 2)
-    check_float("query", query)
-    check_float("key", key)
-    check_int("labels", labels)
-    b, hq, lq, d = query.shape
-    bk, hkv, n, dk = key.shape
-    if bk != b or dk != d:
-        raise ValueError(f"key must be [B={b}, Hkv, N, D={d}], got {tuple(key.shape)}")
-    if hkv == 0 or hq == 0 or hq % hkv != 0:
-        raise ValueError(f"query heads (Hq={hq}) must be a positive multiple of key heads (Hkv={hkv})")
-    if b == 0 or lq == 0 or d == 0:
-        raise ValueError(f"query must have B >= 1, at least one row and D > 0, got shape {tuple(query.shape)}")
-    if tuple(labels.shape) != (b, n):
-        raise ValueError(f"labels must be [B={b}, N={n}], got {tuple(labels.shape)}")
-    if key.stride(-1) != 1:
-        raise ValueError(f"key must have a contiguous head dimension (stride(-1) == 1), got strides {key.stride()}")
+    query, key, labels, positions, scale, eps = check_score_inputs(query, key, labels, query_positions, scale, eps,
+                                                                   labels_name="labels")
+    b, n = labels.shape
     mods = _check_modalities(modalities, n)
     coverage = [m for m in mods if m.coverage_weight is not None]
     if coverage and chunk_ids is None:
@@ -163,20 +139,8 @@ def select_stage(
         check_int("chunk_ids", chunk_ids)
         if tuple(chunk_ids.shape) != (b, n):
             raise ValueError(f"chunk_ids must be [B={b}, N={n}], got {tuple(chunk_ids.shape)}")
-    if query_positions is None:
-        if lq > n:
-            raise ValueError(f"query has Lq={lq} rows but key has only N={n} positions")
-        positions = _default_positions(n, lq, query.device).expand(b, lq)
-    else:
-        positions = check_tensor("query_positions", query_positions, 2)
-        check_int("query_positions", positions)
-        if tuple(positions.shape) != (b, lq):
-            raise ValueError(f"query_positions must be [B={b}, Lq={lq}], got {tuple(positions.shape)}")
-    tensors = {"query": query, "key": key, "labels": labels, "query_positions": positions}
-    check_same_device(**tensors, **({"chunk_ids": chunk_ids} if chunk_ids is not None else {}))
-    scale = 1.0 / math.sqrt(d) if scale is None else check_real("scale", scale, 0.0, math.inf, lo_open=True,
-                                                                 hi_open=True)
-    eps = check_real("eps", eps, 0.0, math.inf, hi_open=True)
+    if chunk_ids is not None:
+        check_same_device(query=query, chunk_ids=chunk_ids)
     if not isinstance(return_scores, bool):
         raise ValueError(f"return_scores must be a bool, got {return_scores!r}")
     if values_checked(labels):

@@ -72,6 +72,22 @@ def _bool_mask_index(self, index) -> bool:
     return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
 
 
+class _BoolMaskIndexGuard(torch.overrides.TorchFunctionMode):
+    """Indexing with a boolean mask (its output size depends on values), seen through torch's function mode.
+
+    Not a class attribute patch like the others: assigning ``Tensor.__getitem__`` (even deleting it again afterwards)
+    gives the class CPython's sequence slot, after which ``torch.tensor([t])`` of a 0-d tensor ``t`` calls ``len(t)``
+    and fails for the rest of the process.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and _bool_mask_index(*args):
+            where = _culprit()
+            if where is not None:
+                raise HostRead(f"indexing with a boolean mask called from {where}: a host synchronisation on a GPU")
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def no_host_reads() -> Iterator[None]:
     """Inside the block, ``macer_kernels`` code that reads tensor values on the host raises ``HostRead``."""
@@ -79,13 +95,12 @@ def no_host_reads() -> Iterator[None]:
                for name in _TENSOR_METHODS]
     patches += [(torch, name, _guarded(f"torch.{name}", getattr(torch, name))) for name in _TORCH_FUNCTIONS]
     patches.append((torch.Tensor, "to", _guarded("Tensor.to(cpu)", torch.Tensor.to, _to_host)))
-    patches.append((torch.Tensor, "__getitem__",
-                    _guarded("indexing with a boolean mask", torch.Tensor.__getitem__, _bool_mask_index)))
     saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patches]
     try:
         for owner, name, replacement in patches:
             setattr(owner, name, replacement)
-        yield
+        with _BoolMaskIndexGuard():
+            yield
     finally:
         for owner, name, original in reversed(saved):
             if original is None:

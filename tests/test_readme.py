@@ -12,9 +12,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 # Blocks that fail on main today, keyed by their section heading. strict=True: the test fails once a block runs, so
 # the mark is removed together with the fix.
-KNOWN_BROKEN = {
-    "Backends": "issue 13: the snippet uses `q`, `k` and `labels` without defining them",
-}
+KNOWN_BROKEN: dict[str, str] = {}
 
 
 def _python_blocks() -> list[tuple[str, str]]:
