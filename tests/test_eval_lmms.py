@@ -62,7 +62,7 @@ def _evaluate(setup, policy: str, log, limit: int | None = None, **extra):
 
 
 def test_every_policy_of_the_model_layer_is_covered():
-    # single_readout is the one name left out: see test_single_readout_needs_paper_defaults.
+    # single_readout takes its layer in its own test (test_single_readout_runs_at_the_given_layer).
     assert set(POLICY_ARGS) | {"single_readout"} == set(macer.POLICY_NAMES)
 
 
@@ -95,11 +95,14 @@ def test_lmms_eval_runs_policy(setup, policy, tmp_path):
             assert (line["audio_kept"], line["video_kept"]) == (line["budget_audio"], line["budget_video"]), line
 
 
-def test_single_readout_needs_paper_defaults(setup, tmp_path):
-    # make_policy("single_readout", model) starts from MacerConfig.for_model(model), which has layers only for the
-    # paper's checkpoints and refuses an explicit audio_layer; on the tiny model the wrapper must fail loudly.
-    with pytest.raises(ValueError, match="audio_layer"):
-        _evaluate(setup, "single_readout", tmp_path / "log.jsonl", limit=1, keep_ratio=0.25, video_layer=2)
+def test_single_readout_runs_at_the_given_layer(setup, tmp_path):
+    # The tiny model has no paper layers: the single readout layer is given, and both stages read there.
+    log = tmp_path / "log.jsonl"
+    _evaluate(setup, "single_readout", log, limit=1, keep_ratio=0.25, video_layer=2)
+    (line,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert line["policy"] == "single_readout"
+    assert (line["audio_kept"], line["video_kept"]) == (line["budget_audio"], line["budget_video"]), line
+    assert line["audio_kept"] + line["video_kept"] == line["budget_total"] < line["n_audio"] + line["n_video"], line
 
 
 def test_failing_generate_raises(setup, tmp_path, monkeypatch):
