@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 LOG := $(VENV)/setup.log
 quietly = $(1) >>$(LOG) 2>&1 || { echo "macer setup: that step failed; the end of $(LOG):"; tail -n 40 $(LOG); exit 1; }
 
-$(STAMP): requirements-ci.txt pyproject.toml setup.py
+$(STAMP): requirements-ci.txt requirements-eval.txt pyproject.toml setup.py
 	@if [ ! -x $(BIN)/python ]; then echo "macer setup: creating $(VENV) with $$($(PYTHON) --version)"; \
 		$(PYTHON) -m venv $(VENV) || exit 1; fi
 	@: > $(LOG)
@@ -18,6 +18,8 @@ $(STAMP): requirements-ci.txt pyproject.toml setup.py
 	@$(call quietly,$(BIN)/python -m pip install -q --upgrade pip)
 	@echo "macer setup: installing pinned requirements-ci.txt (torch CPU, transformers, triton; first time: a few minutes)"
 	@$(call quietly,$(BIN)/python -m pip install -q -r requirements-ci.txt)
+	@echo "macer setup: installing lmms-eval 0.7.3 and the packages its evaluator imports (requirements-eval.txt, --no-deps)"
+	@$(call quietly,$(BIN)/python -m pip install -q --no-deps -r requirements-eval.txt)
 	@echo "macer setup: installing macer-kernels (editable), building the CUDA extension if nvcc is found (about a minute)"
 	@$(call quietly,$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .)
 	@$(BIN)/python -c "import importlib.util as u; print('macer setup: CUDA extension', 'built' if \

@@ -159,6 +159,11 @@ def test_make_policy_resolves_names_to_documented_settings(eager_model):
     assert isinstance(macer.make_policy("full"), macer.FullConfig)
     three = macer.make_policy("single_readout", model=thinker_config(text_shape="3B"))
     assert (three.audio_layer, three.video_layer, three.audio_share) == (7, 7, 0.32)
+    # A model without the paper's layers: the one readout layer given is used for both stages.
+    tiny = macer.make_policy("single_readout", model=eager_model, keep_ratio=0.5, video_layer=2)
+    assert (tiny.audio_layer, tiny.video_layer, tiny.keep_ratio) == (2, 2, 0.5)
+    with pytest.raises(ValueError, match=r"make_policy\('single_readout'\) sets \['audio_layer'\] itself"):
+        macer.make_policy("single_readout", audio_layer=2, video_layer=3)
     assert set(macer.POLICY_NAMES) == {"full", "macer", "fastv", "random", *macer.ABLATIONS}
     with pytest.raises(ValueError, match=r"unknown policy 'omnizip'; known: \['full', 'macer'"):
         macer.make_policy("omnizip")

@@ -19,6 +19,11 @@ normalised. The kernels follow flash-decoding:
    back, see ``STORE_LOGITS``) and writes ``sum_r exp(l_ri - M_r) * weight_{r, m(i)}``, one fp32 per key, without
    atomics (so results are deterministic).
 
+Non-finite inputs (the rule of ``macer_kernels.modality_scores``): phase 1 flags a row with a non-finite logit of a
+kept pair (its tile maximum stored as NaN), the combine turns the flags of a row's tiles into weight slot 0, and
+phase 3 writes NaN for the scored keys of a batch element with a flagged row and exactly 0 for label-0 keys; the
+flag is an explicit test reduced as an integer, never NaN propagating through a max.
+
 All arithmetic after the dot product is fp32; products of bf16/fp16 inputs are exact in fp32, fp32 inputs use the
 IEEE (not TF32) dot. Logits are kept in base 2 (``exp2`` with ``log2(e)`` folded into the scale).
 """
@@ -55,10 +60,11 @@ _INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 @triton.jit
 def _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
-                 BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+                 BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, MARK: tl.constexpr):
     """Base-2 logits ``[len(rows), BLOCK_N]`` of the query rows ``rows`` at ``q_rows`` (``R`` rows of ``D``,
     contiguous) against keys ``offs_n`` of the KV head at ``k_head``; -inf where a key is beyond the row's causal
-    limit or past N, and on padded rows (``rows >= R``)."""
+    limit or past N, and on padded rows (``rows >= R``). With ``MARK``, every non-finite logit of a kept pair becomes
+    NaN (a visible -inf would otherwise look like a masked key), so that NaN marks exactly the broken pairs."""
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < R
     d_ok = offs_d < D
@@ -74,7 +80,11 @@ def _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, 
         acc = tl.dot(q, tl.trans(k))
     pos = tl.load(pos_row + (rows % LQ) * stride_pl, mask=row_ok, other=-1)
     visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
-    return tl.where(visible, acc * scale_log2, float("-inf"))
+    logits = acc * scale_log2
+    if MARK:
+        # |l| < inf is false for NaN and +-inf alike.
+        logits = tl.where(tl.abs(logits) < float("inf"), logits, float("nan"))
+    return tl.where(visible, logits, float("-inf"))
 
 
 @triton.jit
@@ -85,11 +95,15 @@ def _stats_rows(q_rows, k_head, lab_row, pos_row, max_ptr, sum_ptr, logit_ptr, r
     and its ``Z`` and ``S_1..S_NUM_M`` relative to it."""
     row_ok = rows < R
     l2 = _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2, BLOCK_D,
-                      DOT_FP32)
+                      DOT_FP32, True)
     if STORE:
         tl.store(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :], l2,
                  mask=row_ok[:, None] & (offs_n < N)[None, :])
-    m = tl.max(l2, axis=1)
+    # The non-finite rule: a row with a NaN (marked) logit stores NaN as its tile maximum, the flag the combine reads.
+    # The flag comes from an integer reduction of an explicit test, never from NaN propagating through tl.max, which
+    # compiled code may drop.
+    broken = tl.max((l2 != l2).to(tl.int32), axis=1) > 0
+    m = tl.where(broken, float("nan"), tl.max(l2, axis=1))
     # A row that sees no key of this tile keeps max -inf and zero sums; subtracting 0 instead avoids inf - inf.
     p = tl.exp2(l2 - tl.where(m == float("-inf"), 0.0, m)[:, None])
     out_row = row0 + rows
@@ -140,12 +154,19 @@ def _combine_kernel(max_ptr, sum_ptr, rowmax_ptr, weight_ptr, T, eps, inv_rows,
     offs_t = tl.arange(0, BLOCK_T)
     mods = tl.arange(0, M_PAD)
     mod_ok = mods <= NUM_M
-    # Pass 1: the row maximum over all tiles (finite: every row sees at least key 0).
+    # Pass 1: the row maximum over all tiles (finite: every row sees at least key 0), and whether a tile flagged the
+    # row broken (tile maximum NaN, see _stats_rows), tested explicitly and reduced as an integer.
     run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    run_broken = tl.zeros([BLOCK_T], tl.int32)
     for t0 in range(0, T, BLOCK_T):
         t = t0 + offs_t
-        run_max = tl.maximum(run_max, tl.load(max_ptr + row * T + t, mask=t < T, other=float("-inf")))
-    row_max = tl.max(run_max, axis=0)
+        tile_max = tl.load(max_ptr + row * T + t, mask=t < T, other=float("-inf"))
+        run_broken = tl.maximum(run_broken, (tile_max != tile_max).to(tl.int32))
+        run_max = tl.maximum(run_max, tile_max)
+    row_broken = tl.max(run_broken, axis=0) > 0
+    # A broken row's maximum and weights are not used (phase 3 writes NaN for its whole batch element); 0 keeps
+    # them from carrying NaN into its arithmetic.
+    row_max = tl.where(row_broken, 0.0, tl.max(run_max, axis=0))
     # Pass 2: rescale each tile's sums to the row maximum and add them up, all modalities at once.
     acc = tl.zeros([M_PAD], tl.float32)
     for t0 in range(0, T, BLOCK_T):
@@ -160,6 +181,8 @@ def _combine_kernel(max_ptr, sum_ptr, rowmax_ptr, weight_ptr, T, eps, inv_rows,
     # keys all have exp(l - M) = 0 in this row, and 0 * (1 / 0) must not become NaN when eps = 0.
     scored = (mods >= 1) & (acc > 0.0)
     weight = tl.where(scored, inv_rows / tl.where(scored, acc + eps * z, 1.0), 0.0)
+    # Slot 0 (label 0 is never scored) holds the row's broken flag for phase 3: 1.0 broken, 0.0 not.
+    weight = tl.where(mods == 0, tl.where(row_broken, 1.0, 0.0), tl.where(row_broken, 0.0, weight))
     # The row maximum from one lane: a scalar store is issued by every thread of the program (compute-sanitizer's
     # racecheck reports the identical writes as a hazard), a one-element masked store by the lane that owns it.
     tl.store(rowmax_ptr + row + mods, tl.where(mods == 0, row_max, 0.0), mask=mods == 0)
@@ -179,7 +202,7 @@ def _scores_rows(q_rows, k_head, pos_row, rowmax_ptr, weight_ptr, logit_ptr, lab
                      mask=row_ok[:, None] & (offs_n < N)[None, :], other=float("-inf"))
     else:
         l2 = _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
-                          BLOCK_D, DOT_FP32)
+                          BLOCK_D, DOT_FP32, False)
     row_max = tl.load(rowmax_ptr + row0 + rows, mask=row_ok, other=0.0)
     p = tl.exp2(l2 - row_max[:, None])
     # weight[r, label of key]: a select per label (NUM_M = MAX_MODALITIES, unrolled).
@@ -219,7 +242,17 @@ def _scores_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, rowmax_ptr, weight_ptr, logit
                                 M_PAD, BLOCK_D, DOT_FP32, STORE)
         k_head += stride_kh
         row0 += R
-    tl.store(out_ptr + b64 * N + offs_n, acc, mask=n_ok)
+    # The non-finite rule, per batch element: if any of its HKV * R rows is flagged broken (weight slot 0, written
+    # by the combine), every scored key is NaN. Label-0 keys are exactly 0 either way (sum_r p * 0 is NaN when a
+    # broken row's p is). An integer reduction of the flags, not NaN propagation through the sums.
+    broken = tl.zeros([ROWS], tl.int32)
+    row_b = b64 * HKV * R
+    for r0 in range(0, HKV * R, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        flag = tl.load(weight_ptr + (row_b + r) * M_PAD, mask=r < HKV * R, other=0.0)
+        broken = tl.maximum(broken, (flag != 0.0).to(tl.int32))
+    acc = tl.where(tl.max(broken, axis=0) > 0, float("nan"), acc)
+    tl.store(out_ptr + b64 * N + offs_n, tl.where(labels == 0, 0.0, acc), mask=n_ok)
 
 
 def _row_block(rows_per_kv: int) -> int:

@@ -186,6 +186,9 @@ def make_policy(name: str, model: Any = None, **params: Any) -> Policy:
         clash.append("audio_layer")
     if clash:
         raise ValueError(f"make_policy({name!r}) sets {clash} itself ({ABLATIONS[name]}); do not pass them")
+    if name == "single_readout" and "video_layer" in params:
+        # The single readout layer given: both stages read there (a model without the paper's layers needs this).
+        params = {**params, "audio_layer": params["video_layer"]}
     base = MacerConfig.for_model(model, **params) if model is not None else MacerConfig(**params)
     if name == "shared_topk":
         return FastVConfig(keep_ratio=base.keep_ratio, layer=base.video_layer, query="question",

@@ -1,0 +1,221 @@
+"""lmms-eval in process on a synthetic Daily-Omni release with a tiny random Qwen2.5-Omni checkpoint (no download).
+
+Each policy runs through ``--model macer_qwen2_5_omni`` (the entry point), the shipped ``dailyomni`` task YAML
+(written by ``macer.eval.prepare``) and real MP4 files with audio tracks; the per-sample log must show that the
+policy ran (kept counts against the budget), and a failing generation must raise instead of scoring "".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("lmms_eval", reason="needs the eval extra (make test installs requirements-eval.txt)")
+pytest.importorskip("av", reason="needs PyAV (requirements-eval.txt)")
+
+import macer
+from macer.eval import prepare as prepare_module
+from macer.eval.synthetic import write_checkpoint, write_clip, write_dailyomni_release
+
+LAYERS = {"audio_layer": 1, "video_layer": 2}
+POLICY_ARGS = {
+    "full": {},
+    "macer": {"keep_ratio": 0.25, **LAYERS},
+    "fastv": {"keep_ratio": 0.25, "layer": 2},
+    "random": {"keep_ratio": 0.25, "seed": 3},
+    "macer_raw": {"keep_ratio": 0.25, **LAYERS},
+    "shared_topk": {"keep_ratio": 0.25, **LAYERS},
+    "no_coverage": {"keep_ratio": 0.25, **LAYERS},
+}
+FRAMES = 12
+CLIP_SIZE = (64, 48)  # width, height: smart_resize -> 56 x 56 -> 2 x 2 merged tokens per 2-frame group
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    # lmms-eval caches the loaded JSONL under ~/.cache/huggingface unless told otherwise (also for the CLI run).
+    env = pytest.MonkeyPatch()
+    env.setenv("LMMS_EVAL_DATASETS_CACHE", str(root / "datasets_cache"))
+    checkpoint = write_checkpoint(root / "tiny")
+    release = write_dailyomni_release(root / "release", questions=2)
+    tasks = root / "tasks"
+    prepare_module.prepare("dailyomni", release, tasks)
+    from lmms_eval.tasks import TaskManager
+
+    # include_defaults=False: indexing lmms-eval's ~200 built-in task folders takes seconds and none is used here.
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    yield {"root": root, "checkpoint": checkpoint, "tasks": tasks, "manager": manager}
+    env.undo()
+
+
+def _evaluate(setup, policy: str, log, limit: int | None = None, **extra):
+    from lmms_eval.evaluator import simple_evaluate
+
+    args = {"pretrained": setup["checkpoint"], "policy": policy, "video_frontend": "torch", "sample_log": log,
+            "num_frames": FRAMES, **POLICY_ARGS.get(policy, {}), **extra}
+    model_args = ",".join(f"{k}={v}" for k, v in args.items())
+    return simple_evaluate(model="macer_qwen2_5_omni", model_args=model_args, tasks=["dailyomni"],
+                           task_manager=setup["manager"], log_samples=True, batch_size=1, device="cpu", limit=limit)
+
+
+def test_every_policy_of_the_model_layer_is_covered():
+    # single_readout takes its layer in its own test (test_single_readout_runs_at_the_given_layer).
+    assert set(POLICY_ARGS) | {"single_readout"} == set(macer.POLICY_NAMES)
+
+
+@pytest.mark.parametrize("policy", list(POLICY_ARGS))
+def test_lmms_eval_runs_policy(setup, policy, tmp_path):
+    log = tmp_path / "samples.jsonl"
+    limit = 2 if policy == "macer" else 1
+    result = _evaluate(setup, policy, log, limit=limit)
+    samples = result["samples"]["dailyomni"]
+    answers = [s["resps"][0][0] for s in samples]
+    assert len(answers) == limit and all(isinstance(a, str) and a for a in answers), answers
+    assert "accuracy,none" in result["results"]["dailyomni"]
+
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["doc_id"] for line in lines] == [s["doc_id"] for s in samples]
+    # The clip's token counts from the processor's own rules: 12 frames -> 6 temporal groups of 2 x 2 tokens;
+    # 2 s of audio at 25 tokens/s (AAC adds a few ms of padding, hence the range).
+    for line in lines:
+        assert line["policy"] == policy and line["n_video"] == FRAMES // 2 * 4
+        assert 50 <= line["n_audio"] <= 53, line
+        n_media = line["n_audio"] + line["n_video"]
+        kept = line["audio_kept"] + line["video_kept"]
+        if policy == "full":
+            assert (line["audio_kept"], line["video_kept"]) == (line["n_audio"], line["n_video"])
+        else:
+            # K_mm = min(n, floor(rho n + 0.5)) (tab:macer_algorithm step 1) for every pruning policy
+            assert line["budget_total"] == min(n_media, math.floor(0.25 * n_media + 0.5)), line
+            assert kept == line["budget_total"] < n_media, line
+        if policy in ("macer", "macer_raw", "no_coverage"):
+            assert (line["audio_kept"], line["video_kept"]) == (line["budget_audio"], line["budget_video"]), line
+
+
+def test_single_readout_runs_at_the_given_layer(setup, tmp_path):
+    # The tiny model has no paper layers: the single readout layer is given, and both stages read there.
+    log = tmp_path / "log.jsonl"
+    _evaluate(setup, "single_readout", log, limit=1, keep_ratio=0.25, video_layer=2)
+    (line,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert line["policy"] == "single_readout"
+    assert (line["audio_kept"], line["video_kept"]) == (line["budget_audio"], line["budget_video"]), line
+    assert line["audio_kept"] + line["video_kept"] == line["budget_total"] < line["n_audio"] + line["n_video"], line
+
+
+def test_failing_generate_raises(setup, tmp_path, monkeypatch):
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("generate broke")
+
+    monkeypatch.setattr(Qwen2_5OmniThinkerForConditionalGeneration, "generate", broken)
+    log = tmp_path / "samples.jsonl"
+    with pytest.raises(RuntimeError, match="generate broke"):
+        _evaluate(setup, "macer", log, limit=1)
+    assert not log.exists() or not log.read_text(), "a failed sample must not be logged as answered"
+
+
+def test_clip_without_audio_is_refused(setup, tmp_path):
+    from macer.eval.lmms_model import MacerQwen2_5Omni
+
+    model = MacerQwen2_5Omni(pretrained=str(setup["checkpoint"]), policy="full", video_frontend="torch",
+                             sample_log=str(tmp_path / "log.jsonl"))
+    silent = write_clip(tmp_path / "silent.mp4", audio=False)
+    with pytest.raises(ValueError, match="no audio track"):
+        model.answer("Which?", [str(silent)], {})
+    with pytest.raises(ValueError, match="exactly one video"):
+        model.answer("Which?", [str(silent), str(silent)], {})
+
+
+def test_wrapper_rejects_bad_arguments(setup, tmp_path):
+    from macer.eval.lmms_model import MacerQwen2_5Omni
+
+    common = {"pretrained": str(setup["checkpoint"]), "video_frontend": "torch", "sample_log": str(tmp_path / "l")}
+    with pytest.raises(ValueError, match="batch_size=1"):
+        MacerQwen2_5Omni(policy="full", batch_size=4, **common)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        MacerQwen2_5Omni(policy="omnizip", **common)
+    with pytest.raises(ValueError, match="keep_ratio"):
+        MacerQwen2_5Omni(policy="macer", keep_ratio=1.5, **LAYERS, **common)
+
+
+def test_prepare_reads_avut_style_entries(tmp_path):
+    release, tmp_path = tmp_path / "release", tmp_path / "out"
+    videos = release / "videos"
+    videos.mkdir(parents=True)
+    (videos / "v1.mp4").write_bytes(b"")
+    (videos / "v2.mp4").write_bytes(b"")
+    entries = [{"Question": "q1", "options": {"A": "x", "B": "y"}, "answer": "B", "video_name": "v1", "task": "t"},
+               {"question": "q2", "choices": ["red", "blue", "green"], "gt": "green", "video": "v2.mp4"},
+               {"question": "q3", "candidates": ["(A) a", "(B) b"], "label": 0, "video_id": "v1"}]
+    (release / "qa.json").write_text(json.dumps(entries))
+    prepare_module.prepare("avutbench", release, tmp_path / "out")
+    rows = [json.loads(line) for line in (tmp_path / "out" / "avutbench.jsonl").read_text().splitlines()]
+    assert [r["answer"] for r in rows] == ["B", "C", "A"]
+    assert rows[0]["options"] == ["A. x", "B. y"] and rows[1]["options"][2] == "C. green"
+    assert rows[2]["options"] == ["(A) a", "(B) b"] and rows[0]["video"] == str(videos / "v1.mp4")
+    assert (tmp_path / "out" / "avutbench.yaml").exists()
+
+    (release / "qa.json").write_text(json.dumps([{"question": "q", "options": ["a", "b"], "video": "v1"}]))
+    with pytest.raises(ValueError, match="no answer key"):
+        prepare_module.prepare("avutbench", release, tmp_path / "out2")
+    (release / "qa.json").write_text(json.dumps([{"question": "q", "options": ["a", "b"], "answer": "A",
+                                                   "video": "gone"}]))
+    with pytest.raises(FileNotFoundError, match="1 of 1 videos are missing"):
+        prepare_module.prepare("avutbench", release, tmp_path / "out3")
+
+
+def test_answer_letter_parsing():
+    from macer.eval.tasks.mcq import parse_letter, process_results
+
+    assert parse_letter("B", 4) == "B" and parse_letter(" (C) because", 4) == "C"
+    assert parse_letter("Answer: D.", 4) == "D" and parse_letter("E", 4) is None and parse_letter("", 4) is None
+    doc = {"options": ["A. a", "B. b", "C. c", "D. d"], "answer": "C"}
+    assert process_results(doc, ["C"]) == {"accuracy": 100.0}
+    assert process_results(doc, ["Absolutely B"]) == {"accuracy": 0.0}
+
+
+def test_table_script_runs_lmms_eval_cli(setup, tmp_path):
+    # The lmms-eval command line itself (`python -m lmms_eval --model macer_qwen2_5_omni ...`), one row, through
+    # the table runner; then table.md holds the measured score next to the paper's rows.
+    from macer.eval import table
+
+    out = tmp_path / "runs"
+    code = table.main(["--pretrained", str(setup["checkpoint"]), "--out", str(out), "--benchmarks", "dailyomni",
+                       "--tasks-dir", str(setup["tasks"]), "--rows", "macer:audio_layer=1:video_layer=2@0.25",
+                       "--model-args", "video_frontend=torch", "--limit", "1"])
+    assert code == 0
+    text = (out / "table.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| macer-audio_layer1-video_layer2@0.25 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "25%" and cells[3] in ("0.00", "100.00"), row  # one question: right or wrong
+    audio, video = (float(x) for x in cells[2].split(" / "))
+    assert 0 < audio < 100 and abs(audio + video - 100) < 1e-6
+    assert "| MACER | 25% | 62.07 |" in text  # the paper's 7B DailyOmni number beside it
+
+
+def test_table_rows_and_rendering(tmp_path):
+    from macer.eval import table
+
+    rows = table.parse_row("macer:audio_share=0.4@0.25,0.35")
+    assert [(r.policy, r.keep_ratio, r.params) for r in rows] == [("macer", 0.25, {"audio_share": "0.4"}),
+                                                                  ("macer", 0.35, {"audio_share": "0.4"})]
+    for bad, match in (("full@0.5", "no @ratio"), ("macer", "keep ratios"), ("omnizip@0.25", "policy must be"),
+                       ("macer@1.5", r"\(0, 1\]"), ("macer:x@0.25", "key=value")):
+        with pytest.raises(ValueError, match=match):
+            table.parse_row(bad)
+    log = tmp_path / "log.jsonl"
+    samples = [("a", 3, 7), ("a", 1, 9), ("b", 5, 5)]  # task a: shares 0.3, 0.1 -> 0.2; task b: 0.5
+    log.write_text("".join(json.dumps({"task": t, "audio_kept": a, "video_kept": v}) + "\n" for t, a, v in samples))
+    audio, video = table.retained_av(log)
+    assert abs(audio - 35.0) < 1e-9 and abs(video - 65.0) < 1e-9
+    full, macer_row = table.parse_row("full")[0], table.parse_row("macer@0.25")[0]
+    text = table.render([(full, {"avutbench": 50.0, "dailyomni": 40.0}, None),
+                         (macer_row, {"avutbench": 45.0, "dailyomni": 40.0}, (30.0, 70.0))],
+                        ["avutbench", "dailyomni"], "3B")
+    assert "| macer@0.25 | 25% | 30.0 / 70.0 | 45.00 | 40.00 | 95.0% |" in text  # (45/50 + 40/40) / 2
+    assert "| full | 100% | - | 50.00 | 40.00 | 100.0% |" in text
+    assert "| MACER | 25% | 59.74 | 58.40 |" in text
