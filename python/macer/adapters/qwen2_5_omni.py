@@ -21,14 +21,14 @@ first); the temporal row is ``position_ids[-3]`` in both cases.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from macer.adapters.base import AUDIO, VISUAL, Adapter, DecoderParts, text_config
 
-__all__ = ["IM_END", "PAPER_DEFAULTS", "SIZES", "Qwen25OmniAdapter"]
+__all__ = ["IM_END", "PAPER_DEFAULTS", "SIZES", "Qwen25OmniAdapter", "QwenOmniAdapter"]
 
 IM_END = 151645
 """``<|im_end|>`` of the Qwen2 vocabulary (checked against transformers' constants, see docs/integration.md)."""
@@ -48,27 +48,18 @@ PAPER_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-class Qwen25OmniAdapter(Adapter):
-    """Adapter for ``Qwen2_5OmniThinkerForConditionalGeneration`` and ``Qwen2_5OmniForConditionalGeneration``."""
+class QwenOmniAdapter(Adapter):
+    """What the Qwen-Omni families share: a full model that holds the thinker as ``.thinker``, modality labels from
+    the thinker config's audio / video / image token ids, times from the temporal M-RoPE row, and a model recognised
+    by its text sizes."""
 
-    batch_ready = True  # no per-token state of its own: the runtime's re-packing covers everything
+    FULL_MODEL_TYPE: str = ""
+    """``model_type`` of the full model (talker included), which holds the thinker as ``.thinker``."""
+    SIZES: ClassVar[dict[str, dict[str, int]]] = {}
+    """Model name -> the text config's sizes that identify it."""
 
     def _thinker(self, model: nn.Module) -> nn.Module:
-        return model.thinker if model.config.model_type == "qwen2_5_omni" else model
-
-    def parts(self, model: nn.Module) -> DecoderParts:
-        thinker = self._thinker(model)
-        inner = getattr(thinker, "model", None)
-        if hasattr(inner, "language_model"):  # transformers 5.2x: thinker.model is the multimodal model
-            root, decoder = inner, inner.language_model
-        elif hasattr(inner, "layers"):  # transformers 5.17: thinker.model is the text model
-            root, decoder = thinker, inner
-        else:
-            raise ValueError(f"macer.compress: cannot find the decoder of {type(thinker).__name__} (expected "
-                             "thinker.model.language_model.layers or thinker.model.layers); transformers "
-                             "version not supported")
-        return DecoderParts(root=root, decoder=decoder, layers=decoder.layers, attn_config=decoder.config,
-                            outer=(thinker,))
+        return model.thinker if model.config.model_type == self.FULL_MODEL_TYPE else model
 
     def labels(self, model: nn.Module, input_ids: torch.Tensor | None) -> torch.Tensor:
         if input_ids is None:
@@ -85,6 +76,35 @@ class Qwen25OmniAdapter(Adapter):
         if position_ids is None:
             return None  # the text model then uses arange positions itself (no multimodal grid was given)
         return position_ids[-3] if position_ids.ndim == 3 else position_ids
+
+    def identify(self, model_or_config: Any) -> str | None:
+        text = text_config(model_or_config)
+        for name, sizes in self.SIZES.items():
+            if all(getattr(text, key, None) == value for key, value in sizes.items()):
+                return name
+        return None
+
+
+class Qwen25OmniAdapter(QwenOmniAdapter):
+    """Adapter for ``Qwen2_5OmniThinkerForConditionalGeneration`` and ``Qwen2_5OmniForConditionalGeneration``."""
+
+    FULL_MODEL_TYPE = "qwen2_5_omni"
+    SIZES = SIZES
+    batch_ready = True  # no per-token state of its own: the runtime's re-packing covers everything
+
+    def parts(self, model: nn.Module) -> DecoderParts:
+        thinker = self._thinker(model)
+        inner = getattr(thinker, "model", None)
+        if hasattr(inner, "language_model"):  # transformers 5.2x: thinker.model is the multimodal model
+            root, decoder = inner, inner.language_model
+        elif hasattr(inner, "layers"):  # transformers 5.17: thinker.model is the text model
+            root, decoder = thinker, inner
+        else:
+            raise ValueError(f"macer.compress: cannot find the decoder of {type(thinker).__name__} (expected "
+                             "thinker.model.language_model.layers or thinker.model.layers); transformers "
+                             "version not supported")
+        return DecoderParts(root=root, decoder=decoder, layers=decoder.layers, attn_config=decoder.config,
+                            outer=(thinker,))
 
     def check_batch(self, model: nn.Module, input_ids: torch.Tensor | None, root_kwargs: dict[str, Any]) -> None:
         # transformers reads one use_audio_in_video per call: with it on, get_rope_index expects every video to be
@@ -131,13 +151,6 @@ class Qwen25OmniAdapter(Adapter):
         if isinstance(named, int):
             return named
         return IM_END if text_config(config).vocab_size > IM_END else None
-
-    def identify(self, model_or_config: Any) -> str | None:
-        text = text_config(model_or_config)
-        for name, sizes in SIZES.items():
-            if all(getattr(text, key, None) == value for key, value in sizes.items()):
-                return name
-        return None
 
     def paper_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
         name = self.identify(model_or_config)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer.adapters.base import AUDIO, VISUAL, Adapter, DecoderParts, text_config
-from macer.adapters.qwen2_5_omni import IM_END
+from macer.adapters.base import DecoderParts, text_config
+from macer.adapters.qwen2_5_omni import IM_END, QwenOmniAdapter
 
 __all__ = ["DERIVED_DEFAULTS", "SIZES", "Qwen3OmniAdapter"]
 
@@ -54,8 +54,11 @@ DERIVED_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-class Qwen3OmniAdapter(Adapter):
+class Qwen3OmniAdapter(QwenOmniAdapter):
     """Adapter for ``Qwen3OmniMoeThinkerForConditionalGeneration`` and ``Qwen3OmniMoeForConditionalGeneration``."""
+
+    FULL_MODEL_TYPE = "qwen3_omni_moe"
+    SIZES = SIZES
 
     def __init__(self) -> None:
         # Prompt positions of the rows in the sequence after the stages of the prefill that ``_owner`` (its RoPE cos
@@ -64,9 +67,6 @@ class Qwen3OmniAdapter(Adapter):
         self._owner: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
         self._remap: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    def _thinker(self, model: nn.Module) -> nn.Module:
-        return model.thinker if model.config.model_type == "qwen3_omni_moe" else model
 
     def parts(self, model: nn.Module) -> DecoderParts:
         if model.config.model_type == "qwen3_omni_moe" and getattr(model, "has_talker", False):
@@ -84,35 +84,12 @@ class Qwen3OmniAdapter(Adapter):
         return DecoderParts(root=root, decoder=decoder, layers=decoder.layers, attn_config=decoder.config,
                             outer=(thinker,))
 
-    def labels(self, model: nn.Module, input_ids: torch.Tensor | None) -> torch.Tensor:
-        if input_ids is None:
-            raise ValueError("macer.compress needs the prompt's input_ids to label audio/video tokens; a prefill "
-                             "from inputs_embeds alone is not supported")
-        config = self._thinker(model).config
-        labels = torch.zeros_like(input_ids)
-        labels[input_ids == config.audio_token_id] = AUDIO
-        labels[(input_ids == config.video_token_id) | (input_ids == config.image_token_id)] = VISUAL
-        return labels
-
-    def temporal_positions(self, decoder_kwargs: dict[str, Any], length: int) -> torch.Tensor | None:
-        position_ids = decoder_kwargs.get("position_ids")
-        if position_ids is None:
-            return None  # the text model then uses arange positions itself (no multimodal grid was given)
-        return position_ids[-3] if position_ids.ndim == 3 else position_ids
-
     def end_of_turn_token_id(self, model: nn.Module) -> int | None:
         # The full model's config names <|im_end|> (im_end_token_id); a thinker alone has the Qwen2 vocabulary.
         named = getattr(model.config, "im_end_token_id", None)
         if isinstance(named, int):
             return named
         return IM_END if text_config(model).vocab_size > IM_END else None
-
-    def identify(self, model_or_config: Any) -> str | None:
-        text = text_config(model_or_config)
-        for name, sizes in SIZES.items():
-            if all(getattr(text, key, None) == value for key, value in sizes.items()):
-                return name
-        return None
 
     def derived_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
         name = self.identify(model_or_config)
