@@ -38,7 +38,6 @@ import contextlib
 import inspect
 import json
 import math
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from macer._attention import register_refcounted, unregister_names
 from macer.adapters import AUDIO, TEXT, VISUAL, get_adapter
 from macer.config import MacerConfig
 from macer.policy import PromptFacts, question_rows, score
@@ -55,8 +55,6 @@ from macer_kernels import coverage_select, temporal_chunks, topk_indices
 __all__ = ["DiagnosticReport", "default_policies", "diagnose", "gini"]
 
 _TAP_PREFIX = "macer_diag_"
-_lock = threading.Lock()
-_NAMES_IN_USE: dict[str, int] = {}
 # id(attention module) -> callback(module, query, key, kwargs): how the tap finds the running diagnosis.
 _TAPS: dict[int, Callable[..., None]] = {}
 
@@ -241,24 +239,11 @@ def _tap_attention(inner: str) -> Callable:
 def _tap_name(inner: str) -> Iterator[str]:
     """Register ``macer_diag_<inner>``: the tap, then the attention function named ``inner`` (with its mask
     function: without one of the same name ``create_causal_mask`` silently returns None)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    name = f"{_TAP_PREFIX}{inner}"
-    with _lock:
-        if _NAMES_IN_USE.get(name, 0) == 0:
-            AttentionInterface.register(name, _tap_attention(inner))
-            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
-        _NAMES_IN_USE[name] = _NAMES_IN_USE.get(name, 0) + 1
+    name = register_refcounted(f"{_TAP_PREFIX}{inner}", inner, lambda: _tap_attention(inner))
     try:
         yield name
     finally:
-        with _lock:
-            _NAMES_IN_USE[name] -= 1
-            if _NAMES_IN_USE[name] == 0:
-                del _NAMES_IN_USE[name]
-                AttentionInterface._global_mapping.pop(name, None)
-                AttentionMaskInterface._global_mapping.pop(name, None)
+        unregister_names(name)
 
 
 def _run_tapped(model: nn.Module, parts: Any, adapter: Any, inputs: Mapping[str, Any], n: int,

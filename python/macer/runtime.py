@@ -29,8 +29,6 @@ A batch of ``B > 1`` left-padded prompts follows the same steps per sample and r
 from __future__ import annotations
 
 import contextlib
-import inspect
-import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -39,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from macer._attention import ACTIVE, register_names, unregister_names
 from macer._batch import BatchLayout, BatchPrefill, check_left_padding, decode_step
 from macer.adapters import Adapter, DecoderParts, get_adapter, text_config
 from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Plan, Policy, PromptFacts, plan_prefill, run_stage
@@ -49,59 +48,6 @@ __all__ = ["SUPPORTED_ATTENTION", "compress"]
 
 SUPPORTED_ATTENTION = ("sdpa", "eager", "flash_attention_2")
 """Attention implementations the runtime wraps (the user's choice runs unchanged)."""
-
-_PREFIX = "macer_"
-_lock = threading.Lock()
-# id(attention module) -> (session, layer index): how the registered attention function finds its session.
-_ACTIVE: dict[int, tuple[_Session, int]] = {}
-# registered macer attention names -> number of live sessions using them
-_NAMES_IN_USE: dict[str, int] = {}
-
-
-def _make_attention(base: str):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    eager: dict[type, Any] = {}
-
-    def macer_attention(module, query, key, value, attention_mask, **kwargs):
-        entry = _ACTIVE.get(id(module))
-        if entry is not None:
-            entry[0].readout(entry[1], module, query, key, kwargs)
-        if base == "eager":  # the modeling file's own eager function (some families change it)
-            fn = eager.get(type(module)) or eager.setdefault(
-                type(module), inspect.getmodule(type(module)).eager_attention_forward)
-        else:
-            fn = ALL_ATTENTION_FUNCTIONS[base]
-        return fn(module, query, key, value, attention_mask, **kwargs)
-
-    macer_attention.__name__ = f"{_PREFIX}{base}"
-    return macer_attention
-
-
-def _register_names(base: str) -> str:
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    name = f"{_PREFIX}{base}"
-    with _lock:
-        if _NAMES_IN_USE.get(name, 0) == 0:
-            AttentionInterface.register(name, _make_attention(base))
-            # Without a mask function of the same name, create_causal_mask silently returns None.
-            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-        _NAMES_IN_USE[name] = _NAMES_IN_USE.get(name, 0) + 1
-    return name
-
-
-def _unregister_names(name: str) -> None:
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    with _lock:
-        _NAMES_IN_USE[name] -= 1
-        if _NAMES_IN_USE[name] == 0:
-            del _NAMES_IN_USE[name]
-            AttentionInterface._global_mapping.pop(name, None)
-            AttentionMaskInterface._global_mapping.pop(name, None)
 
 
 @contextlib.contextmanager
@@ -136,7 +82,7 @@ def compress(model: nn.Module, config: Policy, *, profile: bool = False,
                         f"{type(adapter).__name__}")
     parts = adapter.parts(model)
     config.check_depth(len(parts.layers))
-    if any(id(module) in _ACTIVE for layer in parts.layers for module in layer.modules()):
+    if any(id(module) in ACTIVE for layer in parts.layers for module in layer.modules()):
         raise ValueError("macer.compress: this model is already inside a macer.compress context")
     base = parts.attn_config._attn_implementation
     if base not in SUPPORTED_ATTENTION:
@@ -385,11 +331,11 @@ class _Session:
     # ---------------------------------------------------------------- install / uninstall
     def install(self) -> None:
         try:
-            self.name = _register_names(self.base)
+            self.name = register_names(self.base)
             for i, layer in enumerate(self.parts.layers):
                 for module in layer.modules():
                     if hasattr(module, "layer_idx"):
-                        _ACTIVE[id(module)] = (self, i)
+                        ACTIVE[id(module)] = (self, i)
             for outer in self.parts.outer:
                 self.handles.append(outer.register_forward_pre_hook(self._outer_hook, with_kwargs=True))
             self.handles.append(self.parts.root.register_forward_pre_hook(self._root_hook, with_kwargs=True))
@@ -416,10 +362,10 @@ class _Session:
         self.guarded.clear()
         for layer in self.parts.layers:
             for module in layer.modules():
-                if _ACTIVE.get(id(module), (None,))[0] is self:
-                    del _ACTIVE[id(module)]
+                if ACTIVE.get(id(module), (None,))[0] is self:
+                    del ACTIVE[id(module)]
         if self.name is not None:
-            _unregister_names(self.name)
+            unregister_names(self.name)
             self.name = None
 
     def _close_prefill(self) -> None:
