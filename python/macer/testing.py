@@ -45,6 +45,7 @@ __all__ = [
     "clip_inputs",
     "decoder_parts",
     "macer_config_for",
+    "seeded_thinker",
     "thinker_config",
 ]
 
@@ -197,10 +198,16 @@ def build_thinker(
     """
     from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
-    config = thinker_config(**config_kwargs)
+    return seeded_thinker(Qwen2_5OmniThinkerForConditionalGeneration, thinker_config(**config_kwargs), seed=seed,
+                          dtype=dtype, device=device)
+
+
+def seeded_thinker(cls: type, config: Any, *, seed: int, dtype: torch.dtype, device: str | torch.device):
+    """``cls(config)`` with weights drawn from ``seed`` alone (the caller's RNG state untouched), generation set up
+    for the synthetic vocabulary (eos = its ``<|im_end|>``, pad = 0), on ``device`` in ``dtype``, in eval mode."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5OmniThinkerForConditionalGeneration(config)
+        model = cls(config)
     model.generation_config.eos_token_id = SYNTHETIC_TOKENS.im_end
     model.generation_config.pad_token_id = 0
     return model.to(device=device, dtype=dtype).eval()

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from macer.testing import SYNTHETIC_TOKENS
+from macer.testing import SYNTHETIC_TOKENS, seeded_thinker
 
 __all__ = ["audio_token_count", "build_qwen3_omni_model", "build_qwen3_thinker", "qwen3_clip_inputs",
            "qwen3_thinker_config"]
@@ -172,13 +172,8 @@ def build_qwen3_thinker(
     ``qwen3_thinker_config``. The weights depend only on ``seed`` and the shape."""
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
-    config = qwen3_thinker_config(**config_kwargs)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3OmniMoeThinkerForConditionalGeneration(config)
-    model.generation_config.eos_token_id = SYNTHETIC_TOKENS.im_end
-    model.generation_config.pad_token_id = 0
-    return model.to(device=device, dtype=dtype).eval()
+    return seeded_thinker(Qwen3OmniMoeThinkerForConditionalGeneration, qwen3_thinker_config(**config_kwargs),
+                          seed=seed, dtype=dtype, device=device)
 
 
 def build_qwen3_omni_model(
