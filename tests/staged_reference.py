@@ -84,18 +84,26 @@ def staged_kept(
             cur_labels = labels[current]
             rows = torch.searchsorted(current, question)
             scores = anms(weights["probs"][0], rows, cur_labels, config.eps)
-            keep = torch.ones(length, dtype=torch.bool)
-            for modality in stages[i]:
-                members = (cur_labels == modality).nonzero().reshape(-1)
-                if modality == AUDIO:
-                    chosen = topk_indices_ref(scores[members], budget.audio)
-                else:
-                    chunks = temporal_chunks_ref(temporal[current[members]], config.num_chunks)
-                    chosen = coverage_select_ref(scores[members], chunks, budget.video, config.coverage_weight)
-                keep[members] = False
-                keep[members[chosen]] = True
-                kept[modality] = current[members[chosen]]
-            index = keep.nonzero().reshape(-1)
+            index = stage_rows(scores, cur_labels, current, stages[i], budget, temporal, config, kept)
             hidden, cos, sin = hidden[:, index], cos[:, index], sin[:, index]
             current = current[index]
     return sorted(kept[AUDIO].tolist()), sorted(kept[VISUAL].tolist()), hidden
+
+
+def stage_rows(scores: torch.Tensor, cur_labels: torch.Tensor, current: torch.Tensor, modalities, budget,
+               temporal: torch.Tensor, config, kept: dict) -> torch.Tensor:
+    """One stage by the float64 references: the indices into ``current`` (the prompt positions still present) that
+    survive: every row outside ``modalities``, and each staged modality's top-K (audio) or coverage greedy (video)
+    picks, which are also recorded as prompt positions in ``kept[modality]``."""
+    keep = torch.ones(len(current), dtype=torch.bool)
+    for modality in modalities:
+        members = (cur_labels == modality).nonzero().reshape(-1)
+        if modality == AUDIO:
+            chosen = topk_indices_ref(scores[members], budget.audio)
+        else:
+            chunks = temporal_chunks_ref(temporal[current[members]], config.num_chunks)
+            chosen = coverage_select_ref(scores[members], chunks, budget.video, config.coverage_weight)
+        keep[members] = False
+        keep[members[chosen]] = True
+        kept[modality] = current[members[chosen]]
+    return keep.nonzero().reshape(-1)

@@ -14,8 +14,9 @@ import macer
 import pytest
 import torch
 from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, decoder_parts, macer_config_for
+from staged_reference import stage_rows
 
-from macer_kernels.reference import coverage_select_ref, split_budget_ref, temporal_chunks_ref, topk_indices_ref
+from macer_kernels.reference import split_budget_ref
 
 AUDIO, VISUAL = 1, 2
 
@@ -108,18 +109,7 @@ def reference_kept(model, inputs, config) -> tuple[list[int], list[int]]:
             cur_labels = labels[current]
             rows = torch.searchsorted(current, question)
             scores = _anms(weights["probs"][0], rows, cur_labels, config.eps, config.scoring)
-            keep = torch.ones(length, dtype=torch.bool)
-            for modality in stages[i]:
-                members = (cur_labels == modality).nonzero().reshape(-1)
-                if modality == AUDIO:
-                    chosen = topk_indices_ref(scores[members], budget.audio)
-                else:
-                    chunks = temporal_chunks_ref(temporal[current[members]], config.num_chunks)
-                    chosen = coverage_select_ref(scores[members], chunks, budget.video, config.coverage_weight)
-                keep[members] = False
-                keep[members[chosen]] = True
-                kept[modality] = current[members[chosen]]
-            index = keep.nonzero().reshape(-1)
+            index = stage_rows(scores, cur_labels, current, stages[i], budget, temporal, config, kept)
             hidden, cos, sin = hidden[:, index], cos[:, index], sin[:, index]
             current = current[index]
     return sorted(kept[AUDIO].tolist()), sorted(kept[VISUAL].tolist())
