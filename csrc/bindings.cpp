@@ -102,8 +102,8 @@ void select_cta(const std::string& op, std::uintptr_t scores, int scores_dtype,
                 const std::array<int64_t, 2>& scores_stride, std::uintptr_t labels, int labels_dtype,
                 const std::array<int64_t, 2>& labels_stride, std::uintptr_t chunk_ids, int chunk_dtype,
                 const std::array<int64_t, 2>& chunk_stride, std::uintptr_t out, int64_t out_stride, int64_t out_len,
-                int64_t batch, int64_t n, const std::vector<CtaModality>& modalities, int device,
-                std::uintptr_t stream) {
+                int64_t batch, int64_t n, const std::vector<CtaModality>& modalities, std::uintptr_t keeps,
+                int device, std::uintptr_t stream) {
   macer::SelectCtaParams p{};
   p.op = op.c_str();
   p.scores = ptr<const void>(scores);
@@ -133,6 +133,7 @@ void select_cta(const std::string& op, std::uintptr_t scores, int scores_dtype,
     p.modalities[m].coverage_weight = std::get<2>(modalities[m]);
     p.modalities[m].coverage = std::get<3>(modalities[m]) ? 1 : 0;
   }
+  p.keeps = ptr<const int32_t>(keeps);
   p.device = device;
   p.stream = stream_ptr(stream);
   macer::select_cta(p);

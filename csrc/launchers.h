@@ -75,7 +75,8 @@ void coverage_select(const SelectParams& p);
 // ---------------------------------------------------------------------------------------------------------------
 // One-CTA selection (csrc/kernels/select_cta.cuh): one launch, one thread block per row, for n up to
 // select_cta_max_n(device, coverage). topk_indices and coverage_select are one row with labels == nullptr and one
-// modality; stage_select is B rows with up to kMaxStageModalities selected labels.
+// modality; stage_select is B rows with up to kMaxStageModalities selected labels (each >= 0). Labels < 0 (PAD_LABEL
+// = -1, a batch's padding) are never candidates and never kept.
 constexpr int kMaxStageModalities = 8;
 struct SelectCtaModality {
   int64_t label;           // tokens with this label are this modality's candidates
@@ -88,7 +89,8 @@ struct SelectCtaParams {
   const void* scores;     // [B, N] floating, dtype scores_dtype (float64 only without coverage)
   const void* labels;     // [B, N] integer labels, or nullptr: every token is a candidate of modalities[0]
   const void* chunk_ids;  // [B, N] integer chunk ids (read for coverage candidates only), or nullptr
-  int64_t* out;           // [B, out_len] int64, ascending kept positions per row (-1 for a row contradicting out_len)
+  int64_t* out;           // [B, out_len] int64: row b's len_b kept positions ascending, right-aligned after
+                          // out_len - len_b entries of -1 (all -1 for a row contradicting its budgets or out_len)
   int scores_dtype, labels_dtype, chunk_dtype;
   int64_t scores_stride[2], labels_stride[2], chunk_stride[2];  // elements
   int64_t out_stride, out_len;
@@ -96,6 +98,10 @@ struct SelectCtaParams {
   int64_t key_capacity;  // set by the launcher: 64-bit keys in dynamic shared memory
   int num_modalities;
   SelectCtaModality modalities[kMaxStageModalities];
+  // Per-row budgets, or nullptr (every row keeps modalities[m].keep): contiguous int32 [B, num_modalities] on the
+  // device, keeps[b * num_modalities + m] = row b's keep of modality m, in [0, modalities[m].keep] (the spec's keep
+  // is the maximum over rows); an entry outside that range makes its row all -1. Needs labels.
+  const int32_t* keeps;
   int device;
   void* stream;
 };

@@ -527,11 +527,11 @@ def test_selection_up_to_the_limit_is_one_launch_of_the_one_cta_kernel(recording
     (topk, args_t), (cov, args_c) = _launches(recording)
     assert topk == cov == "select_cta"
     # (op, scores, dtype, strides, labels, labels dtype, strides, chunks, dtype, strides, out, out stride, out_len,
-    #  B, n, modalities, device, stream)
+    #  B, n, modalities, keeps, device, stream)
     assert args_t[0] == "topk_indices" and args_t[1] == scores.data_ptr() and args_t[3] == (0, 2)
-    assert args_t[4] == 0 and args_t[7] == 0 and args_t[12:16] == (250, 1, 1000, [(0, 250, 0.0, False)])
+    assert args_t[4] == 0 and args_t[7] == 0 and args_t[12:17] == (250, 1, 1000, [(0, 250, 0.0, False)], 0)
     assert args_c[0] == "coverage_select" and args_c[7] == chunks.data_ptr() and args_c[9] == (0, 1)
-    assert args_c[12:16] == (100, 1, 1000, [(0, 100, 0.2, True)]) and args_c[16:] == (0, 7)
+    assert args_c[12:17] == (100, 1, 1000, [(0, 100, 0.2, True)], 0) and args_c[17:] == (0, 7)
     # the limit is asked once per (device, coverage), then cached
     select.topk_indices_cuda(scores, 3)
     assert [name for name, _ in recording.calls].count("select_cta_max_n") == 2
@@ -566,9 +566,32 @@ def test_stage_select_is_one_launch_with_one_parameter_set(recording):
     assert name == "select_cta" and args[0] == "stage_select"
     assert args[1:4] == (scores.data_ptr(), 0, (500, 1)) and args[4:7] == (labels.data_ptr(), 5, (500, 1))
     assert args[7:10] == (chunks.data_ptr(), 7, (500, 1)) and args[10:15] == (out.data_ptr(), 321, 321, 3, 500)
-    assert args[15] == [(1, 40, 0.0, False), (2, 30, 0.2, True)]
+    assert args[15] == [(1, 40, 0.0, False), (2, 30, 0.2, True)] and args[16:] == (0, 0, 7)  # keeps: none
     empty = stage.stage_select_cuda(scores[:, :0], labels[:, :0], None, ((1, 0, None, 0),), 0)
     assert empty.shape == (3, 0) and len(_launches(recording)) == 1  # out_len = 0 (here N = 0): no launch
+    keeps = torch.tensor([[40, 3], [0, 30], [12, 0]], dtype=torch.int32)
+    with no_host_sync():
+        stage.stage_select_cuda(scores, labels, chunks, modalities, 321, keeps)
+    (_, args) = _launches(recording)[-1]
+    assert len(_launches(recording)) == 2 and args[15:] == (args[15], keeps.data_ptr(), 0, 7)  # the table, on device
+
+
+def test_stage_select_above_the_limit_with_per_sample_budgets_runs_the_sort_chain(recording, seed):
+    from test_cuda_select_emulation import padded_case, padded_oracle
+
+    from macer_kernels.cuda import stage
+
+    recording.cta_limit = 100
+    counts = [{1: 40, 2: 60}, {1: 20, 2: 70}, {1: 33, 2: 0}]
+    scores, labels, chunk_ids = padded_case(seed, 200, [200, 150, 101], counts)
+    keeps = torch.tensor([[10, 25], [20, 0], [3, 0]], dtype=torch.int32)
+    modalities = ((1, 20, None, 0), (2, 25, 0.2, 8))
+    out_len = 200 - 30 - 35
+    with no_host_sync():
+        got = stage.stage_select_cuda(scores, labels, chunk_ids, modalities, out_len, keeps)
+    assert _launches(recording) == []
+    assert torch.equal(got, padded_oracle(scores, labels, chunk_ids, modalities, out_len, keeps)), f"seed={seed}"
+    assert [int((row >= 0).sum()) for row in got] == [135, 150 - 70, 101 - 30], f"seed={seed}"
 
 
 def test_stage_select_above_the_limit_runs_the_sort_chain_without_a_host_sync(recording):
@@ -605,6 +628,17 @@ def test_stage_select_above_the_limit_runs_the_sort_chain_without_a_host_sync(re
      "out_len must be in [0, 5], got 6"),
     ((torch.randn(0, 5), torch.zeros(0, 5, dtype=torch.long), None, ((1, 0, None, 1),), 5), ValueError,
      "B must be >= 1, got 0"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((-1, 0, None, 1),), 5), ValueError,
+     "modality labels must be >= 0 (-1 is padding), got -1"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, None, 1),), 5,
+      torch.zeros(2, 1, dtype=torch.long)), ValueError,
+     "keeps must be an int32 tensor of shape (2, 1) (B, number of modalities), got torch.int64 (2, 1)"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, None, 1),), 5,
+      torch.zeros(1, 2, dtype=torch.int32)), ValueError, "keeps must be an int32 tensor of shape (2, 1)"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, None, 1),), 5,
+      torch.zeros(2, 1, dtype=torch.int32, device="meta")), ValueError, "keeps must be on the scores' device cpu"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, None, 1), (2, 0, None, 1)), 5,
+      torch.zeros(2, 2, dtype=torch.int32).t()), ValueError, "keeps must be contiguous, got strides (1, 2)"),
 ])
 def test_stage_select_rejects_bad_arguments_on_the_host(recording, args, error, message):
     from macer_kernels.cuda import stage
@@ -623,7 +657,7 @@ def test_module_rejects_bad_one_cta_arguments():
                  out=0, os=4, out_len=4, b=1, n=4, mods=[(1, 2, 0.0, False)])
         a.update(over)
         C.select_cta(a["op"], a["scores"], a["sd"], a["ss"], a["labels"], a["ld"], a["ls"], a["chunks"], a["cd"],
-                     a["cs"], a["out"], a["os"], a["out_len"], a["b"], a["n"], a["mods"], 0, 0)
+                     a["cs"], a["out"], a["os"], a["out_len"], a["b"], a["n"], a["mods"], a.get("keeps", 0), 0, 0)
 
     cases = [
         (dict(mods=[]), "the number of selected modalities must be in [1, 8]"),
@@ -639,6 +673,8 @@ def test_module_rejects_bad_one_cta_arguments():
         (dict(mods=[(1, 2, 1.0, True)], chunks=0), "coverage needs chunk_ids with an integer dtype code"),
         (dict(mods=[(1, 2, 1.0, True)], sd=3), "coverage in one CTA compares float32 score bits: float64 scores take"),
         (dict(labels=0, out_len=3), "without labels out_len must equal keep"),
+        (dict(mods=[(-1, 2, 0.0, False)]), "modality labels must be >= 0 (label -1 is padding)"),
+        (dict(labels=0, mods=[(0, 4, 0.0, False)], keeps=8), "per-row keeps need labels"),
     ]
     for over, message in cases:
         with pytest.raises(ValueError, match=re.escape(f"macer_kernels.stage_select: {message}")):
