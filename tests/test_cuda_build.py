@@ -712,6 +712,12 @@ def test_custom_ops_trace_with_fake_tensors():
                                                      ((2, 40), torch.int32, "cuda")))
     (output,) = [node for node in stage.graph.nodes if node.op == "output"]
     assert tuple(output.args[0].meta["val"].shape) == (2, 30)
+    batched = make_fx(lambda s, m, c, k: torch.ops.macer_cuda.stage_select(s, m, c, [1, 2], [3, 4], [-1.0, 0.2], 30,
+                                                                           k),
+                      tracing_mode="fake")(*_fake_cuda(((2, 40), torch.float32, "cuda"), ((2, 40), torch.int64, "cuda"),
+                                                       ((2, 40), torch.int32, "cuda"), ((2, 2), torch.int32, "cuda")))
+    (output,) = [node for node in batched.graph.nodes if node.op == "output"]
+    assert tuple(output.args[0].meta["val"].shape) == (2, 30)
     (output,) = [node for node in graph.graph.nodes if node.op == "output"]
     shapes = [tuple(value.meta["val"].shape) for value in output.args[0]]
     assert shapes == [(1, 8, 32), (1, 8, 64), (3, 1, 8)]

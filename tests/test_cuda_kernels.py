@@ -225,10 +225,12 @@ def _cta_limit(coverage: bool) -> int:
 
 def test_one_cta_limits_cover_the_paper_sizes():
     major, _ = torch.cuda.get_device_capability()
-    # sm_89: 99 KB of shared memory per block -> 8192 coverage / ~12k top-K; sm_90: 227 KB -> 16384 / ~28k.
-    assert _cta_limit(True) >= 8192 and _cta_limit(False) >= 12000, (_cta_limit(True), _cta_limit(False))
+    # n 64-bit keys + a bitmap for both: sm_89 (99 KB of shared memory per block) ~12.3k; sm_90 (227 KB) ~28.4k,
+    # coverage capped at 28672 (kThreads * kMaxSortItems).
+    assert _cta_limit(True) >= 12000 and _cta_limit(False) >= 12000, (_cta_limit(True), _cta_limit(False))
+    assert _cta_limit(True) == min(_cta_limit(False), 28672)
     if major >= 9:
-        assert _cta_limit(True) == 16384 and _cta_limit(False) >= 20000
+        assert _cta_limit(True) >= 28000 and _cta_limit(False) >= 28000
 
 
 @pytest.mark.parametrize("coverage", [False, True])
@@ -258,7 +260,10 @@ def test_one_cta_selection_is_a_single_launch():
     chunks = torch.arange(864, device=DEV) // 36
     from macer_kernels.cuda.select import coverage_select_cuda, topk_indices_cuda
 
-    for call in (lambda: topk_indices_cuda(scores, 216), lambda: coverage_select_cuda(scores, chunks, 216, 0.2)):
+    big = torch.randn(min(20000, _cta_limit(True)), device=DEV)
+    big_chunks = torch.arange(big.numel(), device=DEV) // 800
+    for call in (lambda: topk_indices_cuda(scores, 216), lambda: coverage_select_cuda(scores, chunks, 216, 0.2),
+                 lambda: coverage_select_cuda(big, big_chunks, 5000, 0.2)):
         call()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -311,6 +316,31 @@ def test_stage_select_above_the_limit_and_bad_rows():
     got = stage_select_cuda(scores.to(DEV), labels.to(DEV), chunk_ids.to(DEV), modalities, out_len)
     assert torch.equal(got.cpu(), stage_select_sorts(scores, labels, chunk_ids, modalities, out_len))
     assert bool((got[1] == -1).all()) and bool((got[0] >= 0).all())
+
+
+@pytest.mark.parametrize(("n", "lengths"), [(300, [211, 300, 97, 160]), (2400, [2400, 1700, 2033])])
+def test_padded_stage_select_with_per_sample_budgets_matches_each_sample_alone(n, lengths):
+    from test_cuda_select_emulation import _budgets, padded_case, padded_oracle
+
+    from macer_kernels.cuda.stage import stage_select_cuda, stage_select_sorts
+
+    for seed in (n, n + 1):
+        g = torch.Generator().manual_seed(seed)
+        counts = [{1: int(length * 0.3), 2: int(length * 0.4)} for length in lengths]
+        scores, labels, chunk_ids = padded_case(seed, n, lengths, counts, ties=seed % 2 == 1)
+        keeps = _budgets(g, counts, [1, 2])
+        modalities = ((1, int(keeps[:, 0].max()), None, 0), (2, int(keeps[:, 1].max()), 0.2, 8))
+        out_len = max(length - sum(c[label] - int(keeps[b, m]) for m, label in enumerate((1, 2)))
+                      for b, (length, c) in enumerate(zip(lengths, counts)))
+        got = stage_select_cuda(scores.to(DEV), labels.to(DEV), chunk_ids.to(DEV), modalities, out_len,
+                                keeps.to(DEV))
+        want = (padded_oracle if n <= 300 else stage_select_sorts)(scores, labels, chunk_ids, modalities, out_len,
+                                                                   keeps)
+        assert torch.equal(got.cpu(), want), f"seed={seed}"
+        uniform = ((1, 20, None, 0), (2, 30, 0.2, 8))
+        out_len = max(length - sum(c[label] for label in (1, 2)) + 50 for length, c in zip(lengths, counts))
+        got = stage_select_cuda(scores.to(DEV), labels.to(DEV), chunk_ids.to(DEV), uniform, out_len)
+        assert torch.equal(got.cpu(), stage_select_sorts(scores, labels, chunk_ids, uniform, out_len)), f"seed={seed}"
 
 
 def test_stage_select_single_token_and_everything_kept():

@@ -62,15 +62,17 @@ def _(scores, chunk_ids, k, coverage_weight):
 
 @torch.library.custom_op(f"{NAMESPACE}::stage_select", mutates_args=(), device_types="cuda")
 def stage_select(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None, mod_labels: list[int],
-                 keeps: list[int], coverage_weights: list[float], out_len: int) -> torch.Tensor:
-    """``[B, out_len]`` int64 kept positions of a stage; ``coverage_weights[i] < 0`` selects top-K for modality i."""
+                 keeps: list[int], coverage_weights: list[float], out_len: int,
+                 budgets: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, out_len]`` int64 kept positions of a stage, right-aligned per row; ``coverage_weights[i] < 0`` selects
+    top-K for modality i; ``budgets``: the optional int32 ``[B, M]`` per-sample keeps (``keeps`` their maxima)."""
     modalities = tuple((label, keep, None if weight < 0 else weight, None)
                        for label, keep, weight in zip(mod_labels, keeps, coverage_weights, strict=True))
-    return stage_select_cuda(scores, labels, chunk_ids, modalities, out_len)
+    return stage_select_cuda(scores, labels, chunk_ids, modalities, out_len, budgets)
 
 
 @stage_select.register_fake
-def _(scores, labels, chunk_ids, mod_labels, keeps, coverage_weights, out_len):
+def _(scores, labels, chunk_ids, mod_labels, keeps, coverage_weights, out_len, budgets=None):
     return scores.new_empty((scores.shape[0], out_len), dtype=torch.long)
 
 
