@@ -112,26 +112,32 @@ void select_cta(const SelectCtaParams& p);
 // compact / compact_many: one gather launch for up to kMaxCompactTensors tensors sharing a sequence axis
 constexpr int kMaxCompactTensors = 8;
 struct CompactTensor {
-  const void* src;   // viewed as [outer, N, row_units] units of unit_bytes
-  void* dst;         // contiguous [outer, k, row_units]
-  int64_t outer, row_units;
-  int64_t unit_bytes;                           // 1, 2, 4, 8 or 16
-  int64_t outer_stride, seq_stride, unit_stride;  // bytes
+  const void* src;   // viewed as [outer, batch, N, row_units] units of unit_bytes
+  void* dst;         // contiguous [outer, batch, k, row_units]
+  int64_t outer, batch, row_units;  // batch: 1 for a 1-D keep, B (the keep's rows) for a 2-D keep
+  int64_t unit_bytes;                                           // 1, 2, 4, 8 or 16
+  int64_t outer_stride, batch_stride, seq_stride, unit_stride;  // bytes
 };
 struct CompactParams {
   std::vector<CompactTensor> tensors;  // any number; launched in groups of kMaxCompactTensors
-  const int64_t* keep;                 // [k] strictly increasing indices in 0..N-1
+  // keep_rows == 0: keep is [k], strictly increasing indices in 0..N-1, and every tensor has batch 1.
+  // keep_rows == B >= 1: keep is [B, k] (contiguous), row b the positions of batch element b: a run of -1 (an
+  // all-zero output row each), then strictly increasing indices in 0..N-1; every tensor has batch B.
+  const int64_t* keep;
+  int64_t keep_rows;
   int64_t k;
   int device;
   void* stream;
 };
 void compact_many(const CompactParams& p);
 // The descriptor of a tensor of `shape` / `strides` (elements) and `element_bytes`, compacted along `dim` into the
-// contiguous `dst`: [outer, N, row_units] units of the widest size (16..1 bytes) dividing the row size, the strides
-// and the base address. Throws std::invalid_argument when the dims before or after `dim` do not flatten to one
-// stride each (the caller copies such a tensor to contiguous memory first).
+// contiguous `dst`: [outer, batch, N, row_units] units of the widest size (16..1 bytes) dividing the row size, the
+// strides and the base address. `batched` (a 2-D keep): dim - 1 is the batch dim (batch = its size), else batch = 1.
+// Throws std::invalid_argument when the dims before (before dim - 1 when batched) or after `dim` do not flatten to
+// one stride each (the caller copies such a tensor to contiguous memory first).
 CompactTensor compact_descriptor(const void* src, void* dst, const std::vector<int64_t>& shape,
-                                 const std::vector<int64_t>& strides, int64_t element_bytes, int64_t dim);
+                                 const std::vector<int64_t>& strides, int64_t element_bytes, int64_t dim,
+                                 bool batched);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Runtime queries (no kernel launches): used by macer_kernels.cuda.unavailable_reason().

@@ -408,6 +408,30 @@ def test_compact_many_more_tensors_than_one_launch_holds():
         assert torch.equal(out, t[:, keep])
 
 
+@pytest.mark.parametrize("n", [1, 37, 2400])
+def test_batched_compact_many_with_right_aligned_keep_rows(n):
+    from test_cuda_build import _right_aligned_keep
+
+    from macer_kernels.compact import _compact_many_torch
+    from macer_kernels.cuda import _ext
+
+    g = torch.Generator().manual_seed(n)
+    b = 3
+    hidden = torch.randn(b, n, 3584, generator=g).to(torch.bfloat16).to(DEV)
+    cos = torch.randn(b, n, 128, generator=g).to(DEV)
+    positions = torch.randint(0, 10**6, (3, b, n), generator=g).to(DEV)
+    transposed = torch.randn(b, 6, n, generator=g).to(DEV).transpose(1, 2)
+    strided_batch = torch.randn(2 * b, n, 5, generator=g).to(DEV)[::2]
+    tensors = [hidden, cos, positions, transposed, strided_batch]
+    tensors += [torch.randn(b, n, i + 1, device=DEV) for i in range(_ext.ext().MAX_COMPACT_TENSORS + 2)]
+    dims = [1, 1, 2, 1, 1] + [1] * (len(tensors) - 5)
+    for w in sorted({1, max(1, n // 2), n}):
+        keep = _right_aligned_keep(g, b, n, w).to(DEV)
+        for got, want in zip(mk.compact_many(tensors, keep, dims), _compact_many_torch(tensors, keep, dims)):
+            assert got.is_contiguous() and torch.equal(got, want), (n, w)
+        assert torch.equal(mk.compact(hidden, keep, 1), _compact_many_torch([hidden], keep, [1])[0])
+
+
 # --- torch.library ops and torch.compile ---------------------------------------------------------------------------
 
 def test_custom_ops_match_the_backend_and_compile():

@@ -78,14 +78,15 @@ def _(scores, labels, chunk_ids, mod_labels, keeps, coverage_weights, out_len, b
 
 @torch.library.custom_op(f"{NAMESPACE}::compact", mutates_args=(), device_types="cuda")
 def compact(x: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` with only the positions ``keep`` along ``dim`` (a new contiguous tensor)."""
+    """``x`` with only the positions ``keep`` along ``dim`` (a new contiguous tensor); a 2-D keep ``[B, W]`` gathers
+    per batch element (the dim before ``dim``), -1 entries giving zero rows."""
     return compact_cuda(x, keep, dim % x.dim())
 
 
 @compact.register_fake
 def _(x, keep, dim):
     shape = list(x.shape)
-    shape[dim % x.dim()] = keep.shape[0]
+    shape[dim % x.dim()] = keep.shape[-1]
     return x.new_empty(shape)
 
 
@@ -100,6 +101,6 @@ def _(tensors, keep, dims):
     outs = []
     for t, d in zip(tensors, dims):
         shape = list(t.shape)
-        shape[d % t.dim()] = keep.shape[0]
+        shape[d % t.dim()] = keep.shape[-1]
         outs.append(t.new_empty(shape))
     return outs
