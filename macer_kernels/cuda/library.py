@@ -11,7 +11,8 @@ the direct call (see docs/cuda.md).
 
 Ops (namespace ``macer_cuda``): ``modality_scores``, ``topk_indices``, ``coverage_select``, ``stage_select``,
 ``compact``, ``compact_many``; arguments as in ``macer_kernels.backend``'s contract (``stage_select`` takes its
-modalities as parallel lists, a weight < 0 meaning top-K, since a schema has no optional tuple entries).
+modalities as parallel lists, a weight < 0 meaning top-K, since a schema has no optional tuple entries, and the
+optional int32 ``[B, M]`` per-sample budgets last; ``compact`` / ``compact_many`` take a 1-D or a batch's 2-D keep).
 """
 
 from __future__ import annotations
