@@ -42,7 +42,7 @@ from macer._batch import BatchLayout, BatchPrefill, check_left_padding, decode_s
 from macer.adapters import Adapter, DecoderParts, get_adapter, text_config
 from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Plan, Policy, PromptFacts, plan_prefill, run_stage
 from macer.trace import PrefillRecord, Stage, Trace
-from macer_kernels import compact, compact_many
+from macer_kernels import PAD_LABEL, compact, compact_many
 
 __all__ = ["SUPPORTED_ATTENTION", "compress"]
 
@@ -194,16 +194,24 @@ def _plan_batch(session: _Session, input_ids: torch.Tensor | None, root_kwargs: 
                          f"{batch} rows of {length}; a batch needs one label per row ([B, N], padding included)")
     ends = session.adapter.question_ends(batch, length)
     samples = []
+    # The batch's tables by padded row for the stages that run once for the whole batch (macer._batch).
+    batch_labels = labels.clone()
+    batch_chunks = torch.full((batch, length), -1, dtype=torch.long)
     for b, pad in enumerate(pads):
         end = None if ends[b] is None else ends[b] - pad
         plan, record = _plan_sample(session, None if ids is None else ids[b, pad:], labels[b, pad:],
                                     None if temporal is None else temporal[b, pad:], length - pad, end, pad)
         samples.append(_Prefill(plan, device, record))
+        batch_labels[b, :pad] = PAD_LABEL
+        if plan.chunks is not None:
+            batch_chunks[b, pad:] = plan.chunks
     if isinstance(mask, torch.Tensor):
         valid = mask.bool()
     else:
         valid = torch.ones(batch, length, dtype=torch.bool, device=device)
-    return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager")
+    on_device = _to_device([batch_labels, batch_chunks, torch.tensor(pads)[:, None]], device)
+    tables = tuple(t.reshape(batch, -1) for t in on_device)
+    return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager", tables=tables)
 
 
 class _Clock:
@@ -241,6 +249,10 @@ class _Prefill:
         self.chunks = next(tables) if plan.chunks is not None else None
         self.full = torch.arange(n, device=device)
         self.current = self.full
+        # Host numbers a batched stage needs, read from the host plan now (nothing is read in the layers).
+        self.question_rows = [stage.query.tolist() for stage in plan.stages]
+        labels = {AUDIO, VISUAL} | {m for stage in plan.stages for sel in stage.spec.selections for m in sel.modalities}
+        self.counts = {m: plan.facts.count(m) for m in labels}
         self.next = 0  # index of the next stage to run
         self.pending: torch.Tensor | None = None  # rows of the current sequence to keep, applied at the next layer
         self.inputs: dict[str, Any] = {}  # compacted per-token layer kwargs after the last applied stage
@@ -264,6 +276,18 @@ class _Prefill:
         if self.next < len(self.plan.stages) and self.plan.stages[self.next].spec.layer == layer:
             return self.plan.stages[self.next]
         return None
+
+    def label_count(self, label: int) -> int | None:
+        """Tokens of ``label`` in the current rows, from the plan (None after a joint selection over it: its share
+        of the joint budget is data-dependent)."""
+        count = self.counts[label]
+        for stage in self.plan.stages[: self.next]:
+            for sel in stage.spec.selections:
+                if label in sel.modalities:
+                    if len(sel.modalities) > 1:
+                        return None
+                    count = sel.k if stage.tokens_after != stage.tokens_before else count
+        return count
 
     def run(self, query: torch.Tensor | None, key: torch.Tensor | None, scale: float | None, eps: float) -> None:
         stage, i = self.plan.stages[self.next], self.next
