@@ -32,7 +32,7 @@ from macer.policy import _fused
 from macer_kernels import PAD_LABEL, StageModality, compact_many, select_stage
 
 if TYPE_CHECKING:
-    from macer.runtime import _Prefill
+    from macer._prefill import _Prefill
     from macer.trace import PrefillRecord
 
 
