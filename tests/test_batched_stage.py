@@ -154,12 +154,12 @@ def test_batched_compaction_gathers_each_row_and_zero_fills(backend, seed):
     ],
 )
 def test_per_sample_errors_name_the_parameter(mods, kwargs, message, seed):
-    q, k, labels, _, positions, pads = padded_batch(seed, [30, 24, 30], [{1: 8, 2: 6}] * 3)
+    q, k, labels, _, positions, _ = padded_batch(seed, [30, 24, 30], [{1: 8, 2: 6}] * 3)
     with pytest.raises(ValueError, match=message):
         select_stage(q, k, labels, mods, query_positions=positions, **kwargs)
 
 
 def test_a_query_row_on_padding_is_refused(seed):
-    q, k, labels, _, positions, pads = padded_batch(seed, [30, 24, 30], [{1: 8, 2: 6}] * 3)
+    q, k, labels, _, positions, _ = padded_batch(seed, [30, 24, 30], [{1: 8, 2: 6}] * 3)
     with pytest.raises(ValueError, match="query_positions must point at tokens, not at padding"):
         modality_scores(q, k, labels, positions - torch.tensor([[0], [27], [0]]))
