@@ -94,6 +94,7 @@ def stage_select_sorts(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: to
     picked = torch.zeros(b, n, dtype=torch.bool, device=device)
     listed = torch.zeros(b, n, dtype=torch.bool, device=device)
     bad = torch.zeros(b, dtype=torch.bool, device=device)
+    by_score = _stable_argsort(s, descending=True)  # (score desc, index asc): the same for every modality
     for m, (label, keep, weight, _) in enumerate(modalities):
         member = labels == label
         listed |= member
@@ -104,8 +105,7 @@ def stage_select_sorts(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: to
             bad |= (want < 0) | (want > keep) | (member.sum(1) < want)
         if keep == 0:  # the spec's keep bounds every sample's: nothing to pick (larger entries flagged above)
             continue
-        order = _stable_argsort(s, descending=True)
-        order = order.gather(1, _stable_argsort((~member).gather(1, order).to(torch.uint8)))  # candidates first
+        order = by_score.gather(1, _stable_argsort((~member).gather(1, by_score).to(torch.uint8)))  # candidates first
         if weight is not None:
             big = torch.iinfo(torch.int64).max
             chunks = torch.where(member, chunk_ids.to(torch.int64), big)  # other tokens: one chunk, sorted last
