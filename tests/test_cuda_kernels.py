@@ -357,6 +357,39 @@ def test_stage_select_single_token_and_everything_kept():
         [0, 1, 2, 3, 4]]
 
 
+@pytest.mark.parametrize(("n", "m"), [(3000, 37), (20000, 864), (12000, 11000)])
+def test_stage_select_coverage_over_the_members_of_a_long_row(n, m):
+    """The coverage sort over the modality's m compacted keys (not the row's n): vs the greedy references."""
+    from test_cuda_select_emulation import _labelled_row, _row_oracle
+
+    from macer_kernels.cuda.stage import stage_select_cuda
+
+    scores, labels, chunks = _labelled_row(n + m, n, m)
+    where = torch.from_numpy(labels == 2).nonzero().flatten()
+    order = coverage_greedy_order(torch.from_numpy(scores)[where], torch.from_numpy(chunks)[where], 0.3)
+    for k in (1, m // 4, m):
+        want = _row_oracle(scores, labels, chunks, 2, k, 0.3, order if k > 250 else None)
+        t = [torch.from_numpy(x)[None].to(DEV) for x in (scores, labels, chunks)]
+        got = stage_select_cuda(*t, ((2, k, 0.3, None),), len(want))
+        assert got.cpu()[0].tolist() == want.tolist(), f"seed={n + m} k={k}"
+
+
+def test_stage_select_nan_keyed_never_picks_no_padding():
+    """A score whose key equals "never" (every bit set) neither lets a PAD token in nor is dropped silently."""
+    from macer_kernels.cuda.stage import stage_select_cuda
+
+    scores = torch.zeros(1, 2, dtype=torch.float64)
+    scores.view(torch.int64)[0, 1] = -1  # float64 NaN with every bit set: its top-K key is ~0, as the PAD token's
+    labels = torch.tensor([[-1, 0]])
+    assert stage_select_cuda(scores.to(DEV), labels.to(DEV), None, ((0, 1, None, 0),), 1).tolist() == [[-1]]
+    labels = torch.tensor([[-1, 0, 1, 0, 0, -1, 0, 0]])
+    scores = torch.tensor([[5.0, 0.5, 1.0, 0.25, 0.5, 9.0, 0.75, 0.0]])
+    scores.view(torch.int32)[0, 7] = -1  # fp32 NaN with every bit set; chunk 2^29 - 1: its sort key is ~0
+    chunks = torch.tensor([[0, 3, 0, 3, 1, 0, 1, 2**29 - 1]])
+    got = stage_select_cuda(scores.to(DEV), labels.to(DEV), chunks.to(DEV), ((0, 5, 0.5, None),), 6)
+    assert got.tolist() == [[1, 2, 3, 4, 6, 7]]
+
+
 def test_stage_select_custom_op_matches_and_compiles():
     from test_cuda_select_emulation import stage_case
 

@@ -55,19 +55,22 @@ def radix_select(keys: np.ndarray, k: int) -> tuple[int, int, int]:
     return prefix, need, count
 
 
-def select_k(key: np.ndarray, score_key: np.ndarray, by_score: bool, k: int) -> np.ndarray:
-    """The kernel's select_k: a bool mask of the k best by (key, then score key if by_score, then index)."""
+def select_k(key: np.ndarray, score_key: np.ndarray, by_score: bool, k: int) -> tuple[np.ndarray, bool]:
+    """The kernel's select_k: a bool mask of the k best by (key, then score key if by_score, then index), and whether
+    k were picked. A threshold of NEVER (k above the keys below NEVER) takes only the keys below it, never the NEVER
+    group (other labels, padding, or a member whose NaN score has every bit set)."""
     t1, need1, count1 = radix_select(key, k)
-    split = by_score and need1 < count1
+    complete = t1 != int(NEVER)
+    split = complete and by_score and need1 < count1
     t2, need2 = 0, need1
     if split:
         t2, need2, _ = radix_select(np.where(key == np.uint64(t1), score_key, NEVER), need1)
-    tied = (key == np.uint64(t1)) & ((score_key == np.uint64(t2)) if split else True)
+    tied = complete & (key == np.uint64(t1)) & ((score_key == np.uint64(t2)) if split else True)
     rank = np.cumsum(tied) - tied  # the block scan's exclusive ranks in index order
     take = key < np.uint64(t1)
     if split:
         take |= (key == np.uint64(t1)) & (score_key < np.uint64(t2))
-    return take | (tied & (rank < need2))
+    return take | (tied & (rank < need2)), complete
 
 
 def bitonic_schedule(n: int):
@@ -101,60 +104,108 @@ def bitonic_sort(keys: np.ndarray) -> np.ndarray:
     return keys
 
 
-def coverage_keys(scores: np.ndarray, chunks: np.ndarray, member: np.ndarray, weight: float) -> np.ndarray:
+THREADS = 1024
+
+
+def owned(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's blocked ownership: thread t owns tokens [lo[t], hi[t]), ceil(n / kThreads) each, in index order."""
+    per = -(-n // THREADS)
+    lo = np.minimum(n, np.arange(THREADS) * per)
+    return lo, np.minimum(n, lo + per)
+
+
+def member_scan(member: np.ndarray) -> tuple[np.ndarray, int]:
+    """select_row's block scan of the modality's members over owned(): per thread the members below its first token
+    (where coverage_keys writes its first member key), and the block's count m."""
+    lo, hi = owned(len(member))
+    local = np.array([int(member[a:b].sum()) for a, b in zip(lo, hi)])
+    return np.cumsum(local) - local, int(local.sum())
+
+
+def coverage_keys(scores: np.ndarray, chunks: np.ndarray, member: np.ndarray, weight: float, before: np.ndarray,
+                  m: int, keys: np.ndarray, trace: dict | None = None) -> np.ndarray:
+    """The kernel's coverage_keys on the shared key array ``keys`` (n entries, stale contents from earlier work):
+    member sort keys written compactly at keys[before + j], a bitonic sort of keys[0, m) only, each position's rank in
+    its chunk by binary search, then the value keys by token index. ``trace`` records the path and the sort's width
+    and steps."""
     n = len(scores)
-    assert n <= MAX_SORT
+    assert n <= MAX_SORT and 1 <= m <= n
     ib = max(1, (n - 1).bit_length())
     cb = 32 - ib
-    overflow = bool(((chunks[member] < 0) | (chunks[member] >= (1 << cb))).any())
     s32 = scores.astype(np.float32)
-    value_keys = np.full(n, NEVER, dtype=np.uint64)
-    t = np.zeros(n, dtype=np.int64)
+    written = np.zeros(n, dtype=np.int64)
+    overflow = False
+    lo, hi = owned(n)
+    for t in range(THREADS):
+        where = lo[t] + np.flatnonzero(member[lo[t]:hi[t]])  # this thread's members, ascending
+        c = chunks[where].astype(np.int64)
+        overflow |= bool(((c < 0) | (c >= (1 << cb))).any())
+        slots = before[t] + np.arange(len(where))
+        # uint64(c) << (32 + ib) wraps like the kernel's shift; its low 32 + ib bits are zero whatever c is
+        keys[slots] = ((c.astype(np.uint64) << np.uint64(32 + ib))
+                       | (descending_key32(s32[where]).astype(np.uint64) << np.uint64(ib))
+                       | where.astype(np.uint64))
+        written[slots] += 1
+    assert np.array_equal(written, np.arange(n) < m), "member keys must fill keys[0, m) once each"
+    if trace is not None:
+        trace["overflow"] = overflow
     if not overflow:
-        idx = np.arange(n, dtype=np.uint64)
-        packed = np.where(member, (chunks.astype(np.uint64) << np.uint64(32 + ib))
-                          | (descending_key32(s32).astype(np.uint64) << np.uint64(ib)) | idx, NEVER)
-        packed = bitonic_sort(packed)
-        assert np.all(packed[:-1] <= packed[1:])
-        real = packed[packed != NEVER]
-        tokens = (real & np.uint64((1 << ib) - 1)).astype(np.int64)
+        steps = list(bitonic_schedule(m))
+        if trace is not None:
+            trace.update(width=m, steps=len(steps))
+        for i, j in steps:
+            assert j.max(initial=-1) < m
+            a, b = keys[i], keys[j]
+            keys[i], keys[j] = np.minimum(a, b), np.maximum(a, b)
+        assert np.all(keys[:m - 1] <= keys[1:m])
+    real = keys[:m].copy()  # positions p < m; a real key may equal NEVER and is still a member
+    tokens = (real & np.uint64((1 << ib) - 1)).astype(np.int64)
+    t = np.zeros(m, dtype=np.int64)
+    if not overflow:
         field = real >> np.uint64(32 + ib)
-        starts = np.searchsorted(field, field, side="left")  # the binary search for the chunk's first position
-        ranks = np.arange(len(real)) - starts
-        assert ranks.max(initial=0) < 2**16 and tokens.max(initial=0) < 2**16  # the (rank << 16 | token) packing
-        t[tokens] = ranks
-    else:  # the kernel's direct count of the chunk's tokens ahead
-        for p in np.flatnonzero(member):
+        t = np.arange(m) - np.searchsorted(field, field, side="left")  # the binary search for the chunk's start
+    else:  # the kernel's direct count of the chunk's members ahead
+        for r, p in enumerate(tokens):
             same = member & (chunks == chunks[p])
             same[p] = False
-            t[p] = int(np.sum(same & ((s32 > s32[p]) | ((s32 == s32[p]) & (np.arange(n) < p)))))
-    v = scores.astype(np.float64) + np.sqrt(weight / (1.0 + t.astype(np.float64)))
-    value_keys[member] = descending_key64(v[member])
-    return value_keys
+            t[r] = int(np.sum(same & ((s32 > s32[p]) | ((s32 == s32[p]) & (np.arange(n) < p)))))
+    assert t.max(initial=0) < 2**16 and tokens.max(initial=0) < 2**15  # the (rank << 16 | token) packing
+    assert np.array_equal(np.sort(tokens), np.flatnonzero(member))
+    keys[:] = NEVER
+    v = scores[tokens].astype(np.float64) + np.sqrt(weight / (1.0 + t.astype(np.float64)))
+    keys[tokens] = descending_key64(v)
+    return keys
 
 
-def select_row(scores, labels, chunks, modalities, out_len, keeps=None) -> np.ndarray:
+def select_row(scores, labels, chunks, modalities, out_len, keeps=None, trace=None, seed=0) -> np.ndarray:
     """The kernel's select_row for one row; labels None = every token a candidate of the single modality. ``keeps``:
-    the row's budgets (its row of the [B, M] table), None = each modality's spec keep."""
+    the row's budgets (its row of the [B, M] table), None = each modality's spec keep. The shared key array starts
+    with garbage (``seed``): nothing may read a key it did not write. ``trace``: coverage_keys' record, per label."""
     n = len(scores)
     picked = np.zeros(n, dtype=bool)
     listed = np.zeros(n, dtype=bool)
     score_key = descending_key64(scores.astype(np.float64))
+    keys = np.random.default_rng(seed).integers(0, 2**64, n, dtype=np.uint64)
     for m, (label, keep, weight) in enumerate(modalities):
         budget = keep if keeps is None else int(keeps[m])
         if budget < 0 or budget > keep:
             return np.full(out_len, -1)
         member = np.ones(n, dtype=bool) if labels is None else labels == label
         listed |= member
-        if member.sum() < budget:
+        before, count = member_scan(member)
+        if count < budget:
             return np.full(out_len, -1)
         if budget == 0:
             continue
         if weight is not None:
-            key = coverage_keys(scores, chunks, member, weight)
+            record = {} if trace is None else trace.setdefault(label, {})
+            coverage_keys(scores, chunks, member, weight, before, count, keys, record)
         else:
-            key = np.where(member, score_key, NEVER)
-        picked |= select_k(key, score_key, weight is not None, budget)
+            keys[:] = np.where(member, score_key, NEVER)
+        take, complete = select_k(keys, score_key, weight is not None, budget)
+        if not complete:  # fewer than budget picks: the row is flagged
+            return np.full(out_len, -1)
+        picked |= take
     kept = picked if labels is None else picked | (~listed & (labels >= 0))
     total = int(kept.sum())
     if total > out_len:
@@ -504,3 +555,131 @@ def test_rows_contradicting_their_budgets_are_minus_one_and_others_are_not(seed)
     # an out_len below a row's length flags exactly that row (row 0 keeps 45, row 4 keeps 16)
     want = _check_stage(scores, labels, chunk_ids, modalities, 44, keeps, f"seed={seed}")
     assert [bool((row == -1).all()) for row in want] == [True, True, True, True, False], f"seed={seed}"
+
+
+# --- coverage sorts only the modality's m members (keys written compactly, network width from m) ------------------
+
+def _labelled_row(seed, n, m):
+    """A row of n tokens, m of them label 2 (the coverage modality) at random places; the rest PAD (-1), label 1 (a
+    top-K modality) and label 0 (kept as is). Ties in the scores, and chunk ids of non-members out of any field."""
+    rng = np.random.default_rng(seed)
+    labels = rng.choice(np.array([PAD, 0, 1]), n, p=[0.1, 0.5, 0.4])
+    labels[rng.permutation(n)[:m]] = 2
+    scores = (rng.integers(0, 9, n) / 8).astype(np.float32) if seed % 2 else rng.standard_normal(n).astype(np.float32)
+    chunks = np.where(labels == 2, rng.integers(0, 12, n), 2**40)
+    return scores, labels, chunks
+
+
+def _row_oracle(scores, labels, chunks, label, k, weight, order=None):
+    """Every token of a label >= 0 other than ``label``, plus the coverage picks among ``label``'s members (the
+    literal greedy coverage_select_ref, or the first k of a precomputed greedy order at large k)."""
+    where = np.flatnonzero(labels == label)
+    if order is None:
+        picks = coverage_select_ref(torch.from_numpy(scores[where]), torch.from_numpy(chunks[where]), k,
+                                    weight).numpy()
+    else:
+        picks = np.sort(order[:k])
+    kept = (labels >= 0) & (labels != label)
+    kept[where[picks]] = True
+    return np.flatnonzero(kept)
+
+
+@pytest.mark.parametrize(("n", "m"), [(3000, 37), (3000, 3000), (500, 1), (1, 1), (1025, 1024), (20000, 864),
+                                      (20000, 19000), (MAX_SORT, 900)])
+def test_emulated_coverage_sorts_only_the_members(n, m):
+    """The new schedule: member keys compacted into keys[0, m), a network of width m (log2(m_pad)(log2(m_pad)+1)/2
+    steps), ranks over p < m, value keys by token index; the shared key array starts with garbage. Against the
+    literal greedy (small k) and the step-by-step greedy oracle (large k)."""
+    from greedy_oracle import coverage_greedy_order
+
+    seed = n + 7 * m
+    scores, labels, chunks = _labelled_row(seed, n, m)
+    where = np.flatnonzero(labels == 2)
+    order = None
+    if m > 300:
+        order = coverage_greedy_order(torch.from_numpy(scores[where]), torch.from_numpy(chunks[where]), 0.3)
+    for k in sorted({1, m // 4, m} - {0}):
+        want = _row_oracle(scores, labels, chunks, 2, k, 0.3, order if k > 250 else None)
+        trace = {}
+        got = select_row(scores, labels, chunks, [(2, k, 0.3)], len(want), trace=trace, seed=seed)
+        assert np.array_equal(got, want), f"seed={seed} n={n} m={m} k={k}"
+        m_pad = 1 << max(0, (m - 1).bit_length())
+        log = m_pad.bit_length() - 1
+        assert trace[2] == {"overflow": False, "width": m, "steps": log * (log + 1) // 2}, f"seed={seed}"
+    if n == 20000 and m == 864:
+        assert trace[2]["steps"] == 55  # not the 120 steps of a 32768-wide network over the whole row
+
+
+@pytest.mark.parametrize(("n", "m"), [(300, 40), (1200, 1200), (257, 1)])
+def test_emulated_stage_coverage_after_topk_matches_stage_select_ref(n, m):
+    """A top-K modality first (its keys fill the whole array), then coverage over m members: the coverage step
+    must not read the top-K keys it did not overwrite. Against reference.stage_select_ref per sample."""
+    seed = 3 * n + m
+    scores, labels, chunks = _labelled_row(seed, n, m)
+    labels = np.where(labels == PAD, 0, labels)  # stage_select_ref has no padding; padded cases are tested above
+    a = int((labels == 1).sum())
+    for k_a, k_v in ((a // 2, max(1, m // 3)), (a, m), (0, 1)):
+        modalities = ((1, k_a, None, 0), (2, k_v, 0.25, None))
+        t = (torch.from_numpy(scores)[None], torch.from_numpy(labels)[None], torch.from_numpy(chunks)[None])
+        out_len = n - (a - k_a) - (m - k_v)
+        want = padded_oracle(*t, modalities, out_len, None)
+        assert torch.equal(stage_select_sorts(*t, modalities, out_len), want), f"seed={seed}"
+        got = select_row(scores, labels, chunks, [(1, k_a, None), (2, k_v, 0.25)], out_len, seed=seed)
+        assert np.array_equal(got, want[0].numpy()), f"seed={seed} n={n} m={m} k={k_a, k_v}"
+
+
+def test_emulated_coverage_absent_or_zero_budget_costs_no_sort():
+    """m = 0 (keep 0) and keep = 0 with members: coverage_keys is not reached (no sort, no trace); standalone
+    coverage (no labels) sorts all n."""
+    scores, labels, chunks = _labelled_row(11, 400, 50)
+    trace = {}
+    kept = np.flatnonzero((labels >= 0) & (labels != 2))
+    out = select_row(scores, labels, chunks, [(2, 0, 0.3), (5, 0, 0.3)], len(kept), trace=trace)
+    assert np.array_equal(out, kept) and trace == {}
+    trace = {}
+    select_row(scores, None, chunks % 2**20, [(0, 3, 0.3)], 3, trace=trace)
+    assert trace[0] == {"overflow": False, "width": 400, "steps": 45}
+
+
+# --- NaN scores whose key is kNever (every bit set): never a PAD or another label's token ---------------------------
+
+NAN64 = np.array([2**64 - 1], dtype=np.uint64).view(np.float64)[0]
+NAN32 = np.array([2**32 - 1], dtype=np.uint32).view(np.float32)[0]
+
+
+def test_topk_nan_member_never_picks_padding_or_other_labels():
+    # the review's trigger: the member's key is ~0 like the PAD token's; the kernel used to pick the PAD token
+    scores, labels = np.array([0.0, NAN64]), np.array([PAD, 0])
+    assert descending_key64(scores)[1] == NEVER
+    assert np.array_equal(select_row(scores, labels, None, [(0, 1, None)], 1), [-1])
+    sorts = stage_select_sorts(torch.from_numpy(scores)[None], torch.from_numpy(labels)[None], None,
+                               ((0, 1, None, 0),), 1)
+    assert int(sorts[0, 0]) != 0  # the sorts path orders NaN first; it must not keep the PAD token either
+    # a label-1 token (kept anyway) and a PAD token around it: the short modality flags the row
+    scores, labels = np.array([1.0, NAN64, 2.0, 0.5]), np.array([1, 0, 0, PAD])
+    assert np.array_equal(select_row(scores, labels, None, [(0, 2, None)], 3), [-1, -1, -1])
+    # within the budget below the NaN member nothing changes
+    assert np.array_equal(select_row(scores, labels, None, [(0, 1, None)], 2), [0, 2])
+    # a standalone top-K asking for the NaN token too: all -1, never a short or padded row
+    assert np.array_equal(select_row(np.array([NAN64, 3.0, NAN64]), None, None, [(0, 2, None)], 2), [-1, -1])
+
+
+def test_coverage_nan_member_whose_sort_key_is_never_is_still_a_member():
+    # n = 8: index field 3 bits, chunk field 29 bits; token 7 with chunk 2^29 - 1 and an fp32 NaN with every bit set
+    # packs to ~0, the old "not a member" mark: it used to be dropped and its place taken by the PAD token 0
+    labels = np.array([PAD, 0, 1, 0, 0, PAD, 0, 0])
+    ib = (len(labels) - 1).bit_length()
+    scores = np.array([5.0, 0.5, 1.0, 0.25, 0.5, 9.0, 0.75, NAN32], dtype=np.float32)
+    chunks = np.array([0, 3, 0, 3, 1, 0, 1, 2**29 - 1])
+    key7 = (int(chunks[7]) << (32 + ib)) | (int(descending_key32(scores[7:])[0]) << ib) | 7
+    assert key7 == int(NEVER)
+    members = np.flatnonzero(labels == 0)
+    want = np.array([1, 2, 3, 4, 6, 7])  # every member (keep = m) and the label-1 token
+    got = select_row(scores, labels, chunks, [(0, len(members), 0.5)], len(want))
+    assert np.array_equal(got, want)
+    t = tuple(torch.from_numpy(x)[None] for x in (scores, labels, chunks))
+    assert torch.equal(stage_select_sorts(*t, ((0, len(members), 0.5, None),), len(want))[0], torch.from_numpy(want))
+    # a budget below m: where the NaN lands is unspecified, but only members are picked and the count is right
+    for k in range(1, len(members)):
+        got = select_row(scores, labels, chunks, [(0, k, 0.5)], k + 1)
+        assert (got >= 0).all() and set(got) - {2} <= set(members) and 2 in got, k

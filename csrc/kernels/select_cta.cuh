@@ -4,19 +4,20 @@
 // For each selected modality of a row (a standalone op is one "modality" holding every token):
 //  * top-K: key_i = descending 64-bit key of the score as float64 (exact for every input dtype), ~0 for tokens of
 //    other labels ("never").
-//  * coverage: (1) a bitonic sort of the n 64-bit keys chunk | descending float32 score bits | index -- all
-//    distinct, so the sort needs no stability and gives the chunk order (chunk asc, score desc, index asc); the
-//    network's comparators all put the smaller key first, so the padding to a power of two is virtual and never
-//    stored; (2) each token's rank t inside its chunk (position minus the chunk's first position, by binary
-//    search) and its value v = s + sqrt(lambda_c / (1 + t)) with IEEE float64 operations, the numbers the reference
-//    compares;
+//  * coverage: (1) a bitonic sort of the modality's m 64-bit keys chunk | descending float32 score bits | token
+//    index, written compactly (a block scan gives each member its place among the members) -- all distinct, so
+//    the sort needs no stability and gives the chunk order (chunk asc, score desc, index asc); the network's
+//    comparators all put the smaller key first, so the padding to a power of two is virtual and never stored;
+//    (2) each member's rank t inside its chunk (position minus the chunk's first position, by binary search) and
+//    its value v = s + sqrt(lambda_c / (1 + t)) with IEEE float64 operations, the numbers the reference compares;
 //    key_i = descending key of v. float32 score bits are exact for fp32/fp16/bf16 scores only: float64 scores take
 //    the multi-CTA path (the launcher's caller routes them). Chunk ids that do not fit the key's chunk field
 //    (>= 2^(32 - index bits), never produced by temporal_chunks) switch the row to an O(n^2 / threads) rank count.
 //  * the k best keys by a radix select (8 passes of 8-bit digits, block histogram in shared memory with
 //    warp-aggregated atomics): threshold T and the number `need` of tokens with key == T to take. Among those ties
 //    the higher score wins (a second radix select over the score keys, coverage only, run only when the tie group is
-//    split), then the lower index (a block scan in index order). Picks go into a bitmap.
+//    split), then the lower index (a block scan in index order). Picks go into a bitmap. Tokens keyed kNever are
+//    never picked; a modality left short by them (NaN scores with every bit set) flags the row.
 // Finally every token that is picked, or whose label is >= 0 and not selected at all, is written in ascending index
 // order with a block scan, right-aligned in the row's output (-1 before it). Nothing is sorted by index: the bitmap
 // is already in index order. Per-row budgets come from an optional int32 [B, M] table; padding (label -1) is never
@@ -88,7 +89,7 @@ __device__ void radix_select(const Key& key, int n, int k, Shared& sh) {
   uint64_t prefix = 0;
   int need = k;
   // Defined results even when no bin can hold the need-th key (k above the candidates: only NaN scores whose key
-  // equals kNever get there); the row's output count then disagrees with k.
+  // equals kNever get there); T is then kNever, which select_k reports as a shortfall.
   if (threadIdx.x == 0) {
     sh.prefix = 0;
     sh.need = k;
@@ -142,15 +143,20 @@ __device__ void radix_select(const Key& key, int n, int k, Shared& sh) {
 }
 
 // Mark the k best tokens by (key asc, then secondary asc if `by_score`, then index asc) in `picked` (bit i of word
-// i / 32). key(i) == kNever for tokens that must not be picked; 1 <= k <= #{key < kNever}.
+// i / 32). key(i) == kNever for tokens that must not be picked; 1 <= k. Returns whether k tokens were picked, the
+// same on every thread: false only when fewer than k keys are below kNever (a candidate whose key is kNever, i.e. a
+// NaN score with every bit set, counts as no candidate), and then only the keys below kNever are picked.
 template <class Key, class Secondary>
-__device__ void select_k(const Key& key, const Secondary& secondary, bool by_score, int n, int k, unsigned* picked,
+__device__ bool select_k(const Key& key, const Secondary& secondary, bool by_score, int n, int k, unsigned* picked,
                          Shared& sh) {
   radix_select(key, n, k, sh);
   const uint64_t t1 = sh.prefix;
   const int need1 = sh.need, count1 = sh.count;
+  // A threshold of kNever means k is above the candidates (only a NaN score with every bit set has a candidate's key
+  // equal to kNever): the tokens below it are all taken and the kNever group -- other labels, padding -- never.
+  const bool complete = t1 != kNever;
   // Only a split tie group needs the score: all of it (need1 == count1) or none is taken whatever the scores.
-  const bool split = by_score && need1 < count1;
+  const bool split = complete && by_score && need1 < count1;
   uint64_t t2 = 0;
   int need2 = need1;
   __syncthreads();  // everyone has read sh before a second select rewrites it
@@ -160,7 +166,7 @@ __device__ void select_k(const Key& key, const Secondary& secondary, bool by_sco
     need2 = sh.need;
   }
   // The last tie group (key == t1, and score key == t2 when split) goes to the lower indices: rank by a scan.
-  auto tied = [&](int i) { return key(i) == t1 && (!split || secondary(i) == t2); };
+  auto tied = [&](int i) { return complete && key(i) == t1 && (!split || secondary(i) == t2); };
   int lo, hi;
   owned(n, lo, hi);
   int local = 0;
@@ -174,57 +180,62 @@ __device__ void select_k(const Key& key, const Secondary& secondary, bool by_sco
     if (take) atomicOr(&picked[i >> 5], 1u << (i & 31));
   }
   __syncthreads();
+  return complete;
 }
 
 __device__ __forceinline__ int bit_width(unsigned x) { return x == 0 ? 1 : 32 - __clz(x); }
 
 // Coverage keys: keys[i] = descending key of the greedy value of member i (kNever for others), from its rank inside
-// its chunk. keys has n entries (n <= kThreads * kMaxSortItems).
-__device__ void coverage_keys(const Row& row, int64_t label, double weight, uint64_t* keys, Shared& sh) {
+// its chunk. keys has n entries (n <= kThreads * kMaxSortItems). The m members are sorted alone: thread t owns the
+// tokens [lo, hi) (owned()) and writes the key of its j-th member at keys[before + j], `before` being the members
+// below lo (the caller's block scan), so keys[0, m) holds the members' sort keys in index order and the network's
+// width comes from m, not n (864 video tokens of a 20k row: 55 steps of width 1024 instead of 120 of width 32768).
+// The key's index field still holds the token index (width from n), so the value keys land by token index.
+__device__ void coverage_keys(const Row& row, int64_t label, double weight, int lo, int hi, int before, int m,
+                              uint64_t* keys, Shared& sh) {
   const int n = row.n;
   const int ib = bit_width(static_cast<unsigned>(n - 1));  // index field width, <= 15
   const int cb = 32 - ib;                                   // chunk field width, >= 17
   if (threadIdx.x == 0) sh.flag = 0;
   __syncthreads();
-  for (int p = threadIdx.x; p < n; p += kThreads) {
-    uint64_t x = kNever;
-    if (row.member(p, label)) {
-      const int64_t c = row.chunk(p);
-      if (c < 0 || c >= (int64_t{1} << cb)) sh.flag = 1;  // benign race: every writer stores 1
-      x = (static_cast<uint64_t>(c) << (32 + ib)) |
-          (static_cast<uint64_t>(descending_key32(static_cast<float>(row.score(p)))) << ib) |
-          static_cast<uint64_t>(p);
-    }
-    keys[p] = x;
+  for (int i = lo; i < hi; ++i) {
+    if (!row.member(i, label)) continue;
+    const int64_t c = row.chunk(i);
+    if (c < 0 || c >= (int64_t{1} << cb)) sh.flag = 1;  // benign race: every writer stores 1
+    // The shift leaves the low 32 + ib bits zero whatever c is, so the index field survives an overflowing chunk id.
+    keys[before++] = (static_cast<uint64_t>(c) << (32 + ib)) |
+                     (static_cast<uint64_t>(descending_key32(static_cast<float>(row.score(i)))) << ib) |
+                     static_cast<uint64_t>(i);
   }
   __syncthreads();
   const bool overflow = sh.flag != 0;
   if (!overflow) {
     // Bitonic sort, ascending, in the form where every comparator puts the smaller key at its lower position: for
-    // each block size `size` = 2, 4, ..., n_pad (the power of two >= n), position i of a block against its mirror,
-    // then half-cleaners i against i + stride. The network sorts n_pad keys; the n_pad - n missing ones are virtual
-    // +inf keys at positions >= n. A comparator (i < j) leaves +inf at j, so a virtual key never moves below n and
-    // every comparator with j >= n is a no-op: it is skipped, and only the n real keys are stored.
-    int n_pad = 1;
-    while (n_pad < n) n_pad <<= 1;
+    // each block size `size` = 2, 4, ..., m_pad (the power of two >= m), position i of a block against its mirror,
+    // then half-cleaners i against i + stride. The network sorts m_pad keys; the m_pad - m missing ones are virtual
+    // +inf keys at positions >= m. A comparator (i < j) leaves +inf at j, so a virtual key never moves below m and
+    // every comparator with j >= m is a no-op: it is skipped, and only the m real keys are stored. (A real key may
+    // equal ~0, e.g. a NaN score with every bit set in the last chunk: it sorts last and is still a member.)
+    int m_pad = 1;
+    while (m_pad < m) m_pad <<= 1;
     auto compare = [&](int i, int j) {  // i < j
-      if (j >= n) return;
+      if (j >= m) return;
       const uint64_t a = keys[i], b = keys[j];
       if (a > b) {
         keys[i] = b;
         keys[j] = a;
       }
     };
-    for (int size = 2; size <= n_pad; size <<= 1) {
+    for (int size = 2; size <= m_pad; size <<= 1) {
       const int half = size >> 1;
-      for (int q = threadIdx.x; q < n_pad / 2; q += kThreads) {
+      for (int q = threadIdx.x; q < m_pad / 2; q += kThreads) {
         const int r = q & (half - 1);
         const int i = 2 * (q - r) + r;  // block q / half starts at 2 * (q - r); i is its position r
         compare(i, i + size - 1 - 2 * r);
       }
       __syncthreads();
       for (int stride = half >> 1; stride > 0; stride >>= 1) {
-        for (int q = threadIdx.x; q < n_pad / 2; q += kThreads) {
+        for (int q = threadIdx.x; q < m_pad / 2; q += kThreads) {
           const int i = 2 * q - (q & (stride - 1));
           compare(i, i + stride);
         }
@@ -232,36 +243,37 @@ __device__ void coverage_keys(const Row& row, int64_t label, double weight, uint
       }
     }
   }
-  // Each thread finds (token, rank in chunk) of its positions, packed into 32 bits (both < n <= 2^15) and held in
-  // registers across the barrier; then the keys array is reused, by token index, for the value keys.
+  // Each thread finds (token, rank in chunk) of its positions p < m, packed into 32 bits (both < n <= 2^15) and held
+  // in registers across the barrier; then the keys array is reused, by token index, for the value keys.
   unsigned packed[kMaxSortItems];
   const uint64_t index_mask = (1ull << ib) - 1;
 #pragma unroll
+  for (int r = 0; r < kMaxSortItems; ++r) packed[r] = ~0u;
+#pragma unroll
   for (int r = 0; r < kMaxSortItems; ++r) {
     const int p = static_cast<int>(threadIdx.x) + r * kThreads;
-    packed[r] = ~0u;
-    if (p >= n) continue;
+    if (p >= m) break;  // (break, not continue: with continue ptxas keeps an 8-byte stack frame on sm_90)
+    const uint64_t x = keys[p];
+    const int token = static_cast<int>(x & index_mask);
+    unsigned t = 0;
     if (!overflow) {
-      const uint64_t x = keys[p];
-      if (x == kNever) continue;
       const uint64_t c = x >> (32 + ib);
-      int lo = 0, hi = p;  // first position of chunk c: keys are sorted, so binary search
-      while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if ((keys[mid] >> (32 + ib)) < c) lo = mid + 1; else hi = mid;
+      int lo_p = 0, hi_p = p;  // first position of chunk c: keys are sorted, so binary search
+      while (lo_p < hi_p) {
+        const int mid = (lo_p + hi_p) >> 1;
+        if ((keys[mid] >> (32 + ib)) < c) lo_p = mid + 1; else hi_p = mid;
       }
-      packed[r] = (static_cast<unsigned>(p - lo) << 16) | static_cast<unsigned>(x & index_mask);
-    } else if (row.member(p, label)) {  // rare path: count the chunk's tokens ahead of p directly
-      const int64_t c = row.chunk(p);
-      const float s = static_cast<float>(row.score(p));
-      unsigned t = 0;
+      t = static_cast<unsigned>(p - lo_p);
+    } else {  // rare path: count the chunk's members ahead of the token directly
+      const int64_t c = row.chunk(token);
+      const float s = static_cast<float>(row.score(token));
       for (int j = 0; j < n; ++j) {
-        if (j == p || !row.member(j, label) || row.chunk(j) != c) continue;
+        if (j == token || !row.member(j, label) || row.chunk(j) != c) continue;
         const float sj = static_cast<float>(row.score(j));
-        t += sj > s || (sj == s && j < p);
+        t += sj > s || (sj == s && j < token);
       }
-      packed[r] = (t << 16) | static_cast<unsigned>(p);
     }
+    packed[r] = (t << 16) | static_cast<unsigned>(token);
   }
   __syncthreads();
   for (int p = threadIdx.x; p < n; p += kThreads) keys[p] = kNever;
@@ -280,7 +292,7 @@ __device__ void coverage_keys(const Row& row, int64_t label, double weight, uint
 // no modality selects) in ascending order, right-aligned: the row's len_b positions fill out[out_len - len_b,
 // out_len) and out[0, out_len - len_b) is -1 (the left padding of a batch). `keeps` is this row's budgets (nullptr:
 // the spec's). A row whose data contradicts the host's numbers (a budget outside [0, spec keep], a modality with
-// fewer tokens than its budget, or len_b > out_len) is filled with -1 instead: such indices fault in any gather.
+// fewer tokens -- or fewer candidates, see select_k -- than its budget, or len_b > out_len) is filled with -1.
 __device__ void select_row(const Row& row, const SelectCtaParams& p, const int32_t* keeps, int64_t* out,
                            uint64_t* keys, unsigned* picked, Shared& sh) {
   const int n = row.n;
@@ -297,10 +309,15 @@ __device__ void select_row(const Row& row, const SelectCtaParams& p, const int32
       valid = false;
       break;
     }
+    // The modality's members, counted over the blocked ownership of owned(): `before` (the members below this
+    // thread's first token) is where coverage_keys writes this thread's first member key. Without labels every
+    // token is a member.
+    int lo, hi;
+    owned(n, lo, hi);
+    int before = lo, count = n;
     if (row.labels != nullptr) {  // the modality must hold at least `keep` tokens
       int local = 0;
-      for (int i = threadIdx.x; i < n; i += kThreads) local += row.label(i) == mod.label;
-      int before, count;
+      for (int i = lo; i < hi; ++i) local += row.label(i) == mod.label;
       BlockScan(sh.scan).ExclusiveSum(local, before, count);
       __syncthreads();  // the scan's storage is reused next
       if (count < keep) {  // uniform: every thread has the block's count
@@ -308,15 +325,21 @@ __device__ void select_row(const Row& row, const SelectCtaParams& p, const int32
         break;
       }
     }
-    if (keep == 0) continue;
+    if (keep == 0) continue;  // (count == 0 implies keep == 0 here: an absent modality costs one scan)
     auto score_key = [&](int i) { return descending_key64(row.score(i)); };
     if (mod.coverage) {
-      coverage_keys(row, mod.label, mod.coverage_weight, keys, sh);
+      coverage_keys(row, mod.label, mod.coverage_weight, lo, hi, before, count, keys, sh);
     } else {
       for (int i = threadIdx.x; i < n; i += kThreads) keys[i] = row.member(i, mod.label) ? score_key(i) : kNever;
       __syncthreads();
     }
-    select_k([&](int i) { return keys[i]; }, score_key, mod.coverage != 0, n, static_cast<int>(keep), picked, sh);
+    // Fewer than keep picks (a member whose key is kNever, a NaN score with every bit set): the row's len_b would
+    // disagree with the host's, so the row is flagged (all -1) rather than silently short.
+    if (!select_k([&](int i) { return keys[i]; }, score_key, mod.coverage != 0, n, static_cast<int>(keep), picked,
+                  sh)) {
+      valid = false;
+      break;
+    }
   }
   auto kept = [&](int i) {
     if ((picked[i >> 5] >> (i & 31)) & 1u) return true;
