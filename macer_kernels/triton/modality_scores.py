@@ -19,6 +19,12 @@ normalised. The kernels follow flash-decoding:
    back, see ``STORE_LOGITS``) and writes ``sum_r exp(l_ri - M_r) * weight_{r, m(i)}``, one fp32 per key, without
    atomics (so results are deterministic).
 
+PAD keys (label ``-1``, ``macer_kernels.PAD_LABEL``: left padding of a batch) are masked in every row exactly like
+keys past the row's causal limit: they add nothing to ``Z`` or any ``S_m``, their K rows are never part of a logit
+(so a garbage or non-finite padding row flags nothing), and their score is exactly 0. A sample's scores on its real
+keys are therefore those of the sample run alone without its padding. Labels are only ever compared, never used as
+an index.
+
 Non-finite inputs (the rule of ``macer_kernels.modality_scores``): phase 1 flags a row with a non-finite logit of a
 kept pair (its tile maximum stored as NaN), the combine turns the flags of a row's tiles into weight slot 0, and
 phase 3 writes NaN for the scored keys of a batch element with a flagged row and exactly 0 for label-0 keys; the
@@ -59,12 +65,13 @@ _INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
+def _tile_logits(q_rows, k_head, pos_row, labels, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
                  BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, MARK: tl.constexpr):
     """Base-2 logits ``[len(rows), BLOCK_N]`` of the query rows ``rows`` at ``q_rows`` (``R`` rows of ``D``,
     contiguous) against keys ``offs_n`` of the KV head at ``k_head``; -inf where a key is beyond the row's causal
-    limit or past N, and on padded rows (``rows >= R``). With ``MARK``, every non-finite logit of a kept pair becomes
-    NaN (a visible -inf would otherwise look like a masked key), so that NaN marks exactly the broken pairs."""
+    limit, past N or a PAD key (label < 0: not a key of the sample, ``macer_kernels.PAD_LABEL``), and on padded rows
+    (``rows >= R``). With ``MARK``, every non-finite logit of a kept pair becomes NaN (a visible -inf would otherwise
+    look like a masked key), so that NaN marks exactly the broken pairs; a PAD key's K row is never looked at."""
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < R
     d_ok = offs_d < D
@@ -79,7 +86,7 @@ def _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, 
         # bf16 x bf16 and fp16 x fp16 products are exact in the fp32 accumulator.
         acc = tl.dot(q, tl.trans(k))
     pos = tl.load(pos_row + (rows % LQ) * stride_pl, mask=row_ok, other=-1)
-    visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
+    visible = (offs_n[None, :] <= pos[:, None]) & (n_ok & (labels >= 0))[None, :]
     logits = acc * scale_log2
     if MARK:
         # |l| < inf is false for NaN and +-inf alike.
@@ -94,8 +101,9 @@ def _stats_rows(q_rows, k_head, lab_row, pos_row, max_ptr, sum_ptr, logit_ptr, r
     """Phase 1 for the query rows ``rows`` (of the ``R`` at ``row0``) against one key tile: each row's tile maximum
     and its ``Z`` and ``S_1..S_NUM_M`` relative to it."""
     row_ok = rows < R
-    l2 = _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2, BLOCK_D,
-                      DOT_FP32, True)
+    labels = tl.load(lab_row + offs_n * stride_ln, mask=offs_n < N, other=0)
+    l2 = _tile_logits(q_rows, k_head, pos_row, labels, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
+                      BLOCK_D, DOT_FP32, True)
     if STORE:
         tl.store(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :], l2,
                  mask=row_ok[:, None] & (offs_n < N)[None, :])
@@ -110,7 +118,6 @@ def _stats_rows(q_rows, k_head, lab_row, pos_row, max_ptr, sum_ptr, logit_ptr, r
     tl.store(max_ptr + out_row * T + pid_t, m, mask=row_ok)
     # sums[row, 0, t] = Z (all visible keys: the eps term needs it), sums[row, m, t] = S_m.
     tl.store(sum_ptr + (out_row * (NUM_M + 1)) * T + pid_t, tl.sum(p, axis=1), mask=row_ok)
-    labels = tl.load(lab_row + offs_n * stride_ln, mask=offs_n < N, other=0)
     for mod in tl.static_range(1, NUM_M + 1):
         s_m = tl.sum(tl.where(labels[None, :] == mod, p, 0.0), axis=1)
         tl.store(sum_ptr + (out_row * (NUM_M + 1) + mod) * T + pid_t, s_m, mask=row_ok)
@@ -154,8 +161,9 @@ def _combine_kernel(max_ptr, sum_ptr, rowmax_ptr, weight_ptr, T, eps, inv_rows,
     offs_t = tl.arange(0, BLOCK_T)
     mods = tl.arange(0, M_PAD)
     mod_ok = mods <= NUM_M
-    # Pass 1: the row maximum over all tiles (finite: every row sees at least key 0), and whether a tile flagged the
-    # row broken (tile maximum NaN, see _stats_rows), tested explicitly and reduced as an integer.
+    # Pass 1: the row maximum over all tiles, and whether a tile flagged the row broken (tile maximum NaN, see
+    # _stats_rows), tested explicitly and reduced as an integer. The maximum is finite for valid inputs (a row sees its
+    # own position, a real key); a row that sees no key at all (its position on a PAD key) gets weight 0 below.
     run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
     run_broken = tl.zeros([BLOCK_T], tl.int32)
     for t0 in range(0, T, BLOCK_T):
@@ -166,7 +174,8 @@ def _combine_kernel(max_ptr, sum_ptr, rowmax_ptr, weight_ptr, T, eps, inv_rows,
     row_broken = tl.max(run_broken, axis=0) > 0
     # A broken row's maximum and weights are not used (phase 3 writes NaN for its whole batch element); 0 keeps
     # them from carrying NaN into its arithmetic.
-    row_max = tl.where(row_broken, 0.0, tl.max(run_max, axis=0))
+    row_max = tl.max(run_max, axis=0)
+    row_max = tl.where(row_broken | (row_max == float("-inf")), 0.0, row_max)
     # Pass 2: rescale each tile's sums to the row maximum and add them up, all modalities at once.
     acc = tl.zeros([M_PAD], tl.float32)
     for t0 in range(0, T, BLOCK_T):
@@ -201,8 +210,8 @@ def _scores_rows(q_rows, k_head, pos_row, rowmax_ptr, weight_ptr, logit_ptr, lab
         l2 = tl.load(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :],
                      mask=row_ok[:, None] & (offs_n < N)[None, :], other=float("-inf"))
     else:
-        l2 = _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
-                          BLOCK_D, DOT_FP32, False)
+        l2 = _tile_logits(q_rows, k_head, pos_row, labels, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl,
+                          scale_log2, BLOCK_D, DOT_FP32, False)
     row_max = tl.load(rowmax_ptr + row0 + rows, mask=row_ok, other=0.0)
     p = tl.exp2(l2 - row_max[:, None])
     # weight[r, label of key]: a select per label (NUM_M = MAX_MODALITIES, unrolled).
@@ -252,7 +261,8 @@ def _scores_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, rowmax_ptr, weight_ptr, logit
         flag = tl.load(weight_ptr + (row_b + r) * M_PAD, mask=r < HKV * R, other=0.0)
         broken = tl.maximum(broken, (flag != 0.0).to(tl.int32))
     acc = tl.where(tl.max(broken, axis=0) > 0, float("nan"), acc)
-    tl.store(out_ptr + b64 * N + offs_n, tl.where(labels == 0, 0.0, acc), mask=n_ok)
+    # PAD keys (label < 0) are exactly 0 as well, also in a batch element with a broken row.
+    tl.store(out_ptr + b64 * N + offs_n, tl.where(labels <= 0, 0.0, acc), mask=n_ok)
 
 
 def _row_block(rows_per_kv: int) -> int:
