@@ -131,3 +131,176 @@ def test_pad_keys_stay_zero_in_a_broken_sample(seed):
     qi, ki, li, pi, real = _alone(q, k, labels, positions, 1)
     assert rel_err(out[1:2, real], modality_scores_ref(qi, ki, li, pi, scale=0.25)) <= 1e-5, f"seed={seed}"
     assert torch.all(out[1, labels[1] == PAD] == 0), f"seed={seed}"
+
+
+# ---- 2. stage_select with per-sample budgets, PAD tokens, right-aligned rows -----------------------------------------
+
+
+def _selection_batch(g, n, lengths, counts, *, ties, dtype):
+    """Left-padded rows: sample b has ``lengths[b]`` real tokens, ``counts[b][label]`` of each stage label, the rest
+    text (0) or label 2 (not a stage label: always kept). PAD tokens get the largest scores (a kernel that ranked
+    them would pick them first)."""
+    b = len(lengths)
+    labels = torch.full((b, n), PAD, dtype=torch.long)
+    for i, (length, row_counts) in enumerate(zip(lengths, counts)):
+        rest = length - sum(row_counts.values())
+        row = torch.cat([torch.full((c,), label) for label, c in row_counts.items()] +
+                        [torch.randint(0, 2, (rest,), generator=g) * 2])
+        labels[i, n - length:] = row[torch.randperm(length, generator=g)]
+    scores = torch.randint(0, 5, (b, n), generator=g).to(dtype) if ties else torch.rand(b, n, generator=g).to(dtype)
+    scores = torch.where(labels == PAD, torch.tensor(100.0, dtype=dtype), scores)
+    return scores, labels, torch.randint(0, 3, (b, n), generator=g)
+
+
+def _selection_oracle(scores, labels, chunks, spec, keeps, out_len):
+    """Per sample: ``reference.stage_select_ref`` on its non-PAD tokens with its own budgets, mapped back to row
+    indices and right-aligned; all -1 for a row that contradicts its budgets (a modality with fewer tokens than its
+    keep, a negative keep) or does not fit ``out_len``."""
+    from types import SimpleNamespace
+
+    from macer_kernels.reference import stage_select_ref
+
+    b = labels.shape[0]
+    out = torch.full((b, out_len), -1, dtype=torch.long)
+    for i in range(b):
+        real = (labels[i] >= 0).nonzero().flatten()
+        row_keeps = [keep for _, keep, _, _ in spec] if keeps is None else keeps[i].tolist()
+        if any(k < 0 or k > int((labels[i] == label).sum()) for (label, _, _, _), k in zip(spec, row_keeps)):
+            continue
+        mods = [SimpleNamespace(label=label, keep=k, coverage_weight=w) for (label, _, w, _), k in zip(spec, row_keeps)]
+        kept = real[stage_select_ref(scores[i, real][None], labels[i, real][None], mods, chunks[i, real][None])[0]]
+        if len(kept) <= out_len:
+            out[i, out_len - len(kept):] = kept
+    return out
+
+
+def _stage_select(scores, labels, chunks, spec, out_len, keeps):
+    from macer_kernels.triton.stage import stage_select_triton
+
+    keeps = None if keeps is None else keeps.to(DEVICE)
+    return stage_select_triton(scores.to(DEVICE), labels.to(DEVICE), chunks.to(DEVICE), spec, out_len, keeps).cpu()
+
+
+def _kept_len(labels, spec, keeps):
+    """Host length of each row: its non-PAD tokens of no stage label plus its budgets."""
+    stage = torch.zeros_like(labels, dtype=torch.bool)
+    for label, _, _, _ in spec:
+        stage |= labels == label
+    return ((labels >= 0) & ~stage).sum(dim=1) + keeps.sum(dim=1)
+
+
+STAGE_LABELS = (1, 3, 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_stage_select_per_sample_budgets_right_aligned(seed, dtype):
+    """Four left-padded samples of different lengths and compositions (sample 2 has no label-3 token), top-K and
+    coverage modalities, budgets per sample from 0 to the full count, coarse (tied) and distinct scores; each row
+    equals the reference selection of that sample alone, right-aligned with -1 on the left."""
+    g = torch.Generator().manual_seed(seed)
+    n, lengths = 160, [160, 97, 130, 41]
+    counts = [{1: 40, 3: 50, 7: 9}, {1: 20, 3: 31, 7: 5}, {1: 33, 3: 0, 7: 9}, {1: 6, 3: 11, 7: 2}]
+    count = torch.tensor([[row[label] for label in STAGE_LABELS] for row in counts], dtype=torch.int32)
+    for ties in (True, False):
+        scores, labels, chunks = _selection_batch(g, n, lengths, counts, ties=ties, dtype=dtype)
+        for weights in ((None, 0.5, 2.0), (0.0, None, None), (None, None, None), (0.3, 0.7, 0.1)):
+            keeps = (torch.rand(count.shape, generator=g) * (count + 1)).floor().to(torch.int32).clamp_max(count)
+            keeps[0] = count[0]  # the full count
+            keeps[1, 0] = 0
+            spec = tuple((label, int(keeps[:, m].max()), w, None if w is not None else 0)
+                         for m, (label, w) in enumerate(zip(STAGE_LABELS, weights)))
+            out_len = int(_kept_len(labels, spec, keeps).max())
+            got = _stage_select(scores, labels, chunks, spec, out_len, keeps)
+            want = _selection_oracle(scores, labels, chunks, spec, keeps, out_len)
+            assert (want >= 0).sum(dim=1).tolist() == _kept_len(labels, spec, keeps).tolist()  # no row discarded
+            assert torch.equal(got, want), f"seed={seed} ties={ties} weights={weights} keeps={keeps.tolist()}"
+
+
+def test_stage_select_without_keeps_on_a_padded_batch(seed):
+    """``keeps=None``: every sample keeps the spec's budgets; PAD tokens are never kept, so the shorter samples'
+    rows are right-aligned behind -1."""
+    g = torch.Generator().manual_seed(seed)
+    n, lengths = 90, [90, 64, 35]
+    counts = [{1: 30, 3: 20, 7: 5}, {1: 12, 3: 20, 7: 3}, {1: 10, 3: 8, 7: 3}]
+    scores, labels, chunks = _selection_batch(g, n, lengths, counts, ties=True, dtype=torch.float32)
+    spec = ((1, 7, None, 0), (3, 8, 0.5, None), (7, 3, None, 0))
+    keeps = torch.tensor([[7, 8, 3]] * 3, dtype=torch.int32)
+    out_len = int(_kept_len(labels, spec, keeps).max())
+    got = _stage_select(scores, labels, chunks, spec, out_len, None)
+    want = _selection_oracle(scores, labels, chunks, spec, None, out_len)
+    assert (want[2] == -1).sum() > 0 and torch.equal(got, want), f"seed={seed}"
+
+
+def test_stage_select_contradicting_rows_are_all_minus_one(seed):
+    """Rows that contradict the host: a budget above the modality's count in that row (top-K and coverage), a
+    negative budget, and a row longer than ``out_len``: all -1; the other rows are unaffected."""
+    g = torch.Generator().manual_seed(seed)
+    n, lengths = 70, [70, 70, 50, 60, 44]
+    counts = [{1: 10, 3: 10}] * 5
+    scores, labels, chunks = _selection_batch(g, n, lengths, counts, ties=False, dtype=torch.float32)
+    spec = ((1, 11, None, 0), (3, 11, 0.5, None))
+    keeps = torch.tensor([[4, 5], [11, 2], [3, 11], [-1, 3], [2, 2]], dtype=torch.int32)
+    out_len = int(_kept_len(labels, spec, keeps)[[0, 4]].max())  # row 4 fits; rows 1, 2, 3 contradict anyway
+    got = _stage_select(scores, labels, chunks, spec, out_len, keeps)
+    assert torch.equal(got, _selection_oracle(scores, labels, chunks, spec, keeps, out_len)), f"seed={seed}"
+    assert torch.all(got[1:4] == -1) and torch.all(got[0, -1] >= 0), f"seed={seed}"
+    short = _stage_select(scores, labels, chunks, spec, out_len - 1, keeps)  # row 0 or 4 no longer fits
+    assert torch.equal(short, _selection_oracle(scores, labels, chunks, spec, keeps, out_len - 1)), f"seed={seed}"
+    assert (short == -1).all(dim=1).sum() >= 4, f"seed={seed}"
+
+
+def test_stage_select_garbage_data_stays_in_bounds(seed):
+    """Whatever the device data (labels outside 0..8 and below -1, budgets far above the counts or negative, NaN and
+    inf scores, huge chunk ids): no crash, and every row is either all -1 or a run of -1 then strictly increasing
+    indices of non-PAD tokens."""
+    g = torch.Generator().manual_seed(seed)
+    b, n = 6, 75
+    labels = torch.randint(-4, 12, (b, n), generator=g)
+    scores = torch.randn(b, n, generator=g)
+    scores[0, :5] = float("nan")
+    scores[1, ::7] = float("inf")
+    chunks = torch.randint(-(2**40), 2**40, (b, n), generator=g)
+    spec = ((1, 9, None, 0), (3, 9, 0.5, None), (7, 9, 1.0, None))
+    for keeps in (torch.randint(-3, 80, (b, 3), generator=g, dtype=torch.int32),
+                  torch.full((b, 3), 2**30, dtype=torch.int32), torch.randint(0, 3, (b, 3), generator=g,
+                                                                           dtype=torch.int32)):
+        for out_len in (1, 20, n):
+            got = _stage_select(scores, labels, chunks, spec, out_len, keeps)
+            for i, row in enumerate(got):
+                tail = row[row >= 0]
+                assert torch.all(row[: out_len - len(tail)] == -1), f"seed={seed} row={i}"
+                assert torch.all(tail[1:] > tail[:-1]) and torch.all(labels[i, tail] >= 0), f"seed={seed} row={i}"
+
+
+def test_stage_select_keeps_argument_errors():
+    from macer_kernels.triton.stage import stage_select_triton
+
+    scores, labels = torch.rand(2, 10), torch.ones(2, 10, dtype=torch.long)
+    spec = ((1, 3, None, 0),)
+    for bad in (torch.ones(2, 1, dtype=torch.int64), torch.ones(2, 2, dtype=torch.int32),
+                torch.ones(1, 1, dtype=torch.int32), torch.ones(2, 2, dtype=torch.int32)[:, ::2]):
+        with pytest.raises(ValueError, match=r"keeps must be a contiguous int32 tensor \[B=2, M=1\]"):
+            stage_select_triton(scores, labels, None, spec, 3, bad)
+    with pytest.raises(TypeError, match="keeps must be None or an int32 tensor"):
+        stage_select_triton(scores, labels, None, spec, 3, [[3], [3]])
+
+
+def test_stage_select_above_the_one_program_limit_takes_keeps(seed, monkeypatch):
+    """Above the one-program limits the backend hands the same arguments, ``keeps`` included, to the PyTorch
+    composition (the lead's backend), which must give the same rows."""
+    import inspect
+
+    from macer_kernels.triton import stage as triton_stage
+
+    if "keeps" not in inspect.signature(triton_stage._stage_select_torch).parameters:
+        pytest.skip("the PyTorch stage_select does not take keeps yet (the lead's public layer)")
+    monkeypatch.setattr(triton_stage, "ONE_PROGRAM_MAX_N", 0)
+    monkeypatch.setattr(triton_stage, "COVERAGE_ONE_PROGRAM_MAX_N", 0)
+    g = torch.Generator().manual_seed(seed)
+    counts = [{1: 12, 3: 15, 7: 4}, {1: 6, 3: 9, 7: 0}]
+    scores, labels, chunks = _selection_batch(g, 50, [50, 31], counts, ties=True, dtype=torch.float32)
+    keeps = torch.tensor([[12, 4, 2], [3, 9, 0]], dtype=torch.int32)
+    spec = ((1, 12, None, 0), (3, 9, 0.5, None), (7, 2, None, 0))
+    out_len = int(_kept_len(labels, spec, keeps).max())
+    got = _stage_select(scores, labels, chunks, spec, out_len, keeps)
+    assert torch.equal(got, _selection_oracle(scores, labels, chunks, spec, keeps, out_len)), f"seed={seed}"

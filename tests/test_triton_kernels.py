@@ -584,7 +584,8 @@ def _compile_for_gpu_targets() -> None:
     from macer_kernels.triton import stage as st
 
     # The stage kernel: a top-K and a coverage modality over fp32 scores, and the single top-k op over fp64 scores.
-    stage_types = {"s_ptr": "*fp32", "lab_ptr": "*i64", "c_ptr": "*i64", "w_ptr": "*fp64", "out_ptr": "*i64",
+    stage_types = {"s_ptr": "*fp32", "lab_ptr": "*i64", "c_ptr": "*i64", "w_ptr": "*fp64", "keeps_ptr": "*i32",
+                   "out_ptr": "*i64",
                    "list_ptr": "*i32", "v_ptr": "*fp64", "flag_ptr": "*i8",
                    **dict.fromkeys(("N", "OUT_LEN", "stride_sb", "stride_lb", "stride_cb",
                                     *(f"K{m}" for m in range(8))), "i32"),
@@ -593,10 +594,10 @@ def _compile_for_gpu_targets() -> None:
                    "stride_sn": 1, "stride_ln": 1, "stride_cn": 1}
     staged = compile_one(st._stage_select_kernel, stage_types,
                          {**stage_shape, "NUM_MODS": 2, "LABELS": 1 | 2 << 4, "COVER": 2, "LABELLED": True,
-                          "CMP": tl.float32, "WIDE": False}, 90, num_warps=8)
+                          "PER_SAMPLE": True, "CMP": tl.float32, "WIDE": False}, 90, num_warps=8)
     compile_one(st._stage_select_kernel, {**stage_types, "s_ptr": "*fp64"},
-                {**stage_shape, "NUM_MODS": 1, "LABELS": 1, "COVER": 0, "LABELLED": False, "CMP": tl.float64,
-                 "WIDE": True}, 90, num_warps=8)
+                {**stage_shape, "NUM_MODS": 1, "LABELS": 1, "COVER": 0, "LABELLED": False, "PER_SAMPLE": False,
+                 "CMP": tl.float64, "WIDE": True}, 90, num_warps=8)
     assert staged.metadata.shared <= 99 * 1024
     # Compaction: four tensors of four dtypes in one launch (a stage's hidden states, cos, sin, position ids).
     slot_types = {}
