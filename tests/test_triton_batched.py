@@ -304,3 +304,75 @@ def test_stage_select_above_the_one_program_limit_takes_keeps(seed, monkeypatch)
     out_len = int(_kept_len(labels, spec, keeps).max())
     got = _stage_select(scores, labels, chunks, spec, out_len, keeps)
     assert torch.equal(got, _selection_oracle(scores, labels, chunks, spec, keeps, out_len)), f"seed={seed}"
+
+
+# ---- 3. compact_many with a 2-D keep ---------------------------------------------------------------------------------
+
+
+def _batched_keep(g, n, kept):
+    """keep ``[B, W]`` with W = max(kept): row b is -1 then ``kept[b]`` strictly increasing indices in [0, n)."""
+    w = max(kept)
+    keep = torch.full((len(kept), w), -1, dtype=torch.long)
+    for b, k in enumerate(kept):
+        if k:
+            keep[b, w - k:] = torch.randperm(n, generator=g)[:k].sort().values
+    return keep
+
+
+def _gather_oracle(x, keep, dim):
+    """``out[..., b, r, ...] = x[..., b, keep[b, r], ...]``, zero where ``keep[b, r] == -1``, by ``torch.gather``."""
+    view = [1] * (dim - 1) + list(keep.shape) + [1] * (x.dim() - dim - 1)
+    shape = list(x.shape)
+    shape[dim] = keep.shape[1]
+    index = keep.clamp_min(0).view(view).expand(shape)
+    out = torch.gather(x, dim, index)
+    return torch.where((keep >= 0).view(view).expand(shape), out, torch.zeros((), dtype=x.dtype))
+
+
+def _compact_triton(tensors, keep, dims):
+    from macer_kernels.triton.compact import compact_many_triton
+
+    return [t.cpu() for t in compact_many_triton([t.to(DEVICE) for t in tensors], keep.to(DEVICE), dims)]
+
+
+def test_compact_many_with_a_batched_keep(seed):
+    """A stage's tensors of a padded batch in one call: hidden ``[B, N, H]`` bf16 (a transposed view), cos / sin
+    ``[B, N, D]`` fp32 (one with a strided head dimension), position ids ``[3, B, N]`` int64 at dim 2 (a view whose
+    outer dimensions do not merge: the copy path), a bool mask; rows of different kept lengths, one empty, one full."""
+    g = torch.Generator().manual_seed(seed)
+    b, n, h, d = 4, 29, 40, 8
+    keep = _batched_keep(g, n, [17, 29, 0, 9])
+    hidden = torch.randn(n, b, h, generator=g).to(torch.bfloat16).transpose(0, 1)
+    cos = torch.randn(b, n, d, generator=g)
+    sin = torch.randn(b, n, 2 * d, generator=g)[..., ::2]
+    pos = torch.randint(0, 1000, (b, 3, n), generator=g).transpose(0, 1)
+    mask = torch.rand(b, n, generator=g) > 0.5
+    tensors, dims = [hidden, cos, sin, pos, mask], [1, 1, -2, 2, 1]
+    assert not any(t.is_contiguous() for t in (hidden, sin, pos))
+    got = _compact_triton(tensors, keep, dims)
+    for i, (t, dim, out) in enumerate(zip(tensors, [1, 1, 1, 2, 1], got)):
+        want = _gather_oracle(t, keep, dim)
+        assert out.dtype == t.dtype and out.is_contiguous() and torch.equal(out, want), f"seed={seed} tensor={i}"
+    assert torch.all(got[0][2] == 0) and torch.equal(got[0][1], hidden[1]), f"seed={seed}"
+
+
+def test_compact_many_batched_keep_more_dims_and_nine_tensors(seed):
+    """A cache ``[B, H, N, D]`` at dim 2 (batch not just before the sequence: refused), the same as ``[H, B, N, D]``
+    (accepted), a batch of one, and nine tensors of every dtype (two launches' worth of slots)."""
+    g = torch.Generator().manual_seed(seed)
+    b, n = 3, 21
+    keep = _batched_keep(g, n, [5, 21, 12])
+    cache = torch.randn(2, b, n, 6, generator=g)
+    assert torch.equal(_compact_triton([cache], keep, [2])[0], _gather_oracle(cache, keep, 2)), f"seed={seed}"
+    with pytest.raises(ValueError, match=r"tensors\[0\] must have the batch dimension \(size B=3"):
+        _compact_triton([cache.transpose(0, 1)], keep, [2])
+    with pytest.raises(ValueError, match=r"tensors\[0\] must have the batch dimension"):
+        _compact_triton([torch.randn(n, 4)], keep, [0])
+    one = _batched_keep(g, n, [8])
+    x = torch.randn(1, n, 5, generator=g)
+    assert torch.equal(_compact_triton([x], one, [1])[0], _gather_oracle(x, one, 1)), f"seed={seed}"
+    dtypes = [torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8,
+              torch.bool, torch.float16]
+    tensors = [(torch.randn(b, n, 3, generator=g) * 50).to(dtype) for dtype in dtypes]
+    for i, (t, out) in enumerate(zip(tensors, _compact_triton(tensors, keep, [1] * 9))):
+        assert torch.equal(out, _gather_oracle(t, keep, 1)), f"seed={seed} tensor={i} {t.dtype}"

@@ -604,7 +604,7 @@ def _compile_for_gpu_targets() -> None:
     for t, dt in enumerate(("bf16", "fp32", "fp32", "i64")):
         slot_types |= {f"src{t}": f"*{dt}", f"dst{t}": f"*{dt}",
                        **dict.fromkeys((f"outer{t}", f"inner{t}", f"so{t}", f"sn{t}"), "i32"), f"si{t}": "constexpr"}
-    slot_types |= {"keep_ptr": "*i64", "k": "i32"}
+    slot_types |= {"keep_ptr": "*i64", "k": "i32", "kb": "i32"}
     unused = {f"{name}{t}": None if name in ("src", "dst") else 0 for t in range(4, 8)
               for name in ("src", "dst", "outer", "inner", "so", "sn", "si")}
     compile_one(cmp._compact_kernel, slot_types, {"NUM_T": 4, "BLOCK": cmp._BLOCK, **unused,
