@@ -376,3 +376,87 @@ def test_compact_many_batched_keep_more_dims_and_nine_tensors(seed):
     tensors = [(torch.randn(b, n, 3, generator=g) * 50).to(dtype) for dtype in dtypes]
     for i, (t, out) in enumerate(zip(tensors, _compact_triton(tensors, keep, [1] * 9))):
         assert torch.equal(out, _gather_oracle(t, keep, 1)), f"seed={seed} tensor={i} {t.dtype}"
+
+
+def test_compact_many_strided_keep(seed):
+    """A strided keep view (1-D every other entry, 2-D a column slice) is read by value, not as dense memory."""
+    g = torch.Generator().manual_seed(seed)
+    n = 30
+    x = torch.randn(2, n, 4, generator=g)
+    keep = torch.randperm(n, generator=g)[:12].sort().values
+    assert torch.equal(_compact_triton([x], keep[::2], [1])[0], x[:, keep[::2]]), f"seed={seed}"
+    wide = _batched_keep(g, n, [10, 10])
+    assert torch.equal(_compact_triton([x], wide[:, 4:], [1])[0], _gather_oracle(x, wide[:, 4:], 1)), f"seed={seed}"
+
+
+# ---- 4. a batched stage: a fixed number of launches for the whole batch, no host read --------------------------------
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The names of the Triton kernels launched in the test (compiled or interpreted), in order."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    names: list[str] = []
+    for cls in (JITFunction, InterpretedFunction):
+        original = cls.run
+
+        def counting(self, *args, _original=original, **kwargs):
+            if not kwargs.get("warmup", False):
+                names.append(getattr(self, "__name__", getattr(self.fn, "__name__", "?")))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "run", counting)
+    return names
+
+
+def test_a_padded_batch_stage_is_four_launches_and_reads_nothing_back(seed, launches):
+    """A stage over a left-padded batch of 4 samples with per-sample budgets: the three scoring launches and ONE
+    stage_select launch for the whole batch, then ONE compaction launch for hidden, cos, sin and position ids; no
+    macer_kernels code reads a tensor value on the host (``sync_guard``). The kept rows are the oracle's selection
+    on the kernel's own scores."""
+    from sync_guard import no_host_reads
+
+    from macer_kernels.triton.compact import compact_many_triton
+    from macer_kernels.triton.modality_scores import modality_scores_triton
+    from macer_kernels.triton.stage import stage_select_triton
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = [60, 33, 47, 20]
+    q, k, labels, positions = _padded_scoring_batch(g, lengths, 8, 2, 2, 16, torch.float32)
+    labels = torch.where(labels == 3, 7, labels)  # stage labels 1 (top-K) and 2 (coverage); 7 is always kept
+    chunks = torch.randint(0, 4, labels.shape, generator=g)
+    count = torch.stack([(labels == 1).sum(1), (labels == 2).sum(1)], dim=1).to(torch.int32)
+    keeps = (count + 1) // 2
+    spec = ((1, int(keeps[:, 0].max()), None, 0), (2, int(keeps[:, 1].max()), 0.5, None))
+    out_len = int(_kept_len(labels, spec, keeps).max())
+    b, n = labels.shape
+    hidden, cos = torch.randn(b, n, 24, generator=g), torch.randn(b, n, 16, generator=g)
+    pos = torch.arange(n).expand(3, b, n)
+    args = [t.to(DEVICE) for t in (q, k, labels, positions, chunks, keeps, hidden, cos, pos)]
+    with no_host_reads():
+        scores = modality_scores_triton(*args[:4], 0.25, 1e-6)
+        keep = stage_select_triton(scores, args[2], args[4], spec, out_len, args[5])
+        out = compact_many_triton([args[6], args[7], args[7], args[8]], keep, [1, 1, 1, 2])
+    assert launches == ["_partial_stats_kernel", "_combine_kernel", "_scores_kernel", "_stage_select_kernel",
+                        "_compact_kernel"], launches
+    want = _selection_oracle(scores.cpu(), labels, chunks, spec, keeps, out_len)
+    assert torch.equal(keep.cpu(), want), f"seed={seed}"
+    for t, dim, o in zip((hidden, cos, cos, pos), (1, 1, 1, 2), out):
+        assert torch.equal(o.cpu(), _gather_oracle(t, want, dim)), f"seed={seed}"
+
+
+def test_batched_compaction_is_one_launch_per_eight_tensors(seed, launches):
+    from sync_guard import no_host_reads
+
+    from macer_kernels.triton.compact import compact_many_triton
+
+    g = torch.Generator().manual_seed(seed)
+    keep = _batched_keep(g, 15, [3, 15, 0]).to(DEVICE)
+    tensors = [torch.randn(3, 15, 2, generator=g).to(DEVICE) for _ in range(17)]
+    with no_host_reads():
+        compact_many_triton(tensors[:8], keep, [1] * 8)
+        assert len(launches) == 1, launches
+        compact_many_triton(tensors, keep, [1] * 17)
+    assert launches == ["_compact_kernel"] * 4, launches
