@@ -14,9 +14,11 @@ label is not a stage modality plus each stage modality's picks:
   greedy's pick order). O(count^2) comparisons in one program: this bounds the one-program path
   (``COVERAGE_ONE_PROGRAM_MAX_N``).
 
-The picks and the other tokens are flagged in a per-row workspace and written with a running prefix count, so the
-output needs no sort. Program-wide barriers (``tl.debug_barrier``) order the phases: every phase reads what other
-threads of the program wrote to the workspace in the previous one.
+PAD tokens (label -1, the left padding of a batch) are never kept. Budgets are the spec's, or per sample (``keeps``
+``[B, M]`` int32, read on the device). The picks and the other tokens are flagged in a per-row workspace and written
+with a running prefix count, right-aligned (``-1`` on the left, like the batch's padding), so the output needs no
+sort; a row that contradicts the host's sizes is all -1. Program-wide barriers (``tl.debug_barrier``) order the
+phases: every phase reads what other threads of the program wrote to the workspace in the previous one.
 
 Above the one-program limits the stage runs as the PyTorch composition (stable CUB sorts, ``stage._stage_select_torch``)
 on the same tensors: more launches, still no host synchronisation.
