@@ -60,6 +60,10 @@ this many, each against the same K tile. Without the bound the q operand grows w
 ``G * Lq = 512`` rows (Lq = 37 with 7 query heads per KV head) a D = 128 bf16 program needs 132 KB of shared memory,
 more than sm_89 has, and at 1024 rows more than sm_90's 227 KB, and the launch fails."""
 
+SMEM_PER_PROGRAM = 96 * 1024
+"""Shared memory a scoring program's pipelined tiles may take: under the 99 KB per block of sm_86 / sm_89, the
+smallest of the GPUs the package targets (Triton's small reduction scratch comes on top)."""
+
 _LOG2E = 1.4426950408889634
 _INTERPRETED = bool(triton.knobs.runtime.interpret)
 
@@ -282,6 +286,19 @@ def _block_n(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> i
     return block
 
 
+def _num_stages(rows_pad: int, block_n: int, block_d: int, operand_bytes: int, row_loop: bool,
+                dot_fp32: bool) -> int:
+    """Pipeline stages of the loops that take a ``tl.dot`` (phase 3's loop over KV heads). With ``s`` stages a
+    launch specialised by the JIT (aligned pointers, 16-divisible strides) keeps ``s - 1`` copies of the q and K tiles
+    in shared memory (read off the cubins: 40 KB per copy at the 7B shapes), so ``s`` is capped to keep them within
+    ``SMEM_PER_PROGRAM``: bf16 D = 256 with 33..64 query rows per KV head asked 3 stages, 128 KB, which sm_89 cannot
+    launch. A loop over row blocks gets one stage: pipelining it would multi-buffer the tiles of every block."""
+    if row_loop:
+        return 1
+    per_copy = (rows_pad + block_n) * block_d * operand_bytes
+    return max(1, min(2 if dot_fp32 else 3, 1 + SMEM_PER_PROGRAM // per_copy))
+
+
 _PARTIALS: dict[tuple, torch.Tensor] = {}
 
 
@@ -356,14 +373,15 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     k_strides = (key.stride(0), key.stride(1), key.stride(2))
     lab_strides = (modality.stride(0), modality.stride(1))
     pos_strides = (query_positions.stride(0), query_positions.stride(1))
-    # The fp32 dot's tiles are large: two pipeline stages over the KV heads bound its shared memory. A loop over row
-    # blocks gets none: pipelining it would multi-buffer the q and K tiles of every block (over 99 KB at D = 256).
-    stages = 1 if row_loop else 2 if dot_fp32 else 3
+    # The fp32 dot's tiles are large: at most two pipeline stages over the KV heads; every choice is capped by the
+    # shared memory its copies take (_num_stages).
+    operand_bytes = 4 if dot_fp32 else query.element_size()
     _partial_stats_kernel[(b * hkv, tiles)](
         query, key, modality, query_positions, tile_max, tile_sums, logits, *common, tiles, *k_strides,
         *lab_strides, *pos_strides, scale_log2,
         HKV=hkv, NUM_M=num_m, ROWS=rows_pad, ROW_LOOP=row_loop, BLOCK_N=block_n1, BLOCK_D=block_d,
-        DOT_FP32=dot_fp32, STORE=store, num_warps=8 if block_d >= 128 else 4, num_stages=stages,
+        DOT_FP32=dot_fp32, STORE=store, num_warps=8 if block_d >= 128 else 4,
+        num_stages=_num_stages(rows_pad, block_n1, block_d, operand_bytes, row_loop, dot_fp32),
     )
     _combine_kernel[(total_rows,)](
         tile_max, tile_sums, row_max, weight, tiles, eps, 1.0 / (lq * hq),
@@ -374,7 +392,8 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
         query, key, modality, query_positions, row_max, weight, logits, out, *common, *k_strides, *lab_strides,
         *pos_strides, scale_log2,
         HKV=hkv, NUM_M=num_m, M_PAD=m_pad, ROWS=rows_pad, ROW_LOOP=row_loop, BLOCK_N=block_n3, BLOCK_D=block_d,
-        DOT_FP32=dot_fp32, STORE=store, num_warps=8 if block_d >= 128 else 4, num_stages=stages,
+        DOT_FP32=dot_fp32, STORE=store, num_warps=8 if block_d >= 128 else 4,
+        num_stages=_num_stages(rows_pad, block_n3, block_d, operand_bytes, row_loop, dot_fp32),
     )
     return out
 
