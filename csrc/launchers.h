@@ -35,7 +35,7 @@ constexpr int kNumLabels = kMaxModalities + 1;
 struct ModalityScoresParams {
   const void* query;            // [B, Hq, Lq, D], dtype q_dtype (any strides)
   const void* key;              // [B, Hkv, N, D], same dtype, key stride over D is 1
-  const void* modality;         // [B, N] integer labels in 0..kMaxModalities, dtype modality_dtype
+  const void* modality;         // [B, N] integer labels in -1..kMaxModalities (-1: PAD, not a key), dtype modality_dtype
   const void* query_positions;  // [B, Lq] integer positions in 0..N-1, dtype positions_dtype
   float* out;                   // [B, N] float32, contiguous
   void* workspace;              // modality_scores_workspace_bytes(...) bytes, 16-byte aligned
