@@ -16,8 +16,8 @@ batch size it times ``model.generate(**batch, max_new_tokens=T, min_new_tokens=T
   shared with other work, where wall time is not; read it with ``--threads 1``), ``tokens_per_cpu_s`` and
   ``cpu_speedup``.
 
-MACER runs each sample's stages on its own rows (``select_stage`` once per sample and stage: launches scale with B,
-see docs/integration.md "Batches"). Results go to ``benchmarks/results/bench_batch_<mode>.{csv,json}`` with the
+MACER runs each stage once for the whole batch (one ``select_stage`` with the padding labelled ``PAD_LABEL`` and
+per-sample budgets, one ``compact_many``: the same launches for any B; docs/integration.md "Batches"). Results go to ``benchmarks/results/bench_batch_<mode>.{csv,json}`` with the
 device, threads, versions, git SHA and settings.
 """
 

@@ -8,7 +8,8 @@
 # Sized to finish in under 8 minutes on an H100: every step has a time limit, all of them share one budget
 # (GPU_CHECK_BUDGET_S, default 450 s), and a step that would start with too little left is skipped and says so.
 # Order: build, `pytest -m cuda`, the microbenchmarks, the sanitizer, then on the time left the Triton tests on the GPU
-# (`pytest -m "triton and not cuda"`: many kernel compilations) and the end-to-end benchmark (7B shapes, 3 rounds).
+# (`pytest -m "triton and not cuda"`: many kernel compilations), the end-to-end benchmark (7B shapes, 3 rounds) and
+# the batch throughput benchmark (batch 1 / 4 / 8, full vs MACER, issue 11).
 # Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default 90), GPU_CHECK_BUDGET_S.
 #
 # Output in OUT_DIR: summary.txt (one line per step: status, exit code, seconds), log.txt (all output), and
@@ -111,6 +112,8 @@ if [[ -f benchmarks/bench_e2e.py ]]; then
     step bench_e2e 240 "$PY" benchmarks/bench_e2e.py --mode gpu --text-shapes 7B --reps 3 --warmup 1 \
         --out "$FILES" --name bench_e2e_gpu_check
 fi
+
+step bench_batch 120 "$PY" -m benchmarks.bench_batch --mode gpu --batch-sizes 1 4 8 --out "$FILES"
 
 printf '%-26s %ds in all\n' total "$(($(date +%s) - START))" | tee -a "$SUMMARY"
 tar czf "$OUT_DIR/gpu_check.tar.gz" -C "$OUT_DIR" files

@@ -7,7 +7,8 @@
 Shapes are chosen to hit tails and edges, not to be fast: N not a multiple of any tile, D = 80 (not a power of
 two), GQA groups of 3, a FlashAttention-layout K read through strides, per-batch causal limits, one modality absent
 from a batch element, eps = 0, n = 1, k = 0 and k = n selections, strided scores, uint8/int32/int64 chunk ids,
-compaction of bf16/fp32/int64 tensors (one transposed) with 0, 1 and all rows kept. Every result is compared with
+compaction of bf16/fp32/int64 tensors (one transposed) with 0, 1 and all rows kept, and a left-padded batch
+(PAD_LABEL padding, per-sample budgets, right-aligned rows, the [B, W] compaction). Every result is compared with
 the PyTorch backend, so a kernel that reads uninitialised memory and happens to pass the sanitizer still fails here.
 Prints one ``sanitize pass <backend>`` line per backend; exits non-zero on the first mismatch.
 """
@@ -86,7 +87,25 @@ def _stage_cases(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
     k = torch.randn(2, 37, 2, 80, generator=g, device=device).to(torch.bfloat16).transpose(1, 2)
     stage = [mk.StageModality(label=1, count=18, keep=5),
              mk.StageModality(label=2, count=14, keep=6, coverage_weight=0.2, num_chunks=4)]
-    return [("select_stage", lambda: mk.select_stage(q, k, labels, stage, chunk_ids=chunk_ids, return_scores=True))]
+    cases = [("select_stage", lambda: mk.select_stage(q, k, labels, stage, chunk_ids=chunk_ids, return_scores=True))]
+    # A left-padded batch (issue 11): padding labelled PAD_LABEL, per-sample counts and budgets, right-aligned rows
+    # with -1 fill, and the [B, W] compaction of those rows (-1 slots become zero rows).
+    padded = labels.clone()
+    padded[1, :6] = mk.PAD_LABEL
+    counts = [[int((padded[b] == m).sum()) for b in range(2)] for m in (1, 2)]
+    batch_stage = [mk.StageModality(label=1, count=counts[0], keep=[5, min(2, counts[0][1])]),
+                   mk.StageModality(label=2, count=counts[1], keep=[6, min(1, counts[1][1])], coverage_weight=0.2,
+                                    num_chunks=4)]
+    hidden = torch.randn(2, 37, 24, generator=g, device=device).to(torch.bfloat16)
+    pos_ids = torch.arange(37, device=device).expand(3, 2, 37).contiguous()
+
+    def batched():
+        keep, scores = mk.select_stage(q, k, padded, batch_stage, chunk_ids=chunk_ids, padding=[0, 6],
+                                       return_scores=True)
+        return [keep, scores, *mk.compact_many([hidden, pos_ids], keep, [1, 2])]
+
+    cases.append(("select_stage padded batch + compact_many [B, W]", batched))
+    return cases
 
 
 def _equal(got, want) -> bool:

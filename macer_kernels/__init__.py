@@ -23,7 +23,7 @@ value-checked. See ``macer_kernels._validate``.
 from macer_kernels._validate import set_validation, validation, validation_enabled
 from macer_kernels.backend import available_backends, backend_status, current_backend, use_backend
 from macer_kernels.compact import compact, compact_many
-from macer_kernels.modality_scores import MAX_MODALITIES, modality_scores
+from macer_kernels.modality_scores import MAX_MODALITIES, PAD_LABEL, modality_scores
 from macer_kernels.select import coverage_select, topk_indices
 from macer_kernels.split_budget import decimal_fraction, split_budget
 from macer_kernels.stage import StageModality, select_stage
@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MAX_MODALITIES",
+    "PAD_LABEL",
     "Budget",
     "StageModality",
     "available_backends",

@@ -10,17 +10,41 @@ from macer_kernels._validate import check_int, check_same_device, check_tensor, 
 from macer_kernels.backend import dispatch, register
 
 
-def _check_keep(keep: torch.Tensor, n: int) -> torch.Tensor:
-    keep = check_tensor("keep", keep, 1)
+def _check_keep(keep: torch.Tensor, n: int, *, batched: bool = False) -> torch.Tensor:
+    keep = check_tensor("keep", keep, 2 if batched else 1)
     check_int("keep", keep)
     if keep.numel() and values_checked(keep):
-        # One host synchronisation for the range and the order.
-        lo, hi, increasing = read_back(keep.min(), keep.max(), (keep[1:] > keep[:-1]).all())
-        if lo < 0 or hi >= n:
-            raise ValueError(f"keep must hold indices in [0, {n - 1}], got range [{lo}, {hi}]")
+        if batched:  # one host synchronisation: -1 only as a left run, then strictly increasing indices in range
+            real = keep >= 0
+            lo, hi, filled, increasing = read_back(
+                keep.min(), keep.max(), (real[:, 1:] | ~real[:, :-1]).all(),
+                ((keep[:, 1:] > keep[:, :-1]) | ~real[:, :-1]).all())
+            if lo < -1 or hi >= n:
+                raise ValueError(f"keep must hold indices in [0, {n - 1}] or -1 (fill), got range [{lo}, {hi}]")
+            if not filled:
+                raise ValueError("keep rows must hold their -1 fill first (a left run), then the indices")
+        else:
+            # One host synchronisation for the range and the order.
+            lo, hi, increasing = read_back(keep.min(), keep.max(), (keep[1:] > keep[:-1]).all())
+            if lo < 0 or hi >= n:
+                raise ValueError(f"keep must hold indices in [0, {n - 1}], got range [{lo}, {hi}]")
         if not increasing:
             raise ValueError("keep must be strictly increasing (sorted, no repeats)")
     return keep.long()
+
+
+def _is_batched(keep: torch.Tensor) -> bool:
+    if keep.dim() not in (1, 2):
+        raise ValueError(f"keep must be 1-D [k] or, for a batch, 2-D [B, W]; got {keep.dim()} dimensions")
+    return keep.dim() == 2
+
+
+def _check_batch_dims(tensors: Sequence[torch.Tensor], dims: Sequence[int], b: int) -> None:
+    """A 2-D keep ``[B, W]`` needs the batch dimension, of size B, just before each tensor's sequence dimension."""
+    for i, (t, d) in enumerate(zip(tensors, dims, strict=True)):
+        if d == 0 or t.shape[d - 1] != b:
+            raise ValueError(f"with a 2-D keep [B={b}, W], tensors[{i}] needs a batch dimension of size B just before "
+                             f"its sequence dimension {d}, got shape {tuple(t.shape)}")
 
 
 def _check_dim(name: str, x: torch.Tensor, dim: int) -> int:
@@ -36,16 +60,22 @@ def compact(x: torch.Tensor, keep: torch.Tensor, dim: int = 1) -> torch.Tensor:
         x: any tensor, e.g. hidden states ``[B, N, hidden]``, RoPE ``cos``/``sin`` ``[B, N, D]``, position ids
             ``[3, B, N]`` (``dim=2``).
         keep: 1-D integer tensor of strictly increasing indices in ``[0, x.shape[dim] - 1]`` (checked on CPU tensors,
-            and on CUDA tensors only in validation mode: out-of-range indices may fault there).
+            and on CUDA tensors only in validation mode: out-of-range indices may fault there). Or, for a batch,
+            ``[B, W]``: row b holds the positions of batch element b (the dimension just before ``dim``, of size B):
+            a run of -1 first (each gives an all-zero row: the left padding of a re-packed batch, as
+            ``select_stage`` returns it), then strictly increasing indices.
         dim: the sequence dimension (negative values count from the end).
 
     Returns:
-        A new tensor with ``x.shape[dim]`` replaced by ``len(keep)``, same dtype and device.
+        A new tensor with ``x.shape[dim]`` replaced by ``len(keep)`` (``W`` for a 2-D keep), same dtype and device.
     """
     x = check_tensor("x", x)
     check_same_device(x=x, keep=check_tensor("keep", keep))
     dim = _check_dim("dim", x, dim)
-    keep = _check_keep(keep, x.shape[dim])
+    batched = _is_batched(keep)
+    if batched:
+        _check_batch_dims([x], [dim], keep.shape[0])
+    keep = _check_keep(keep, x.shape[dim], batched=batched)
     return dispatch("compact", x.device, x, keep, dim)
 
 
@@ -55,7 +85,8 @@ def compact_many(tensors: Sequence[torch.Tensor], keep: torch.Tensor, dims: Sequ
 
     Args:
         tensors: tensors on one device; ``tensors[i].shape[dims[i]]`` must be the same length N for all.
-        keep: 1-D strictly increasing indices in ``[0, N - 1]``.
+        keep: 1-D strictly increasing indices in ``[0, N - 1]``, or ``[B, W]`` per batch element as in ``compact``
+            (every tensor then has its batch dimension, of size B, just before its sequence dimension).
         dims: the sequence dimension of each tensor.
 
     Returns:
@@ -72,15 +103,29 @@ def compact_many(tensors: Sequence[torch.Tensor], keep: torch.Tensor, dims: Sequ
     if len(lengths) != 1:
         raise ValueError(f"tensors must share one sequence length along dims, got lengths {sorted(lengths)}")
     check_same_device(keep=check_tensor("keep", keep), **{f"tensors[{i}]": t for i, t in enumerate(tensors)})
-    keep = _check_keep(keep, lengths.pop())
+    batched = _is_batched(keep)
+    if batched:
+        _check_batch_dims(tensors, dims, keep.shape[0])
+    keep = _check_keep(keep, lengths.pop(), batched=batched)
     return dispatch("compact_many", keep.device, tensors, keep, dims)
+
+
+def _gather_batched(x: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x[..., b, keep[b, r], ...]`` along ``dim`` (batch at ``dim - 1``), zero rows where ``keep`` is -1."""
+    b, w = keep.shape
+    view = [1] * x.dim()
+    view[dim - 1], view[dim] = b, w
+    shape = list(x.shape)
+    shape[dim] = w
+    out = torch.gather(x, dim, keep.clamp(min=0).view(view).expand(shape))
+    return out.masked_fill_((keep < 0).view(view), 0)
 
 
 @register("compact", "torch")
 def _compact_torch(x: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
-    return x.index_select(dim, keep)
+    return _gather_batched(x, keep, dim) if keep.dim() == 2 else x.index_select(dim, keep)
 
 
 @register("compact_many", "torch")
 def _compact_many_torch(tensors: list[torch.Tensor], keep: torch.Tensor, dims: list[int]) -> list[torch.Tensor]:
-    return [t.index_select(d, keep) for t, d in zip(tensors, dims)]
+    return [_compact_torch(t, keep, d) for t, d in zip(tensors, dims)]

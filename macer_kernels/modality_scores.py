@@ -21,6 +21,11 @@ from macer_kernels.backend import dispatch, register
 MAX_MODALITIES = 8
 """Largest modality label accepted (labels are 0..MAX_MODALITIES; 0 = not scored). Kernels size per-row state by it."""
 
+PAD_LABEL = -1
+"""The label of a position that is not a token of its batch element (the left padding of a batch): no query row
+attends to it (it is outside every softmax, as a key past the causal limit is), it scores 0, and ``select_stage``
+never keeps it. A batch element's scores on its other keys are those of the element alone without its padding."""
+
 # Keys are processed in blocks of this many positions, so the fp32 copy of K made for the product is bounded by
 # one block (never a full-length copy, never one per query head).
 _KEY_BLOCK = 4096
@@ -42,9 +47,11 @@ def modality_scores(
 
     ``s_i = 1 / (Lq Hq) * sum_{q, h} A_h(q, i) / (sum_{j in I_m} A_h(q, j) + eps)``
 
-    and tokens labelled 0 (text) score 0. Each (q, h) row is renormalised over its own modality only, so the scores of
-    one modality never depend on how much attention another modality receives (except through ``eps``). A row that
-    sees no key of a modality (causal limit) contributes 0 to it, also for ``eps = 0`` (the limit eps -> 0+).
+    and tokens labelled 0 (text) score 0. Keys labelled ``PAD_LABEL`` (-1, a batch's padding) are outside every
+    softmax and score 0, so each batch element scores as if it ran alone without its padding. Each (q, h) row is
+    renormalised over its own modality only, so the scores of one modality never depend on how much attention another
+    modality receives (except through ``eps``). A row that sees no key of a modality (causal limit) contributes 0 to
+    it, also for ``eps = 0`` (the limit eps -> 0+).
 
     Non-finite inputs, the same in every backend: tokens labelled 0 always score exactly 0. In a batch element where
     some logit ``scale * q . k_j`` of a kept pair (a query row of any head and a key ``j <= position`` it sees) is
@@ -62,7 +69,7 @@ def modality_scores(
         key: ``[B, Hkv, N, D]`` post-RoPE keys with ``Hq % Hkv == 0`` (query head ``h`` reads KV head
             ``h // (Hq // Hkv)``); any strides, so a ``[B, N, Hkv, D]`` cache passed as ``.transpose(1, 2)`` works
             without a copy.
-        modality: ``[B, N]`` integer labels in ``0..MAX_MODALITIES``; 0 = not scored.
+        modality: ``[B, N]`` integer labels in ``-1..MAX_MODALITIES``; 0 = not scored, -1 (``PAD_LABEL``) = padding.
         query_positions: ``[B, Lq]`` integer positions of the query rows among the N keys (default: the last Lq
             positions, ``N - Lq .. N - 1``). Each row attends to keys ``0..position``.
         scale: softmax scale, default ``1 / sqrt(D)``.
@@ -74,14 +81,8 @@ def modality_scores(
     query, key, modality, positions, scale, eps = check_score_inputs(query, key, modality, query_positions, scale,
                                                                      eps, labels_name="modality")
     if values_checked(modality):
-        n, given = key.shape[2], query_positions is not None
-        # One host synchronisation for all data-dependent checks (the default positions need none).
-        ranges = read_back(*([modality.min(), modality.max()] if n else []),
-                           *([positions.min(), positions.max()] if given else []))
-        if n and (ranges[0] < 0 or ranges[1] > MAX_MODALITIES):
-            raise ValueError(f"modality labels must be in [0, {MAX_MODALITIES}], got range [{ranges[0]}, {ranges[1]}]")
-        if given and (ranges[-2] < 0 or ranges[-1] >= n):
-            raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range [{ranges[-2]}, {ranges[-1]}]")
+        check_label_values(modality, positions, key.shape[2], given=query_positions is not None,
+                           labels_name="modality")
     return dispatch("modality_scores", query.device, query, key, modality, positions, scale, eps)
 
 
@@ -90,6 +91,30 @@ def _default_positions(n: int, lq: int, device: torch.device) -> torch.Tensor:
     """``[1, Lq]`` positions ``N - Lq .. N - 1`` (the question rows end the sequence), cached: a fresh ``arange``
     would be one more kernel launch per call. Only ever read."""
     return torch.arange(n - lq, n, device=device)[None]
+
+
+def check_label_values(labels: torch.Tensor, positions: torch.Tensor, n: int, *, given: bool, labels_name: str,
+                       extra: tuple[torch.Tensor, ...] = ()) -> list[int]:
+    """The data-dependent checks of the scoring inputs in one host read (callers ask ``values_checked`` first):
+    labels in ``[PAD_LABEL, MAX_MODALITIES]``, given positions in ``[0, N-1]`` and never at a padding key. ``extra``
+    0-d tensors are read in the same synchronisation; their values are returned."""
+    pad_hit = torch.zeros((), dtype=torch.bool, device=labels.device)
+    if n and given:
+        pad_hit = (labels.gather(1, positions.long().clamp(0, n - 1)) == PAD_LABEL).any()
+    values = read_back(*([labels.min(), labels.max()] if n else []),
+                       *([positions.min(), positions.max(), pad_hit] if given else []), *extra)
+    if n and (values[0] < PAD_LABEL or values[1] > MAX_MODALITIES):
+        raise ValueError(f"{labels_name} labels must be in [{PAD_LABEL}, {MAX_MODALITIES}] ({PAD_LABEL} = padding), "
+                         f"got range [{values[0]}, {values[1]}]")
+    values = values[2:] if n else values
+    if given:
+        lo, hi, hit = values[:3]
+        if lo < 0 or hi >= n:
+            raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range [{lo}, {hi}]")
+        if hit:
+            raise ValueError(f"query_positions must point at tokens, not at padding ({labels_name} == {PAD_LABEL})")
+        values = values[3:]
+    return values
 
 
 def check_score_inputs(query: object, key: object, labels: object, query_positions: object, scale: object,
@@ -147,13 +172,14 @@ def _modality_scores_torch(query, key, modality, query_positions, scale, eps):
         logits[..., start:stop] = torch.matmul(q, k_block.transpose(-1, -2))
     logits = logits.view(b, hq, lq, n)
     visible = torch.arange(n, device=query.device)[None, None, :] <= query_positions[:, :, None].long()
+    visible &= (modality != PAD_LABEL)[:, None, :]  # padding is outside every softmax
     # The non-finite rule of the docstring: a NaN or infinite logit of a kept (row, key) pair makes every scored token
     # of its batch element NaN. IEEE arithmetic alone gives that for NaN and +inf logits but a zero weight for -inf
     # ones, so the result would depend on the signs of the products; this test depends only on what is finite.
     broken = torch.isfinite(logits).logical_not_().logical_and_(visible[:, None]).flatten(1).any(dim=1)  # [B]
     logits.masked_fill_(~visible[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # A_h(q, i), fp32
-    labels = modality.long()
+    labels = modality.long().clamp(min=0)  # padding has weight 0 everywhere: any column will do
     # mass[b, (h, q), m] = sum_{j: label j = m} A_h(q, j): one product with the [N, labels] one-hot matrix. The
     # width is the largest allowed label, not the largest present one: reading that back would synchronise.
     one_hot = torch.nn.functional.one_hot(labels, MAX_MODALITIES + 1).to(torch.float32)  # [B, N, labels]
@@ -165,4 +191,4 @@ def _modality_scores_torch(query, key, modality, query_positions, scale, eps):
     unseen = denom == 0
     denom = denom.add_(eps).masked_fill_(unseen, 1.0)
     scores = rows.div_(denom).sum(dim=1) / (lq * hq)
-    return scores.masked_fill_(broken[:, None], float("nan")).masked_fill_(labels == 0, 0.0)
+    return scores.masked_fill_(broken[:, None], float("nan")).masked_fill_(modality.long() <= 0, 0.0)

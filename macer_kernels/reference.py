@@ -52,11 +52,12 @@ def modality_scores_ref(
     k = key.to(dtype).repeat_interleave(hq // hkv, dim=1)  # [B, Hq, N, D]: the naive GQA expansion
     logits = scale * torch.einsum("bhqd,bhnd->bhqn", query.to(dtype), k)
     visible = torch.arange(n, device=query.device)[None, None, :] <= query_positions[:, :, None]  # [B, Lq, N]
+    visible = visible & (modality >= 0)[:, None, :]  # padding (label -1) is no key of its batch element
     logits = logits.masked_fill(~visible[:, None], float("-inf"))
     attn = torch.softmax(logits, dim=-1)  # A_h(q, i), [B, Hq, Lq, N]
     scores = torch.zeros(b, n, dtype=dtype, device=query.device)
     for m in modality.unique().tolist():
-        if m == 0:
+        if m <= 0:
             continue
         in_m = (modality == m)[:, None, None, :]  # [B, 1, 1, N]
         mass = (attn * in_m).sum(-1, keepdim=True)  # sum_{j in I_m} A_h(q, j)

@@ -199,3 +199,37 @@ def test_batch_labelled_adapter_checks_its_rows():
     with macer.compress(model, POLICIES["macer"](model), adapter=adapter), torch.no_grad(), \
             pytest.raises(ValueError, match="3 rows but BatchLabelledAdapter was given labels for 2"):
         model(inputs_embeds=embeds, attention_mask=torch.ones(3, 12, dtype=torch.long))
+
+
+@pytest.mark.parametrize("policy", ["macer", "macer-trim"])
+def test_a_macer_stage_is_one_call_for_the_whole_batch(monkeypatch, policy):
+    """Issue #11 item 3: a MACER stage runs one ``select_stage`` and one ``compact_many`` for the whole batch (so a
+    fixed number of kernel launches whatever B), and the result is still each prompt alone (checked above on the
+    same prompts); FastV's raw scores run per sample."""
+    import macer._batch as batch_module
+
+    calls = {"select_stage": 0, "compact_many": 0}
+
+    def counting(name):
+        original = getattr(batch_module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(batch_module, name, counting(name))
+    model = _thinker("sdpa")
+    prompts = _interleaved_prompts(model)
+    for size in (2, 4):
+        config = POLICIES[policy](model)
+        calls.update(select_stage=0, compact_many=0)
+        with torch.no_grad(), macer.compress(model, config) as trace:
+            model(**batch_inputs(prompts[:size]))
+        stages = {s.layer for sample in trace.samples for s in sample.stages}
+        assert calls == {"select_stage": len(stages), "compact_many": len(stages)}, (size, calls)
+    calls.update(select_stage=0, compact_many=0)
+    with torch.no_grad(), macer.compress(model, POLICIES["fastv"](model)):
+        model(**batch_inputs(prompts[:2]))
+    assert calls == {"select_stage": 0, "compact_many": 1}, calls

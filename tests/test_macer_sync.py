@@ -17,6 +17,7 @@ import sys
 import macer
 import pytest
 import torch
+from macer import _prefill as prefill_module
 from macer import runtime
 from macer.testing import build_thinker, clip_inputs, macer_config_for
 
@@ -136,14 +137,14 @@ def test_one_host_read_per_prefill_and_none_for_cpu_inputs(models, monkeypatch):
     """The plan brings ids, temporal row and mask to the host in one ``_to_host`` call per prefill; tensors already
     on the CPU are passed through without a copy."""
     calls = []
-    original = runtime._to_host
+    original = prefill_module._to_host
 
     def spy(*tensors):
         out = original(*tensors)
         calls.append(all(o is t for o, t in zip(out, tensors, strict=True)))
         return out
 
-    monkeypatch.setattr(runtime, "_to_host", spy)
+    monkeypatch.setattr(prefill_module, "_to_host", spy)
     model = models["eager"]
     inputs = clip_inputs(model, **CLIP)
     with torch.no_grad(), macer.compress(model, POLICIES["macer"](model)) as trace:
@@ -163,8 +164,8 @@ def test_no_host_sync_in_a_batch(models, monkeypatch, attn, policy):
     batch = batch_inputs([clip_inputs(model, frames=0, audio_tokens=50, use_audio_in_video=False, seed=2),
                           clip_inputs(model, **CLIP, use_audio_in_video=False)])
     reads = []
-    original = runtime._to_host
-    monkeypatch.setattr(runtime, "_to_host", lambda *t: reads.append(len(t)) or original(*t))
+    original = prefill_module._to_host
+    monkeypatch.setattr(prefill_module, "_to_host", lambda *t: reads.append(len(t)) or original(*t))
     with count_syncs(monkeypatch) as found, torch.no_grad(), \
             macer.compress(model, POLICIES[policy](model)) as trace:
         model.generate(**batch, max_new_tokens=3, do_sample=False)

@@ -187,8 +187,8 @@ def test_an_added_sync_is_caught(monkeypatch, validation_off):
 # ---- validation mode on device tensors raises the CPU errors ------------------------------------------------------
 
 BAD_VALUES = {
-    "label 9": (lambda a: mk.modality_scores(a["q"], a["k"], a["labels"] + 7), "modality labels must be in [0, 8]"),
-    "label -1": (lambda a: mk.modality_scores(a["q"], a["k"], a["labels"] - 1), "modality labels must be in [0, 8]"),
+    "label 9": (lambda a: mk.modality_scores(a["q"], a["k"], a["labels"] + 7), "modality labels must be in [-1, 8]"),
+    "label -2": (lambda a: mk.modality_scores(a["q"], a["k"], a["labels"] - 2), "modality labels must be in [-1, 8]"),
     "position N": (lambda a: mk.modality_scores(a["q"], a["k"], a["labels"], a["positions"] + 1),
                    "query_positions must be in [0, N-1=23]"),
     "position -1": (lambda a: mk.modality_scores(a["q"], a["k"], a["labels"], a["positions"] - 10),

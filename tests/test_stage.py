@@ -153,12 +153,14 @@ def _args(n=20, b=1):
         ([Mod(1, 6, 7)], {}, ValueError, r"modalities\[0\].keep must be in \[0, 6\]"),
         ([Mod(1, -1, 0)], {}, ValueError, r"modalities\[0\].count must be a non-negative integer"),
         ([Mod(1, 21, 0)], {}, ValueError, r"modalities\[0\].count must be in \[0, 20\]"),
-        ([Mod(1, 15, 0), Mod(2, 15, 0)], {}, ValueError, "counts of modalities must add up to at most N=20"),
+        ([Mod(1, 15, 0), Mod(2, 15, 0)], {}, ValueError,
+         "counts of modalities plus its padding must add up to at most N=20"),
         ([Mod(1, 6, 2, coverage_weight=-1.0)], {"chunk": True}, ValueError, r"coverage_weight must be in \[0.0"),
         ([Mod(1, 6, 2, num_chunks=4)], {}, ValueError, r"num_chunks is only for coverage"),
         ([Mod(1, 6, 2, coverage_weight=0.5)], {}, ValueError, "chunk_ids is required"),
         ([Mod(1, 6, 2)], {"chunk": True}, ValueError, "chunk_ids must be None"),
-        ([Mod(1, 5, 2)], {}, ValueError, r"modalities\[0\].count is 5 but labels hold between 6 and 6"),
+        ([Mod(1, 5, 2)], {}, ValueError,
+         r"modalities\[0\].count says sample 0 holds 5 tokens of label 1, but labels hold 6"),
         ([Mod(1, 6, 2, coverage_weight=0.5, num_chunks=2)], {"chunk": True}, ValueError,
          r"chunk_ids must be in \[0, 1\] \(modalities\[0\].num_chunks\)"),
         ([Mod(1, 6, 2)], {"eps": -1.0}, ValueError, r"eps must be in \[0.0"),
@@ -178,7 +180,10 @@ def test_value_errors_on_cpu_tensors():
     q, k, labels, chunks = _args()
     bad = labels.clone()
     bad[0, 0] = MAX_MODALITIES + 1
-    with pytest.raises(ValueError, match=rf"labels must be in \[0, {MAX_MODALITIES}\]"):
+    with pytest.raises(ValueError, match=rf"labels must be in \[-1, {MAX_MODALITIES}\] \(-1 = padding\)"):
+        select_stage(q, k, bad, [Mod(1, 6, 2)])
+    bad[0, 0] = -2
+    with pytest.raises(ValueError, match=rf"labels must be in \[-1, {MAX_MODALITIES}\]"):
         select_stage(q, k, bad, [Mod(1, 6, 2)])
     negative = chunks.clone()
     negative[labels == 1] = -1

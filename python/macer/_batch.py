@@ -6,12 +6,16 @@ Procedure (the runtime calls this module only for ``B > 1``):
 1. At the start of a prefill the whole batch's ids, temporal rows and 2-D mask come to the host in the prefill's one
    copy. Each sample's padding is stripped and the sample is planned exactly as if it ran alone
    (``macer.policy.plan_prefill`` on its own row): counts, budget split, question rows, chunk ids, stage layers.
-2. At a readout layer each sample with a stage there runs ``macer.policy.run_stage`` on its own slice of the queries
-   and keys (its real rows only: padded keys would change the softmax of raw scores and the ``eps`` term of ANMS).
-   So a stage costs ``B`` selection calls (launches scale with ``B``); sizes still come from the host plan.
-3. Before the next layer the batch is re-packed in one gather per per-token tensor: each sample's kept rows,
-   left-padded to the longest kept length. The 4-D mask is rebuilt for the new layout (causal over each sample's
-   real rows, padded keys masked; a padded query row sees only itself, so no row is fully masked and no NaN
+2. At a readout layer a MACER stage (ANMS scores, top-K / coverage per modality: ``policy._fused``) runs once for
+   the whole batch: ``macer_kernels.select_stage`` on the padded batch with the padding labelled ``PAD_LABEL``
+   (outside every softmax, so each sample scores as if alone), each sample's own counts and budgets and its own
+   question rows. The result is the re-packed layout itself: each sample's kept rows right-aligned after ``-1``s.
+   So a stage is a fixed number of launches whatever ``B`` (scoring + one selection on the GPU backends). Other
+   stages (raw scores, joint or random selections, a stage before layer 1) run ``macer.policy.run_stage`` per
+   sample on its own real rows, as a prompt alone.
+3. Before the next layer the batch is re-packed by one ``compact_many`` with the ``[B, W]`` keep (``-1`` slots give
+   zero rows): one launch per 8 per-token tensors. The 4-D mask is rebuilt for the new layout (causal over each
+   sample's real rows, padded keys masked; a padded query row sees only itself, so no row is fully masked and no NaN
    appears).
 4. Every layer's cache keeps the layout it was filled in; the session remembers each layer's ``[B, N_l]`` validity
    (``BatchLayout``), and a decode step gives every layer whose layout differs from layer 0's a mask built from it.
@@ -24,8 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from macer.policy import _fused
+from macer_kernels import PAD_LABEL, StageModality, compact_many, select_stage
+
 if TYPE_CHECKING:
-    from macer.runtime import _Prefill
+    from macer._prefill import _Prefill
     from macer.trace import PrefillRecord
 
 
@@ -89,11 +96,17 @@ class BatchPrefill:
     """One prefill of a left-padded batch: a ``_Prefill`` per sample (its own plan, device tables and kept rows) and
     the batch layout (each sample's left padding in the current, re-packed sequence)."""
 
-    def __init__(self, samples: list[_Prefill], pads: list[int], width: int, valid: torch.Tensor, boolean: bool):
+    def __init__(self, samples: list[_Prefill], pads: list[int], width: int, valid: torch.Tensor, boolean: bool,
+                 tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
         self.samples = samples
         self.pads = list(pads)  # left padding of each sample in the current sequence
         self.valid = valid  # [B, width] real rows of the current sequence
         self.boolean = boolean  # the attention backend's mask kind (SDPA: boolean; eager: additive)
+        # The whole batch's labels (PAD_LABEL on the padding) and chunk ids by original padded row, each sample's
+        # original padding ([B, 1]), and the original row of each current row (-1 on the padding): what a batched
+        # stage reads.
+        self.labels, self.chunks, self.offsets = tables
+        self.rows = torch.where(valid, torch.arange(width, device=valid.device), -1)
         self.inputs: dict[str, Any] = {}
         self.layer_valid: dict[int, torch.Tensor] = {}  # layer index -> validity of the rows it received
         self.layer_pads: dict[int, list[int]] = {}
@@ -102,6 +115,9 @@ class BatchPrefill:
         self.layer_tokens = self._widths(width)
         self.repacked = False
         self.original_valid, self.original_pads = valid, self.pads
+        self.pending: torch.Tensor | None = None  # [B, W] keep of a batched stage, applied at the next layer
+        self.pending_pads: list[int] = []
+        self.batched_stages = 0  # stages run once for the whole batch (the rest ran per sample)
 
     def _widths(self, width: int) -> list[int]:
         """The batch's sequence length entering each layer: the padded width until the first layer at which some
@@ -117,15 +133,18 @@ class BatchPrefill:
         return out
 
     def has_pending(self) -> bool:
-        return any(s.pending is not None for s in self.samples)
+        return self.pending is not None or any(s.pending is not None for s in self.samples)
 
     def stage_at(self, layer: int) -> bool:
         return any(s.stage_at(layer) is not None for s in self.samples)
 
     def run(self, query: torch.Tensor | None, key: torch.Tensor | None, scale: float | None, eps: float,
             layer: int) -> None:
-        """The stages of the samples that have one at ``layer`` (1-based readout; 0 = before the first layer), each
-        on its own real rows of the readout's queries and keys."""
+        """The stages at ``layer`` (1-based readout; 0 = before the first layer): once for the whole batch where
+        every one is a fused MACER stage, else each sample's on its own real rows of the readout's queries and
+        keys."""
+        if query is not None and self._run_batched(query, key, scale, eps, layer):
+            return
         for b, sample in enumerate(self.samples):
             if sample.stage_at(layer) is None:
                 continue
@@ -134,6 +153,69 @@ class BatchPrefill:
             k = None if key is None else key[b: b + 1, :, pad:]
             sample.run(q, k, scale, eps)
 
+    def _batch_stage(self, layer: int) -> tuple[list[int], list[StageModality], list[list[int]]] | None:
+        """The batched form of the stages at ``layer``: the labels selected, one ``StageModality`` per label with
+        per-sample counts and budgets (a sample without a stage there keeps all its tokens of the label), and each
+        sample's question rows as original padded rows. None where the stages cannot run as one ``select_stage``
+        (not fused, different selectors or question lengths, or a count the host does not know)."""
+        stages = [s.stage_at(layer) for s in self.samples]
+        present = [st for st in stages if st is not None]
+        if not all(_fused(st) for st in present):
+            return None
+        rules = {(sel.modalities[0], sel.rule, sel.coverage_weight, sel.num_chunks)
+                 for st in present for sel in st.spec.selections}
+        labels = sorted({rule[0] for rule in rules})
+        if len(rules) != len(labels) or len({st.query.numel() for st in present}) != 1:
+            return None
+        counts, keeps = {m: [] for m in labels}, {m: [] for m in labels}
+        for sample, st in zip(self.samples, stages, strict=True):
+            for m in labels:
+                sel = None if st is None else next((x for x in st.spec.selections if x.modalities[0] == m), None)
+                count = sample.label_count(m) if sel is None else st.members[st.spec.selections.index(sel)]
+                if count is None:
+                    return None
+                counts[m].append(count)
+                keeps[m].append(count if sel is None or st.tokens_after == st.tokens_before else sel.k)
+        mods = []
+        for m in labels:
+            _, rule, weight, chunks = next(r for r in rules if r[0] == m)
+            coverage = rule == "coverage"
+            mods.append(StageModality(m, counts[m], keeps[m], weight if coverage else None,
+                                      chunks if coverage else None))
+        lq = present[0].query.numel()
+        last = self.valid.shape[1] - 1  # a sample without a stage here reads its last row (always real): unused
+        rows = [[last] * lq if st is None else [r + pad for r in sample.question_rows[sample.next]]
+                for sample, st, pad in zip(self.samples, stages, self.original_pads, strict=True)]
+        return labels, mods, rows
+
+    def _run_batched(self, query: torch.Tensor, key: torch.Tensor, scale: float | None, eps: float,
+                     layer: int) -> bool:
+        planned = self._batch_stage(layer)
+        if planned is None:
+            return False
+        _, mods, rows = planned
+        device = self.rows.device
+        original = torch.tensor(rows, dtype=torch.long)
+        original = original.to(device, non_blocking=True) if device.type != "cpu" else original
+        # Current row of each question row: self.rows is ascending in every row (-1 padding first).
+        positions = torch.searchsorted(self.rows, original)
+        b, hq, _, d = query.shape
+        q = query.gather(2, positions[:, None, :, None].expand(b, hq, positions.shape[1], d))
+        safe = self.rows.clamp(min=0)
+        labels = torch.where(self.rows >= 0, self.labels.gather(1, safe), PAD_LABEL)
+        coverage = any(m.coverage_weight is not None for m in mods)
+        chunks = self.chunks.gather(1, safe) if coverage else None
+        keep = select_stage(q, key, labels, mods, chunk_ids=chunks, query_positions=positions, scale=scale, eps=eps,
+                            padding=self.pads)
+        for sample in self.samples:
+            if sample.stage_at(layer) is not None:
+                sample.next += 1
+        lengths = [self.rows.shape[1] - pad - sum(m.count[i] - m.keep[i] for m in mods)
+                   for i, pad in enumerate(self.pads)]
+        self.pending, self.pending_pads = keep, [keep.shape[1] - n for n in lengths]
+        self.batched_stages += 1
+        return True
+
     def enter(self, index: int) -> None:
         """``layers[index]`` runs on the current layout: remember it (its cache rows)."""
         self.layer_valid[index] = self.valid
@@ -141,9 +223,9 @@ class BatchPrefill:
         for sample in self.samples:
             sample.enter(index)
 
-    def compact(self, adapter: Any, index: int, args: tuple, kwargs: dict[str, Any]):
-        """Before ``layers[index]``: re-pack every sample's kept rows, left-padded to the longest (one gather per
-        per-token tensor), and rebuild the mask for the new layout."""
+    def _per_sample_keep(self) -> tuple[torch.Tensor, list[int]]:
+        """The ``[B, W]`` keep of stages that ran per sample: each sample's kept rows (in the current sequence),
+        right-aligned after -1s, and the new left padding of each sample."""
         device = self.valid.device
         keeps, lengths = [], []
         for b, sample in enumerate(self.samples):
@@ -152,26 +234,43 @@ class BatchPrefill:
             keep = torch.arange(n, device=device) if keep is None else keep
             keeps.append(keep + self.pads[b])
             lengths.append(keep.numel())
-            sample.current = sample.current[keep]
         width = max(lengths)
         pads = [width - n for n in lengths]
-        # Padded slots gather row 0 of their sample's current sequence: any finite row will do, the mask hides them.
-        index = torch.stack([torch.cat([torch.zeros(p, dtype=torch.long, device=device), k])
-                             for p, k in zip(pads, keeps, strict=True)])
-        valid = torch.stack([torch.cat([torch.zeros(p, dtype=torch.bool, device=device),
-                                        torch.ones(n, dtype=torch.bool, device=device)])
-                             for p, n in zip(pads, lengths, strict=True)])
+        keep = torch.stack([torch.cat([torch.full((p,), -1, dtype=torch.long, device=device), k])
+                            for p, k in zip(pads, keeps, strict=True)])
+        return keep, pads
+
+    def compact(self, adapter: Any, index: int, args: tuple, kwargs: dict[str, Any]):
+        """Before ``layers[index]``: re-pack every sample's kept rows, left-padded to the longest (one
+        ``compact_many`` for every per-token tensor), and rebuild the mask for the new layout."""
+        if self.pending is not None:
+            keep, pads, self.pending = self.pending, self.pending_pads, None
+        else:
+            keep, pads = self._per_sample_keep()
+        width = keep.shape[1]
+        real = keep >= 0
+        self.rows = torch.where(real, self.rows.gather(1, keep.clamp(min=0)), -1)
+        current = self.rows - self.offsets  # each sample's rows as positions of its own prompt (padding < 0)
+        for b, sample in enumerate(self.samples):
+            sample.current = current[b, pads[b]:]
         hidden = args[0] if args else kwargs["hidden_states"]
         source = self.inputs or kwargs
         cos, sin = source[adapter.position_embeddings_kwarg]
-        inputs: dict[str, Any] = {adapter.position_embeddings_kwarg: (gather_tokens(cos, index, 1),
-                                                                       gather_tokens(sin, index, 1))}
+        names, tensors, dims = ["hidden_states", "cos", "sin"], [hidden, cos, sin], [1, 1, 1]
         for name, dim in adapter.layer_token_kwargs.items():
             if isinstance(source.get(name), torch.Tensor):
-                inputs[name] = gather_tokens(source[name], index, dim)
-        inputs["attention_mask"] = layout_mask(valid, width, hidden.dtype, self.boolean)
-        hidden = gather_tokens(hidden, index, 1)
-        self.inputs, self.valid, self.pads, self.repacked = inputs, valid, pads, True
+                names.append(name)
+                tensors.append(source[name])
+                dims.append(dim % source[name].ndim)
+        b = keep.shape[0]
+        tensors = [t if t.shape[d - 1] == b else t.expand(*t.shape[:d - 1], b, *t.shape[d:])
+                   for t, d in zip(tensors, dims, strict=True)]
+        out = dict(zip(names, compact_many(tensors, keep, dims), strict=True))
+        inputs: dict[str, Any] = {adapter.position_embeddings_kwarg: (out.pop("cos"), out.pop("sin"))}
+        hidden = out.pop("hidden_states")
+        inputs.update(out)
+        inputs["attention_mask"] = layout_mask(real, width, hidden.dtype, self.boolean)
+        self.inputs, self.valid, self.pads, self.repacked = inputs, real, pads, True
         if args:
             return (hidden, *args[1:]), kwargs
         kwargs["hidden_states"] = hidden

@@ -13,7 +13,7 @@ __all__ = ["SUPPORTED_ATTENTION", "compress"]
 
 _MOVED = {
     "_Session": "macer.runtime._Session (private; the policy interface is macer.policy)",
-    "_Prefill": "macer.runtime._Prefill (private; the host plan is macer.policy.plan_prefill)",
+    "_Prefill": "macer._prefill._Prefill (private; the host plan is macer.policy.plan_prefill)",
     "_ACTIVE": "macer._attention.ACTIVE (private)",
 }
 

@@ -1,0 +1,264 @@
+"""The state of one prefill: the host plan of a prompt (or of each prompt of a left-padded batch) and the rows the
+sequence holds as the stages run (``_Prefill``; a batch's ``macer._batch.BatchPrefill`` holds one per sample).
+
+The prompt's ids, temporal positions and mask come to the host in the prefill's one copy (``_to_host``); the plan's
+tables go to the device in one copy (``_to_device``); nothing is read back afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from macer._batch import BatchPrefill, check_left_padding
+from macer.adapters import Adapter
+from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Plan, PromptFacts, plan_prefill, run_stage
+from macer.trace import PrefillRecord, Stage
+from macer_kernels import PAD_LABEL, compact, compact_many
+
+if TYPE_CHECKING:
+    from macer.runtime import _Session
+
+
+def _to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Bring 1-D tensors to the CPU in one device-to-host copy (none for tensors already there)."""
+    remote = [t for t in tensors if t is not None and t.device.type != "cpu"]
+    if not remote:
+        return list(tensors)
+    dtype = torch.float64 if any(t.is_floating_point() for t in remote) else torch.int64
+    packed = torch.cat([t.reshape(-1).to(dtype) for t in remote]).cpu()  # the prefill's one device read
+    out, offset = [], 0
+    for t in tensors:
+        if t is None or t.device.type == "cpu":
+            out.append(t)
+            continue
+        piece = packed[offset: offset + t.numel()]
+        out.append(piece if t.is_floating_point() else piece.long())
+        offset += t.numel()
+    return out
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Upload the plan's int64 tables in one host-to-device copy (asynchronous from pinned memory)."""
+    if device.type == "cpu" or not tensors:
+        return tensors
+    packed = torch.cat([t.reshape(-1).long() for t in tensors])
+    packed = packed.pin_memory() if torch.cuda.is_available() else packed
+    packed = packed.to(device, non_blocking=True)
+    return list(torch.split(packed, [t.numel() for t in tensors]))
+
+
+def _plan(session: _Session, input_ids: torch.Tensor | None, kwargs: dict[str, Any], mask: torch.Tensor | None,
+          length: int) -> tuple[Plan, PrefillRecord]:
+    """The host plan of a prefill and its trace record: the prompt's ids, temporal row and mask come to the host in
+    one copy, everything else is computed there."""
+    temporal = session.adapter.temporal_positions(kwargs, length)
+    ids, temporal, mask = _to_host(None if input_ids is None else input_ids[0],
+                                   None if temporal is None else temporal[0],
+                                   mask[0] if isinstance(mask, torch.Tensor) else None)
+    if mask is not None and not bool(mask.bool().all()):
+        raise ValueError("macer.compress: attention_mask has padding (zeros) in a single prompt; pad only a batch of "
+                         "several prompts, on the left")
+    labels = session.adapter.labels(session.model, None if ids is None else ids[None])[0].long()
+    return _plan_sample(session, ids, labels, temporal, length, session.adapter.question_end(length))
+
+
+def _plan_sample(session: _Session, ids: torch.Tensor | None, labels: torch.Tensor, temporal: torch.Tensor | None,
+                 length: int, question_end: int | None, padding: int = 0) -> tuple[Plan, PrefillRecord]:
+    """Plan and record of one prompt from its host ids, labels and temporal row (padding removed); ``padding`` is its
+    left padding in the batch, added to every index the record reports."""
+    facts = PromptFacts(labels=labels, temporal=torch.arange(length) if temporal is None else temporal,
+                        input_ids=ids, end_of_turn_token_id=session.end_of_turn,
+                        num_layers=len(session.parts.layers), question_end=question_end)
+    plan = plan_prefill(session.policy, facts)
+    scored = [s.query.tolist() for s in plan.stages if s.spec.needs_scores]
+    record = PrefillRecord(
+        prompt_length=length, n_audio=facts.count(AUDIO), n_video=facts.count(VISUAL), planned_budget=plan.budget,
+        query_positions=[q + padding for q in scored[0]] if scored else [], layer_tokens=list(plan.layer_tokens),
+        stages=[Stage(s.spec.layer, tuple(MODALITY_NAMES[m] for sel in s.spec.selections for m in sel.modalities),
+                      s.tokens_before, s.tokens_after) for s in plan.stages],
+        policy=session.policy.name, labels=labels, padding=padding)
+    return plan, record
+
+
+def _plan_batch(session: _Session, input_ids: torch.Tensor | None, root_kwargs: dict[str, Any],
+                kwargs: dict[str, Any], mask: torch.Tensor | None, batch: int, length: int,
+                device: torch.device) -> BatchPrefill:
+    """A left-padded batch: one host copy of every row's ids, temporal positions and mask, then each sample planned
+    on its own unpadded row, exactly as if it ran alone (``macer._batch``)."""
+    temporal = session.adapter.temporal_positions(kwargs, length)
+    if temporal is not None and temporal.shape[0] != batch:
+        temporal = temporal.expand(batch, length)
+    ids, temporal, host_mask = _to_host(input_ids, temporal, mask if isinstance(mask, torch.Tensor) else None)
+    ids = None if ids is None else ids.reshape(batch, length)
+    temporal = None if temporal is None else temporal.reshape(batch, length)
+    pads = [0] * batch if host_mask is None else check_left_padding(host_mask.reshape(batch, length))
+    session.adapter.check_batch(session.model, ids, root_kwargs)
+    labels = session.adapter.labels(session.model, ids).long()
+    if tuple(labels.shape) != (batch, length):
+        raise ValueError(f"macer.compress: the adapter gave labels of shape {tuple(labels.shape)} for a batch of "
+                         f"{batch} rows of {length}; a batch needs one label per row ([B, N], padding included)")
+    ends = session.adapter.question_ends(batch, length)
+    samples = []
+    # The batch's tables by padded row for the stages that run once for the whole batch (macer._batch).
+    batch_labels = labels.clone()
+    batch_chunks = torch.full((batch, length), -1, dtype=torch.long)
+    for b, pad in enumerate(pads):
+        end = None if ends[b] is None else ends[b] - pad
+        plan, record = _plan_sample(session, None if ids is None else ids[b, pad:], labels[b, pad:],
+                                    None if temporal is None else temporal[b, pad:], length - pad, end, pad)
+        samples.append(_Prefill(plan, device, record))
+        batch_labels[b, :pad] = PAD_LABEL
+        if plan.chunks is not None:
+            batch_chunks[b, pad:] = plan.chunks
+    if isinstance(mask, torch.Tensor):
+        valid = mask.bool()
+    else:
+        valid = torch.ones(batch, length, dtype=torch.bool, device=device)
+    on_device = _to_device([batch_labels, batch_chunks, torch.tensor(pads)[:, None]], device)
+    tables = tuple(t.reshape(batch, -1) for t in on_device)
+    return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager", tables=tables)
+
+
+class _Clock:
+    """MACER's own time; with ``profile`` the device is synchronised around each interval."""
+
+    def __init__(self, profile: bool):
+        self.profile = profile
+
+    def _sync(self) -> None:
+        if self.profile and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def tick(self) -> float:
+        self._sync()
+        return time.perf_counter()
+
+    def tock(self, start: float) -> float:
+        self._sync()
+        return time.perf_counter() - start
+
+
+class _Prefill:
+    """One prefill pass through the decoder: its host plan, device tables and the rows currently in the sequence."""
+
+    def __init__(self, plan: Plan, device: torch.device, record: PrefillRecord):
+        self.plan, self.record = plan, record
+        n = plan.facts.length
+        host = [plan.facts.labels, *(stage.query for stage in plan.stages)]
+        host += [pick for stage in plan.stages for pick in stage.picks if pick is not None]
+        host += [plan.chunks] if plan.chunks is not None else []
+        tables = iter(_to_device(host, device))
+        self.labels = next(tables)
+        self.queries = [next(tables) for _ in plan.stages]
+        self.picks = [tuple(next(tables) if p is not None else None for p in stage.picks) for stage in plan.stages]
+        self.chunks = next(tables) if plan.chunks is not None else None
+        self.full = torch.arange(n, device=device)
+        self.current = self.full
+        # Host numbers a batched stage needs, read from the host plan now (nothing is read in the layers).
+        self.question_rows = [stage.query.tolist() for stage in plan.stages]
+        labels = {AUDIO, VISUAL} | {m for stage in plan.stages for sel in stage.spec.selections for m in sel.modalities}
+        self.counts = {m: plan.facts.count(m) for m in labels}
+        self.next = 0  # index of the next stage to run
+        self.pending: torch.Tensor | None = None  # rows of the current sequence to keep, applied at the next layer
+        self.inputs: dict[str, Any] = {}  # compacted per-token layer kwargs after the last applied stage
+        self.layer_rows: dict[int, torch.Tensor] = {}  # rows present at each hooked layer (= its cache rows)
+        self.handles: list[Any] = []
+        self.overhead = 0.0
+
+    @property
+    def layer_tokens(self) -> list[int]:
+        return self.plan.layer_tokens
+
+    def has_pending(self) -> bool:
+        return self.pending is not None
+
+    def enter(self, index: int) -> None:
+        """``layers[index]`` runs on the current rows (they become its cache rows)."""
+        self.layer_rows[index] = self.current
+
+    def stage_at(self, layer: int):
+        """The next stage if it reads (or, at 0, applies before) decoder layer index ``layer``."""
+        if self.next < len(self.plan.stages) and self.plan.stages[self.next].spec.layer == layer:
+            return self.plan.stages[self.next]
+        return None
+
+    def label_count(self, label: int) -> int | None:
+        """Tokens of ``label`` in the current rows, from the plan (None after a joint selection over it: its share
+        of the joint budget is data-dependent)."""
+        count = self.counts[label]
+        for stage in self.plan.stages[: self.next]:
+            for sel in stage.spec.selections:
+                if label in sel.modalities:
+                    if len(sel.modalities) > 1:
+                        return None
+                    count = sel.k if stage.tokens_after != stage.tokens_before else count
+        return count
+
+    def run(self, query: torch.Tensor | None, key: torch.Tensor | None, scale: float | None, eps: float,
+            layer: int | None = None) -> None:
+        """The next stage on the current rows (``layer`` is the batch's argument; one prompt has one next stage)."""
+        stage, i = self.plan.stages[self.next], self.next
+        self.next += 1
+        if stage.tokens_after == stage.tokens_before:
+            return  # the plan says nothing is dropped (keep ratio 1): no device work
+        self.pending = run_stage(stage, query, key, self.current, self.labels, self.chunks, self.queries[i],
+                                 self.picks[i], scale=scale, eps=eps)
+
+
+    def finish(self, cache: Any, trim: bool, num_layers: int) -> tuple[list[torch.Tensor], int] | None:
+        """After the prefill: trim earlier layers' caches to the final rows if asked; returns what a decode step
+        needs (each layer's prompt rows and the prompt length; None when nothing was pruned)."""
+        rows = [self.layer_rows.get(i, self.full) for i in range(num_layers)]
+        entry = None
+        if cache is not None and self.current is not self.full:
+            final = self.current
+            if trim:
+                for i, layer_rows in enumerate(rows):
+                    if layer_rows is not final:
+                        keep = torch.searchsorted(layer_rows, final)
+                        layer = cache.layers[i]
+                        layer.keys, layer.values = compact_many([layer.keys, layer.values], keep, [-2, -2])
+                rows = [final] * len(rows)
+            entry = (rows, self.plan.facts.length)
+        if cache is not None:
+            self.record.cache_lengths = [int(layer.get_seq_length()) for layer in cache.layers[:num_layers]]
+        self.record.kept_positions = None if self.current is self.full else self.current
+        return entry
+
+    def records(self, cached: bool, entry: Any) -> list[PrefillRecord]:
+        """The prefill's record (completed by ``finish``)."""
+        return [self.record]
+
+    def compact(self, adapter: Adapter, index: int, args: tuple, kwargs: dict[str, Any]):
+        """Before ``layers[index]``: keep the pending rows of every per-token input (one ``compact_many``)."""
+        keep, self.pending = self.pending, None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        source = self.inputs or kwargs
+        cos, sin = source[adapter.position_embeddings_kwarg]
+        names, tensors, dims = ["hidden_states", "cos", "sin"], [hidden, cos, sin], [1, 1, 1]
+        for name, dim in adapter.layer_token_kwargs.items():
+            if isinstance(source.get(name), torch.Tensor):
+                names.append(name)
+                tensors.append(source[name])
+                dims.append(dim)
+        out = dict(zip(names, compact_many(tensors, keep, dims), strict=True))
+        inputs = {adapter.position_embeddings_kwarg: (out.pop("cos"), out.pop("sin"))}
+        hidden = out.pop("hidden_states")
+        inputs.update(out)
+        mask = source.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            # Rows and columns of a causal mask restricted to a sorted subset = the causal mask of the subset.
+            mask = compact(mask, keep, dim=-1)
+            if mask.ndim == 4:
+                mask = compact(mask, keep, dim=-2)
+        inputs["attention_mask"] = mask
+        adapter.on_stage(kwargs, keep, index)
+        self.inputs = inputs
+        self.current = self.current[keep]
+        if args:
+            return (hidden, *args[1:]), kwargs
+        kwargs["hidden_states"] = hidden
+        return args, kwargs
