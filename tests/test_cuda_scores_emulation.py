@@ -10,9 +10,9 @@ numpy's fp32 matmul rather than WMMA's order of accumulation (both fp32, roundin
 cannot show is that the CUDA code matches it (barriers, races): the ``cuda``-marked tests at the end, and
 tests/test_cuda_kernels.py, do that on a GPU.
 
-PAD keys (label -1, CONTRACT: "a key whose label is -1 is excluded from every row's softmax"): until the reference
-takes label -1, the oracle is the contract's own: each sample's scores on its non-PAD keys equal the reference run on
-that sample alone with the PAD keys removed and the positions shifted; PAD keys score exactly 0.
+PAD keys (label -1, a batch's padding: excluded from every row's softmax): the oracle is the contract's own, each
+sample's scores on its non-PAD keys equal the reference run on that sample alone with the PAD keys removed and the
+positions shifted, PAD keys score exactly 0; the reference run on the padded batch is checked to agree with it.
 """
 
 from __future__ import annotations
@@ -324,6 +324,10 @@ def test_replay_matches_the_reference(seed, case, keys):
     q, k, lab, positions = make_case(seed, b, hq, hkv, lq, n, d, **opts)
     scale = d ** -0.5
     ref = pad_oracle(q, k, lab, positions, scale, 1e-6)
+    # The reference itself takes PAD keys (label -1) too: both oracles agree, and the replay is checked against both.
+    direct = modality_scores_ref(torch.from_numpy(q).double(), torch.from_numpy(k).double(), torch.from_numpy(lab),
+                                 torch.from_numpy(positions), scale=scale, eps=1e-6)
+    assert torch.allclose(direct, ref, rtol=1e-12, atol=1e-300), f"seed={seed} {case}: reference vs PAD oracle"
     tiles = -(-n // keys)
     # The host's split count for a small wave (several tiles per split) and for an H100-sized one (one tile per
     # split here), plus an explicit count that splits the tiles unevenly.
