@@ -82,7 +82,6 @@ int64_t launch_tiles(const ModalityScoresParams& p, const Workspace& w) {
   a.head_dim = p.head_dim;
   a.kv_heads = p.kv_heads;
   a.num_keys = p.num_keys;
-  a.tiles = ceil_div(p.num_keys, C::kKeys);
   for (int i = 0; i < 4; ++i) a.q_stride[i] = p.q_stride[i];
   for (int i = 0; i < 3; ++i) a.k_stride[i] = p.k_stride[i];
   for (int i = 0; i < 2; ++i) a.mod_stride[i] = p.mod_stride[i];
@@ -97,13 +96,12 @@ int64_t launch_tiles(const ModalityScoresParams& p, const Workspace& w) {
               (p.q_stride[2] * esize) % 16 == 0;
   a.padded_dim = static_cast<int>(ceil_div(p.head_dim, C::kDimAlign) * C::kDimAlign);
 
-  // One wave of CTAs over (splits, Hkv, B): enough to keep every SM's loads in flight, few partials per row. Every
-  // split gets at least one tile (splits <= tiles) and the workspace bound holds (splits <= max_splits(N)).
-  const int64_t wave = ctas_per_wave<T>(p.device, a.padded_dim);
-  a.splits = std::max<int64_t>(
-      1, std::min({ceil_div(wave, p.kv_heads * p.batch), a.tiles, max_splits(p.num_keys)}));
-  a.split_tiles = a.tiles / a.splits;
-  a.split_extra = a.tiles % a.splits;
+  const ScoresSplitPlan plan =
+      modality_scores_split_plan(p.q_dtype, p.batch, p.kv_heads, p.num_keys, ctas_per_wave<T>(p.device, a.padded_dim));
+  a.tiles = plan.tiles;
+  a.splits = plan.splits;
+  a.split_tiles = plan.split_tiles;
+  a.split_extra = plan.split_extra;
   a.group = p.q_heads / p.kv_heads;
 
   const size_t smem = scores::tile_smem_bytes<T>(a.padded_dim);
@@ -115,6 +113,21 @@ int64_t launch_tiles(const ModalityScoresParams& p, const Workspace& w) {
 }
 
 }  // namespace
+
+ScoresSplitPlan modality_scores_split_plan(int q_dtype, int64_t batch, int64_t kv_heads, int64_t num_keys,
+                                           int64_t wave) {
+  require(batch >= 1 && kv_heads >= 1 && num_keys >= 1 && wave >= 1, kOp,
+          "split plan: B, Hkv, N and wave must be >= 1");
+  const bool mma = q_dtype == kFloat16 || q_dtype == kBFloat16;
+  ScoresSplitPlan plan{};
+  plan.tiles = ceil_div(num_keys, mma ? scores::TileConfig<__half>::kKeys : scores::TileConfig<float>::kKeys);
+  // One wave of CTAs over (splits, Hkv, B): enough to keep every SM's loads in flight, few partials per row. Every
+  // split gets at least one tile (splits <= tiles) and the workspace bound holds (splits <= max_splits(N)).
+  plan.splits = std::max<int64_t>(1, std::min({ceil_div(wave, kv_heads * batch), plan.tiles, max_splits(num_keys)}));
+  plan.split_tiles = plan.tiles / plan.splits;
+  plan.split_extra = plan.tiles % plan.splits;
+  return plan;
+}
 
 size_t modality_scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q_len, int64_t num_keys) {
   const int64_t rows = q_heads * q_len;

@@ -103,6 +103,23 @@ def test_host_split_count_fills_one_wave_within_the_workspace(n, hkv, b, wave):
             assert splits * hkv * b >= wave
 
 
+def test_the_modules_split_plan_is_the_replayed_one():
+    """_C.modality_scores_split_plan (the arithmetic launch_tiles uses, with the device's wave passed in) against
+    host_splits / divmod, for both tile sizes (dtype codes: 0 float32, 1 float16, 2 bfloat16, 3 float64)."""
+    pytest.importorskip("macer_kernels._C")
+    from macer_kernels.cuda._ext import ext
+
+    for code, keys in ((0, 32), (1, 64), (2, 64), (3, 32)):
+        for b, hkv, n, wave in [(1, 4, 2400, 660), (1, 4, 20000, 660), (1, 4, 100000, 660), (1, 1, 10**6, 5000),
+                                (3, 2, 5, 100), (64, 8, 40, 792), (1, 1, 1, 1), (2, 3, 777, 1)]:
+            tiles = -(-n // keys)
+            splits = host_splits(tiles, n, hkv, b, wave)
+            want = (tiles, splits, *divmod(tiles, splits))
+            assert tuple(ext().modality_scores_split_plan(code, b, hkv, n, wave)) == want, (code, b, hkv, n, wave)
+    with pytest.raises(ValueError, match="split plan: B, Hkv, N and wave must be >= 1"):
+        ext().modality_scores_split_plan(2, 1, 1, 0, 1)
+
+
 def test_workspace_bytes_match_the_replayed_layout():
     pytest.importorskip("macer_kernels._C")
     from macer_kernels.cuda._ext import ext
