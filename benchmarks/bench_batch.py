@@ -17,8 +17,8 @@ batch size it times ``model.generate(**batch, max_new_tokens=T, min_new_tokens=T
   ``cpu_speedup``.
 
 MACER runs each stage once for the whole batch (one ``select_stage`` with the padding labelled ``PAD_LABEL`` and
-per-sample budgets, one ``compact_many``: the same launches for any B; docs/integration.md "Batches"). Results go to ``benchmarks/results/bench_batch_<mode>.{csv,json}`` with the
-device, threads, versions, git SHA and settings.
+per-sample budgets, one ``compact_many``: the same launches for any B; docs/integration.md "Batches"). Results go
+to ``benchmarks/results/bench_batch_<mode>.{csv,json}`` with the device, threads, versions, git SHA and settings.
 """
 
 from __future__ import annotations

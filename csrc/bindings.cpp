@@ -102,8 +102,8 @@ void select_cta(const std::string& op, std::uintptr_t scores, int scores_dtype,
                 const std::array<int64_t, 2>& scores_stride, std::uintptr_t labels, int labels_dtype,
                 const std::array<int64_t, 2>& labels_stride, std::uintptr_t chunk_ids, int chunk_dtype,
                 const std::array<int64_t, 2>& chunk_stride, std::uintptr_t out, int64_t out_stride, int64_t out_len,
-                int64_t batch, int64_t n, const std::vector<CtaModality>& modalities, int device,
-                std::uintptr_t stream) {
+                int64_t batch, int64_t n, const std::vector<CtaModality>& modalities, std::uintptr_t keeps,
+                int device, std::uintptr_t stream) {
   macer::SelectCtaParams p{};
   p.op = op.c_str();
   p.scores = ptr<const void>(scores);
@@ -133,31 +133,37 @@ void select_cta(const std::string& op, std::uintptr_t scores, int scores_dtype,
     p.modalities[m].coverage_weight = std::get<2>(modalities[m]);
     p.modalities[m].coverage = std::get<3>(modalities[m]) ? 1 : 0;
   }
+  p.keeps = ptr<const int32_t>(keeps);
   p.device = device;
   p.stream = stream_ptr(stream);
   macer::select_cta(p);
 }
 
-// (src, dst, outer, row_units, unit_bytes, outer_stride, seq_stride, unit_stride), strides in bytes.
-using CompactSpec =
-    std::tuple<std::uintptr_t, std::uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+// (src, dst, outer, batch, row_units, unit_bytes, outer_stride, batch_stride, seq_stride, unit_stride), strides in
+// bytes.
+using CompactSpec = std::tuple<std::uintptr_t, std::uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               int64_t, int64_t>;
 
-void compact_many(const std::vector<CompactSpec>& specs, std::uintptr_t keep, int64_t k, int device,
-                  std::uintptr_t stream) {
+// keep_rows: 0 for a 1-D keep [k], B for a 2-D keep [B, k] (see CompactParams).
+void compact_many(const std::vector<CompactSpec>& specs, std::uintptr_t keep, int64_t keep_rows, int64_t k,
+                  int device, std::uintptr_t stream) {
   macer::CompactParams p{};
   for (const auto& s : specs) {
     macer::CompactTensor t{};
     t.src = ptr<const void>(std::get<0>(s));
     t.dst = ptr<void>(std::get<1>(s));
     t.outer = std::get<2>(s);
-    t.row_units = std::get<3>(s);
-    t.unit_bytes = std::get<4>(s);
-    t.outer_stride = std::get<5>(s);
-    t.seq_stride = std::get<6>(s);
-    t.unit_stride = std::get<7>(s);
+    t.batch = std::get<3>(s);
+    t.row_units = std::get<4>(s);
+    t.unit_bytes = std::get<5>(s);
+    t.outer_stride = std::get<6>(s);
+    t.batch_stride = std::get<7>(s);
+    t.seq_stride = std::get<8>(s);
+    t.unit_stride = std::get<9>(s);
     p.tensors.push_back(t);
   }
   p.keep = ptr<const int64_t>(keep);
+  p.keep_rows = keep_rows;
   p.k = k;
   p.device = device;
   p.stream = stream_ptr(stream);
@@ -168,27 +174,28 @@ void compact_many(const std::vector<CompactSpec>& specs, std::uintptr_t keep, in
 using CompactLayout =
     std::tuple<std::uintptr_t, std::uintptr_t, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t>;
 
-macer::CompactTensor describe(const CompactLayout& l) {
+macer::CompactTensor describe(const CompactLayout& l, bool batched) {
   return macer::compact_descriptor(ptr<const void>(std::get<0>(l)), ptr<void>(std::get<1>(l)), std::get<2>(l),
-                                   std::get<3>(l), std::get<4>(l), std::get<5>(l));
+                                   std::get<3>(l), std::get<4>(l), std::get<5>(l), batched);
 }
 
-void compact_layouts(const std::vector<CompactLayout>& layouts, std::uintptr_t keep, int64_t k, int device,
-                     std::uintptr_t stream) {
+void compact_layouts(const std::vector<CompactLayout>& layouts, std::uintptr_t keep, int64_t keep_rows, int64_t k,
+                     int device, std::uintptr_t stream) {
   macer::CompactParams p{};
   p.tensors.reserve(layouts.size());
-  for (const auto& l : layouts) p.tensors.push_back(describe(l));
+  for (const auto& l : layouts) p.tensors.push_back(describe(l, keep_rows > 0));
   p.keep = ptr<const int64_t>(keep);
+  p.keep_rows = keep_rows;
   p.k = k;
   p.device = device;
   p.stream = stream_ptr(stream);
   macer::compact_many(p);
 }
 
-CompactSpec compact_descriptor(const CompactLayout& l) {
-  const macer::CompactTensor t = describe(l);
-  return {reinterpret_cast<std::uintptr_t>(t.src), reinterpret_cast<std::uintptr_t>(t.dst), t.outer, t.row_units,
-          t.unit_bytes, t.outer_stride, t.seq_stride, t.unit_stride};
+CompactSpec compact_descriptor(const CompactLayout& l, bool batched) {
+  const macer::CompactTensor t = describe(l, batched);
+  return {reinterpret_cast<std::uintptr_t>(t.src), reinterpret_cast<std::uintptr_t>(t.dst), t.outer, t.batch,
+          t.row_units, t.unit_bytes, t.outer_stride, t.batch_stride, t.seq_stride, t.unit_stride};
 }
 
 py::dict device_report() {
@@ -241,7 +248,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("compact_many", &compact_many, "One gather launch per group of up to MAX_COMPACT_TENSORS tensors");
   m.def("compact_layouts", &compact_layouts,
         "compact_many from (src, dst, shape, strides, element_bytes, dim) per tensor: descriptors built here");
-  m.def("compact_descriptor", &compact_descriptor, "The CompactSpec tuple compact_layouts builds for one layout");
+  m.def("compact_descriptor", &compact_descriptor, "The CompactSpec tuple compact_layouts builds for one layout",
+        py::arg("layout"), py::arg("batched") = false);
   m.def("device_report", &device_report, "CUDA device count, error, capability, runtime and driver versions");
   m.def("compiled_archs", &macer::compiled_archs, "SM versions with SASS in this module");
   m.def("ptx_arch", &macer::ptx_arch, "SM version of the embedded PTX");

@@ -83,7 +83,8 @@ void coverage_select(const SelectParams& p);
 // ---------------------------------------------------------------------------------------------------------------
 // One-CTA selection (csrc/kernels/select_cta.cuh): one launch, one thread block per row, for n up to
 // select_cta_max_n(device, coverage). topk_indices and coverage_select are one row with labels == nullptr and one
-// modality; stage_select is B rows with up to kMaxStageModalities selected labels.
+// modality; stage_select is B rows with up to kMaxStageModalities selected labels (each >= 0). Labels < 0 (PAD_LABEL
+// = -1, a batch's padding) are never candidates and never kept.
 constexpr int kMaxStageModalities = 8;
 struct SelectCtaModality {
   int64_t label;           // tokens with this label are this modality's candidates
@@ -96,7 +97,8 @@ struct SelectCtaParams {
   const void* scores;     // [B, N] floating, dtype scores_dtype (float64 only without coverage)
   const void* labels;     // [B, N] integer labels, or nullptr: every token is a candidate of modalities[0]
   const void* chunk_ids;  // [B, N] integer chunk ids (read for coverage candidates only), or nullptr
-  int64_t* out;           // [B, out_len] int64, ascending kept positions per row (-1 for a row contradicting out_len)
+  int64_t* out;           // [B, out_len] int64: row b's len_b kept positions ascending, right-aligned after
+                          // out_len - len_b entries of -1 (all -1 for a row contradicting its budgets or out_len)
   int scores_dtype, labels_dtype, chunk_dtype;
   int64_t scores_stride[2], labels_stride[2], chunk_stride[2];  // elements
   int64_t out_stride, out_len;
@@ -104,6 +106,10 @@ struct SelectCtaParams {
   int64_t key_capacity;  // set by the launcher: 64-bit keys in dynamic shared memory
   int num_modalities;
   SelectCtaModality modalities[kMaxStageModalities];
+  // Per-row budgets, or nullptr (every row keeps modalities[m].keep): contiguous int32 [B, num_modalities] on the
+  // device, keeps[b * num_modalities + m] = row b's keep of modality m, in [0, modalities[m].keep] (the spec's keep
+  // is the maximum over rows); an entry outside that range makes its row all -1. Needs labels.
+  const int32_t* keeps;
   int device;
   void* stream;
 };
@@ -114,26 +120,32 @@ void select_cta(const SelectCtaParams& p);
 // compact / compact_many: one gather launch for up to kMaxCompactTensors tensors sharing a sequence axis
 constexpr int kMaxCompactTensors = 8;
 struct CompactTensor {
-  const void* src;   // viewed as [outer, N, row_units] units of unit_bytes
-  void* dst;         // contiguous [outer, k, row_units]
-  int64_t outer, row_units;
-  int64_t unit_bytes;                           // 1, 2, 4, 8 or 16
-  int64_t outer_stride, seq_stride, unit_stride;  // bytes
+  const void* src;   // viewed as [outer, batch, N, row_units] units of unit_bytes
+  void* dst;         // contiguous [outer, batch, k, row_units]
+  int64_t outer, batch, row_units;  // batch: 1 for a 1-D keep, B (the keep's rows) for a 2-D keep
+  int64_t unit_bytes;                                           // 1, 2, 4, 8 or 16
+  int64_t outer_stride, batch_stride, seq_stride, unit_stride;  // bytes
 };
 struct CompactParams {
   std::vector<CompactTensor> tensors;  // any number; launched in groups of kMaxCompactTensors
-  const int64_t* keep;                 // [k] strictly increasing indices in 0..N-1
+  // keep_rows == 0: keep is [k], strictly increasing indices in 0..N-1, and every tensor has batch 1.
+  // keep_rows == B >= 1: keep is [B, k] (contiguous), row b the positions of batch element b: a run of -1 (an
+  // all-zero output row each), then strictly increasing indices in 0..N-1; every tensor has batch B.
+  const int64_t* keep;
+  int64_t keep_rows;
   int64_t k;
   int device;
   void* stream;
 };
 void compact_many(const CompactParams& p);
 // The descriptor of a tensor of `shape` / `strides` (elements) and `element_bytes`, compacted along `dim` into the
-// contiguous `dst`: [outer, N, row_units] units of the widest size (16..1 bytes) dividing the row size, the strides
-// and the base address. Throws std::invalid_argument when the dims before or after `dim` do not flatten to one
-// stride each (the caller copies such a tensor to contiguous memory first).
+// contiguous `dst`: [outer, batch, N, row_units] units of the widest size (16..1 bytes) dividing the row size, the
+// strides and the base address. `batched` (a 2-D keep): dim - 1 is the batch dim (batch = its size), else batch = 1.
+// Throws std::invalid_argument when the dims before (before dim - 1 when batched) or after `dim` do not flatten to
+// one stride each (the caller copies such a tensor to contiguous memory first).
 CompactTensor compact_descriptor(const void* src, void* dst, const std::vector<int64_t>& shape,
-                                 const std::vector<int64_t>& strides, int64_t element_bytes, int64_t dim);
+                                 const std::vector<int64_t>& strides, int64_t element_bytes, int64_t dim,
+                                 bool batched);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Runtime queries (no kernel launches): used by macer_kernels.cuda.unavailable_reason().

@@ -1,5 +1,6 @@
 // Launcher of the one-CTA selection kernel (csrc/kernels/select_cta.cuh): one launch, no workspace, no
 // synchronisation. The per-device shared-memory limit is queried once and cached (host attributes, no device work).
+#include <algorithm>
 #include <climits>
 #include <mutex>
 
@@ -8,18 +9,9 @@
 namespace macer {
 namespace {
 
-int64_t next_pow2(int64_t n) {
-  int64_t p = 1;
-  while (p < n) p <<= 1;
-  return p;
-}
-
-int64_t key_capacity(int64_t n, bool coverage) { return coverage ? next_pow2(n) : n; }
-
-// Dynamic shared memory: the 64-bit keys, then the picked-token bitmap.
-size_t dynamic_bytes(int64_t n, bool coverage) {
-  return static_cast<size_t>(key_capacity(n, coverage)) * 8 + static_cast<size_t>(ceil_div(n, 32)) * 4;
-}
+// Dynamic shared memory: n 64-bit keys (top-K and coverage alike: the coverage sort stores only the n real keys),
+// then the picked-token bitmap.
+size_t dynamic_bytes(int64_t n) { return static_cast<size_t>(n) * 8 + static_cast<size_t>(ceil_div(n, 32)) * 4; }
 
 constexpr int kMaxDevices = 64;
 std::mutex limits_mutex;
@@ -45,14 +37,10 @@ size_t device_dynamic_limit(int device, const char* op) {
 }
 
 int64_t max_n_for(size_t avail, bool coverage) {
-  if (coverage) {  // power-of-two sort, at most kMaxSortItems positions per thread
-    for (int64_t p = int64_t{cta::kThreads} * cta::kMaxSortItems; p >= 1; p >>= 1)
-      if (dynamic_bytes(p, true) <= avail) return p;
-    return 0;
-  }
   int64_t n = static_cast<int64_t>(avail / 8);
-  while (n > 0 && dynamic_bytes(n, false) > avail) --n;
-  return n;
+  while (n > 0 && dynamic_bytes(n) > avail) --n;
+  // coverage holds at most kMaxSortItems sorted positions per thread in registers
+  return coverage ? std::min<int64_t>(n, int64_t{cta::kThreads} * cta::kMaxSortItems) : n;
 }
 
 }  // namespace
@@ -76,6 +64,7 @@ void select_cta(const SelectCtaParams& params) {
   for (int m = 0; m < p.num_modalities; ++m) {
     const SelectCtaModality& mod = p.modalities[m];
     require(mod.keep >= 0 && mod.keep <= p.n, op, "keep must be in [0, n]");
+    require(p.labels == nullptr || mod.label >= 0, op, "modality labels must be >= 0 (label -1 is padding)");
     if (!mod.coverage) continue;
     coverage = true;
     require(mod.coverage_weight >= 0.0, op, "coverage_weight must be >= 0");
@@ -87,14 +76,15 @@ void select_cta(const SelectCtaParams& params) {
                                             "take the multi-CTA path");
   }
   require(p.labels != nullptr || p.out_len == p.modalities[0].keep, op, "without labels out_len must equal keep");
+  require(p.labels != nullptr || p.keeps == nullptr, op, "per-row keeps need labels");
   const size_t avail = device_dynamic_limit(p.device, op);
   const int64_t limit = max_n_for(avail, coverage);
   require(p.n <= limit, op, "n = " + std::to_string(p.n) + " exceeds the one-CTA limit " + std::to_string(limit) +
                                 " of this device (select_cta_max_n)");
   if (p.out_len == 0) return;
   use_device(p.device, op);
-  p.key_capacity = key_capacity(p.n, coverage);
-  cta::select_cta_kernel<<<static_cast<unsigned>(p.batch), cta::kThreads, dynamic_bytes(p.n, coverage),
+  p.key_capacity = p.n;
+  cta::select_cta_kernel<<<static_cast<unsigned>(p.batch), cta::kThreads, dynamic_bytes(p.n),
                            static_cast<cudaStream_t>(p.stream)>>>(p);
   MACER_LAUNCH_CHECK(op, "select_cta_kernel");
 }

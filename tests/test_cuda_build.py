@@ -221,10 +221,21 @@ def test_module_rejects_bad_selection_and_compact_arguments():
         C.coverage_select(0, 0, 4, 1, 0, 8, 1, 2, -1.0, 0, 0, 1 << 20, 0, 0)
     with pytest.raises(ValueError, match="coverage_select: chunk_ids dtype code must be an integer code"):
         C.coverage_select(0, 0, 4, 1, 0, 0, 1, 2, 1.0, 0, 0, 1 << 20, 0, 0)
+    # (src, dst, outer, batch, row_units, unit_bytes, outer_stride, batch_stride, seq_stride, unit_stride)
     with pytest.raises(ValueError, match=re.escape("compact: unit_bytes must be 1, 2, 4, 8 or 16, got 3")):
-        C.compact_many([(0, 0, 1, 1, 3, 0, 3, 3)], 0, 1, 0, 0)
+        C.compact_many([(0, 0, 1, 1, 1, 3, 0, 0, 3, 3)], 0, 0, 1, 0, 0)
     with pytest.raises(ValueError, match=re.escape("macer_kernels.compact: outer and row_units must be >= 0")):
-        C.compact_many([(0, 0, -1, 1, 4, 0, 4, 4)], 0, 1, 0, 0)
+        C.compact_many([(0, 0, -1, 1, 1, 4, 0, 0, 4, 4)], 0, 0, 1, 0, 0)
+    with pytest.raises(ValueError, match=re.escape("compact: with a 2-D keep [B, W] every tensor's batch must be 3")):
+        C.compact_many([(0, 0, 1, 2, 1, 4, 0, 4, 4, 4)], 0, 3, 1, 0, 0)
+    with pytest.raises(ValueError, match=re.escape("compact: with a 1-D keep every tensor's batch must be 1")):
+        C.compact_many([(0, 0, 1, 2, 1, 4, 0, 4, 4, 4)], 0, 0, 1, 0, 0)
+    with pytest.raises(ValueError, match=re.escape("macer_kernels.compact: keep_rows and k must be >= 0")):
+        C.compact_many([], 0, -1, 1, 0, 0)
+    with pytest.raises(ValueError, match=re.escape("every tensor's batch must be 3")):  # descriptors built in C++
+        C.compact_layouts([(0, 0, [2, 5, 4], [20, 4, 1], 4, 1)], 0, 3, 2, 0, 0)
+    with pytest.raises(ValueError, match=re.escape("compact: with a 2-D keep [B, W] the sequence dim needs a batch")):
+        C.compact_layouts([(0, 0, [5, 4], [4, 1], 4, 0)], 0, 3, 2, 0, 0)
 
 
 @needs_module
@@ -237,7 +248,7 @@ def test_cuda_errors_become_runtime_errors_naming_the_op(op):
         "modality_scores": lambda: _scores_call(),
         "topk_indices": lambda: C.topk_indices(0, 0, 4, 1, 2, 0, 0, 1 << 20, 0, 0),
         "coverage_select": lambda: C.coverage_select(0, 0, 4, 1, 0, 8, 1, 2, 1.0, 0, 0, 1 << 20, 0, 0),
-        "compact": lambda: C.compact_many([(0, 0, 1, 1, 4, 0, 4, 4)], 0, 1, 0, 0),
+        "compact": lambda: C.compact_many([(0, 0, 1, 1, 1, 4, 0, 0, 4, 4)], 0, 0, 1, 0, 0),
         "select_workspace_bytes": lambda: C.select_workspace_bytes(10, 0),
     }
     with pytest.raises(RuntimeError, match=rf"^macer_kernels\.{op}: cudaGetDevice failed: cuda\w+ \(.+\)$"):
@@ -302,18 +313,23 @@ def test_wrappers_reject_what_the_kernels_cannot_take():
 # --- compact's layout descriptor, checked on CPU by replaying the kernel's address arithmetic ------------------------
 
 def _replay_gather(x: torch.Tensor, spec: tuple, keep: torch.Tensor) -> torch.Tensor:
-    """What compact_kernel writes for one descriptor: unit i of the output comes from
-    src + o * outer_stride + keep[j] * seq_stride + u * unit_stride (bytes)."""
-    _, _, outer, row_units, unit, outer_stride, seq_stride, unit_stride = spec
+    """What compact_kernel writes for one descriptor: unit i = (o, b, r, u) of the output comes from
+    src + o * outer_stride + b * batch_stride + keep[b, r] * seq_stride + u * unit_stride (bytes), or is zero where
+    keep[b, r] < 0. A 1-D keep is one row (batch 1)."""
+    _, _, outer, batch, row_units, unit, outer_stride, batch_stride, seq_stride, unit_stride = spec
+    keep = keep.view(-1, keep.shape[-1])
+    assert keep.shape[0] == batch
     storage = x.untyped_storage()
     raw = torch.empty(0, dtype=torch.uint8).set_(storage)
     base = x.data_ptr() - storage.data_ptr()
-    o = torch.arange(outer)[:, None, None, None]
-    j = keep[None, :, None, None]
-    u = torch.arange(row_units)[None, None, :, None]
-    b = torch.arange(unit)[None, None, None, :]
-    offsets = base + o * outer_stride + j * seq_stride + u * unit_stride + b
-    return raw[offsets.reshape(-1)]
+    o = torch.arange(outer)[:, None, None, None, None]
+    b = torch.arange(batch)[None, :, None, None, None]
+    j = keep[None, :, :, None, None]
+    u = torch.arange(row_units)[None, None, None, :, None]
+    byte = torch.arange(unit)[None, None, None, None, :]
+    offsets = base + o * outer_stride + b * batch_stride + j.clamp(min=0) * seq_stride + u * unit_stride + byte
+    shape = (outer, batch, keep.shape[1], row_units, unit)
+    return torch.where((j >= 0).expand(shape), raw[offsets.reshape(-1)].view(shape), 0).reshape(-1)
 
 
 LAYOUTS = {
@@ -337,8 +353,55 @@ def test_compact_descriptor_addresses_the_kept_rows(layout):
     out = x.index_select(dim, keep).contiguous()
     spec = _ext.ext().compact_descriptor((x.data_ptr(), out.data_ptr(), list(x.shape), list(x.stride()),
                                           x.element_size(), dim))
-    assert spec[4] == expected_unit
+    assert spec[3] == 1 and spec[5] == expected_unit  # batch 1 for a 1-D keep
     assert torch.equal(_replay_gather(x, spec, keep), out.view(torch.uint8).reshape(-1))
+
+
+# A batch of 3 (B just before the sequence dim), with the unit the descriptor should choose.
+BATCHED_LAYOUTS = {
+    "hidden bf16 [B,N,H]": (lambda: torch.randn(3, 37, 64).to(torch.bfloat16), 1, 16),
+    "cos fp32 [B,N,D]": (lambda: torch.randn(3, 37, 80), -2, 16),
+    "positions int64 [3,B,N]": (lambda: torch.arange(3 * 3 * 37).view(3, 3, 37), 2, 8),
+    "positions [4,B,N] view of [4,6,N] (batch stride 2 rows)": (lambda: torch.arange(4 * 6 * 37).view(4, 6, 37)[:, ::2],
+                                                                 2, 8),
+    "labels int64 [B,N]": (lambda: torch.randint(-1, 9, (3, 37)), 1, 8),
+    "transposed [B,H,N]->[B,N,H]": (lambda: torch.randn(3, 6, 37).transpose(1, 2), 1, 4),
+    "offset view": (lambda: torch.randn(3, 38, 8)[:, 1:, 1:5], 1, 4),
+    "odd rows [B,N,3] int8": (lambda: torch.randint(-9, 9, (3, 37, 3), dtype=torch.int8), 1, 1),
+}
+
+
+def _right_aligned_keep(g, b, n, w):
+    """[b, w] int64 rows: a run of -1, then strictly increasing indices in [0, n) (the stage's right-aligned rows);
+    one row full, one row all -1."""
+    keep = torch.full((b, w), -1, dtype=torch.long)
+    for row in range(b):
+        length = w if row == 0 else (0 if row == b - 1 else int(torch.randint(0, w + 1, (1,), generator=g)))
+        keep[row, w - length:] = torch.randperm(n, generator=g)[:length].sort().values
+    return keep
+
+
+@needs_module
+@pytest.mark.parametrize("layout", list(BATCHED_LAYOUTS))
+def test_compact_descriptor_addresses_the_kept_rows_of_a_batch(layout, seed):
+    from macer_kernels.compact import _compact_torch
+
+    make, dim, expected_unit = BATCHED_LAYOUTS[layout]
+    x = make()
+    dim = dim % x.dim()
+    g = torch.Generator().manual_seed(seed)
+    keep = _right_aligned_keep(g, x.shape[dim - 1], x.shape[dim], 11)
+    out = torch.empty([11 if i == dim else s for i, s in enumerate(x.shape)], dtype=x.dtype)
+    spec = _ext.ext().compact_descriptor((x.data_ptr(), out.data_ptr(), list(x.shape), list(x.stride()),
+                                          x.element_size(), dim), batched=True)
+    assert spec[3] == x.shape[dim - 1] and spec[5] == expected_unit, spec
+    want = torch.zeros_like(out)  # independent of the torch backend: row by row
+    for b in range(keep.shape[0]):
+        for r in range(keep.shape[1]):
+            if keep[b, r] >= 0:
+                want.select(dim - 1, b).select(dim - 1, r).copy_(x.select(dim - 1, b).select(dim - 1, int(keep[b, r])))
+    assert torch.equal(_compact_torch(x, keep, dim), want), f"seed={seed}"
+    assert torch.equal(_replay_gather(x, spec, keep), want.view(torch.uint8).reshape(-1)), f"seed={seed}"
 
 
 # --- the scoring kernel's query staging, replayed on CPU (csrc/kernels/modality_scores.cuh) -------------------------
@@ -412,14 +475,50 @@ def test_compact_many_is_one_module_call_with_one_layout_per_tensor(monkeypatch)
     keep = torch.tensor([1, 5, 39])
     with no_host_sync():
         outs = compact.compact_many_cuda([hidden, cos, positions], keep, [1, 1, 2])
-    ((layouts, keep_ptr, k, device, stream),) = calls
-    assert (keep_ptr, k, device, stream) == (keep.data_ptr(), 3, 0, 5)
+    ((layouts, keep_ptr, rows, k, device, stream),) = calls
+    assert (keep_ptr, rows, k, device, stream) == (keep.data_ptr(), 0, 3, 0, 5)  # rows 0: a 1-D keep
     assert [o.shape for o in outs] == [(1, 3, 16), (1, 3, 8), (3, 1, 3)]
     # the source's own shape (its N, not k: a size-1 sequence dim would otherwise lose its stride)
     assert layouts == [(t.data_ptr(), o.data_ptr(), t.shape, t.stride(), t.element_size(), d)
                        for t, o, d in zip((hidden, cos, positions), outs, (1, 1, 2))]
     compact.compact_many_cuda([hidden], keep[:0], [1])  # k = 0: nothing to launch
     assert len(calls) == 1
+
+
+def test_batched_compact_many_is_one_module_call_without_a_host_sync(monkeypatch):
+    """A 2-D keep [B, W]: one module call for every tensor (the module launches once per MAX_COMPACT_TENSORS), the
+    keep's rows and width passed as host integers, outputs [.., B, W, ..]; a tensor without its batch dim refused."""
+    calls = []
+
+    class FakeModule:
+        def compact_layouts(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(compact, "ext", FakeModule)
+    monkeypatch.setattr(compact, "check_cuda_tensor", lambda *args: None)
+    monkeypatch.setattr(compact, "launch_args", lambda t: (0, 5))
+    hidden, cos = torch.randn(3, 40, 16).bfloat16(), torch.randn(3, 40, 8)
+    positions = torch.arange(360).view(3, 3, 40)
+    keep = torch.tensor([[-1, -1, 4, 9], [0, 1, 2, 39], [-1, -1, -1, -1]])
+    with no_host_sync():
+        outs = compact.compact_many_cuda([hidden, cos, positions], keep, [1, 1, 2])
+    ((layouts, keep_ptr, rows, k, device, stream),) = calls
+    assert (keep_ptr, rows, k, device, stream) == (keep.data_ptr(), 3, 4, 0, 5)
+    assert [o.shape for o in outs] == [(3, 4, 16), (3, 4, 8), (3, 3, 4)]
+    assert [layout[2:] for layout in layouts] == [(t.shape, t.stride(), t.element_size(), d)
+                                                  for t, d in zip((hidden, cos, positions), (1, 1, 2))]
+    many = [torch.randn(3, 40, i + 1) for i in range(19)]
+    with no_host_sync():
+        compact.compact_many_cuda(many, keep.int(), [1] * 19)  # an int32 keep is made int64 on the device
+    assert len(calls) == 2 and len(calls[1][0]) == 19 and calls[1][2:4] == (3, 4)
+    # the batch dim of the layout kept its own stride: a [B, H, N] view transposed to [B, N, H] is not copied
+    compact.compact_many_cuda([torch.randn(3, 6, 40).transpose(1, 2)], keep, [1])
+    assert calls[2][0][0][3] == (240, 1, 40)
+    for bad, dim in ((torch.randn(2, 40, 8), 1), (torch.randn(40, 3), 0)):
+        with pytest.raises(ValueError, match=re.escape("compact (cuda): with a 2-D keep [B=3, W], tensors[0] needs a "
+                                                       "batch dimension of size B just before its sequence")):
+            compact.compact_many_cuda([bad], keep, [dim])
+    assert len(calls) == 3
 
 
 def test_compact_many_keeps_its_contiguous_copies_alive_through_the_launch(monkeypatch):
@@ -433,7 +532,7 @@ def test_compact_many_keeps_its_contiguous_copies_alive_through_the_launch(monke
     class FakeModule:
         MAX_COMPACT_TENSORS = 8
 
-        def compact_layouts(self, layouts, keep_ptr, k, device, stream):
+        def compact_layouts(self, layouts, keep_ptr, rows, k, device, stream):
             alive_at_launch.extend(ref() is not None for ref in copies)
 
     contiguous = torch.Tensor.contiguous
@@ -527,11 +626,11 @@ def test_selection_up_to_the_limit_is_one_launch_of_the_one_cta_kernel(recording
     (topk, args_t), (cov, args_c) = _launches(recording)
     assert topk == cov == "select_cta"
     # (op, scores, dtype, strides, labels, labels dtype, strides, chunks, dtype, strides, out, out stride, out_len,
-    #  B, n, modalities, device, stream)
+    #  B, n, modalities, keeps, device, stream)
     assert args_t[0] == "topk_indices" and args_t[1] == scores.data_ptr() and args_t[3] == (0, 2)
-    assert args_t[4] == 0 and args_t[7] == 0 and args_t[12:16] == (250, 1, 1000, [(0, 250, 0.0, False)])
+    assert args_t[4] == 0 and args_t[7] == 0 and args_t[12:17] == (250, 1, 1000, [(0, 250, 0.0, False)], 0)
     assert args_c[0] == "coverage_select" and args_c[7] == chunks.data_ptr() and args_c[9] == (0, 1)
-    assert args_c[12:16] == (100, 1, 1000, [(0, 100, 0.2, True)]) and args_c[16:] == (0, 7)
+    assert args_c[12:17] == (100, 1, 1000, [(0, 100, 0.2, True)], 0) and args_c[17:] == (0, 7)
     # the limit is asked once per (device, coverage), then cached
     select.topk_indices_cuda(scores, 3)
     assert [name for name, _ in recording.calls].count("select_cta_max_n") == 2
@@ -566,9 +665,32 @@ def test_stage_select_is_one_launch_with_one_parameter_set(recording):
     assert name == "select_cta" and args[0] == "stage_select"
     assert args[1:4] == (scores.data_ptr(), 0, (500, 1)) and args[4:7] == (labels.data_ptr(), 5, (500, 1))
     assert args[7:10] == (chunks.data_ptr(), 7, (500, 1)) and args[10:15] == (out.data_ptr(), 321, 321, 3, 500)
-    assert args[15] == [(1, 40, 0.0, False), (2, 30, 0.2, True)]
+    assert args[15] == [(1, 40, 0.0, False), (2, 30, 0.2, True)] and args[16:] == (0, 0, 7)  # keeps: none
     empty = stage.stage_select_cuda(scores[:, :0], labels[:, :0], None, ((1, 0, None, 0),), 0)
     assert empty.shape == (3, 0) and len(_launches(recording)) == 1  # out_len = 0 (here N = 0): no launch
+    keeps = torch.tensor([[40, 3], [0, 30], [12, 0]], dtype=torch.int32)
+    with no_host_sync():
+        stage.stage_select_cuda(scores, labels, chunks, modalities, 321, keeps)
+    (_, args) = _launches(recording)[-1]
+    assert len(_launches(recording)) == 2 and args[15:] == (args[15], keeps.data_ptr(), 0, 7)  # the table, on device
+
+
+def test_stage_select_above_the_limit_with_per_sample_budgets_runs_the_sort_chain(recording, seed):
+    from test_cuda_select_emulation import padded_case, padded_oracle
+
+    from macer_kernels.cuda import stage
+
+    recording.cta_limit = 100
+    counts = [{1: 40, 2: 60}, {1: 20, 2: 70}, {1: 33, 2: 0}]
+    scores, labels, chunk_ids = padded_case(seed, 200, [200, 150, 101], counts)
+    keeps = torch.tensor([[10, 25], [20, 0], [3, 0]], dtype=torch.int32)
+    modalities = ((1, 20, None, 0), (2, 25, 0.2, 8))
+    out_len = 200 - 30 - 35
+    with no_host_sync():
+        got = stage.stage_select_cuda(scores, labels, chunk_ids, modalities, out_len, keeps)
+    assert _launches(recording) == []
+    assert torch.equal(got, padded_oracle(scores, labels, chunk_ids, modalities, out_len, keeps)), f"seed={seed}"
+    assert [int((row >= 0).sum()) for row in got] == [135, 150 - 70, 101 - 30], f"seed={seed}"
 
 
 def test_stage_select_above_the_limit_runs_the_sort_chain_without_a_host_sync(recording):
@@ -605,6 +727,17 @@ def test_stage_select_above_the_limit_runs_the_sort_chain_without_a_host_sync(re
      "out_len must be in [0, 5], got 6"),
     ((torch.randn(0, 5), torch.zeros(0, 5, dtype=torch.long), None, ((1, 0, None, 1),), 5), ValueError,
      "B must be >= 1, got 0"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((-1, 0, None, 1),), 5), ValueError,
+     "modality labels must be >= 0 (-1 is padding), got -1"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, None, 1),), 5,
+      torch.zeros(2, 1, dtype=torch.long)), ValueError,
+     "keeps must be an int32 tensor of shape (2, 1) (B, number of modalities), got torch.int64 (2, 1)"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, None, 1),), 5,
+      torch.zeros(1, 2, dtype=torch.int32)), ValueError, "keeps must be an int32 tensor of shape (2, 1)"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, None, 1),), 5,
+      torch.zeros(2, 1, dtype=torch.int32, device="meta")), ValueError, "keeps must be on the scores' device cpu"),
+    ((torch.randn(2, 5), torch.zeros(2, 5, dtype=torch.long), None, ((1, 0, None, 1), (2, 0, None, 1)), 5,
+      torch.zeros(2, 2, dtype=torch.int32).t()), ValueError, "keeps must be contiguous, got strides (1, 2)"),
 ])
 def test_stage_select_rejects_bad_arguments_on_the_host(recording, args, error, message):
     from macer_kernels.cuda import stage
@@ -623,7 +756,7 @@ def test_module_rejects_bad_one_cta_arguments():
                  out=0, os=4, out_len=4, b=1, n=4, mods=[(1, 2, 0.0, False)])
         a.update(over)
         C.select_cta(a["op"], a["scores"], a["sd"], a["ss"], a["labels"], a["ld"], a["ls"], a["chunks"], a["cd"],
-                     a["cs"], a["out"], a["os"], a["out_len"], a["b"], a["n"], a["mods"], 0, 0)
+                     a["cs"], a["out"], a["os"], a["out_len"], a["b"], a["n"], a["mods"], a.get("keeps", 0), 0, 0)
 
     cases = [
         (dict(mods=[]), "the number of selected modalities must be in [1, 8]"),
@@ -639,6 +772,8 @@ def test_module_rejects_bad_one_cta_arguments():
         (dict(mods=[(1, 2, 1.0, True)], chunks=0), "coverage needs chunk_ids with an integer dtype code"),
         (dict(mods=[(1, 2, 1.0, True)], sd=3), "coverage in one CTA compares float32 score bits: float64 scores take"),
         (dict(labels=0, out_len=3), "without labels out_len must equal keep"),
+        (dict(mods=[(-1, 2, 0.0, False)]), "modality labels must be >= 0 (label -1 is padding)"),
+        (dict(labels=0, mods=[(0, 4, 0.0, False)], keeps=8), "per-row keeps need labels"),
     ]
     for over, message in cases:
         with pytest.raises(ValueError, match=re.escape(f"macer_kernels.stage_select: {message}")):
@@ -675,6 +810,12 @@ def test_custom_ops_trace_with_fake_tensors():
                     tracing_mode="fake")(*_fake_cuda(((2, 40), torch.float32, "cuda"), ((2, 40), torch.uint8, "cuda"),
                                                      ((2, 40), torch.int32, "cuda")))
     (output,) = [node for node in stage.graph.nodes if node.op == "output"]
+    assert tuple(output.args[0].meta["val"].shape) == (2, 30)
+    batched = make_fx(lambda s, m, c, k: torch.ops.macer_cuda.stage_select(s, m, c, [1, 2], [3, 4], [-1.0, 0.2], 30,
+                                                                           k),
+                      tracing_mode="fake")(*_fake_cuda(((2, 40), torch.float32, "cuda"), ((2, 40), torch.int64, "cuda"),
+                                                       ((2, 40), torch.int32, "cuda"), ((2, 2), torch.int32, "cuda")))
+    (output,) = [node for node in batched.graph.nodes if node.op == "output"]
     assert tuple(output.args[0].meta["val"].shape) == (2, 30)
     (output,) = [node for node in graph.graph.nodes if node.op == "output"]
     shapes = [tuple(value.meta["val"].shape) for value in output.args[0]]

@@ -225,10 +225,12 @@ def _cta_limit(coverage: bool) -> int:
 
 def test_one_cta_limits_cover_the_paper_sizes():
     major, _ = torch.cuda.get_device_capability()
-    # sm_89: 99 KB of shared memory per block -> 8192 coverage / ~12k top-K; sm_90: 227 KB -> 16384 / ~28k.
-    assert _cta_limit(True) >= 8192 and _cta_limit(False) >= 12000, (_cta_limit(True), _cta_limit(False))
+    # n 64-bit keys + a bitmap for both: sm_89 (99 KB of shared memory per block) ~12.3k; sm_90 (227 KB) ~28.4k,
+    # coverage capped at 28672 (kThreads * kMaxSortItems).
+    assert _cta_limit(True) >= 12000 and _cta_limit(False) >= 12000, (_cta_limit(True), _cta_limit(False))
+    assert _cta_limit(True) == min(_cta_limit(False), 28672)
     if major >= 9:
-        assert _cta_limit(True) == 16384 and _cta_limit(False) >= 20000
+        assert _cta_limit(True) >= 28000 and _cta_limit(False) >= 28000
 
 
 @pytest.mark.parametrize("coverage", [False, True])
@@ -258,7 +260,10 @@ def test_one_cta_selection_is_a_single_launch():
     chunks = torch.arange(864, device=DEV) // 36
     from macer_kernels.cuda.select import coverage_select_cuda, topk_indices_cuda
 
-    for call in (lambda: topk_indices_cuda(scores, 216), lambda: coverage_select_cuda(scores, chunks, 216, 0.2)):
+    big = torch.randn(min(20000, _cta_limit(True)), device=DEV)
+    big_chunks = torch.arange(big.numel(), device=DEV) // 800
+    for call in (lambda: topk_indices_cuda(scores, 216), lambda: coverage_select_cuda(scores, chunks, 216, 0.2),
+                 lambda: coverage_select_cuda(big, big_chunks, 5000, 0.2)):
         call()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -311,6 +316,31 @@ def test_stage_select_above_the_limit_and_bad_rows():
     got = stage_select_cuda(scores.to(DEV), labels.to(DEV), chunk_ids.to(DEV), modalities, out_len)
     assert torch.equal(got.cpu(), stage_select_sorts(scores, labels, chunk_ids, modalities, out_len))
     assert bool((got[1] == -1).all()) and bool((got[0] >= 0).all())
+
+
+@pytest.mark.parametrize(("n", "lengths"), [(300, [211, 300, 97, 160]), (2400, [2400, 1700, 2033])])
+def test_padded_stage_select_with_per_sample_budgets_matches_each_sample_alone(n, lengths):
+    from test_cuda_select_emulation import _budgets, padded_case, padded_oracle
+
+    from macer_kernels.cuda.stage import stage_select_cuda, stage_select_sorts
+
+    for seed in (n, n + 1):
+        g = torch.Generator().manual_seed(seed)
+        counts = [{1: int(length * 0.3), 2: int(length * 0.4)} for length in lengths]
+        scores, labels, chunk_ids = padded_case(seed, n, lengths, counts, ties=seed % 2 == 1)
+        keeps = _budgets(g, counts, [1, 2])
+        modalities = ((1, int(keeps[:, 0].max()), None, 0), (2, int(keeps[:, 1].max()), 0.2, 8))
+        out_len = max(length - sum(c[label] - int(keeps[b, m]) for m, label in enumerate((1, 2)))
+                      for b, (length, c) in enumerate(zip(lengths, counts)))
+        got = stage_select_cuda(scores.to(DEV), labels.to(DEV), chunk_ids.to(DEV), modalities, out_len,
+                                keeps.to(DEV))
+        want = (padded_oracle if n <= 300 else stage_select_sorts)(scores, labels, chunk_ids, modalities, out_len,
+                                                                   keeps)
+        assert torch.equal(got.cpu(), want), f"seed={seed}"
+        uniform = ((1, 20, None, 0), (2, 30, 0.2, 8))
+        out_len = max(length - sum(c[label] for label in (1, 2)) + 50 for length, c in zip(lengths, counts))
+        got = stage_select_cuda(scores.to(DEV), labels.to(DEV), chunk_ids.to(DEV), uniform, out_len)
+        assert torch.equal(got.cpu(), stage_select_sorts(scores, labels, chunk_ids, uniform, out_len)), f"seed={seed}"
 
 
 def test_stage_select_single_token_and_everything_kept():
@@ -376,6 +406,30 @@ def test_compact_many_more_tensors_than_one_launch_holds():
     keep = torch.tensor([0, 7, 49], device=DEV)
     for t, out in zip(tensors, mk.compact_many(tensors, keep, [1] * len(tensors))):
         assert torch.equal(out, t[:, keep])
+
+
+@pytest.mark.parametrize("n", [1, 37, 2400])
+def test_batched_compact_many_with_right_aligned_keep_rows(n):
+    from test_cuda_build import _right_aligned_keep
+
+    from macer_kernels.compact import _compact_many_torch
+    from macer_kernels.cuda import _ext
+
+    g = torch.Generator().manual_seed(n)
+    b = 3
+    hidden = torch.randn(b, n, 3584, generator=g).to(torch.bfloat16).to(DEV)
+    cos = torch.randn(b, n, 128, generator=g).to(DEV)
+    positions = torch.randint(0, 10**6, (3, b, n), generator=g).to(DEV)
+    transposed = torch.randn(b, 6, n, generator=g).to(DEV).transpose(1, 2)
+    strided_batch = torch.randn(2 * b, n, 5, generator=g).to(DEV)[::2]
+    tensors = [hidden, cos, positions, transposed, strided_batch]
+    tensors += [torch.randn(b, n, i + 1, device=DEV) for i in range(_ext.ext().MAX_COMPACT_TENSORS + 2)]
+    dims = [1, 1, 2, 1, 1] + [1] * (len(tensors) - 5)
+    for w in sorted({1, max(1, n // 2), n}):
+        keep = _right_aligned_keep(g, b, n, w).to(DEV)
+        for got, want in zip(mk.compact_many(tensors, keep, dims), _compact_many_torch(tensors, keep, dims)):
+            assert got.is_contiguous() and torch.equal(got, want), (n, w)
+        assert torch.equal(mk.compact(hidden, keep, 1), _compact_many_torch([hidden], keep, [1])[0])
 
 
 # --- torch.library ops and torch.compile ---------------------------------------------------------------------------

@@ -4,10 +4,12 @@
 // For each selected modality of a row (a standalone op is one "modality" holding every token):
 //  * top-K: key_i = descending 64-bit key of the score as float64 (exact for every input dtype), ~0 for tokens of
 //    other labels ("never").
-//  * coverage: (1) a bitonic sort of 64-bit keys chunk | descending float32 score bits | index -- all distinct, so
-//    the sort needs no stability and gives the chunk order (chunk asc, score desc, index asc); (2) each token's rank
-//    t inside its chunk (position minus the chunk's first position, by binary search) and its value
-//    v = s + sqrt(lambda_c / (1 + t)) with IEEE float64 operations, the numbers the reference compares;
+//  * coverage: (1) a bitonic sort of the n 64-bit keys chunk | descending float32 score bits | index -- all
+//    distinct, so the sort needs no stability and gives the chunk order (chunk asc, score desc, index asc); the
+//    network's comparators all put the smaller key first, so the padding to a power of two is virtual and never
+//    stored; (2) each token's rank t inside its chunk (position minus the chunk's first position, by binary
+//    search) and its value v = s + sqrt(lambda_c / (1 + t)) with IEEE float64 operations, the numbers the reference
+//    compares;
 //    key_i = descending key of v. float32 score bits are exact for fp32/fp16/bf16 scores only: float64 scores take
 //    the multi-CTA path (the launcher's caller routes them). Chunk ids that do not fit the key's chunk field
 //    (>= 2^(32 - index bits), never produced by temporal_chunks) switch the row to an O(n^2 / threads) rank count.
@@ -15,8 +17,10 @@
 //    warp-aggregated atomics): threshold T and the number `need` of tokens with key == T to take. Among those ties
 //    the higher score wins (a second radix select over the score keys, coverage only, run only when the tie group is
 //    split), then the lower index (a block scan in index order). Picks go into a bitmap.
-// Finally every token that is picked, or whose label is not selected at all, is written in ascending index order
-// with a block scan. Nothing is sorted by index: the bitmap is already in index order.
+// Finally every token that is picked, or whose label is >= 0 and not selected at all, is written in ascending index
+// order with a block scan, right-aligned in the row's output (-1 before it). Nothing is sorted by index: the bitmap
+// is already in index order. Per-row budgets come from an optional int32 [B, M] table; padding (label -1) is never
+// a candidate and never kept.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -27,7 +31,11 @@ namespace macer {
 namespace cta {
 
 constexpr int kThreads = 1024;
-constexpr int kMaxSortItems = 16;  // bitonic positions per thread held in registers: coverage n_pad <= 16384
+// Coverage: sorted positions per thread whose (token, rank) pairs are held in registers across a barrier, so
+// coverage takes n <= kThreads * kMaxSortItems = 28672 (sm_90's shared memory allows 28.4k 64-bit keys). The pairs
+// are packed as rank << 16 | token, and the key's index field has bit_width(n - 1) <= 15 bits.
+constexpr int kMaxSortItems = 28;
+static_assert(kThreads * kMaxSortItems <= 32768, "coverage packs token and rank in 16 bits and indices in 15");
 constexpr uint64_t kNever = ~0ull;
 
 __device__ __forceinline__ uint32_t descending_key32(float x) {
@@ -171,18 +179,16 @@ __device__ void select_k(const Key& key, const Secondary& secondary, bool by_sco
 __device__ __forceinline__ int bit_width(unsigned x) { return x == 0 ? 1 : 32 - __clz(x); }
 
 // Coverage keys: keys[i] = descending key of the greedy value of member i (kNever for others), from its rank inside
-// its chunk. keys has n_pad = next power of two >= n entries (n_pad <= kThreads * kMaxSortItems).
+// its chunk. keys has n entries (n <= kThreads * kMaxSortItems).
 __device__ void coverage_keys(const Row& row, int64_t label, double weight, uint64_t* keys, Shared& sh) {
   const int n = row.n;
-  int n_pad = 1;
-  while (n_pad < n) n_pad <<= 1;
-  const int ib = bit_width(static_cast<unsigned>(n_pad - 1));
-  const int cb = 32 - ib;  // chunk field width
+  const int ib = bit_width(static_cast<unsigned>(n - 1));  // index field width, <= 15
+  const int cb = 32 - ib;                                   // chunk field width, >= 17
   if (threadIdx.x == 0) sh.flag = 0;
   __syncthreads();
-  for (int p = threadIdx.x; p < n_pad; p += kThreads) {
+  for (int p = threadIdx.x; p < n; p += kThreads) {
     uint64_t x = kNever;
-    if (p < n && row.member(p, label)) {
+    if (row.member(p, label)) {
       const int64_t c = row.chunk(p);
       if (c < 0 || c >= (int64_t{1} << cb)) sh.flag = 1;  // benign race: every writer stores 1
       x = (static_cast<uint64_t>(c) << (32 + ib)) |
@@ -193,23 +199,40 @@ __device__ void coverage_keys(const Row& row, int64_t label, double weight, uint
   }
   __syncthreads();
   const bool overflow = sh.flag != 0;
-  if (!overflow) {  // bitonic sort, ascending, of n_pad distinct (or kNever) keys
+  if (!overflow) {
+    // Bitonic sort, ascending, in the form where every comparator puts the smaller key at its lower position: for
+    // each block size `size` = 2, 4, ..., n_pad (the power of two >= n), position i of a block against its mirror,
+    // then half-cleaners i against i + stride. The network sorts n_pad keys; the n_pad - n missing ones are virtual
+    // +inf keys at positions >= n. A comparator (i < j) leaves +inf at j, so a virtual key never moves below n and
+    // every comparator with j >= n is a no-op: it is skipped, and only the n real keys are stored.
+    int n_pad = 1;
+    while (n_pad < n) n_pad <<= 1;
+    auto compare = [&](int i, int j) {  // i < j
+      if (j >= n) return;
+      const uint64_t a = keys[i], b = keys[j];
+      if (a > b) {
+        keys[i] = b;
+        keys[j] = a;
+      }
+    };
     for (int size = 2; size <= n_pad; size <<= 1) {
-      for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      const int half = size >> 1;
+      for (int q = threadIdx.x; q < n_pad / 2; q += kThreads) {
+        const int r = q & (half - 1);
+        const int i = 2 * (q - r) + r;  // block q / half starts at 2 * (q - r); i is its position r
+        compare(i, i + size - 1 - 2 * r);
+      }
+      __syncthreads();
+      for (int stride = half >> 1; stride > 0; stride >>= 1) {
         for (int q = threadIdx.x; q < n_pad / 2; q += kThreads) {
           const int i = 2 * q - (q & (stride - 1));
-          const int j = i + stride;
-          const uint64_t a = keys[i], b = keys[j];
-          if ((a > b) == ((i & size) == 0)) {
-            keys[i] = b;
-            keys[j] = a;
-          }
+          compare(i, i + stride);
         }
         __syncthreads();
       }
     }
   }
-  // Each thread finds (token, rank in chunk) of its positions, packed into 32 bits (both < 2^14 <= 2^16) and held in
+  // Each thread finds (token, rank in chunk) of its positions, packed into 32 bits (both < n <= 2^15) and held in
   // registers across the barrier; then the keys array is reused, by token index, for the value keys.
   unsigned packed[kMaxSortItems];
   const uint64_t index_mask = (1ull << ib) - 1;
@@ -253,11 +276,13 @@ __device__ void coverage_keys(const Row& row, int64_t label, double weight, uint
   __syncthreads();
 }
 
-// One row: the selections of every modality into `picked`, then the kept positions (picked, or of an unselected
-// label) in ascending order into out[0, out_len). A row whose counts contradict the host's (a modality with fewer
-// tokens than its keep, or a total other than out_len) is filled with -1 instead: such indices fault in any gather.
-__device__ void select_row(const Row& row, const SelectCtaParams& p, int64_t* out, uint64_t* keys, unsigned* picked,
-                           Shared& sh) {
+// One row: the selections of every modality into `picked`, then the kept positions (picked, or of a label >= 0 that
+// no modality selects) in ascending order, right-aligned: the row's len_b positions fill out[out_len - len_b,
+// out_len) and out[0, out_len - len_b) is -1 (the left padding of a batch). `keeps` is this row's budgets (nullptr:
+// the spec's). A row whose data contradicts the host's numbers (a budget outside [0, spec keep], a modality with
+// fewer tokens than its budget, or len_b > out_len) is filled with -1 instead: such indices fault in any gather.
+__device__ void select_row(const Row& row, const SelectCtaParams& p, const int32_t* keeps, int64_t* out,
+                           uint64_t* keys, unsigned* picked, Shared& sh) {
   const int n = row.n;
   const int words = (n + 31) / 32;
   for (int w = threadIdx.x; w < words; w += kThreads) picked[w] = 0;
@@ -265,18 +290,25 @@ __device__ void select_row(const Row& row, const SelectCtaParams& p, int64_t* ou
   bool valid = true;
   for (int m = 0; m < p.num_modalities; ++m) {
     const SelectCtaModality mod = p.modalities[m];
+    // Every thread reads the same entry: `keep` is block-uniform, so the branches below that depend on it (and
+    // contain barriers) are taken by the whole block.
+    const int64_t keep = keeps != nullptr ? static_cast<int64_t>(keeps[m]) : mod.keep;
+    if (keep < 0 || keep > mod.keep) {
+      valid = false;
+      break;
+    }
     if (row.labels != nullptr) {  // the modality must hold at least `keep` tokens
       int local = 0;
       for (int i = threadIdx.x; i < n; i += kThreads) local += row.label(i) == mod.label;
       int before, count;
       BlockScan(sh.scan).ExclusiveSum(local, before, count);
       __syncthreads();  // the scan's storage is reused next
-      if (count < mod.keep) {  // uniform: every thread has the block's count
+      if (count < keep) {  // uniform: every thread has the block's count
         valid = false;
         break;
       }
     }
-    if (mod.keep == 0) continue;
+    if (keep == 0) continue;
     auto score_key = [&](int i) { return descending_key64(row.score(i)); };
     if (mod.coverage) {
       coverage_keys(row, mod.label, mod.coverage_weight, keys, sh);
@@ -284,13 +316,13 @@ __device__ void select_row(const Row& row, const SelectCtaParams& p, int64_t* ou
       for (int i = threadIdx.x; i < n; i += kThreads) keys[i] = row.member(i, mod.label) ? score_key(i) : kNever;
       __syncthreads();
     }
-    select_k([&](int i) { return keys[i]; }, score_key, mod.coverage != 0, n, static_cast<int>(mod.keep), picked,
-             sh);
+    select_k([&](int i) { return keys[i]; }, score_key, mod.coverage != 0, n, static_cast<int>(keep), picked, sh);
   }
   auto kept = [&](int i) {
     if ((picked[i >> 5] >> (i & 31)) & 1u) return true;
     if (row.labels == nullptr) return false;
     const int64_t label = row.label(i);
+    if (label < 0) return false;  // padding
     for (int m = 0; m < p.num_modalities; ++m)
       if (p.modalities[m].label == label) return false;
     return true;
@@ -302,9 +334,11 @@ __device__ void select_row(const Row& row, const SelectCtaParams& p, int64_t* ou
     for (int i = lo; i < hi; ++i) local += kept(i);
   int pos, total;
   BlockScan(sh.scan).ExclusiveSum(local, pos, total);
-  if (valid && total == p.out_len) {
+  if (valid && total <= p.out_len) {  // total and valid are block-uniform
+    const int64_t start = p.out_len - total;
+    for (int64_t j = threadIdx.x; j < start; j += kThreads) out[j] = -1;
     for (int i = lo; i < hi; ++i)
-      if (kept(i)) out[pos++] = i;
+      if (kept(i)) out[start + pos++] = i;  // start + pos < start + total = out_len
   } else {
     for (int64_t j = threadIdx.x; j < p.out_len; j += kThreads) out[j] = -1;
   }
@@ -330,7 +364,8 @@ __global__ void __launch_bounds__(kThreads, 1) select_cta_kernel(const SelectCta
   row.n = static_cast<int>(p.n);
   uint64_t* keys = dynamic_smem;
   unsigned* picked = reinterpret_cast<unsigned*>(keys + p.key_capacity);
-  select_row(row, p, p.out + b * p.out_stride, keys, picked, sh);
+  const int32_t* keeps = p.keeps != nullptr ? p.keeps + b * p.num_modalities : nullptr;
+  select_row(row, p, keeps, p.out + b * p.out_stride, keys, picked, sh);
 }
 
 }  // namespace cta

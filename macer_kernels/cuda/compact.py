@@ -1,5 +1,6 @@
 """``compact`` / ``compact_many`` on the gather kernel of ``csrc/kernels/compact.cuh``: one launch moves the kept
-positions of a stage's hidden states, RoPE cos/sin and position ids together."""
+positions of a stage's hidden states, RoPE cos/sin and position ids together, for one sequence (a 1-D keep) or a
+whole padded batch (a 2-D keep ``[B, W]`` whose -1 entries give all-zero rows)."""
 
 from __future__ import annotations
 
@@ -20,30 +21,43 @@ def _merged_stride(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | No
     return dims[-1][1] if dims else 1
 
 
-def _flattens(t: torch.Tensor, dim: int) -> bool:
-    """Whether the dims before and after ``dim`` each flatten to one stride (always true when contiguous)."""
+def _flattens(t: torch.Tensor, dim: int, batched: bool) -> bool:
+    """Whether the dims before ``dim`` (before the batch dim ``dim - 1`` when ``batched``, which keeps its own stride)
+    and after it each flatten to one stride (always true when contiguous)."""
     if t.is_contiguous():
         return True
     shape, strides = tuple(t.shape), t.stride()
-    return (_merged_stride(shape[:dim], strides[:dim]) is not None
+    end = dim - 1 if batched else dim
+    return (_merged_stride(shape[:end], strides[:end]) is not None
             and _merged_stride(shape[dim + 1:], strides[dim + 1:]) is not None)
 
 
 def compact_many_cuda(tensors: list[torch.Tensor], keep: torch.Tensor, dims: list[int]) -> list[torch.Tensor]:
-    """Keep positions ``keep`` (int64 ``[k]``, strictly increasing) of every tensor along its ``dims`` entry; the
-    outputs are new contiguous tensors. All tensors share one launch per group of ``_C.MAX_COMPACT_TENSORS``.
+    """Keep positions ``keep`` of every tensor along its ``dims`` entry; the outputs are new contiguous tensors. All
+    tensors share one launch per group of ``_C.MAX_COMPACT_TENSORS``; nothing reads ``keep`` on the host.
+
+    ``keep``: int64 ``[k]``, strictly increasing; or ``[B, W]`` for a batch: each tensor has its batch dimension, of
+    size B, at ``dims[i] - 1``, and ``out[..., b, r, ...] = x[..., b, keep[b, r], ...]``, all zeros where
+    ``keep[b, r]`` is -1 (the left fill of ``stage_select``'s right-aligned rows; nothing is read for it).
 
     Per tensor this allocates the output and passes (pointers, shape, strides, element size, dim); the module builds
-    the ``[outer, N, row_units]`` descriptors (``compact_descriptor`` in csrc/compact.cu). Any strides are read in
-    place when the dims before and after the sequence dim each flatten to one stride; other layouts are copied to
-    contiguous memory first.
+    the ``[outer, batch, N, row_units]`` descriptors (``compact_descriptor`` in csrc/compact.cu). Any strides are read
+    in place when the dims before and after the sequence dim (and the batch dim) each flatten to one stride; other
+    layouts are copied to contiguous memory first.
     """
     for i, t in enumerate(tensors):
         check_cuda_tensor("compact", f"tensors[{i}]", t)
     check_cuda_tensor("compact", "keep", keep)
+    if keep.dim() not in (1, 2):
+        raise ValueError(f"compact (cuda): keep must be 1-D [k] or 2-D [B, W], got {keep.dim()} dimensions")
+    batched = keep.dim() == 2
     if keep.dtype != torch.long or not keep.is_contiguous():
         keep = keep.to(torch.long).contiguous()
-    k = keep.shape[0]
+    rows, k = (keep.shape[0], keep.shape[1]) if batched else (0, keep.shape[0])
+    for i, (t, d) in enumerate(zip(tensors, dims)):
+        if batched and (d < 1 or t.shape[d - 1] != rows):
+            raise ValueError(f"compact (cuda): with a 2-D keep [B={rows}, W], tensors[{i}] needs a batch dimension "
+                             f"of size B just before its sequence dimension {d}, got shape {tuple(t.shape)}")
     outs, layouts = [], []
     # The contiguous copies must outlive the launch: a copy freed while the loop goes on goes back to the caching
     # allocator, which hands the same block to the next output, and the one launch would then read a source from
@@ -54,15 +68,15 @@ def compact_many_cuda(tensors: list[torch.Tensor], keep: torch.Tensor, dims: lis
         shape[d] = k
         out = torch.empty(shape, dtype=t.dtype, device=t.device)
         outs.append(out)
-        if k == 0 or t.numel() == 0:
+        if k == 0 or out.numel() == 0:
             continue
-        if not _flattens(t, d):
+        if not _flattens(t, d, batched):
             t = t.contiguous()
             copies.append(t)
         layouts.append((t.data_ptr(), out.data_ptr(), t.shape, t.stride(), t.element_size(), d))
     if layouts:
         device, stream = launch_args(keep)
-        ext().compact_layouts(layouts, keep.data_ptr(), k, device, stream)
+        ext().compact_layouts(layouts, keep.data_ptr(), rows, k, device, stream)
     return outs
 
 

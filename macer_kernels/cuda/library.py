@@ -11,7 +11,8 @@ the direct call (see docs/cuda.md).
 
 Ops (namespace ``macer_cuda``): ``modality_scores``, ``topk_indices``, ``coverage_select``, ``stage_select``,
 ``compact``, ``compact_many``; arguments as in ``macer_kernels.backend``'s contract (``stage_select`` takes its
-modalities as parallel lists, a weight < 0 meaning top-K, since a schema has no optional tuple entries).
+modalities as parallel lists, a weight < 0 meaning top-K, since a schema has no optional tuple entries, and the
+optional int32 ``[B, M]`` per-sample budgets last; ``compact`` / ``compact_many`` take a 1-D or a batch's 2-D keep).
 """
 
 from __future__ import annotations
@@ -62,28 +63,31 @@ def _(scores, chunk_ids, k, coverage_weight):
 
 @torch.library.custom_op(f"{NAMESPACE}::stage_select", mutates_args=(), device_types="cuda")
 def stage_select(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None, mod_labels: list[int],
-                 keeps: list[int], coverage_weights: list[float], out_len: int) -> torch.Tensor:
-    """``[B, out_len]`` int64 kept positions of a stage; ``coverage_weights[i] < 0`` selects top-K for modality i."""
+                 keeps: list[int], coverage_weights: list[float], out_len: int,
+                 budgets: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, out_len]`` int64 kept positions of a stage, right-aligned per row; ``coverage_weights[i] < 0`` selects
+    top-K for modality i; ``budgets``: the optional int32 ``[B, M]`` per-sample keeps (``keeps`` their maxima)."""
     modalities = tuple((label, keep, None if weight < 0 else weight, None)
                        for label, keep, weight in zip(mod_labels, keeps, coverage_weights, strict=True))
-    return stage_select_cuda(scores, labels, chunk_ids, modalities, out_len)
+    return stage_select_cuda(scores, labels, chunk_ids, modalities, out_len, budgets)
 
 
 @stage_select.register_fake
-def _(scores, labels, chunk_ids, mod_labels, keeps, coverage_weights, out_len):
+def _(scores, labels, chunk_ids, mod_labels, keeps, coverage_weights, out_len, budgets=None):
     return scores.new_empty((scores.shape[0], out_len), dtype=torch.long)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::compact", mutates_args=(), device_types="cuda")
 def compact(x: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` with only the positions ``keep`` along ``dim`` (a new contiguous tensor)."""
+    """``x`` with only the positions ``keep`` along ``dim`` (a new contiguous tensor); a 2-D keep ``[B, W]`` gathers
+    per batch element (the dim before ``dim``), -1 entries giving zero rows."""
     return compact_cuda(x, keep, dim % x.dim())
 
 
 @compact.register_fake
 def _(x, keep, dim):
     shape = list(x.shape)
-    shape[dim % x.dim()] = keep.shape[0]
+    shape[dim % x.dim()] = keep.shape[-1]
     return x.new_empty(shape)
 
 
@@ -98,6 +102,6 @@ def _(tensors, keep, dims):
     outs = []
     for t, d in zip(tensors, dims):
         shape = list(t.shape)
-        shape[d % t.dim()] = keep.shape[0]
+        shape[d % t.dim()] = keep.shape[-1]
         outs.append(t.new_empty(shape))
     return outs

@@ -1,16 +1,20 @@
 """``stage_select`` on the CUDA kernels: the selection half of a fused MACER stage, one launch per stage.
 
-Contract (shared with ``macer_kernels.stage``): ``stage_select(scores, labels, chunk_ids, modalities, out_len)``
-returns ``keep`` ``[B, out_len]`` int64, per row the ascending positions of every token whose label is not selected
-plus, for each selected modality ``(label, keep, coverage_weight, num_chunks)``, its ``keep`` picks: top-K with ties
-to the lower index when ``coverage_weight`` is None, else the chunk-coverage greedy (``eq:chunk_coverage_greedy``,
-the tie rule of ``reference.coverage_select_ref``) over that modality's tokens with their ``chunk_ids``.
+Contract (shared with ``macer_kernels.stage``): ``stage_select(scores, labels, chunk_ids, modalities, out_len, keeps)``
+returns ``keep`` ``[B, out_len]`` int64. Row b keeps every token whose label is >= 0 and not selected plus, for each
+selected modality ``(label, keep, coverage_weight, num_chunks)``, its budget of picks: ``keeps[b, m]`` when the int32
+``[B, M]`` table ``keeps`` is given (``0 <= keeps[b, m] <= keep``, the spec's keep being the maximum over samples),
+else ``keep``. Picks are top-K with ties to the lower index when ``coverage_weight`` is None, else the chunk-coverage
+greedy (``eq:chunk_coverage_greedy``, the tie rule of ``reference.coverage_select_ref``) over that modality's tokens
+with their ``chunk_ids``. Padding (label -1, ``PAD_LABEL``) is never a candidate and never kept. The row's ``len_b``
+kept positions are ascending and right-aligned: ``out[b, out_len - len_b:]``, with -1 before them.
 
 Up to the one-CTA limit (``select_cta_max_n``: the device's shared memory) this is one launch of
-``csrc/kernels/select_cta.cuh`` with one thread block per sample. Above it, and for coverage over float64 scores, a
-batched chain of torch sorts on the GPU (:func:`stage_select_sorts`, about 10 launches per modality). Neither path
-synchronises with the host: every output size is a host integer. A row whose data contradicts the host's counts (a
-modality with fewer than ``keep`` tokens, or a kept total other than ``out_len``) comes back filled with -1.
+``csrc/kernels/select_cta.cuh`` with one thread block per sample, each reading its row of ``keeps`` on the device.
+Above it, and for coverage over float64 scores, a batched chain of torch sorts on the GPU
+(:func:`stage_select_sorts`, about 10 launches per modality, no loop over the batch). Neither path synchronises with
+the host: every output size is a host integer. A row whose data contradicts the host's numbers (a budget outside
+``[0, keep]``, a modality with fewer tokens than its budget, or ``len_b > out_len``) comes back filled with -1.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ Modality = tuple[int, int, float | None, int | None]
 
 
 def _check(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
-           modalities: tuple[Modality, ...], out_len: int) -> None:
-    """Host-side checks only (shapes, dtypes, host numbers): nothing reads device memory."""
+           modalities: tuple[Modality, ...], out_len: int, keeps: torch.Tensor | None) -> None:
+    """Host-side checks only (shapes, dtypes, devices, strides, host numbers): nothing reads device memory."""
     if scores.dim() != 2 or not scores.is_floating_point():
         raise ValueError(f"{_OP}: scores must be a floating [B, N] tensor, got {scores.dtype} {tuple(scores.shape)}")
     b, n = scores.shape
@@ -48,6 +52,8 @@ def _check(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor |
         if label in seen:
             raise ValueError(f"{_OP}: modality label {label} is listed twice")
         seen.add(label)
+        if label < 0:
+            raise ValueError(f"{_OP}: modality labels must be >= 0 (-1 is padding), got {label}")
         if not 0 <= keep <= n:
             raise ValueError(f"{_OP}: keep of modality {label} must be in [0, {n}], got {keep}")
         if weight is not None and not weight >= 0:
@@ -56,6 +62,15 @@ def _check(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor |
             raise ValueError(f"{_OP}: modality {label} uses coverage, so chunk_ids must be given")
     if not 0 <= out_len <= n:
         raise ValueError(f"{_OP}: out_len must be in [0, {n}], got {out_len}")
+    if keeps is not None:
+        m = len(modalities)
+        if keeps.dtype != torch.int32 or tuple(keeps.shape) != (b, m):
+            raise ValueError(f"{_OP}: keeps must be an int32 tensor of shape {(b, m)} (B, number of modalities), got "
+                             f"{keeps.dtype} {tuple(keeps.shape)}")
+        if keeps.device != scores.device:
+            raise ValueError(f"{_OP}: keeps must be on the scores' device {scores.device}, got {keeps.device}")
+        if not keeps.is_contiguous():
+            raise ValueError(f"{_OP}: keeps must be contiguous, got strides {keeps.stride()}")
 
 
 def _stable_argsort(x: torch.Tensor, descending: bool = False) -> torch.Tensor:
@@ -63,23 +78,31 @@ def _stable_argsort(x: torch.Tensor, descending: bool = False) -> torch.Tensor:
 
 
 def stage_select_sorts(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
-                       modalities: tuple[Modality, ...], out_len: int) -> torch.Tensor:
+                       modalities: tuple[Modality, ...], out_len: int,
+                       keeps: torch.Tensor | None = None) -> torch.Tensor:
     """The same contract with batched torch sorts (any device, no host synchronisation): the multi-CTA path.
 
     Per modality: the candidates first, in (score desc, index asc) order; for coverage each candidate's rank t inside
     its chunk in that order gives ``v = s + sqrt(lambda_c / (1 + t))`` and a stable sort by v keeps the order for
     equal values (score desc, index asc): the greedy's pick order, as ``macer_kernels.select._coverage_order``.
+    Per-sample budgets are a mask on the rank in that order (``rank < keeps[b, m]``), not a loop over the batch.
     """
     b, n = scores.shape
+    device = scores.device
     s = scores.to(torch.float64) + 0.0  # -0.0 -> +0.0: equal to 0.0 for every sort below
-    index = torch.arange(n, device=scores.device).expand(b, n)
-    keep_mask = torch.ones(b, n, dtype=torch.bool, device=scores.device)
-    bad = torch.zeros(b, dtype=torch.bool, device=scores.device)
-    for label, keep, weight, _ in modalities:
+    index = torch.arange(n, device=device).expand(b, n)
+    picked = torch.zeros(b, n, dtype=torch.bool, device=device)
+    listed = torch.zeros(b, n, dtype=torch.bool, device=device)
+    bad = torch.zeros(b, dtype=torch.bool, device=device)
+    for m, (label, keep, weight, _) in enumerate(modalities):
         member = labels == label
-        keep_mask &= ~member
-        bad |= member.sum(1) < keep
-        if keep == 0:
+        listed |= member
+        if keeps is None:
+            bad |= member.sum(1) < keep
+        else:
+            want = keeps[:, m].long()
+            bad |= (want < 0) | (want > keep) | (member.sum(1) < want)
+        if keep == 0:  # the spec's keep bounds every sample's: nothing to pick (larger entries flagged above)
             continue
         order = _stable_argsort(s, descending=True)
         order = order.gather(1, _stable_argsort((~member).gather(1, order).to(torch.uint8)))  # candidates first
@@ -88,32 +111,40 @@ def stage_select_sorts(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: to
             chunks = torch.where(member, chunk_ids.to(torch.int64), big)  # other tokens: one chunk, sorted last
             by_chunk = order.gather(1, _stable_argsort(chunks.gather(1, order)))
             sorted_chunks = chunks.gather(1, by_chunk)
-            new_chunk = torch.ones(b, n, dtype=torch.bool, device=scores.device)
+            new_chunk = torch.ones(b, n, dtype=torch.bool, device=device)
             new_chunk[:, 1:] = sorted_chunks[:, 1:] != sorted_chunks[:, :-1]
             start = torch.cummax(torch.where(new_chunk, index, 0), dim=1).values
             rank = (index - start).to(torch.float64)
-            value = torch.empty(b, n, dtype=torch.float64, device=scores.device)
+            value = torch.empty(b, n, dtype=torch.float64, device=device)
             value.scatter_(1, by_chunk, s.gather(1, by_chunk) + torch.sqrt(weight / (1.0 + rank)))
             value = torch.where(member, value, -torch.inf)  # stable: candidates stay ahead of equal -inf others
             order = order.gather(1, _stable_argsort(value.gather(1, order), descending=True))
-        keep_mask.scatter_(1, order[:, :keep], True)
-    bad |= keep_mask.sum(1) != out_len
-    keep_idx = torch.where(keep_mask, index, n).sort(dim=1).values[:, :out_len]
-    return torch.where(bad[:, None], -1, keep_idx)
+        if keeps is None:
+            picked.scatter_(1, order[:, :keep], True)
+        else:  # the first keeps[b, m] of row b's order (ranks < keep: the spec's keep is the maximum)
+            take = index[:, :keep] < want[:, None]
+            picked |= torch.zeros_like(picked).scatter_(1, order[:, :keep], take)
+    kept = (~listed & (labels >= 0)) | picked  # padding (label -1) is never kept
+    bad |= kept.sum(1) > out_len
+    # Not-kept first, then the kept in index order (a stable sort): the last out_len entries end with the row's kept
+    # positions, right-aligned after its largest not-kept positions, which become -1.
+    tail = _stable_argsort(kept.to(torch.uint8))[:, n - out_len:]
+    return tail.masked_fill_(~kept.gather(1, tail) | bad[:, None], -1)
 
 
 def stage_select_cuda(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
-                      modalities: tuple[Modality, ...], out_len: int) -> torch.Tensor:
+                      modalities: tuple[Modality, ...], out_len: int,
+                      keeps: torch.Tensor | None = None) -> torch.Tensor:
     """``stage_select`` on CUDA tensors: one launch up to the one-CTA limit (see the module docstring)."""
-    _check(scores, labels, chunk_ids, modalities, out_len)
-    for name, t in (("scores", scores), ("labels", labels), ("chunk_ids", chunk_ids)):
+    _check(scores, labels, chunk_ids, modalities, out_len, keeps)
+    for name, t in (("scores", scores), ("labels", labels), ("chunk_ids", chunk_ids), ("keeps", keeps)):
         if t is not None:
             check_cuda_tensor(_OP, name, t)
     b, n = scores.shape
     coverage = any(weight is not None for _, _, weight, _ in modalities)
     device, stream = launch_args(scores)
     if n > select_cta_max_n(device, coverage) or (coverage and scores.dtype == torch.float64):
-        return stage_select_sorts(scores, labels, chunk_ids, modalities, out_len)
+        return stage_select_sorts(scores, labels, chunk_ids, modalities, out_len, keeps)
     out = torch.empty(b, out_len, dtype=torch.long, device=scores.device)
     if out_len == 0:  # nothing kept (N = 0 included): no launch
         return out
@@ -125,7 +156,8 @@ def stage_select_cuda(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: tor
             for label, keep, weight, _ in modalities]
     ext().select_cta(_OP, scores.data_ptr(), dtype_code(_OP, "scores", scores), scores.stride(), labels.data_ptr(),
                      dtype_code(_OP, "labels", labels), labels.stride(), chunk_ptr, chunk_code, chunk_stride,
-                     out.data_ptr(), out_len, out_len, b, n, mods, device, stream)
+                     out.data_ptr(), out_len, out_len, b, n, mods, 0 if keeps is None else keeps.data_ptr(), device,
+                     stream)
     return out
 
 
