@@ -120,6 +120,16 @@ def test_the_modules_split_plan_is_the_replayed_one():
         ext().modality_scores_split_plan(2, 1, 1, 0, 1)
 
 
+def test_module_rejects_more_rows_than_the_combine_grid_takes():
+    """The combine runs one block per query row (grid.x < 2^31) and the tile kernel's row math is 32-bit."""
+    pytest.importorskip("macer_kernels._C")
+    from macer_kernels.cuda._ext import ext
+
+    with pytest.raises(ValueError, match=re.escape("B * Hq * Lq must be at most 2^31 - 1 (CUDA grid limit)")):
+        ext().modality_scores(0, 0, 0, 0, 0, 0, 2, 8, 8, (65535, 65535, 1, 64, 1, 16), (1, 1, 1, 1), (1, 1, 1),
+                              (1, 1), (1, 1), 0.1, 1e-6, 0, 0)
+
+
 def test_workspace_bytes_match_the_replayed_layout():
     pytest.importorskip("macer_kernels._C")
     from macer_kernels.cuda._ext import ext
