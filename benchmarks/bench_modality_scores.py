@@ -6,12 +6,14 @@
 Providers: ``naive`` is the reference definition run in fp32 on the device (K expanded per query head, full causal
 softmax, one masked sum per modality); ``torch`` is the PyTorch backend; then every other backend that can run on
 the device (``triton``, ``cuda``), and ``triton-store``, the Triton kernel storing fp32 logits in phase 1 instead of
-recomputing them from K in phase 3 (``macer_kernels.triton.modality_scores.STORE_LOGITS``).
+recomputing them from K in phase 3 (``macer_kernels.triton.modality_scores.STORE_LOGITS``), timed through the same
+public op as ``triton`` so the two rows compare the strategies alone.
 
 Columns: ``median_us``, device time (do_bench: L2 flushed, host time before the first launch hidden); ``wall_us``,
 what the caller waits for (one call + synchronize, L2 warm; the N = 2.4k targets "wall <= 15 us" read it);
 ``launches``, ``syncs``, ``d2h``, ``kernel_us`` per call from torch.profiler (None on CPU; see
-``benchmarks.common``); ``k_gbs``, the bytes of K divided by ``median_us`` (K is the dominant input); ``x_k_read``,
+``benchmarks.common``), and ``kernels``, the device time of each kernel of a call (results files; printed below
+the table); ``k_gbs``, the bytes of K divided by ``median_us`` (K is the dominant input); ``x_k_read``,
 ``median_us`` over the time to read K once at the measured copy bandwidth (targets: <= 1.5 cuda, <= 2 triton at
 N >= 20k); ``speedup``, naive time over the provider's time; ``rel_err`` against the naive output.
 """
@@ -67,14 +69,19 @@ def _providers(query, key, modality, device: torch.device) -> dict[str, Callable
 
         providers[name] = run
         if name == "triton":
-            from macer_kernels.triton.modality_scores import modality_scores_triton
-
-            lq, n = query.shape[2], key.shape[2]
-            positions = torch.arange(n - lq, n, device=device).expand(query.shape[0], lq)
-            scale = query.shape[-1] ** -0.5
-            providers["triton-store"] = functools.partial(modality_scores_triton, query, key, modality, positions,
-                                                          scale, 1e-6, store_logits=True)
+            providers["triton-store"] = functools.partial(_store_logits, run)
     return providers
+
+
+def _store_logits(run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``run`` (the public op on the Triton backend) with the stored-logits strategy switched on for the call."""
+    from macer_kernels.triton import modality_scores as triton_scores
+
+    saved, triton_scores.STORE_LOGITS = triton_scores.STORE_LOGITS, True
+    try:
+        return run()
+    finally:
+        triton_scores.STORE_LOGITS = saved
 
 
 def run(seq_lens, device: torch.device, dtype: torch.dtype, layout: str, shapes: dict, copy_bytes: int, *,
@@ -93,7 +100,8 @@ def run(seq_lens, device: torch.device, dtype: torch.dtype, layout: str, shapes:
             us = median_time_us(fn, device)
             naive_us = us if name == "naive" else naive_us
             wall = wall_time_us(fn, device, **({"budget_s": 0.02, "min_reps": 1} if quick else {}))
-            rows.append({"provider": name, "N": n, "median_us": us, "wall_us": wall, **profile_call(fn, device),
+            counts = profile_call(fn, device, per_kernel=True)
+            rows.append({"provider": name, "N": n, "median_us": us, "wall_us": wall, **counts,
                          "k_gbs": key_bytes / (us * 1e-6) / 1e9,
                          "copy_gbs": bandwidth, "x_k_read": us / read_k_us, "speedup": naive_us / us,
                          "rel_err": err})
@@ -118,13 +126,15 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cpu")
         shapes = {"hq": 8, "hkv": 2, "d": 64, "lq": 4}
         rows = run(args.seq_lens or QUICK_SEQ_LENS, device, torch.float32, args.layout, shapes, 1 << 24, quick=True)
-        print_table(rows)
+        print_table(rows, skip=("kernels",))
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_modality_scores needs a CUDA GPU (use --quick for a CPU smoke run)")
     device = torch.device("cuda")
     rows = run(args.seq_lens or SEQ_LENS, device, torch.bfloat16, args.layout, SHAPES_7B, 1 << 30)
-    print_table(rows)
+    print_table(rows, skip=("kernels",))
+    for r in rows:
+        print(f"kernels {r['provider']} N={r['N']}: {r['kernels']}")
     meta = {**environment(device), "shapes": {**SHAPES_7B, "dtype": "bfloat16", "layout": args.layout, "B": 1}}
     paths = write_results(f"modality_scores_{args.layout}_{slug(meta['device'])}", rows, meta, args.out)
     print("wrote", *paths)

@@ -23,6 +23,7 @@ import csv
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -199,12 +200,27 @@ def summarize_profile(events: Iterable, calls: int) -> dict[str, float]:
             "kernel_us": sum(e.time_range.elapsed_us() for e in device) / calls}
 
 
-def profile_call(fn: Callable[[], object], device: torch.device | str, *, calls: int = 5) -> dict[str, float | None]:
+def kernel_breakdown(events: Iterable, calls: int) -> str:
+    """Device time per call of each kernel (short names, longest first) as ``name=us;name=us``: where a call's
+    ``kernel_us`` goes."""
+    from torch.autograd import DeviceType
+
+    times: dict[str, float] = {}
+    for e in events:
+        if e.device_type != DeviceType.CUDA or e.name == _CALL_MARK:
+            continue
+        name = re.split(r"[(<]", e.name, maxsplit=1)[0].split("::")[-1].strip() or e.name
+        times[name] = times.get(name, 0.0) + e.time_range.elapsed_us() / calls
+    return ";".join(f"{name}={us:.1f}" for name, us in sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def profile_call(fn: Callable[[], object], device: torch.device | str, *, calls: int = 5,
+                 per_kernel: bool = False) -> dict[str, float | str | None]:
     """Launches, host synchronisations, device-to-host copies and device time per call of ``fn`` (after one warm-up
-    call), from torch.profiler; all None on CPU."""
+    call), from torch.profiler; all None on CPU. ``per_kernel`` adds ``kernels``: ``kernel_breakdown``."""
     device = torch.device(device)
     if device.type != "cuda":
-        return dict.fromkeys(PROFILE_COLUMNS)
+        return dict.fromkeys(PROFILE_COLUMNS + (("kernels",) if per_kernel else ()))
     from torch.profiler import ProfilerActivity, profile, record_function
 
     fn()
@@ -214,7 +230,10 @@ def profile_call(fn: Callable[[], object], device: torch.device | str, *, calls:
             with record_function(_CALL_MARK):
                 fn()
         torch.cuda.synchronize(device)
-    return summarize_profile(prof.events(), calls)
+    counts: dict[str, float | str | None] = dict(summarize_profile(prof.events(), calls))
+    if per_kernel:
+        counts["kernels"] = kernel_breakdown(prof.events(), calls)
+    return counts
 
 
 def copy_bandwidth_gbs(device: torch.device | str, nbytes: int = 1 << 30) -> float:
@@ -239,10 +258,10 @@ def write_results(name: str, rows: list[dict], meta: dict, out_dir: Path | None 
     return csv_path, json_path
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], skip: tuple[str, ...] = ()) -> None:
     if not rows:
         return
-    cols = list(rows[0])
+    cols = [c for c in rows[0] if c not in skip]
     widths = [max(len(str(c)), *(len(_fmt(r[c])) for r in rows)) for c in cols]
     print("  ".join(str(c).ljust(w) for c, w in zip(cols, widths)))
     for r in rows:

@@ -40,6 +40,19 @@ def test_counts_per_call_inside_the_marked_calls_only():
         common.summarize_profile(events, calls=3)
 
 
+def test_kernel_breakdown_names_each_kernel_per_call():
+    mark = common._CALL_MARK
+    events = [_event(mark, 0, 100), _event(mark, 200, 300),
+              _event("void macer::scores::scores_tile_kernel<__nv_bfloat16>(macer::scores::TileArgs)", 10, 40,
+                     DeviceType.CUDA),
+              _event("void macer::scores::scores_tile_kernel<__nv_bfloat16>(macer::scores::TileArgs)", 210, 230,
+                     DeviceType.CUDA),
+              _event("_scores_kernel", 50, 54, DeviceType.CUDA), _event(mark, 5, 90, DeviceType.CUDA)]
+    assert common.kernel_breakdown(events, calls=2) == "scores_tile_kernel=25.0;_scores_kernel=2.0"
+    assert common.profile_call(lambda: None, "cpu", per_kernel=True) == dict.fromkeys(
+        (*common.PROFILE_COLUMNS, "kernels"))
+
+
 def test_a_real_cpu_profile_is_marked_per_call():
     from torch.profiler import ProfilerActivity, profile, record_function
 

@@ -503,12 +503,32 @@ def _compile_for_gpu_targets() -> None:
     from macer_kernels.triton import modality_scores as ms
     from macer_kernels.triton import select as sel
 
-    def compile_one(fn, types, constexprs, arch, **options):
+    def compile_one(fn, types, constexprs, arch, attrs=None, **options):
         signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
-        kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
-                                options=options)
+        kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
+                                target=GPUTarget("cuda", arch, 32), options=options)
         print(f"sm_{arch} {fn.__name__} {constexprs} shared={kernel.metadata.shared}")
         return kernel
+
+    def as_launched(fn, args, kwargs):
+        """Signature, constexprs and attributes of a launch as the JIT specialises it (Triton's own
+        ``native_specialize_impl``): 16-aligned pointers and 16-divisible integers get ``tt.divisibility`` 16,
+        integers equal to 1 become constexprs. That specialisation enables software pipelining, which multiplies the
+        shared memory of the loops that take a dot: a compile without it underestimates what a real launch needs."""
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        constexprs, types, attrs = dict(kwargs), {}, {}
+        runtime = [name for name in fn.arg_names if name not in kwargs]
+        for name, value in zip(runtime, args):
+            kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+            if kind == "constexpr":
+                constexprs[name] = spec
+            else:
+                types[name] = kind
+                if spec == "D":
+                    attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
+        return types, constexprs, attrs
 
     def scoring_types(dt, *names):
         ints = dict.fromkeys(("N", "R", "LQ", "D", "T", "stride_kb", "stride_kh", "stride_kn", "stride_lb",
@@ -533,10 +553,11 @@ def _compile_for_gpu_targets() -> None:
                 # Half inputs: tensor cores.
                 ptx = kernel.asm["ptx"]
                 assert "tf32" not in ptx and (("mma" in ptx) == (dt != "fp32")), (fn.__name__, dt)
-    # The launcher's own specialisations for a long question span (7 query heads per KV head x Lq = 73: 511 rows
-    # per KV head) at D = 256, the largest tiles: the q operand must not grow with the span past sm_89's 99 KB.
-    torch_types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-                   torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8"}
+    # The launcher's own specialisations, as the JIT compiles them, at D = 256 (the largest tiles): a long question
+    # span (7 query heads per KV head x Lq = 73: 511 rows per KV head), where the q operand must not grow with the
+    # span past sm_89's 99 KB, and 56 rows per KV head (Lq = 8), one dot block of 64 rows, whose pipelined loop over
+    # the KV heads asked 128 KB in bf16 before the stages were capped by shared memory. N = 2048 gives the key tiles
+    # of long sequences (64 keys in bf16; shorter ones are halved to fill the GPU).
 
     class Recorder:
         def __init__(self, fn):
@@ -545,11 +566,12 @@ def _compile_for_gpu_targets() -> None:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: self.launches.append((args, kwargs))
 
-    for dtype in (torch.float32, torch.bfloat16):
+    n = 2048
+    for dtype, lq in ((torch.float32, 73), (torch.bfloat16, 73), (torch.float32, 8), (torch.bfloat16, 8)):
         recorders = {name: Recorder(getattr(ms, name))
                      for name in ("_partial_stats_kernel", "_combine_kernel", "_scores_kernel")}
-        q, k, m = score_inputs(1, 28, 4, 73, 300, 256, dtype=dtype, device=DEVICE)
-        positions = torch.arange(300 - 73, 300, device=q.device)[None]
+        q, k, m = score_inputs(1, 28, 4, lq, n, 256, dtype=dtype, device=DEVICE)
+        positions = torch.arange(n - lq, n, device=q.device)[None]
         saved = {name: getattr(ms, name) for name in recorders}
         try:
             for name, recorder in recorders.items():
@@ -561,11 +583,9 @@ def _compile_for_gpu_targets() -> None:
         for recorder in (recorders["_partial_stats_kernel"], recorders["_scores_kernel"]):
             (args, kwargs), = recorder.launches
             options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
-            runtime = [name for name in recorder.fn.arg_names if name not in kwargs]
-            types = {name: f"*{torch_types[value.dtype]}" if isinstance(value, torch.Tensor)
-                     else "fp32" if isinstance(value, float) else "i32" for name, value in zip(runtime, args)}
-            kernel = compile_one(recorder.fn, types, kwargs, 89, **options)
-            assert kernel.metadata.shared <= 99 * 1024, "a long question span overflows sm_89's shared memory"
+            types, constexprs, attrs = as_launched(recorder.fn, args, kwargs)
+            kernel = compile_one(recorder.fn, types, constexprs, 89, attrs, **options)
+            assert kernel.metadata.shared <= 99 * 1024, f"Lq = {lq}, {dtype} overflows sm_89's shared memory"
     compile_one(ms._combine_kernel, {"max_ptr": "*fp32", "sum_ptr": "*fp32", "rowmax_ptr": "*fp32",
                                      "weight_ptr": "*fp32", "T": "i32", "eps": "fp32", "inv_rows": "fp32"},
                 {"NUM_M": 8, "M_PAD": 16, "BLOCK_T": 1024}, 90)
@@ -584,7 +604,8 @@ def _compile_for_gpu_targets() -> None:
     from macer_kernels.triton import stage as st
 
     # The stage kernel: a top-K and a coverage modality over fp32 scores, and the single top-k op over fp64 scores.
-    stage_types = {"s_ptr": "*fp32", "lab_ptr": "*i64", "c_ptr": "*i64", "w_ptr": "*fp64", "out_ptr": "*i64",
+    stage_types = {"s_ptr": "*fp32", "lab_ptr": "*i64", "c_ptr": "*i64", "w_ptr": "*fp64", "keeps_ptr": "*i32",
+                   "out_ptr": "*i64",
                    "list_ptr": "*i32", "v_ptr": "*fp64", "flag_ptr": "*i8",
                    **dict.fromkeys(("N", "OUT_LEN", "stride_sb", "stride_lb", "stride_cb",
                                     *(f"K{m}" for m in range(8))), "i32"),
@@ -593,17 +614,17 @@ def _compile_for_gpu_targets() -> None:
                    "stride_sn": 1, "stride_ln": 1, "stride_cn": 1}
     staged = compile_one(st._stage_select_kernel, stage_types,
                          {**stage_shape, "NUM_MODS": 2, "LABELS": 1 | 2 << 4, "COVER": 2, "LABELLED": True,
-                          "CMP": tl.float32, "WIDE": False}, 90, num_warps=8)
+                          "PER_SAMPLE": True, "CMP": tl.float32, "WIDE": False}, 90, num_warps=8)
     compile_one(st._stage_select_kernel, {**stage_types, "s_ptr": "*fp64"},
-                {**stage_shape, "NUM_MODS": 1, "LABELS": 1, "COVER": 0, "LABELLED": False, "CMP": tl.float64,
-                 "WIDE": True}, 90, num_warps=8)
+                {**stage_shape, "NUM_MODS": 1, "LABELS": 1, "COVER": 0, "LABELLED": False, "PER_SAMPLE": False,
+                 "CMP": tl.float64, "WIDE": True}, 90, num_warps=8)
     assert staged.metadata.shared <= 99 * 1024
     # Compaction: four tensors of four dtypes in one launch (a stage's hidden states, cos, sin, position ids).
     slot_types = {}
     for t, dt in enumerate(("bf16", "fp32", "fp32", "i64")):
         slot_types |= {f"src{t}": f"*{dt}", f"dst{t}": f"*{dt}",
                        **dict.fromkeys((f"outer{t}", f"inner{t}", f"so{t}", f"sn{t}"), "i32"), f"si{t}": "constexpr"}
-    slot_types |= {"keep_ptr": "*i64", "k": "i32"}
+    slot_types |= {"keep_ptr": "*i64", "k": "i32", "kb": "i32"}
     unused = {f"{name}{t}": None if name in ("src", "dst") else 0 for t in range(4, 8)
               for name in ("src", "dst", "outer", "inner", "so", "sn", "si")}
     compile_one(cmp._compact_kernel, slot_types, {"NUM_T": 4, "BLOCK": cmp._BLOCK, **unused,

@@ -19,6 +19,12 @@ normalised. The kernels follow flash-decoding:
    back, see ``STORE_LOGITS``) and writes ``sum_r exp(l_ri - M_r) * weight_{r, m(i)}``, one fp32 per key, without
    atomics (so results are deterministic).
 
+PAD keys (label ``-1``, ``macer_kernels.PAD_LABEL``: left padding of a batch) are masked in every row exactly like
+keys past the row's causal limit: they add nothing to ``Z`` or any ``S_m``, their K rows are never part of a logit
+(so a garbage or non-finite padding row flags nothing), and their score is exactly 0. A sample's scores on its real
+keys are therefore those of the sample run alone without its padding. Labels are only ever compared, never used as
+an index.
+
 Non-finite inputs (the rule of ``macer_kernels.modality_scores``): phase 1 flags a row with a non-finite logit of a
 kept pair (its tile maximum stored as NaN), the combine turns the flags of a row's tiles into weight slot 0, and
 phase 3 writes NaN for the scored keys of a batch element with a flagged row and exactly 0 for label-0 keys; the
@@ -54,17 +60,22 @@ this many, each against the same K tile. Without the bound the q operand grows w
 ``G * Lq = 512`` rows (Lq = 37 with 7 query heads per KV head) a D = 128 bf16 program needs 132 KB of shared memory,
 more than sm_89 has, and at 1024 rows more than sm_90's 227 KB, and the launch fails."""
 
+SMEM_PER_PROGRAM = 96 * 1024
+"""Shared memory a scoring program's pipelined tiles may take: under the 99 KB per block of sm_86 / sm_89, the
+smallest of the GPUs the package targets (Triton's small reduction scratch comes on top)."""
+
 _LOG2E = 1.4426950408889634
 _INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
+def _tile_logits(q_rows, k_head, pos_row, labels, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
                  BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, MARK: tl.constexpr):
     """Base-2 logits ``[len(rows), BLOCK_N]`` of the query rows ``rows`` at ``q_rows`` (``R`` rows of ``D``,
     contiguous) against keys ``offs_n`` of the KV head at ``k_head``; -inf where a key is beyond the row's causal
-    limit or past N, and on padded rows (``rows >= R``). With ``MARK``, every non-finite logit of a kept pair becomes
-    NaN (a visible -inf would otherwise look like a masked key), so that NaN marks exactly the broken pairs."""
+    limit, past N or a PAD key (label < 0: not a key of the sample, ``macer_kernels.PAD_LABEL``), and on padded rows
+    (``rows >= R``). With ``MARK``, every non-finite logit of a kept pair becomes NaN (a visible -inf would otherwise
+    look like a masked key), so that NaN marks exactly the broken pairs; a PAD key's K row is never looked at."""
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < R
     d_ok = offs_d < D
@@ -79,7 +90,7 @@ def _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, 
         # bf16 x bf16 and fp16 x fp16 products are exact in the fp32 accumulator.
         acc = tl.dot(q, tl.trans(k))
     pos = tl.load(pos_row + (rows % LQ) * stride_pl, mask=row_ok, other=-1)
-    visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
+    visible = (offs_n[None, :] <= pos[:, None]) & (n_ok & (labels >= 0))[None, :]
     logits = acc * scale_log2
     if MARK:
         # |l| < inf is false for NaN and +-inf alike.
@@ -94,8 +105,9 @@ def _stats_rows(q_rows, k_head, lab_row, pos_row, max_ptr, sum_ptr, logit_ptr, r
     """Phase 1 for the query rows ``rows`` (of the ``R`` at ``row0``) against one key tile: each row's tile maximum
     and its ``Z`` and ``S_1..S_NUM_M`` relative to it."""
     row_ok = rows < R
-    l2 = _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2, BLOCK_D,
-                      DOT_FP32, True)
+    labels = tl.load(lab_row + offs_n * stride_ln, mask=offs_n < N, other=0)
+    l2 = _tile_logits(q_rows, k_head, pos_row, labels, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
+                      BLOCK_D, DOT_FP32, True)
     if STORE:
         tl.store(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :], l2,
                  mask=row_ok[:, None] & (offs_n < N)[None, :])
@@ -110,7 +122,6 @@ def _stats_rows(q_rows, k_head, lab_row, pos_row, max_ptr, sum_ptr, logit_ptr, r
     tl.store(max_ptr + out_row * T + pid_t, m, mask=row_ok)
     # sums[row, 0, t] = Z (all visible keys: the eps term needs it), sums[row, m, t] = S_m.
     tl.store(sum_ptr + (out_row * (NUM_M + 1)) * T + pid_t, tl.sum(p, axis=1), mask=row_ok)
-    labels = tl.load(lab_row + offs_n * stride_ln, mask=offs_n < N, other=0)
     for mod in tl.static_range(1, NUM_M + 1):
         s_m = tl.sum(tl.where(labels[None, :] == mod, p, 0.0), axis=1)
         tl.store(sum_ptr + (out_row * (NUM_M + 1) + mod) * T + pid_t, s_m, mask=row_ok)
@@ -154,8 +165,9 @@ def _combine_kernel(max_ptr, sum_ptr, rowmax_ptr, weight_ptr, T, eps, inv_rows,
     offs_t = tl.arange(0, BLOCK_T)
     mods = tl.arange(0, M_PAD)
     mod_ok = mods <= NUM_M
-    # Pass 1: the row maximum over all tiles (finite: every row sees at least key 0), and whether a tile flagged the
-    # row broken (tile maximum NaN, see _stats_rows), tested explicitly and reduced as an integer.
+    # Pass 1: the row maximum over all tiles, and whether a tile flagged the row broken (tile maximum NaN, see
+    # _stats_rows), tested explicitly and reduced as an integer. The maximum is finite for valid inputs (a row sees its
+    # own position, a real key); a row that sees no key at all (its position on a PAD key) gets weight 0 below.
     run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
     run_broken = tl.zeros([BLOCK_T], tl.int32)
     for t0 in range(0, T, BLOCK_T):
@@ -166,7 +178,8 @@ def _combine_kernel(max_ptr, sum_ptr, rowmax_ptr, weight_ptr, T, eps, inv_rows,
     row_broken = tl.max(run_broken, axis=0) > 0
     # A broken row's maximum and weights are not used (phase 3 writes NaN for its whole batch element); 0 keeps
     # them from carrying NaN into its arithmetic.
-    row_max = tl.where(row_broken, 0.0, tl.max(run_max, axis=0))
+    row_max = tl.max(run_max, axis=0)
+    row_max = tl.where(row_broken | (row_max == float("-inf")), 0.0, row_max)
     # Pass 2: rescale each tile's sums to the row maximum and add them up, all modalities at once.
     acc = tl.zeros([M_PAD], tl.float32)
     for t0 in range(0, T, BLOCK_T):
@@ -201,8 +214,8 @@ def _scores_rows(q_rows, k_head, pos_row, rowmax_ptr, weight_ptr, logit_ptr, lab
         l2 = tl.load(logit_ptr + (row0 + rows)[:, None] * N + offs_n[None, :],
                      mask=row_ok[:, None] & (offs_n < N)[None, :], other=float("-inf"))
     else:
-        l2 = _tile_logits(q_rows, k_head, pos_row, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
-                          BLOCK_D, DOT_FP32, False)
+        l2 = _tile_logits(q_rows, k_head, pos_row, labels, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl,
+                          scale_log2, BLOCK_D, DOT_FP32, False)
     row_max = tl.load(rowmax_ptr + row0 + rows, mask=row_ok, other=0.0)
     p = tl.exp2(l2 - row_max[:, None])
     # weight[r, label of key]: a select per label (NUM_M = MAX_MODALITIES, unrolled).
@@ -252,7 +265,8 @@ def _scores_kernel(q_ptr, k_ptr, lab_ptr, pos_ptr, rowmax_ptr, weight_ptr, logit
         flag = tl.load(weight_ptr + (row_b + r) * M_PAD, mask=r < HKV * R, other=0.0)
         broken = tl.maximum(broken, (flag != 0.0).to(tl.int32))
     acc = tl.where(tl.max(broken, axis=0) > 0, float("nan"), acc)
-    tl.store(out_ptr + b64 * N + offs_n, tl.where(labels == 0, 0.0, acc), mask=n_ok)
+    # PAD keys (label < 0) are exactly 0 as well, also in a batch element with a broken row.
+    tl.store(out_ptr + b64 * N + offs_n, tl.where(labels <= 0, 0.0, acc), mask=n_ok)
 
 
 def _row_block(rows_per_kv: int) -> int:
@@ -270,6 +284,19 @@ def _block_n(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> i
     while block > 32 and batch * triton.cdiv(n, block) < tiles_wanted:
         block //= 2
     return block
+
+
+def _num_stages(rows_pad: int, block_n: int, block_d: int, operand_bytes: int, row_loop: bool,
+                dot_fp32: bool) -> int:
+    """Pipeline stages of the loops that take a ``tl.dot`` (phase 3's loop over KV heads). With ``s`` stages a
+    launch specialised by the JIT (aligned pointers, 16-divisible strides) keeps ``s - 1`` copies of the q and K tiles
+    in shared memory (read off the cubins: 40 KB per copy at the 7B shapes), so ``s`` is capped to keep them within
+    ``SMEM_PER_PROGRAM``: bf16 D = 256 with 33..64 query rows per KV head asked 3 stages, 128 KB, which sm_89 cannot
+    launch. A loop over row blocks gets one stage: pipelining it would multi-buffer the tiles of every block."""
+    if row_loop:
+        return 1
+    per_copy = (rows_pad + block_n) * block_d * operand_bytes
+    return max(1, min(2 if dot_fp32 else 3, 1 + SMEM_PER_PROGRAM // per_copy))
 
 
 _PARTIALS: dict[tuple, torch.Tensor] = {}
@@ -346,14 +373,15 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     k_strides = (key.stride(0), key.stride(1), key.stride(2))
     lab_strides = (modality.stride(0), modality.stride(1))
     pos_strides = (query_positions.stride(0), query_positions.stride(1))
-    # The fp32 dot's tiles are large: two pipeline stages over the KV heads bound its shared memory. A loop over row
-    # blocks gets none: pipelining it would multi-buffer the q and K tiles of every block (over 99 KB at D = 256).
-    stages = 1 if row_loop else 2 if dot_fp32 else 3
+    # The fp32 dot's tiles are large: at most two pipeline stages over the KV heads; every choice is capped by the
+    # shared memory its copies take (_num_stages).
+    operand_bytes = 4 if dot_fp32 else query.element_size()
     _partial_stats_kernel[(b * hkv, tiles)](
         query, key, modality, query_positions, tile_max, tile_sums, logits, *common, tiles, *k_strides,
         *lab_strides, *pos_strides, scale_log2,
         HKV=hkv, NUM_M=num_m, ROWS=rows_pad, ROW_LOOP=row_loop, BLOCK_N=block_n1, BLOCK_D=block_d,
-        DOT_FP32=dot_fp32, STORE=store, num_warps=8 if block_d >= 128 else 4, num_stages=stages,
+        DOT_FP32=dot_fp32, STORE=store, num_warps=8 if block_d >= 128 else 4,
+        num_stages=_num_stages(rows_pad, block_n1, block_d, operand_bytes, row_loop, dot_fp32),
     )
     _combine_kernel[(total_rows,)](
         tile_max, tile_sums, row_max, weight, tiles, eps, 1.0 / (lq * hq),
@@ -364,7 +392,8 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
         query, key, modality, query_positions, row_max, weight, logits, out, *common, *k_strides, *lab_strides,
         *pos_strides, scale_log2,
         HKV=hkv, NUM_M=num_m, M_PAD=m_pad, ROWS=rows_pad, ROW_LOOP=row_loop, BLOCK_N=block_n3, BLOCK_D=block_d,
-        DOT_FP32=dot_fp32, STORE=store, num_warps=8 if block_d >= 128 else 4, num_stages=stages,
+        DOT_FP32=dot_fp32, STORE=store, num_warps=8 if block_d >= 128 else 4,
+        num_stages=_num_stages(rows_pad, block_n3, block_d, operand_bytes, row_loop, dot_fp32),
     )
     return out
 

@@ -14,9 +14,11 @@ label is not a stage modality plus each stage modality's picks:
   greedy's pick order). O(count^2) comparisons in one program: this bounds the one-program path
   (``COVERAGE_ONE_PROGRAM_MAX_N``).
 
-The picks and the other tokens are flagged in a per-row workspace and written with a running prefix count, so the
-output needs no sort. Program-wide barriers (``tl.debug_barrier``) order the phases: every phase reads what other
-threads of the program wrote to the workspace in the previous one.
+PAD tokens (label -1, the left padding of a batch) are never kept. Budgets are the spec's, or per sample (``keeps``
+``[B, M]`` int32, read on the device). The picks and the other tokens are flagged in a per-row workspace and written
+with a running prefix count, right-aligned (``-1`` on the left, like the batch's padding), so the output needs no
+sort; a row that contradicts the host's sizes is all -1. Program-wide barriers (``tl.debug_barrier``) order the
+phases: every phase reads what other threads of the program wrote to the workspace in the previous one.
 
 Above the one-program limits the stage runs as the PyTorch composition (stable CUB sorts, ``stage._stage_select_torch``)
 on the same tensors: more launches, still no host synchronisation.
@@ -110,7 +112,9 @@ def _topk_flags(s_row, lab_row, flag_row, N, keep, label, stride_sn, stride_ln,
                 LABELLED: tl.constexpr, LABEL0: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     """Flag the ``keep`` tokens of ``label`` with the smallest (descending score key, index): a radix select of the
     boundary key ``T`` (the keep-th smallest), 8 bits per counting pass, then every key below ``T`` and the first
-    tokens at ``T`` in index order."""
+    tokens at ``T`` in index order. Returns the number of tokens of ``label`` (the first pass counts them all); with
+    fewer than ``keep`` of them the flags are some subset of them (never an access out of the row) and the caller
+    discards the row."""
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
     PASSES: tl.constexpr = 8 if WIDE else 4
@@ -118,6 +122,7 @@ def _topk_flags(s_row, lab_row, flag_row, N, keep, label, stride_sn, stride_ln,
     BIAS: tl.constexpr = -9223372036854775807 - 1 if WIDE else 2147483648
     prefix = tl.zeros([], tl.int64)  # the digits of T decided so far
     need = keep  # T's 1-based place among the tokens that share those digits
+    count = tl.zeros([], tl.int32)
     for p in tl.static_range(PASSES):
         shift = 8 * (PASSES - 1 - p)
         # The bits above this digit, as an int64 tensor: a Python constant of this size is not kept 64-bit by
@@ -135,6 +140,8 @@ def _topk_flags(s_row, lab_row, flag_row, N, keep, label, stride_sn, stride_ln,
             u = (u ^ BIAS) if WIDE else (u + BIAS)
             match = is_m & ((u & high) == prefix)
             hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
+        if p == 0:  # every token of the label shares the empty prefix
+            count = tl.sum(hist, axis=0)
         cum = tl.cumsum(hist, axis=0)
         digit = tl.sum((cum < need).to(tl.int32), axis=0)  # the first bin whose running count reaches need
         need -= tl.sum(tl.where(bins < digit, hist, 0), axis=0)
@@ -152,6 +159,7 @@ def _topk_flags(s_row, lab_row, flag_row, N, keep, label, stride_sn, stride_ln,
         order_at = at_seen + tl.cumsum(at.to(tl.int32), axis=0)  # 1-based place among the ties, by index
         tl.store(flag_row + i, tl.full([BLOCK], 1, tl.int8), mask=below | (at & (order_at <= need)))
         at_seen += tl.sum(at.to(tl.int32), axis=0)
+    return count
 
 
 @triton.jit
@@ -168,7 +176,8 @@ def _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, l
                     stride_sn, stride_ln, stride_cn,
                     LABELLED: tl.constexpr, LABEL0: tl.constexpr, CMP: tl.constexpr, BLOCK: tl.constexpr,
                     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-    """Flag the coverage greedy's ``keep`` picks among the tokens of ``label``."""
+    """Flag the coverage greedy's ``keep`` picks among the tokens of ``label``; returns their number (with fewer than
+    ``keep`` every one is flagged and the caller discards the row)."""
     offs = tl.arange(0, BLOCK)
     offs_i = tl.arange(0, BLOCK_I)  # pairwise tiles are BLOCK_I x BLOCK_J: registers, not the row block
     offs_j = tl.arange(0, BLOCK_J)
@@ -220,18 +229,25 @@ def _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, l
             ahead = (v_j[None, :] > v_a[:, None]) | ((v_j[None, :] == v_a[:, None]) & score_first)
             place += tl.sum((ahead & j_ok[None, :]).to(tl.int32), axis=1)
         tl.store(flag_row + tok, tl.full([BLOCK_I], 1, tl.int8), mask=a_ok & (place < keep))
+    return count
 
 
 @triton.jit
-def _stage_select_kernel(s_ptr, lab_ptr, c_ptr, w_ptr, out_ptr, list_ptr, v_ptr, flag_ptr,
+def _stage_select_kernel(s_ptr, lab_ptr, c_ptr, w_ptr, keeps_ptr, out_ptr, list_ptr, v_ptr, flag_ptr,
                          N, OUT_LEN, stride_sb, stride_sn, stride_lb, stride_ln, stride_cb, stride_cn,
                          K0, K1, K2, K3, K4, K5, K6, K7,
                          NUM_MODS: tl.constexpr, LABELS: tl.constexpr, COVER: tl.constexpr, LABELLED: tl.constexpr,
-                         CMP: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_I: tl.constexpr,
-                         BLOCK_J: tl.constexpr):
+                         PER_SAMPLE: tl.constexpr, CMP: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
     """One sample per program. ``LABELS`` packs the stage's labels 4 bits each, ``COVER`` has bit m set when
-    modality m uses coverage; ``K0..K7`` are the budgets (runtime, so budgets that change per prompt do not
-    recompile). ``LABELLED = False``: no label tensor, every token is modality 0 (the single selection ops)."""
+    modality m uses coverage; the budgets are ``keeps[b, m]`` (``PER_SAMPLE``: an int32 ``[B, NUM_MODS]`` tensor read
+    here, on the device) or ``K0..K7`` for every sample (runtime, so budgets that change per prompt do not
+    recompile). ``LABELLED = False``: no label tensor, every token is modality 0 (the single selection ops).
+
+    The row's kept positions are written ascending and right-aligned: ``out[b, OUT_LEN - len:]``, with
+    ``out[b, :OUT_LEN - len] = -1``. A row that contradicts the host (a modality with fewer tokens than its budget,
+    a negative budget, or more kept tokens than ``OUT_LEN``) is all -1. Every store is masked to the row, whatever
+    the labels, budgets or scores hold."""
     b = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + b * stride_sb
     lab_row = lab_ptr + b * stride_lb
@@ -239,37 +255,56 @@ def _stage_select_kernel(s_ptr, lab_ptr, c_ptr, w_ptr, out_ptr, list_ptr, v_ptr,
     flag_row = flag_ptr + b * N
     list_row = list_ptr + b * N
     v_row = v_ptr + b * N
+    out_row = out_ptr + b * OUT_LEN
     offs = tl.arange(0, BLOCK)
     label0: tl.constexpr = LABELS & 15
-    # Flags: 1 for the tokens of no stage modality (always kept), 0 for stage tokens until picked.
+    # Flags: 1 for the tokens of no stage modality (always kept), 0 for stage tokens until picked and for PAD tokens
+    # (label < 0: not a token of this sample, never kept).
     for i0 in range(0, N, BLOCK):
         i = i0 + offs
         ok = i < N
         lab = _label_of(lab_row, i, ok, stride_ln, LABELLED, label0)
-        stage = lab < 0  # all False
+        dropped = lab < 0
         for m in tl.static_range(NUM_MODS):
-            stage = stage | (lab == ((LABELS >> (4 * m)) & 15))
-        tl.store(flag_row + i, (~stage).to(tl.int8), mask=ok)
+            dropped = dropped | (lab == ((LABELS >> (4 * m)) & 15))
+        tl.store(flag_row + i, (~dropped).to(tl.int8), mask=ok)
     tl.debug_barrier()
+    bad = tl.zeros([], tl.int32)  # 1 when the row contradicts the host: written as all -1
     for m in tl.static_range(NUM_MODS):
         label = (LABELS >> (4 * m)) & 15
-        keep = _pick(m, K0, K1, K2, K3, K4, K5, K6, K7)
+        if PER_SAMPLE:
+            keep = tl.load(keeps_ptr + b * NUM_MODS + m)
+        else:
+            keep = _pick(m, K0, K1, K2, K3, K4, K5, K6, K7)
+        bad = tl.where(keep < 0, 1, bad)
         if keep > 0:
             if (COVER >> m) & 1:
-                _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, label, tl.load(w_ptr + m),
-                                stride_sn, stride_ln, stride_cn, LABELLED, label0, CMP, BLOCK, BLOCK_I, BLOCK_J)
+                count = _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, label,
+                                        tl.load(w_ptr + m), stride_sn, stride_ln, stride_cn, LABELLED, label0, CMP,
+                                        BLOCK, BLOCK_I, BLOCK_J)
             else:
-                _topk_flags(s_row, lab_row, flag_row, N, keep, label, stride_sn, stride_ln, LABELLED, label0, WIDE,
-                            BLOCK)
+                count = _topk_flags(s_row, lab_row, flag_row, N, keep, label, stride_sn, stride_ln, LABELLED, label0,
+                                    WIDE, BLOCK)
+            bad = tl.where(count < keep, 1, bad)
         tl.debug_barrier()  # the next modality reuses the list and value workspace
-    # Output: flagged tokens in index order, each at its running prefix count.
-    run = tl.zeros([], tl.int32)
+    # The row's length, then -1 left of its first slot and the flagged tokens in index order from there, each at its
+    # running prefix count (so the output needs no sort).
+    total = tl.zeros([], tl.int32)
+    for i0 in range(0, N, BLOCK):
+        i = i0 + offs
+        total += tl.sum((tl.load(flag_row + i, mask=i < N, other=0) != 0).to(tl.int32), axis=0)
+    bad = tl.where(total > OUT_LEN, 1, bad)
+    first = tl.where(bad != 0, OUT_LEN, OUT_LEN - total)  # a contradicting row writes no token
+    for j0 in range(0, OUT_LEN, BLOCK):
+        j = j0 + offs
+        tl.store(out_row + j, tl.full([BLOCK], -1, tl.int64), mask=j < first)
+    run = first
     for i0 in range(0, N, BLOCK):
         i = i0 + offs
         ok = i < N
         kept = (tl.load(flag_row + i, mask=ok, other=0) != 0) & ok
         slot = run + tl.cumsum(kept.to(tl.int32), axis=0) - 1
-        tl.store(out_ptr + b * OUT_LEN + slot, i.to(tl.int64), mask=kept & (slot < OUT_LEN))
+        tl.store(out_row + slot, i.to(tl.int64), mask=kept & (slot < OUT_LEN))
         run += tl.sum(kept.to(tl.int32), axis=0)
 
 
@@ -298,27 +333,28 @@ def _workspace(b: int, n: int, device: torch.device) -> tuple[torch.Tensor, torc
 
 
 def launch_stage_select(scores: torch.Tensor, labels: torch.Tensor | None, chunk_ids: torch.Tensor | None,
-                        spec: StageSpec, out_len: int) -> torch.Tensor:
+                        spec: StageSpec, out_len: int, keeps: torch.Tensor | None = None) -> torch.Tensor:
     """One launch of ``_stage_select_kernel`` for ``scores [B, N]``; ``labels`` None: every token is the first
-    modality's (the single selection ops, which pass one modality)."""
+    modality's (the single selection ops, which pass one modality). ``keeps``: None (every sample keeps the spec's
+    budgets) or the per-sample budgets, int32 ``[B, len(spec)]`` on the scores' device, read by the kernel."""
     b, n = scores.shape
     dev = scores.device
     out = torch.empty(b, out_len, dtype=torch.long, device=dev)
     if b == 0 or out_len == 0:
         return out
     flags, token_list, values = _workspace(b, n, dev)
-    keeps = [keep for _, keep, _, _ in spec] + [0] * (_MAX_MODS - len(spec))
+    budgets = [keep for _, keep, _, _ in spec] + [0] * (_MAX_MODS - len(spec))
     packed = sum(label << (4 * m) for m, (label, _, _, _) in enumerate(spec))
     cover = sum(1 << m for m, (_, _, weight, _) in enumerate(spec) if weight is not None)
     weights = _weights(tuple(0.0 if w is None else w for _, _, w, _ in spec), dev)
     lab = labels if labels is not None else scores
     chunks = chunk_ids if chunk_ids is not None else scores  # never read when no modality uses coverage
     _stage_select_kernel[(b,)](
-        scores, lab, chunks, weights, out, token_list, values, flags, n, out_len,
-        scores.stride(0), scores.stride(1), lab.stride(0), lab.stride(1), chunks.stride(0), chunks.stride(1), *keeps,
-        NUM_MODS=len(spec), LABELS=packed, COVER=cover, LABELLED=labels is not None,
-        CMP=tl.float64 if scores.dtype == torch.float64 else tl.float32, WIDE=scores.dtype == torch.float64,
-        BLOCK=_BLOCK, BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J, num_warps=8,
+        scores, lab, chunks, weights, keeps if keeps is not None else flags, out, token_list, values, flags, n,
+        out_len, scores.stride(0), scores.stride(1), lab.stride(0), lab.stride(1), chunks.stride(0), chunks.stride(1),
+        *budgets, NUM_MODS=len(spec), LABELS=packed, COVER=cover, LABELLED=labels is not None,
+        PER_SAMPLE=keeps is not None, CMP=tl.float64 if scores.dtype == torch.float64 else tl.float32,
+        WIDE=scores.dtype == torch.float64, BLOCK=_BLOCK, BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J, num_warps=8,
     )
     return out
 
@@ -329,11 +365,29 @@ def one_program_fits(n: int, spec: StageSpec) -> bool:
     return n <= (COVERAGE_ONE_PROGRAM_MAX_N if coverage else ONE_PROGRAM_MAX_N)
 
 
+def _check_keeps(keeps: torch.Tensor, scores: torch.Tensor, spec: StageSpec) -> None:
+    """Host metadata only (free): the kernel reads ``keeps[b, m]`` at ``b * len(spec) + m``."""
+    shape = (scores.shape[0], len(spec))
+    if not isinstance(keeps, torch.Tensor):
+        raise TypeError(f"keeps must be None or an int32 tensor [B, M], got {type(keeps).__name__}")
+    if keeps.dtype != torch.int32 or tuple(keeps.shape) != shape or not keeps.is_contiguous():
+        raise ValueError(f"keeps must be a contiguous int32 tensor [B={shape[0]}, M={shape[1]}] (M = len(spec)), got "
+                         f"{keeps.dtype} {tuple(keeps.shape)}{'' if keeps.is_contiguous() else ' non-contiguous'}")
+    if keeps.device != scores.device:
+        raise ValueError(f"keeps must be on the scores' device {scores.device}, got {keeps.device}")
+
+
 @register("stage_select", "triton")
 @on_input_device
 def stage_select_triton(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
-                        spec: StageSpec, out_len: int) -> torch.Tensor:
-    """Triton ``stage_select``: one launch up to the one-program limits, the PyTorch composition above them."""
+                        spec: StageSpec, out_len: int, keeps: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``stage_select``: one launch (one program per sample) up to the one-program limits, the PyTorch
+    composition above them. ``keeps`` (None or int32 ``[B, len(spec)]``): per-sample budgets; rows come out
+    right-aligned with -1 on the left, PAD tokens (label -1) are never kept (``docs/triton.md``)."""
+    if keeps is not None:
+        _check_keeps(keeps, scores, spec)
     if not one_program_fits(labels.shape[1], spec):
-        return _stage_select_torch(scores, labels, chunk_ids, spec, out_len)
-    return launch_stage_select(scores, labels, chunk_ids, spec, out_len)
+        if keeps is None:
+            return _stage_select_torch(scores, labels, chunk_ids, spec, out_len)
+        return _stage_select_torch(scores, labels, chunk_ids, spec, out_len, keeps)
+    return launch_stage_select(scores, labels, chunk_ids, spec, out_len, keeps)
