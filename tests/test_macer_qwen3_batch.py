@@ -6,7 +6,8 @@ The stages sit before (Random, layer 0), among (MACER at layers 1 and 2) and aft
 levels, which add visual features after ``layers[0..2]``: a wrong deepstack row for a re-packed batch moves the
 logits (by ~0.5 on these prompts), so the logits are what check the adapter's remapping. One batch has a long
 text-only prompt, so re-packing keeps the padded width while the other samples move. A batch that mixes layouts under
-one ``use_audio_in_video`` is refused (transformers' Qwen3-Omni ``get_rope_index`` gives it wrong positions silently).
+one ``use_audio_in_video`` is refused (transformers' Qwen3-Omni ``get_rope_index`` gives it wrong positions silently);
+beam search and ``num_return_sequences`` rows share their prompt's selection.
 """
 
 from __future__ import annotations
@@ -113,6 +114,25 @@ def test_batch_matches_each_prompt_alone(attn, layout, policy):
         # The text-only prompt is the longest and keeps every row: the batch is re-packed at its padded width.
         assert samples[-1].padding == 0 and not samples[-1].pruned
         assert logits.shape[1] == width
+
+
+def test_beam_search_and_several_sequences_share_their_prompt_selection():
+    """num_beams and num_return_sequences expand each prompt (and its deepstack features) into rows of the batch
+    before the prefill: each row is its prompt alone, with stages among the deepstack levels."""
+    model = _thinker("sdpa")
+    prompts = _block_prompts(model)[1:]
+    config = POLICIES["among"]()
+    with torch.no_grad(), macer.compress(model, config) as trace:
+        got = model.generate(**batch_inputs(prompts), max_new_tokens=3, num_beams=2, do_sample=False)[:, -3:]
+        assert len(trace.samples) == 4 and trace.samples[0].video_kept == trace.samples[1].video_kept
+        want = [model.generate(**p, max_new_tokens=3, num_beams=2, do_sample=False)[0, -3:].tolist()
+                for p in prompts]
+        # top_k=1 sampling: each returned row is the greedy answer of its prompt
+        several = model.generate(**batch_inputs(prompts), max_new_tokens=3, do_sample=True, top_k=1,
+                                 num_return_sequences=2)[:, -3:]
+        greedy = [model.generate(**p, max_new_tokens=3, do_sample=False)[0, -3:].tolist() for p in prompts]
+    assert got.tolist() == want
+    assert several.tolist() == [greedy[0], greedy[0], greedy[1], greedy[1]]
 
 
 @pytest.mark.parametrize("flag", [True, False])
