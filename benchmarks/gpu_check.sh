@@ -57,17 +57,17 @@ step() {
     return 0
 }
 
-# compute-sanitizer over the op driver. The driver compiles its Triton kernels in the warm-up step first (cached in
-# ~/.triton), so the tools spend their time on the kernels, not on compilation. memcheck and initcheck run with
-# PyTorch's caching allocator off, so every tensor is its own allocation and an out-of-bounds access cannot land
-# silently in a neighbour's memory.
+# sanitize TOOL ARGS...: compute-sanitizer TOOL over `$PY ARGS...` (the op driver, or a pytest selection). The op
+# driver compiles its Triton kernels in the warm-up step first (cached in ~/.triton), so the tools spend their time
+# on the kernels, not on compilation. memcheck and initcheck run with PyTorch's caching allocator off, so every tensor
+# is its own allocation and an out-of-bounds access cannot land silently in a neighbour's memory.
 sanitize() {
     local tool=$1 env=()
     [[ $tool == memcheck || $tool == initcheck ]] && env=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)
     local extra=()
     [[ $tool == memcheck ]] && extra=(--leak-check no)
     "${env[@]}" compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 30 "${extra[@]}" \
-        "$PY" -m benchmarks.sanitize_ops
+        "$PY" "${@:2}"
 }
 
 environment() {
@@ -98,7 +98,13 @@ step bench_select 100 "$PY" -m benchmarks.bench_select --out "$FILES"
 step bench_readout 60 "$PY" -m benchmarks.bench_readout --overhead --out "$FILES"
 step sanitize_warmup 90 "$PY" -m benchmarks.sanitize_ops
 for tool in memcheck racecheck initcheck synccheck; do
-    step "sanitize_$tool" 90 sanitize "$tool"
+    step "sanitize_$tool" 90 sanitize "$tool" -m benchmarks.sanitize_ops
+done
+# The scoring kernels on splits of several tiles, two row tiles and PAD keys (the op driver's shapes give one tile
+# per split): the same tools over that test's small case.
+for tool in memcheck racecheck initcheck; do
+    step "sanitize_scores_$tool" 60 sanitize "$tool" -m pytest -m cuda -q -p no:cacheprovider \
+        tests/test_cuda_scores_emulation.py -k sanitizer
 done
 step pytest_triton 150 "$PY" -m pytest -m "triton and not cuda" -q -rfEs -p no:cacheprovider \
     --junitxml="$FILES/pytest_triton.xml"

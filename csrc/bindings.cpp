@@ -231,6 +231,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("modality_scores_workspace_bytes", &macer::modality_scores_workspace_bytes, py::arg("batch"),
         py::arg("q_heads"), py::arg("q_len"), py::arg("num_keys"));
   m.def("modality_scores_max_head_dim", &macer::modality_scores_max_head_dim);
+  m.def(
+      "modality_scores_split_plan",
+      [](int q_dtype, int64_t batch, int64_t kv_heads, int64_t num_keys, int64_t wave) {
+        const macer::ScoresSplitPlan plan = macer::modality_scores_split_plan(q_dtype, batch, kv_heads, num_keys, wave);
+        return std::make_tuple(plan.tiles, plan.splits, plan.split_tiles, plan.split_extra);
+      },
+      "(tiles, splits, split_tiles, split_extra) of the scoring tile kernel for a wave of CTAs (host arithmetic)",
+      py::arg("q_dtype"), py::arg("batch"), py::arg("kv_heads"), py::arg("num_keys"), py::arg("wave"));
   m.def("select_workspace_bytes", &macer::select_workspace_bytes, py::arg("n"), py::arg("device"));
   m.def("topk_indices", &topk_indices, "Top-k indices, ties to the lower index, sorted ascending");
   m.def("coverage_select", &coverage_select, "eq:chunk_coverage_greedy without a k-step loop");

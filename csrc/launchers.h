@@ -35,7 +35,7 @@ constexpr int kNumLabels = kMaxModalities + 1;
 struct ModalityScoresParams {
   const void* query;            // [B, Hq, Lq, D], dtype q_dtype (any strides)
   const void* key;              // [B, Hkv, N, D], same dtype, key stride over D is 1
-  const void* modality;         // [B, N] integer labels in 0..kMaxModalities, dtype modality_dtype
+  const void* modality;         // [B, N] integer labels in -1..kMaxModalities (-1: padding), dtype modality_dtype
   const void* query_positions;  // [B, Lq] integer positions in 0..N-1, dtype positions_dtype
   float* out;                   // [B, N] float32, contiguous
   void* workspace;              // modality_scores_workspace_bytes(...) bytes, 16-byte aligned
@@ -51,6 +51,14 @@ struct ModalityScoresParams {
 };
 size_t modality_scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q_len, int64_t num_keys);
 int64_t modality_scores_max_head_dim();
+// How the tile kernel splits the key tiles of one (batch, KV head): `wave` CTAs fill the device (SMs x resident
+// CTAs, asked by the launcher); pure host arithmetic, exposed for the CPU tests. Split s covers tiles
+// [s * split_tiles + min(s, split_extra), (s + 1) * split_tiles + min(s + 1, split_extra)).
+struct ScoresSplitPlan {
+  int64_t tiles, splits, split_tiles, split_extra;
+};
+ScoresSplitPlan modality_scores_split_plan(int q_dtype, int64_t batch, int64_t kv_heads, int64_t num_keys,
+                                           int64_t wave);
 void modality_scores(const ModalityScoresParams& p);
 
 // ---------------------------------------------------------------------------------------------------------------

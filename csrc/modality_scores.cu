@@ -1,12 +1,24 @@
 // Launcher of modality_scores: fills the kernels' arguments from ModalityScoresParams and enqueues the three passes.
+// The number of key-tile splits is chosen here from the device's SM count and the tile kernel's occupancy, both
+// asked once per (device, dtype, padded D) and cached (host attributes, no device work per call).
+#include <algorithm>
+#include <climits>
+#include <mutex>
+
 #include "kernels/modality_scores.cuh"
 
 namespace macer {
 namespace {
 
 constexpr const char* kOp = "modality_scores";
+constexpr int kMaxDevices = 64;
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+// Partials per (row, label) the workspace holds: an upper bound of the splits of every dtype on every device.
+int64_t max_splits(int64_t num_keys) {
+  return std::min(ceil_div(num_keys, scores::kMinKeysPerTile), scores::kMaxSplits);
+}
 
 struct Workspace {
   float* logits;
@@ -20,15 +32,41 @@ Workspace carve(void* base, int64_t batch, int64_t rows, int64_t num_keys) {
   w.logits = reinterpret_cast<float*>(p);
   p += align_up(sizeof(float) * batch * rows * num_keys);
   w.partial = reinterpret_cast<float2*>(p);
-  p += align_up(sizeof(float2) * batch * rows * ceil_div(num_keys, scores::kMinKeysPerTile) * kNumLabels);
+  p += align_up(sizeof(float2) * batch * rows * kNumLabels * max_splits(num_keys));
   w.stats = reinterpret_cast<float2*>(p);
   return w;
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// Tile-kernel CTAs that run at once on `device` for this dtype and padded D (SMs x resident blocks). The first call
+// per device also opts the kernel in to the shared memory of its largest tile (D = 256), so any D may launch later.
 template <typename T>
-void launch_tiles(const ModalityScoresParams& p, const Workspace& w) {
+int64_t ctas_per_wave(int device, int padded_dim) {
+  using C = scores::TileConfig<T>;
+  static std::mutex mutex;
+  static int64_t cache[kMaxDevices][scores::kMaxHeadDim + 1];  // 0 = not yet asked
+  require(device >= 0 && device < kMaxDevices, kOp, "device index must be in [0, 63]");
+  std::lock_guard<std::mutex> lock(mutex);
+  int64_t& ctas = cache[device][padded_dim];
+  if (ctas == 0) {
+    const int max_padded = static_cast<int>(ceil_div(scores::kMaxHeadDim, C::kDimAlign) * C::kDimAlign);
+    MACER_CUDA_CHECK(kOp, cudaFuncSetAttribute(scores::scores_tile_kernel<T>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(scores::tile_smem_bytes<T>(max_padded))));
+    int sms = 0, blocks = 0;
+    MACER_CUDA_CHECK(kOp, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    MACER_CUDA_CHECK(kOp, cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                              &blocks, scores::scores_tile_kernel<T>, scores::kThreads,
+                              scores::tile_smem_bytes<T>(padded_dim)));
+    ctas = std::max<int64_t>(1, int64_t{sms} * std::max(blocks, 1));
+  }
+  return ctas;
+}
+
+// Launches the tile kernel; returns the number of splits (partials per (row, label)).
+template <typename T>
+int64_t launch_tiles(const ModalityScoresParams& p, const Workspace& w) {
   using C = scores::TileConfig<T>;
   scores::TileArgs a{};
   a.query = p.query;
@@ -44,7 +82,6 @@ void launch_tiles(const ModalityScoresParams& p, const Workspace& w) {
   a.head_dim = p.head_dim;
   a.kv_heads = p.kv_heads;
   a.num_keys = p.num_keys;
-  a.tiles = ceil_div(p.num_keys, C::kKeys);
   for (int i = 0; i < 4; ++i) a.q_stride[i] = p.q_stride[i];
   for (int i = 0; i < 3; ++i) a.k_stride[i] = p.k_stride[i];
   for (int i = 0; i < 2; ++i) a.mod_stride[i] = p.mod_stride[i];
@@ -59,22 +96,43 @@ void launch_tiles(const ModalityScoresParams& p, const Workspace& w) {
               (p.q_stride[2] * esize) % 16 == 0;
   a.padded_dim = static_cast<int>(ceil_div(p.head_dim, C::kDimAlign) * C::kDimAlign);
 
+  const ScoresSplitPlan plan =
+      modality_scores_split_plan(p.q_dtype, p.batch, p.kv_heads, p.num_keys, ctas_per_wave<T>(p.device, a.padded_dim));
+  a.tiles = plan.tiles;
+  a.splits = plan.splits;
+  a.split_tiles = plan.split_tiles;
+  a.split_extra = plan.split_extra;
+  a.group = p.q_heads / p.kv_heads;
+
   const size_t smem = scores::tile_smem_bytes<T>(a.padded_dim);
-  if (smem > 48 * 1024) {
-    MACER_CUDA_CHECK(kOp, cudaFuncSetAttribute(scores::scores_tile_kernel<T>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  }
-  const dim3 grid(static_cast<unsigned>(a.tiles), static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
+  const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(p.kv_heads),
+                  static_cast<unsigned>(p.batch));
   scores::scores_tile_kernel<T><<<grid, scores::kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(a);
   MACER_LAUNCH_CHECK(kOp, "scores_tile_kernel");
+  return a.splits;
 }
 
 }  // namespace
 
+ScoresSplitPlan modality_scores_split_plan(int q_dtype, int64_t batch, int64_t kv_heads, int64_t num_keys,
+                                           int64_t wave) {
+  require(batch >= 1 && kv_heads >= 1 && num_keys >= 1 && wave >= 1, kOp,
+          "split plan: B, Hkv, N and wave must be >= 1");
+  const bool mma = q_dtype == kFloat16 || q_dtype == kBFloat16;
+  ScoresSplitPlan plan{};
+  plan.tiles = ceil_div(num_keys, mma ? scores::TileConfig<__half>::kKeys : scores::TileConfig<float>::kKeys);
+  // One wave of CTAs over (splits, Hkv, B): enough to keep every SM's loads in flight, few partials per row. Every
+  // split gets at least one tile (splits <= tiles) and the workspace bound holds (splits <= max_splits(N)).
+  plan.splits = std::max<int64_t>(1, std::min({ceil_div(wave, kv_heads * batch), plan.tiles, max_splits(num_keys)}));
+  plan.split_tiles = plan.tiles / plan.splits;
+  plan.split_extra = plan.tiles % plan.splits;
+  return plan;
+}
+
 size_t modality_scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q_len, int64_t num_keys) {
   const int64_t rows = q_heads * q_len;
   return align_up(sizeof(float) * batch * rows * num_keys) +
-         align_up(sizeof(float2) * batch * rows * ceil_div(num_keys, scores::kMinKeysPerTile) * kNumLabels) +
+         align_up(sizeof(float2) * batch * rows * kNumLabels * max_splits(num_keys)) +
          align_up(sizeof(float2) * batch * rows * kNumLabels);
 }
 
@@ -88,6 +146,7 @@ void modality_scores(const ModalityScoresParams& p) {
           "Hq must be a positive multiple of Hkv");
   require(p.kv_heads <= 65535 && p.batch <= 65535, kOp, "B and Hkv must be at most 65535 (CUDA grid limits)");
   require(p.q_len >= 1, kOp, "Lq must be >= 1");
+  require(p.batch * p.q_heads * p.q_len <= INT_MAX, kOp, "B * Hq * Lq must be at most 2^31 - 1 (CUDA grid limit)");
   require(p.q_dtype == kFloat32 || p.q_dtype == kFloat64 || p.q_dtype == kFloat16 || p.q_dtype == kBFloat16, kOp,
           "query/key dtype code must be float32, float16, bfloat16 or float64, got " + std::to_string(p.q_dtype));
   require(is_int_code(p.modality_dtype) && is_int_code(p.positions_dtype), kOp,
@@ -96,24 +155,22 @@ void modality_scores(const ModalityScoresParams& p) {
   use_device(p.device, kOp);
   const int64_t rows = p.q_heads * p.q_len;
   const Workspace w = carve(p.workspace, p.batch, rows, p.num_keys);
+  int64_t splits = 0;
   switch (p.q_dtype) {
-    case kFloat32: launch_tiles<float>(p, w); break;
-    case kFloat64: launch_tiles<double>(p, w); break;
-    case kFloat16: launch_tiles<__half>(p, w); break;
-    case kBFloat16: launch_tiles<__nv_bfloat16>(p, w); break;
+    case kFloat32: splits = launch_tiles<float>(p, w); break;
+    case kFloat64: splits = launch_tiles<double>(p, w); break;
+    case kFloat16: splits = launch_tiles<__half>(p, w); break;
+    case kBFloat16: splits = launch_tiles<__nv_bfloat16>(p, w); break;
   }
-  const int64_t tiles = ceil_div(p.num_keys, p.q_dtype == kFloat16 || p.q_dtype == kBFloat16
-                                                 ? scores::TileConfig<__half>::kKeys
-                                                 : scores::TileConfig<float>::kKeys);
   const int64_t total_rows = p.batch * rows;
-  const int warps_per_block = scores::kThreads / 32;
   auto stream = static_cast<cudaStream_t>(p.stream);
-  scores::scores_combine_kernel<<<static_cast<unsigned>(ceil_div(total_rows, warps_per_block)), scores::kThreads, 0,
-                                  stream>>>(w.partial, w.stats, total_rows, tiles, p.eps);
+  scores::scores_combine_kernel<<<static_cast<unsigned>(total_rows), scores::kCombineThreads, 0, stream>>>(
+      w.partial, w.stats, splits, p.eps);
   MACER_LAUNCH_CHECK(kOp, "scores_combine_kernel");
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.num_keys, 256)), static_cast<unsigned>(p.batch));
-  scores::scores_reduce_kernel<<<grid, 256, 0, stream>>>(w.logits, w.stats, p.modality, p.modality_dtype,
-                                                         p.mod_stride[0], p.mod_stride[1], p.out, rows, p.num_keys);
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.num_keys, scores::kReduceThreads)),
+                  static_cast<unsigned>(p.batch));
+  scores::scores_reduce_kernel<<<grid, scores::kReduceThreads, 0, stream>>>(
+      w.logits, w.stats, p.modality, p.modality_dtype, p.mod_stride[0], p.mod_stride[1], p.out, rows, p.num_keys);
   MACER_LAUNCH_CHECK(kOp, "scores_reduce_kernel");
 }
 

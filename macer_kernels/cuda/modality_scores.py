@@ -14,11 +14,13 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 def modality_scores_cuda(query: torch.Tensor, key: torch.Tensor, modality: torch.Tensor,
                          query_positions: torch.Tensor, scale: float, eps: float) -> torch.Tensor:
     """Scores ``[B, N]`` float32 from query ``[B, Hq, Lq, D]`` and key ``[B, Hkv, N, D]`` (any strides, head dim
-    contiguous), labels ``[B, N]`` and query positions ``[B, Lq]`` of any integer dtype, read in place.
+    contiguous), labels ``[B, N]`` and query positions ``[B, Lq]`` of any integer dtype, read in place. A key labelled
+    -1 (``PAD_LABEL``) is no key of its sample: no row sees it and it scores 0.
 
     The public op (``macer_kernels.modality_scores``) has validated shapes, label and position ranges; this checks
     what the kernels add: CUDA tensors, one float dtype for query and key, D <= 256, grid limits on B and Hkv.
-    Workspace: fp32 logits ``[B, Hq*Lq, N]`` plus per-tile partials (O(B Hq Lq N), like the PyTorch path).
+    Workspace: fp32 logits ``[B, Hq*Lq, N]`` (O(B Hq Lq N), like the PyTorch path) plus one (max, sum) pair per
+    (row, label, key-tile split), at most ``min(ceil(N / 32), 1024)`` splits (docs/cuda.md).
     """
     if query.dtype != key.dtype or key.dtype not in _FLOATS:
         raise TypeError(f"{_OP} (cuda): query and key must share one dtype out of float32, float16, bfloat16, "
