@@ -121,9 +121,11 @@ ScoresSplitPlan modality_scores_split_plan(int q_dtype, int64_t batch, int64_t k
   const bool mma = q_dtype == kFloat16 || q_dtype == kBFloat16;
   ScoresSplitPlan plan{};
   plan.tiles = ceil_div(num_keys, mma ? scores::TileConfig<__half>::kKeys : scores::TileConfig<float>::kKeys);
-  // One wave of CTAs over (splits, Hkv, B): enough to keep every SM's loads in flight, few partials per row. Every
-  // split gets at least one tile (splits <= tiles) and the workspace bound holds (splits <= max_splits(N)).
-  plan.splits = std::max<int64_t>(1, std::min({ceil_div(wave, kv_heads * batch), plan.tiles, max_splits(num_keys)}));
+  // At most one wave of CTAs over (splits, Hkv, B): enough to keep every SM's loads in flight, few partials per row.
+  // Rounded down: rounding up would leave up to Hkv*B - 1 CTAs of a second wave, each a whole split, so the kernel
+  // would take about one split longer. Every split gets at least one tile (splits <= tiles) and the workspace bound
+  // holds (splits <= max_splits(N)); Hkv*B >= wave gives one split (the grid is then a wave or more by itself).
+  plan.splits = std::max<int64_t>(1, std::min({wave / (kv_heads * batch), plan.tiles, max_splits(num_keys)}));
   plan.split_tiles = plan.tiles / plan.splits;
   plan.split_extra = plan.tiles % plan.splits;
   return plan;

@@ -62,8 +62,9 @@ def max_splits(n: int) -> int:
 
 
 def host_splits(tiles: int, n: int, kv_heads: int, batch: int, wave: int) -> int:
-    """launch_tiles: one wave of CTAs over (splits, Hkv, B), at most one split per tile, within the workspace."""
-    return max(1, min(-(-wave // (kv_heads * batch)), tiles, max_splits(n)))
+    """launch_tiles: at most one wave of CTAs over (splits, Hkv, B) (rounded down: no nearly empty second wave), at
+    most one split per tile, within the workspace."""
+    return max(1, min(wave // (kv_heads * batch), tiles, max_splits(n)))
 
 
 def split_begin(split: int, split_tiles: int, split_extra: int) -> int:
@@ -99,8 +100,9 @@ def test_host_split_count_fills_one_wave_within_the_workspace(n, hkv, b, wave):
         tiles = -(-n // keys)
         splits = host_splits(tiles, n, hkv, b, wave)
         assert 1 <= splits <= min(tiles, MAX_SPLITS, max_splits(n))
-        if splits < tiles and splits < MAX_SPLITS:  # not capped: the grid covers the wave
-            assert splits * hkv * b >= wave
+        if splits < tiles and splits < max_splits(n):  # not capped by the tiles or the workspace: one wave
+            assert splits * hkv * b <= wave or splits == 1, (n, hkv, b, wave)
+            assert (splits + 1) * hkv * b > wave, (n, hkv, b, wave)  # and no fewer splits than fit in it
 
 
 def test_the_modules_split_plan_is_the_replayed_one():
