@@ -270,6 +270,7 @@ class BatchPrefill:
         hidden = out.pop("hidden_states")
         inputs.update(out)
         inputs["attention_mask"] = layout_mask(real, width, hidden.dtype, self.boolean)
+        adapter.on_stage(kwargs, keep, index)
         self.inputs, self.valid, self.pads, self.repacked = inputs, real, pads, True
         if args:
             return (hidden, *args[1:]), kwargs

@@ -230,6 +230,7 @@ class _Session:
         if isinstance(mask, torch.Tensor) and mask.ndim != 2:
             raise ValueError(f"macer.compress: attention_mask must be 2-D [1, N], got shape {tuple(mask.shape)}")
         start = self.clock.tick()
+        self.adapter.on_prefill(kwargs)
         if input_ids is not None and input_ids.shape[-1] != length:
             input_ids = None
         if batch == 1:

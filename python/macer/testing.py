@@ -392,12 +392,13 @@ def decoder_parts(model: Any):
 
 
 def batch_inputs(samples: list[dict[str, Any]], *, pad_token_id: int = 0, padding_side: str = "left") -> dict[str, Any]:
-    """One batch from several ``clip_inputs(...)`` prompts, as the Qwen2.5-Omni processor pads a batch.
+    """One batch from several ``clip_inputs(...)`` (or ``macer.testing_qwen3.qwen3_clip_inputs(...)``) prompts, as
+    the Qwen-Omni processors pad a batch.
 
     ``input_ids`` / ``attention_mask`` are padded to the longest prompt on ``padding_side`` (``"left"``, as
     ``generate`` needs; ``"right"`` to test that ``macer.compress`` refuses it); the media of the samples that have
-    them are concatenated in sample order (video patches, grid rows and seconds per grid), and the audio features
-    are stacked, right-padded to the longest with a per-audio ``feature_attention_mask``.
+    them are concatenated in sample order (image and video patches, grid rows and seconds per grid), and the audio
+    features are stacked, right-padded to the longest with a per-audio ``feature_attention_mask``.
 
     All samples must share ``use_audio_in_video`` (transformers reads one flag per call); the flag of the first
     sample is used and a mismatch raises ``ValueError``.
@@ -423,7 +424,7 @@ def batch_inputs(samples: list[dict[str, Any]], *, pad_token_id: int = 0, paddin
         "attention_mask": torch.stack([pad(m, 0) for m in masks]),
         "use_audio_in_video": flags.pop(),
     }
-    for name in ("pixel_values_videos", "video_grid_thw", "video_second_per_grid"):
+    for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "video_second_per_grid"):
         parts = [s[name] for s in samples if name in s]
         if parts:
             out[name] = torch.cat(parts)

@@ -6,11 +6,11 @@ An adapter answers, for a model of its family:
 * where the pieces are (``parts``): the module that receives ``input_ids``, the module that runs the decoder layers,
   the layer list, the config whose ``_attn_implementation`` the attention modules read;
 * what each prompt token is (``labels``, ``temporal_positions``): modality labels from the token ids and the temporal
-  position of every token, batched ``[B, N]`` (the runtime runs ``B = 1`` today);
+  position of every token, batched ``[B, N]`` (a left-padded batch when ``batch_ready``);
 * the end-of-turn token that closes the user's question (``end_of_turn_token_id``) and the family's paper defaults,
   keyed by model identity (``identify`` / ``paper_defaults``), never by depth alone;
-* per-token state of its own that a stage must shorten (``on_stage``, with ``guards`` to wrap a method that uses
-  state the decoder keeps in locals of its forward, e.g. Qwen3-Omni's deepstack visual features);
+* per-token state of its own that a stage must shorten (``on_prefill`` / ``on_stage``, with ``guards`` to wrap a
+  method that uses state the decoder keeps in locals of its forward, e.g. Qwen3-Omni's deepstack visual features);
 * where the question ends when no token ids say it (``question_end``, the labelled path).
 """
 
@@ -128,8 +128,16 @@ class Adapter(ABC):
         padded row; the runtime subtracts each row's padding). Default: ``question_end(length)`` for every row."""
         return [self.question_end(length)] * batch
 
+    def on_prefill(self, decoder_kwargs: dict[str, Any]) -> None:
+        """Called at the start of every prefill (empty cache), before any stage, with the decoder call's keyword
+        arguments: forget the rows of an earlier prefill and note this one's per-token state (nothing by default)."""
+        return None
+
     def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:
         """Called once per applied stage, right before ``layers[layer]`` runs on the shorter sequence, with the kept
-        rows ``keep`` (indices into the sequence that entered the stage, sorted, on the model's device) and the
-        decoder's keyword arguments: shorten any per-token state of the family's own here (nothing by default)."""
+        rows ``keep`` (on the model's device) and the layer's keyword arguments: shorten any per-token state of the
+        family's own here (nothing by default). One prompt: ``keep`` is ``[k]``, indices into the sequence that
+        entered the stage, sorted. A batch (``B > 1``, re-packed): ``keep`` is ``[B, W]``, row b holds sample b's
+        kept rows of the sequence that entered the stage (its padded row), ascending and right-aligned after
+        ``-1``s (the new left padding)."""
         return None

@@ -77,6 +77,31 @@ class QwenOmniAdapter(Adapter):
             return None  # the text model then uses arange positions itself (no multimodal grid was given)
         return position_ids[-3] if position_ids.ndim == 3 else position_ids
 
+    def check_batch(self, model: nn.Module, input_ids: torch.Tensor | None, root_kwargs: dict[str, Any]) -> None:
+        # transformers reads one use_audio_in_video per call: with it on, get_rope_index expects every video to be
+        # interleaved with its audio (a block-layout or video-only prompt gets wrong positions, silently); with it
+        # off, an interleaved prompt gets wrong positions. Audio-only and text-only prompts work either way.
+        # Qwen3-Omni's get_rope_index (5.23) counts its videos by the same flag (a vision start followed by an audio
+        # start, or by a video token), so the rule is the same for both families.
+        if input_ids is None:
+            return
+        config = self._thinker(model).config
+        video, audio_start, vision_start = (config.video_token_id, config.audio_start_token_id,
+                                            config.vision_start_token_id)
+        flag = bool(root_kwargs.get("use_audio_in_video"))
+        for b, ids in enumerate(input_ids):
+            if not bool((ids == video).any()):
+                continue
+            interleaved = bool(((ids[:-1] == vision_start) & (ids[1:] == audio_start)).any())
+            if interleaved != flag:
+                layout = "interleaved (vision start, audio start, ...)" if interleaved else \
+                    "a video block (block layout or video only)"
+                raise ValueError(
+                    f"macer.compress: sample {b} of the batch holds {layout}, but the call has "
+                    f"use_audio_in_video={flag}; transformers reads one use_audio_in_video per call, so a batch cannot "
+                    "mix interleaved prompts (use_audio_in_video=True) with block-layout or video-only ones (False): "
+                    "run them as separate batches (audio-only and text-only prompts go with either)")
+
     def identify(self, model_or_config: Any) -> str | None:
         text = text_config(model_or_config)
         for name, sizes in self.SIZES.items():
@@ -105,29 +130,6 @@ class Qwen25OmniAdapter(QwenOmniAdapter):
                              "version not supported")
         return DecoderParts(root=root, decoder=decoder, layers=decoder.layers, attn_config=decoder.config,
                             outer=(thinker,))
-
-    def check_batch(self, model: nn.Module, input_ids: torch.Tensor | None, root_kwargs: dict[str, Any]) -> None:
-        # transformers reads one use_audio_in_video per call: with it on, get_rope_index expects every video to be
-        # interleaved with its audio (a block-layout or video-only prompt gets wrong positions, silently); with it
-        # off, an interleaved prompt gets wrong positions. Audio-only and text-only prompts work either way.
-        if input_ids is None:
-            return
-        config = self._thinker(model).config
-        video, audio_start, vision_start = (config.video_token_id, config.audio_start_token_id,
-                                            config.vision_start_token_id)
-        flag = bool(root_kwargs.get("use_audio_in_video"))
-        for b, ids in enumerate(input_ids):
-            if not bool((ids == video).any()):
-                continue
-            interleaved = bool(((ids[:-1] == vision_start) & (ids[1:] == audio_start)).any())
-            if interleaved != flag:
-                layout = "interleaved (<|vision_bos|><|audio_bos|> ...)" if interleaved else \
-                    "a video block (block layout or video only)"
-                raise ValueError(
-                    f"macer.compress: sample {b} of the batch holds {layout}, but the call has "
-                    f"use_audio_in_video={flag}; transformers reads one use_audio_in_video per call, so a batch cannot "
-                    "mix interleaved prompts (use_audio_in_video=True) with block-layout or video-only ones (False): "
-                    "run them as separate batches (audio-only and text-only prompts go with either)")
 
     def guards(self, model: nn.Module) -> list[tuple[Any, str, Any]]:
         if model.config.model_type != "qwen2_5_omni":

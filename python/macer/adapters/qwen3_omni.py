@@ -18,10 +18,12 @@ What differs from Qwen2.5-Omni:
   ``[n_visual, D]`` tensor per level, 3 in the real model) and adds level ``i`` to the visual rows after ``layers[i]``
   through ``_deepstack_process``. Both are locals of the decoder's forward, so a stage before or among those layers
   must shorten them where they are used: the adapter wraps ``_deepstack_process`` on the decoder instance for the
-  ``compress`` context (``guards``), tracks the rows still present through ``on_stage`` and, while a prefill runs
-  on a compacted sequence, hands the original the mask's columns at those rows and the embedding rows of the visual
-  tokens among them (``cumsum(mask) - 1`` at those positions). On a full-length sequence it calls the original
-  unchanged (keep ratio 1 stays bit-identical).
+  ``compress`` context (``guards``), notes the prefill's mask (``on_prefill``), tracks the original row of every row
+  still present through ``on_stage`` (``[B, W]``, ``-1`` on a re-packed batch's padding) and, after a stage, hands the
+  original the mask at those rows and the embedding rows of the visual tokens among them (their rank among the
+  mask's True entries, batch-major, as ``h[mask]`` orders them). Before any stage it calls the original unchanged
+  (keep ratio 1 stays bit-identical). So stages before, among and after the deepstack layers work for one prompt
+  and for a left-padded batch alike.
 * MoE routing is per token with no capacity limit, so dropping tokens does not change the routing of the kept ones:
   nothing else to adapt.
 * Audio output: the talker reads the thinker's hidden states of every prompt token, which a pruned prefill does not
@@ -60,13 +62,16 @@ class Qwen3OmniAdapter(QwenOmniAdapter):
     FULL_MODEL_TYPE = "qwen3_omni_moe"
     SIZES = SIZES
 
+    batch_ready = True  # the deepstack remapping follows a re-packed batch (on_stage gets its [B, W] keep)
+
     def __init__(self) -> None:
-        # Prompt positions of the rows in the sequence after the stages of the prefill that ``_owner`` (its RoPE cos
-        # table, one object per decoder call) identifies, and the shortened deepstack inputs of the last stage,
-        # computed once and reused by the later deepstack levels.
-        self._owner: torch.Tensor | None = None
+        # The current prefill's visual_pos_masks (the decoder's own tensor, handed to every deepstack level), the
+        # original padded row of each row of the sequence after its stages ([B, W], -1 on re-packed padding; None
+        # before the first stage), and the shortened deepstack inputs of the last stage, computed once and reused by
+        # the later deepstack levels.
+        self._mask: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
-        self._remap: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._remap: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def parts(self, model: nn.Module) -> DecoderParts:
         if model.config.model_type == "qwen3_omni_moe" and getattr(model, "has_talker", False):
@@ -95,34 +100,41 @@ class Qwen3OmniAdapter(QwenOmniAdapter):
         name = self.identify(model_or_config)
         return dict(DERIVED_DEFAULTS[name]) if name is not None else None
 
+    def on_prefill(self, decoder_kwargs: dict[str, Any]) -> None:
+        self._mask = decoder_kwargs.get("visual_pos_masks")
+        self._rows = self._remap = None
+
     def on_stage(self, decoder_kwargs: dict[str, Any], keep: torch.Tensor, layer: int) -> None:
-        # The decoder computes its (cos, sin) once per call and hands the same objects to every layer: a new cos is a
-        # new prefill, whose first stage starts from the full sequence (never from an earlier prefill's rows).
-        cos = decoder_kwargs[self.position_embeddings_kwarg][0]
-        if self._owner is not cos:
-            self._owner, self._rows = cos, None
-        self._rows = keep if self._rows is None else self._rows[keep]
+        # One prompt: keep [k]; a re-packed batch: keep [B, W] with -1 on the new padding. Rows compose: the original
+        # row of kept slot r of sample b is the original row of the slot keep[b, r] pointed at.
+        keep = keep[None] if keep.ndim == 1 else keep
+        if self._rows is None:
+            self._rows = keep
+        else:
+            self._rows = torch.where(keep >= 0, self._rows.gather(1, keep.clamp(min=0)), -1)
 
     def guards(self, model: nn.Module) -> list[tuple[Any, str, Any]]:
         decoder = self.parts(model).decoder
         original = decoder._deepstack_process
 
         def deepstack(hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor):
-            if hidden_states.shape[1] == visual_pos_masks.shape[-1]:
-                return original(hidden_states, visual_pos_masks, visual_embeds)  # not compacted (yet)
             rows = self._rows
-            if rows is None:
-                raise RuntimeError("macer: a compacted sequence reached Qwen3-Omni's deepstack without a stage "
-                                   "(please report this)")
-            if self._remap is None or self._remap[0] is not rows or self._remap[1] is not visual_pos_masks:
-                # Once per stage (the deepstack levels after it reuse it): the mask's columns at the rows present
-                # and, for the visual rows among them, their index into the embeddings (rank among visual tokens).
-                # The boolean selection reads a count back, as transformers' own h[mask] does in every level.
+            if rows is None or visual_pos_masks is not self._mask:
+                return original(hidden_states, visual_pos_masks, visual_embeds)  # no stage before this level
+            if tuple(rows.shape) != tuple(hidden_states.shape[:2]):
+                raise RuntimeError(f"macer: Qwen3-Omni's deepstack got {tuple(hidden_states.shape[:2])} rows after "
+                                   f"stages that kept {tuple(rows.shape)} (please report this)")
+            if self._remap is None or self._remap[0] is not rows:
+                # Once per stage (the deepstack levels after it reuse it): the mask at the rows present ([B, W],
+                # False on padding) and, for the visual rows among them, their index into the embeddings, whose rows
+                # follow the mask's True entries in batch-major order (rank = flat cumsum - 1). The boolean
+                # selection reads a count back, as transformers' own h[mask] does in every level.
                 mask = visual_pos_masks.to(rows.device)
-                kept = mask[:, rows]
-                rank = mask[0].cumsum(0) - 1
-                self._remap = (rows, visual_pos_masks, kept, rank[rows][kept[0]])
-            _, _, kept, index = self._remap
+                present = rows.clamp(min=0)
+                kept = mask.gather(1, present) & (rows >= 0)
+                rank = (mask.reshape(-1).cumsum(0) - 1).view(mask.shape)
+                self._remap = (rows, kept, rank.gather(1, present)[kept])
+            _, kept, index = self._remap
             return original(hidden_states, kept, visual_embeds.index_select(0, index.to(visual_embeds.device)))
 
         return [(decoder, "_deepstack_process", deepstack)]
