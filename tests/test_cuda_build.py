@@ -460,7 +460,9 @@ def test_compact_descriptor_rejects_layouts_that_do_not_flatten():
         _ext.ext().compact_descriptor((x.data_ptr(), 0, list(x.shape), list(x.stride()), 3, 1))
 
 
-def test_compact_many_is_one_module_call_with_one_layout_per_tensor(monkeypatch):
+def _recording_compact_module(monkeypatch) -> list[tuple]:
+    """The CUDA compaction wrapper against a stand-in ``_C`` that records each ``compact_layouts`` call (stream 5 on
+    device 0); CPU tensors pass the wrapper's device checks."""
     calls = []
 
     class FakeModule:
@@ -470,6 +472,11 @@ def test_compact_many_is_one_module_call_with_one_layout_per_tensor(monkeypatch)
     monkeypatch.setattr(compact, "ext", FakeModule)
     monkeypatch.setattr(compact, "check_cuda_tensor", lambda *args: None)
     monkeypatch.setattr(compact, "launch_args", lambda t: (0, 5))
+    return calls
+
+
+def test_compact_many_is_one_module_call_with_one_layout_per_tensor(monkeypatch):
+    calls = _recording_compact_module(monkeypatch)
     hidden, cos = torch.randn(1, 40, 16).bfloat16(), torch.randn(1, 40, 8)
     positions = torch.arange(120).view(3, 1, 40)
     keep = torch.tensor([1, 5, 39])
@@ -488,15 +495,7 @@ def test_compact_many_is_one_module_call_with_one_layout_per_tensor(monkeypatch)
 def test_batched_compact_many_is_one_module_call_without_a_host_sync(monkeypatch):
     """A 2-D keep [B, W]: one module call for every tensor (the module launches once per MAX_COMPACT_TENSORS), the
     keep's rows and width passed as host integers, outputs [.., B, W, ..]; a tensor without its batch dim refused."""
-    calls = []
-
-    class FakeModule:
-        def compact_layouts(self, *args):
-            calls.append(args)
-
-    monkeypatch.setattr(compact, "ext", FakeModule)
-    monkeypatch.setattr(compact, "check_cuda_tensor", lambda *args: None)
-    monkeypatch.setattr(compact, "launch_args", lambda t: (0, 5))
+    calls = _recording_compact_module(monkeypatch)
     hidden, cos = torch.randn(3, 40, 16).bfloat16(), torch.randn(3, 40, 8)
     positions = torch.arange(360).view(3, 3, 40)
     keep = torch.tensor([[-1, -1, 4, 9], [0, 1, 2, 39], [-1, -1, -1, -1]])

@@ -49,6 +49,30 @@ def _alone(model, config, prompt, new_tokens):
     return record, logits, tokens
 
 
+def check_each_sample_alone(model, config, prompts, batch, samples, logits, tokens, label: str) -> None:
+    """Per sample of a batch run under ``compress``: the record (padding, kept sets, question rows, budget, layer and
+    cache lengths), the prefill logits (1e-4) and the greedy tokens equal the prompt run alone under ``compress``,
+    indices shifted by the sample's left padding."""
+    assert len(samples) == len(prompts)
+    width = batch["input_ids"].shape[1]
+    for b, prompt in enumerate(prompts):
+        record, want_logits, want_tokens = _alone(model, config, prompt, tokens.shape[1])
+        pad = width - prompt["input_ids"].shape[1]
+        got = samples[b]
+        where = f"sample {b} ({label})"
+        assert got.padding == pad, where
+        assert got.audio_kept == [i + pad for i in record.audio_kept], where
+        assert got.video_kept == [i + pad for i in record.video_kept], where
+        assert got.query_positions == [i + pad for i in record.query_positions], where
+        assert got.budget == record.budget, where
+        assert got.layer_tokens == record.layer_tokens, where
+        assert got.cache_lengths == record.cache_lengths, where
+        assert got.pruned == record.pruned, where
+        n = want_logits.shape[0]
+        torch.testing.assert_close(logits[b, -n:], want_logits, rtol=1e-4, atol=1e-4, msg=where)
+        assert tokens[b].tolist() == want_tokens.tolist(), where
+
+
 POLICIES = {
     "macer": lambda m: macer_config_for(m, keep_ratio=0.3, audio_layer=1, video_layer=2),
     "macer-trim": lambda m: macer_config_for(m, keep_ratio=0.3, audio_layer=2, video_layer=1, trim_early_cache=True),
@@ -70,24 +94,7 @@ def test_batch_matches_each_prompt_alone(attn, layout, policy):
         logits = model(**batch).logits
         samples = trace.samples
         tokens = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False)[:, -new_tokens:]
-    assert len(samples) == len(prompts)
-    width = batch["input_ids"].shape[1]
-    for b, prompt in enumerate(prompts):
-        record, want_logits, want_tokens = _alone(model, config, prompt, new_tokens)
-        pad = width - prompt["input_ids"].shape[1]
-        got = samples[b]
-        where = f"sample {b} ({attn}, {layout}, {policy})"
-        assert got.padding == pad, where
-        assert got.audio_kept == [i + pad for i in record.audio_kept], where
-        assert got.video_kept == [i + pad for i in record.video_kept], where
-        assert got.query_positions == [i + pad for i in record.query_positions], where
-        assert got.budget == record.budget, where
-        assert got.layer_tokens == record.layer_tokens, where
-        assert got.cache_lengths == record.cache_lengths, where
-        assert got.pruned == record.pruned, where
-        n = want_logits.shape[0]
-        torch.testing.assert_close(logits[b, -n:], want_logits, rtol=1e-4, atol=1e-4, msg=where)
-        assert tokens[b].tolist() == want_tokens.tolist(), where
+    check_each_sample_alone(model, config, prompts, batch, samples, logits, tokens, f"{attn}, {layout}, {policy}")
     assert any(s.pruned for s in samples)
     with pytest.raises(ValueError, match=r"trace\.samples"):
         _ = trace.audio_kept

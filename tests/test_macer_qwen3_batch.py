@@ -19,6 +19,7 @@ import pytest
 import torch
 from macer.testing import SYNTHETIC_TOKENS, batch_inputs
 from macer.testing_qwen3 import build_qwen3_omni_model, build_qwen3_thinker, qwen3_clip_inputs
+from test_macer_batch import check_each_sample_alone
 
 TOK = SYNTHETIC_TOKENS
 SMALL = {"question_tokens": 6, "system_tokens": 4}
@@ -66,14 +67,6 @@ POLICIES = {
 }
 
 
-def _alone(model, config, prompt, new_tokens):
-    with torch.no_grad(), macer.compress(model, config) as trace:
-        logits = model(**prompt).logits[0]
-        record = trace.last
-        tokens = model.generate(**prompt, max_new_tokens=new_tokens, do_sample=False)[0, -new_tokens:]
-    return record, logits, tokens
-
-
 @pytest.mark.parametrize(("attn", "layout", "policy"), [
     ("eager", "block", "among"), ("sdpa", "interleaved", "among-reversed"), ("sdpa", "block", "after-trim"),
     ("eager", "interleaved", "random"), ("sdpa", "interleaved", "fastv")])
@@ -90,30 +83,13 @@ def test_batch_matches_each_prompt_alone(attn, layout, policy):
         # A prompt alone and the batch again in the same context: no deepstack rows leak between prefills.
         model(**prompts[0])
         assert torch.equal(model(**batch).logits, logits), (attn, layout, policy)
-    assert len(samples) == len(prompts)
-    width = batch["input_ids"].shape[1]
-    for b, prompt in enumerate(prompts):
-        record, want_logits, want_tokens = _alone(model, config, prompt, new_tokens)
-        pad = width - prompt["input_ids"].shape[1]
-        got = samples[b]
-        where = f"sample {b} ({attn}, {layout}, {policy})"
-        assert got.padding == pad, where
-        assert got.audio_kept == [i + pad for i in record.audio_kept], where
-        assert got.video_kept == [i + pad for i in record.video_kept], where
-        assert got.query_positions == [i + pad for i in record.query_positions], where
-        assert got.budget == record.budget, where
-        assert got.layer_tokens == record.layer_tokens, where
-        assert got.cache_lengths == record.cache_lengths, where
-        assert got.pruned == record.pruned, where
-        n = want_logits.shape[0]
-        torch.testing.assert_close(logits[b, -n:], want_logits, rtol=1e-4, atol=1e-4, msg=where)
-        assert tokens[b].tolist() == want_tokens.tolist(), where
+    check_each_sample_alone(model, config, prompts, batch, samples, logits, tokens, f"{attn}, {layout}, {policy}")
     visual = [s for s in samples if s.n_video]
     assert visual and all(len(s.video_kept) < s.n_video for s in visual), "the visual rows must be pruned"
     if layout == "interleaved":
         # The text-only prompt is the longest and keeps every row: the batch is re-packed at its padded width.
         assert samples[-1].padding == 0 and not samples[-1].pruned
-        assert logits.shape[1] == width
+        assert logits.shape[1] == batch["input_ids"].shape[1]
 
 
 def test_beam_search_and_several_sequences_share_their_prompt_selection():

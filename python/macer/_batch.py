@@ -67,6 +67,31 @@ def gather_tokens(t: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tenso
     return torch.gather(t, dim, index.view(view).expand(shape))
 
 
+def token_tensors(adapter: Any, args: tuple, kwargs: dict[str, Any], source: dict[str, Any]
+                  ) -> tuple[list[str], list[torch.Tensor], list[int]]:
+    """What a stage compacts before the next layer: the hidden states, RoPE ``cos``/``sin`` and the adapter's
+    per-token layer kwargs (from ``source``: the last compacted inputs, else the layer's own), with the sequence dim
+    of each (non-negative)."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    cos, sin = source[adapter.position_embeddings_kwarg]
+    names, tensors, dims = ["hidden_states", "cos", "sin"], [hidden, cos, sin], [1, 1, 1]
+    for name, dim in adapter.layer_token_kwargs.items():
+        if isinstance(source.get(name), torch.Tensor):
+            names.append(name)
+            tensors.append(source[name])
+            dims.append(dim % source[name].ndim)
+    return names, tensors, dims
+
+
+def layer_inputs(adapter: Any, names: list[str], compacted: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The compacted hidden states and the layer kwargs that replace the originals (RoPE as its ``(cos, sin)``)."""
+    out = dict(zip(names, compacted, strict=True))
+    inputs: dict[str, Any] = {adapter.position_embeddings_kwarg: (out.pop("cos"), out.pop("sin"))}
+    hidden = out.pop("hidden_states")
+    inputs.update(out)
+    return hidden, inputs
+
+
 def layout_mask(valid: torch.Tensor, queries: int, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
     """``[B, 1, queries, K]`` mask for the last ``queries`` rows of a sequence whose ``K`` keys are real where
     ``valid`` ``[B, K]``: causal over keys, padded keys masked, and each query row may see its own key (a padded
@@ -253,22 +278,11 @@ class BatchPrefill:
         current = self.rows - self.offsets  # each sample's rows as positions of its own prompt (padding < 0)
         for b, sample in enumerate(self.samples):
             sample.current = current[b, pads[b]:]
-        hidden = args[0] if args else kwargs["hidden_states"]
-        source = self.inputs or kwargs
-        cos, sin = source[adapter.position_embeddings_kwarg]
-        names, tensors, dims = ["hidden_states", "cos", "sin"], [hidden, cos, sin], [1, 1, 1]
-        for name, dim in adapter.layer_token_kwargs.items():
-            if isinstance(source.get(name), torch.Tensor):
-                names.append(name)
-                tensors.append(source[name])
-                dims.append(dim % source[name].ndim)
+        names, tensors, dims = token_tensors(adapter, args, kwargs, self.inputs or kwargs)
         b = keep.shape[0]
         tensors = [t if t.shape[d - 1] == b else t.expand(*t.shape[:d - 1], b, *t.shape[d:])
                    for t, d in zip(tensors, dims, strict=True)]
-        out = dict(zip(names, compact_many(tensors, keep, dims), strict=True))
-        inputs: dict[str, Any] = {adapter.position_embeddings_kwarg: (out.pop("cos"), out.pop("sin"))}
-        hidden = out.pop("hidden_states")
-        inputs.update(out)
+        hidden, inputs = layer_inputs(adapter, names, compact_many(tensors, keep, dims))
         inputs["attention_mask"] = layout_mask(real, width, hidden.dtype, self.boolean)
         adapter.on_stage(kwargs, keep, index)
         self.inputs, self.valid, self.pads, self.repacked = inputs, real, pads, True

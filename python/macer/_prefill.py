@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from macer._batch import BatchPrefill, check_left_padding
+from macer._batch import BatchPrefill, check_left_padding, layer_inputs, token_tensors
 from macer.adapters import Adapter
 from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Plan, PromptFacts, plan_prefill, run_stage
 from macer.trace import PrefillRecord, Stage
@@ -235,19 +235,9 @@ class _Prefill:
     def compact(self, adapter: Adapter, index: int, args: tuple, kwargs: dict[str, Any]):
         """Before ``layers[index]``: keep the pending rows of every per-token input (one ``compact_many``)."""
         keep, self.pending = self.pending, None
-        hidden = args[0] if args else kwargs["hidden_states"]
         source = self.inputs or kwargs
-        cos, sin = source[adapter.position_embeddings_kwarg]
-        names, tensors, dims = ["hidden_states", "cos", "sin"], [hidden, cos, sin], [1, 1, 1]
-        for name, dim in adapter.layer_token_kwargs.items():
-            if isinstance(source.get(name), torch.Tensor):
-                names.append(name)
-                tensors.append(source[name])
-                dims.append(dim)
-        out = dict(zip(names, compact_many(tensors, keep, dims), strict=True))
-        inputs = {adapter.position_embeddings_kwarg: (out.pop("cos"), out.pop("sin"))}
-        hidden = out.pop("hidden_states")
-        inputs.update(out)
+        names, tensors, dims = token_tensors(adapter, args, kwargs, source)
+        hidden, inputs = layer_inputs(adapter, names, compact_many(tensors, keep, dims))
         mask = source.get("attention_mask")
         if isinstance(mask, torch.Tensor):
             # Rows and columns of a causal mask restricted to a sorted subset = the causal mask of the subset.
