@@ -106,8 +106,12 @@ def test_beam_search_and_several_sequences_share_their_prompt_selection():
     """num_beams and num_return_sequences expand each prompt into rows of the batch: each row is planned like its
     prompt alone."""
     model = _thinker("sdpa")
-    prompts = _block_prompts(model)[1:]
-    config = POLICIES["macer"](model)
+    check_expanded_rows(model, POLICIES["macer"](model), _block_prompts(model)[1:])
+
+
+def check_expanded_rows(model, config, prompts) -> None:
+    """Two prompts under ``compress``: beam search (2 beams) and ``num_return_sequences=2`` on the batch give each
+    expanded row its prompt's own answer, and the two rows of a prompt share its selection."""
     with torch.no_grad(), macer.compress(model, config) as trace:
         got = model.generate(**batch_inputs(prompts), max_new_tokens=3, num_beams=2, do_sample=False)[:, -3:]
         assert len(trace.samples) == 4 and trace.samples[0].video_kept == trace.samples[1].video_kept

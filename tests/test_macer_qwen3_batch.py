@@ -19,7 +19,7 @@ import pytest
 import torch
 from macer.testing import SYNTHETIC_TOKENS, batch_inputs
 from macer.testing_qwen3 import build_qwen3_omni_model, build_qwen3_thinker, qwen3_clip_inputs
-from test_macer_batch import check_each_sample_alone
+from test_macer_batch import check_each_sample_alone, check_expanded_rows
 
 TOK = SYNTHETIC_TOKENS
 SMALL = {"question_tokens": 6, "system_tokens": 4}
@@ -96,19 +96,7 @@ def test_beam_search_and_several_sequences_share_their_prompt_selection():
     """num_beams and num_return_sequences expand each prompt (and its deepstack features) into rows of the batch
     before the prefill: each row is its prompt alone, with stages among the deepstack levels."""
     model = _thinker("sdpa")
-    prompts = _block_prompts(model)[1:]
-    config = POLICIES["among"]()
-    with torch.no_grad(), macer.compress(model, config) as trace:
-        got = model.generate(**batch_inputs(prompts), max_new_tokens=3, num_beams=2, do_sample=False)[:, -3:]
-        assert len(trace.samples) == 4 and trace.samples[0].video_kept == trace.samples[1].video_kept
-        want = [model.generate(**p, max_new_tokens=3, num_beams=2, do_sample=False)[0, -3:].tolist()
-                for p in prompts]
-        # top_k=1 sampling: each returned row is the greedy answer of its prompt
-        several = model.generate(**batch_inputs(prompts), max_new_tokens=3, do_sample=True, top_k=1,
-                                 num_return_sequences=2)[:, -3:]
-        greedy = [model.generate(**p, max_new_tokens=3, do_sample=False)[0, -3:].tolist() for p in prompts]
-    assert got.tolist() == want
-    assert several.tolist() == [greedy[0], greedy[0], greedy[1], greedy[1]]
+    check_expanded_rows(model, POLICIES["among"](), _block_prompts(model)[1:])
 
 
 @pytest.mark.parametrize("flag", [True, False])
