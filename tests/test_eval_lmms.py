@@ -47,18 +47,26 @@ def setup(tmp_path_factory):
 
     # include_defaults=False: indexing lmms-eval's ~200 built-in task folders takes seconds and none is used here.
     manager = TaskManager(include_path=str(tasks), include_defaults=False)
-    yield {"root": root, "checkpoint": checkpoint, "tasks": tasks, "manager": manager}
+    # Three questions about clips of different lengths: prompts of three lengths, so a batch is left-padded, and an
+    # odd count, so the last batch of 2 is short.
+    batch_release = write_dailyomni_release(root / "batch_release", questions=3, seconds=(2.0, 3.0, 2.5))
+    batch_tasks = root / "batch_tasks"
+    prepare_module.prepare("dailyomni", batch_release, batch_tasks)
+    batch_manager = TaskManager(include_path=str(batch_tasks), include_defaults=False)
+    yield {"root": root, "checkpoint": checkpoint, "tasks": tasks, "manager": manager, "batch_manager": batch_manager}
     env.undo()
 
 
-def _evaluate(setup, policy: str, log, limit: int | None = None, **extra):
+def _evaluate(setup, policy: str, log, limit: int | None = None, batch_size: int | str = 1, manager: str = "manager",
+              **extra):
     from lmms_eval.evaluator import simple_evaluate
 
     args = {"pretrained": setup["checkpoint"], "policy": policy, "video_frontend": "torch", "sample_log": log,
             "num_frames": FRAMES, **POLICY_ARGS.get(policy, {}), **extra}
     model_args = ",".join(f"{k}={v}" for k, v in args.items())
     return simple_evaluate(model="macer_qwen2_5_omni", model_args=model_args, tasks=["dailyomni"],
-                           task_manager=setup["manager"], log_samples=True, batch_size=1, device="cpu", limit=limit)
+                           task_manager=setup[manager], log_samples=True, batch_size=batch_size, device="cpu",
+                           limit=limit)
 
 
 def test_every_policy_of_the_model_layer_is_covered():
@@ -134,12 +142,90 @@ def test_wrapper_rejects_bad_arguments(setup, tmp_path):
     from macer.eval.lmms_model import MacerQwen2_5Omni
 
     common = {"pretrained": str(setup["checkpoint"]), "video_frontend": "torch", "sample_log": str(tmp_path / "l")}
-    with pytest.raises(ValueError, match="batch_size=1"):
-        MacerQwen2_5Omni(policy="full", batch_size=4, **common)
+    for bad in (0, -2, "0", "two", 1.5, "auto", "auto:4", True):
+        with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+            MacerQwen2_5Omni(policy="full", batch_size=bad, **common)
+    with pytest.raises(ValueError, match="'auto' / 'auto:N' are not supported"):
+        MacerQwen2_5Omni(policy="full", batch_size="auto:4", **common)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        MacerQwen2_5Omni(policy="full", batch_size=2, max_batch_size=8, **common)
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        MacerQwen2_5Omni(policy="full", batch_size=2, attn_implementation="flash_attention_2", **common)
     with pytest.raises(ValueError, match="policy must be one of"):
         MacerQwen2_5Omni(policy="omnizip", **common)
     with pytest.raises(ValueError, match="keep_ratio"):
         MacerQwen2_5Omni(policy="macer", keep_ratio=1.5, **LAYERS, **common)
+
+
+def test_batch_size_2_answers_as_batch_size_1(setup, tmp_path, monkeypatch):
+    # MACER, greedy, 3 prompts of 3 lengths: batch size 1 (three generate calls) and 2 (a left-padded pair, then the
+    # third alone) give the same generated tokens, answers and per-sample log, except the batch fields.
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration as Thinker
+
+    generate, masks, new_tokens = Thinker.generate, [], []
+
+    def recording(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        masks.append(kwargs["attention_mask"].clone())
+        new_tokens.extend(out[:, kwargs["input_ids"].shape[1]:].tolist())
+        return out
+
+    monkeypatch.setattr(Thinker, "generate", recording)
+    runs = {}
+    for size in (1, "2"):  # the command line passes a string
+        log = tmp_path / f"batch{size}.jsonl"
+        result = _evaluate(setup, "macer", log, batch_size=size, manager="batch_manager")
+        answers = [(s["doc_id"], s["resps"][0][0]) for s in result["samples"]["dailyomni"]]
+        runs[size] = answers, [json.loads(line) for line in log.read_text().splitlines()]
+
+    lengths = [m.shape[1] for m in masks[:3]]
+    assert [tuple(m.shape) for m in masks[:3]] == [(1, n) for n in lengths] and len(set(lengths)) == 3, lengths
+    pair, last = masks[3:]
+    assert tuple(pair.shape) == (2, max(lengths[:2])) and tuple(last.shape) == (1, lengths[2]), masks
+    assert pair.sum(1).tolist() == lengths[:2] and bool(pair[:, -1].all()), pair  # left padding
+
+    # The random model's answers are mostly undecodable bytes, so compare the tokens themselves too.
+    assert new_tokens[3:] == new_tokens[:3], new_tokens
+    (answers1, lines1), (answers2, lines2) = runs[1], runs["2"]
+    assert [line["new_tokens"] for line in lines2] == [len(row) for row in new_tokens[:3]], lines2
+    assert len(answers1) == 3 and all(a for _, a in answers1), answers1
+    assert answers2 == answers1
+    assert [line["batch_size"] for line in lines1] == [1, 1, 1] and [line["batch_size"] for line in lines2] == [2, 2, 1]
+    assert lines2[0]["seconds"] == lines2[1]["seconds"], lines2
+    assert [line["prompt_tokens"] for line in lines2] == lengths, lines2
+    same = ("doc_id", "answer", "prompt_tokens", "new_tokens", "n_audio", "n_video", "budget_total", "budget_audio",
+            "budget_video", "audio_kept", "video_kept")
+    for one, two in zip(lines1, lines2, strict=True):
+        assert {k: one[k] for k in same} == {k: two[k] for k in same}, (one, two)
+        assert two["audio_kept"] + two["video_kept"] == two["budget_total"] < two["n_audio"] + two["n_video"], two
+    assert len({line["n_audio"] for line in lines2}) == 3, lines2  # three clip lengths, three audio counts
+
+
+def test_batches_keep_request_order_and_split_on_generation_arguments(setup, tmp_path, monkeypatch):
+    from lmms_eval.api.instance import Instance
+    from macer.eval.lmms_model import MacerQwen2_5Omni
+
+    model = MacerQwen2_5Omni(pretrained=str(setup["checkpoint"]), policy="full", video_frontend="torch",
+                             sample_log=str(tmp_path / "log.jsonl"), batch_size=3)
+    assert model.batch_size == 3
+    model.task_dict = {"t": {"test": {i: {"video": f"v{i}.mp4"} for i in range(7)}}}
+    tokens = [16, 16, 16, 16, 8, 8, 16]  # runs of equal generation arguments: 4 (3 + 1), 2, 1
+    requests = [Instance("generate_until", (f"q{i}", {"max_new_tokens": n, "until": ["\n"]},
+                                            lambda doc: [doc["video"]], i, "t", "test"), idx=i,
+                         metadata={"task": "t", "doc_id": i, "repeats": 1})
+                for i, n in enumerate(tokens)]
+    batches = []
+
+    def answer_batch(questions, gen_kwargs):
+        batches.append(([q for q, _ in questions], gen_kwargs["max_new_tokens"]))
+        record = {"audio_kept": 1, "n_audio": 2, "video_kept": 1, "n_video": 2, "budget_total": 2}
+        return [(f"{question} -> {visuals[0]}", record) for question, visuals in questions]
+
+    monkeypatch.setattr(model, "answer_batch", answer_batch)
+    answers = model.generate_until(requests)
+    assert answers == [f"q{i} -> v{i}.mp4" for i in range(7)]
+    assert batches == [(["q0", "q1", "q2"], 16), (["q3"], 16), (["q4", "q5"], 8), (["q6"], 16)]
+    assert [json.loads(line)["doc_id"] for line in (tmp_path / "log.jsonl").read_text().splitlines()] == list(range(7))
 
 
 def test_prepare_reads_avut_style_entries(tmp_path):

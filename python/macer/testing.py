@@ -8,6 +8,8 @@ Used by the tests, ``macer demo`` and the end-to-end benchmarks. The signatures 
 * ``clip_inputs(model, ...)``: the keyword arguments of one prompt (``input_ids``, ``attention_mask``, encoder inputs,
   ``use_audio_in_video``, ...) for a chat-templated question about an audio-video clip, an audio-only or video-only
   clip, or plain text, at the paper's token counts by default (12 frames -> 864 video tokens, 1460 audio tokens).
+* ``batch_inputs(samples, ...)``: several such prompts as one left-padded batch (``macer.batching.batch_inputs``,
+  re-exported here).
 
 The vocabulary is small (``vocab_size``, default 512) with the special tokens remapped into it (``SYNTHETIC_TOKENS``),
 so ``lm_head`` over every position stays cheap. The config names its ``<|im_end|>`` (``im_end_token_id``), from which
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from macer.batching import batch_inputs
 
 __all__ = [
     "SYNTHETIC_TOKENS",
@@ -389,51 +393,3 @@ def decoder_parts(model: Any):
     from macer.adapters import get_adapter
 
     return get_adapter(model).parts(model)
-
-
-def batch_inputs(samples: list[dict[str, Any]], *, pad_token_id: int = 0, padding_side: str = "left") -> dict[str, Any]:
-    """One batch from several ``clip_inputs(...)`` (or ``macer.testing_qwen3.qwen3_clip_inputs(...)``) prompts, as
-    the Qwen-Omni processors pad a batch.
-
-    ``input_ids`` / ``attention_mask`` are padded to the longest prompt on ``padding_side`` (``"left"``, as
-    ``generate`` needs; ``"right"`` to test that ``macer.compress`` refuses it); the media of the samples that have
-    them are concatenated in sample order (image and video patches, grid rows and seconds per grid), and the audio
-    features are stacked, right-padded to the longest with a per-audio ``feature_attention_mask``.
-
-    All samples must share ``use_audio_in_video`` (transformers reads one flag per call); the flag of the first
-    sample is used and a mismatch raises ``ValueError``.
-    """
-    if not samples:
-        raise ValueError("batch_inputs: samples must be a non-empty list of clip_inputs(...) dicts")
-    if padding_side not in ("left", "right"):
-        raise ValueError(f"batch_inputs: padding_side must be 'left' or 'right', got {padding_side!r}")
-    flags = {bool(s.get("use_audio_in_video", False)) for s in samples}
-    if len(flags) > 1:
-        raise ValueError("batch_inputs: the samples disagree on use_audio_in_video (one flag per call in "
-                         "transformers); batch prompts of one layout together")
-    ids = [s["input_ids"][0] for s in samples]
-    masks = [s["attention_mask"][0] for s in samples]
-    width = max(t.numel() for t in ids)
-
-    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
-        fill = t.new_full((width - t.numel(),), value)
-        return torch.cat([fill, t] if padding_side == "left" else [t, fill])
-
-    out: dict[str, Any] = {
-        "input_ids": torch.stack([pad(t, pad_token_id) for t in ids]),
-        "attention_mask": torch.stack([pad(m, 0) for m in masks]),
-        "use_audio_in_video": flags.pop(),
-    }
-    for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "video_second_per_grid"):
-        parts = [s[name] for s in samples if name in s]
-        if parts:
-            out[name] = torch.cat(parts)
-    features = [s["input_features"] for s in samples if "input_features" in s]
-    if features:
-        frames = max(f.shape[-1] for f in features)
-        out["input_features"] = torch.cat(
-            [torch.nn.functional.pad(f, (0, frames - f.shape[-1])) for f in features])
-        out["feature_attention_mask"] = torch.cat(
-            [torch.nn.functional.pad(s["feature_attention_mask"], (0, frames - s["feature_attention_mask"].shape[-1]))
-             for s in samples if "input_features" in s])
-    return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,11 @@ from lmms_eval.api.instance import Instance
 from lmms_eval.api.model import lmms
 from loguru import logger
 
+from macer.batching import batch_inputs
 from macer.eval.media import VIDEO_FRONTENDS, build_processor, read_clip
 from macer.eval.policy import resolve_policy
 
-__all__ = ["PAPER_FRAME_DEFAULTS", "MacerQwen2_5Omni"]
+__all__ = ["PAPER_FRAME_DEFAULTS", "MacerQwen2_5Omni", "parse_batch_size"]
 
 PAPER_FRAME_DEFAULTS = {"num_frames": 12, "max_pixels": 336 * 336}
 """The paper's model-side video sampling (Appendix A.2): 12 frames uniformly over the clip, each resized to at most
@@ -34,6 +36,20 @@ _WRAPPER_ARGS = ("pretrained", "policy", "device", "dtype", "attn_implementation
                  "video_frontend", "system_prompt", "sample_log", "batch_size", "max_batch_size")
 
 
+def parse_batch_size(value: int | str) -> int:
+    """lmms-eval's ``--batch_size`` (an int, or the command line's string) -> an integer >= 1.
+
+    ``auto`` / ``auto:N`` (lmms-eval's search for the largest batch that fits in memory) are refused: a prompt's
+    memory here depends on its clip (audio length, frame size), so a size found on the first batch does not hold for
+    the next; pick N by hand."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not (isinstance(value, int) or (text.isascii() and text.isdigit())) or int(text) < 1:
+        raise ValueError(f"macer_qwen2_5_omni: batch_size must be an integer >= 1, got {value!r}"
+                         + (" (lmms-eval's 'auto' / 'auto:N' are not supported: give --batch_size N)"
+                            if text.startswith("auto") else ""))
+    return int(text)
+
+
 class MacerQwen2_5Omni(lmms):
     """Qwen2.5-Omni thinker + ``macer.compress(model, policy)`` around every ``generate``.
 
@@ -44,10 +60,13 @@ class MacerQwen2_5Omni(lmms):
     ``macer.eval.media``), ``system_prompt``, ``sample_log`` (JSONL file, one line per sample with the policy's
     budget and kept counts; default ``macer_samples.jsonl``). Every other argument is a field of the policy
     (``keep_ratio``, ``audio_share``, ``audio_layer``, ``video_layer``, ``coverage_weight``, ``layer``, ``seed``, ...).
+    ``batch_size`` (lmms-eval's ``--batch_size``): up to that many consecutive requests with equal generation
+    arguments run as one left-padded ``generate`` (each prompt pruned as if alone, so greedy answers and kept counts
+    equal batch size 1); an integer >= 1, lmms-eval's ``auto`` forms are refused.
 
     The video's audio track is always used (``load_audio_from_video=True``, ``use_audio_in_video=True``); a clip
-    without an audio track is refused. Batch size 1 only. A failing generation raises: no sample is ever answered
-    with an empty string because of an error.
+    without an audio track is refused. A failing generation raises: no sample is ever answered with an empty string
+    because of an error.
     """
 
     is_simple = True
@@ -71,9 +90,13 @@ class MacerQwen2_5Omni(lmms):
         super().__init__()
         from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
-        if str(batch_size) != "1":
-            raise ValueError(f"macer_qwen2_5_omni runs batch_size=1 only (macer.compress prunes one prompt per "
-                             f"prefill), got batch_size={batch_size!r}")
+        self._batch_size = parse_batch_size(batch_size)
+        if max_batch_size is not None:
+            raise ValueError(f"macer_qwen2_5_omni: max_batch_size={max_batch_size!r} bounds lmms-eval's "
+                             "--batch_size auto, which this model does not support; give --batch_size N only")
+        if self._batch_size > 1 and attn_implementation == "flash_attention_2":
+            raise ValueError(f"macer_qwen2_5_omni: batch_size={self._batch_size} needs attn_implementation 'sdpa' "
+                             "or 'eager' (macer.compress runs flash_attention_2 at batch size 1 only)")
         if video_frontend not in VIDEO_FRONTENDS:
             raise ValueError(f"video_frontend must be one of {VIDEO_FRONTENDS}, got {video_frontend!r}")
         if not isinstance(max_pixels, int) or max_pixels < 56 * 56:
@@ -109,7 +132,7 @@ class MacerQwen2_5Omni(lmms):
 
     @property
     def batch_size(self) -> int:
-        return 1
+        return self._batch_size
 
     def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
         raise NotImplementedError("macer_qwen2_5_omni implements generate_until only")
@@ -119,14 +142,30 @@ class MacerQwen2_5Omni(lmms):
 
     def generate_until(self, requests: list[Instance]) -> list[str]:
         answers = []
-        for request in requests:
-            context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
-            visuals = doc_to_visual(self.task_dict[task][split][doc_id])
-            answer, record = self.answer(context, visuals, dict(gen_kwargs))
-            self._log_sample(task, doc_id, record, answer)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), answer)
-            answers.append(answer)
+        for group in self._batches(requests):
+            questions = []
+            for request in group:
+                context, _, doc_to_visual, doc_id, task, split = request.args
+                questions.append((context, doc_to_visual(self.task_dict[task][split][doc_id])))
+            results = self.answer_batch(questions, dict(group[0].args[1]))
+            for request, (answer, record) in zip(group, results):
+                context, gen_kwargs, _, doc_id, task, _ = request.args
+                self._log_sample(task, doc_id, record, answer)
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), answer)
+                answers.append(answer)
         return answers
+
+    def _batches(self, requests: Sequence[Instance]) -> Iterator[list[Instance]]:
+        """Runs of consecutive requests with equal generation arguments, at most ``batch_size`` long, in lmms-eval's
+        order (so the answers come back in the order of ``requests`` without re-sorting)."""
+        group: list[Instance] = []
+        for request in requests:
+            if group and (len(group) == self._batch_size or request.args[1] != group[0].args[1]):
+                yield group
+                group = []
+            group.append(request)
+        if group:
+            yield group
 
     # ------------------------------------------------------------------------------------------ one sample
     def inputs_for(self, context: str, video_path: str) -> dict[str, Any]:
@@ -152,12 +191,61 @@ class MacerQwen2_5Omni(lmms):
 
     def answer(self, context: str, visuals: Any, gen_kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Generate the answer to one request; returns it with the sample's budget record."""
+        return self.answer_batch([(context, visuals)], gen_kwargs)[0]
+
+    def answer_batch(self, questions: Sequence[tuple[str, Any]],
+                     gen_kwargs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """Answer several ``(context, visuals)`` requests that share ``gen_kwargs`` with one batched ``generate``;
+        returns ``(answer, record)`` per request, in order. Each prompt is built as alone (``inputs_for``), the
+        prompts are left-padded into one batch (``macer.batching.batch_inputs``) and ``macer.compress`` prunes each
+        as if it ran alone (``trace.samples[b]`` is its record)."""
         import macer
 
-        videos = [v for v in (visuals if isinstance(visuals, (list, tuple)) else [visuals])]
-        if len(videos) != 1 or not isinstance(videos[0], str):
-            raise ValueError(f"macer_qwen2_5_omni takes exactly one video file per question, got {visuals!r}")
-        inputs = self.inputs_for(context, videos[0])
+        if not questions:
+            raise ValueError("macer_qwen2_5_omni: answer_batch needs at least one question")
+        videos = []
+        for _, visuals in questions:
+            found = list(visuals) if isinstance(visuals, (list, tuple)) else [visuals]
+            if len(found) != 1 or not isinstance(found[0], str):
+                raise ValueError(f"macer_qwen2_5_omni takes exactly one video file per question, got {visuals!r}")
+            videos.append(found[0])
+        samples = [self.inputs_for(context, video) for (context, _), video in zip(questions, videos)]
+        # Every prompt of this model is interleaved (inputs_for sets use_audio_in_video=True), so a batch never mixes
+        # layouts that need different flags: transformers reads one use_audio_in_video per generate call.
+        inputs = samples[0] if len(samples) == 1 else batch_inputs(
+            samples, pad_token_id=self.processor.tokenizer.pad_token_id, padding_side="left")
+        until, generate = self._generation(dict(gen_kwargs))
+        width = inputs["input_ids"].shape[1]
+        start = time.perf_counter()
+        with torch.no_grad(), macer.compress(self.model, self.policy) as trace:
+            out = self.model.generate(**inputs, **generate)
+        seconds = time.perf_counter() - start
+        if len(trace.samples) != len(samples):
+            raise RuntimeError(f"macer.compress recorded {len(trace.samples)} prompts for a batch of {len(samples)}: "
+                               "the policy did not run on every sample")
+        results = []
+        for video, sample, record, row in zip(videos, samples, trace.samples, out[:, width:].tolist()):
+            # A row that ended before the batch did is filled with padding after its <|im_end|>: its own new tokens
+            # run up to and including that <|im_end|>, as generate would have stopped there alone.
+            new_tokens = row.index(self.im_end) + 1 if self.im_end in row else len(row)
+            text = self.processor.tokenizer.decode(row[:new_tokens], skip_special_tokens=True)
+            for stop in until:
+                if stop and stop in text:
+                    text = text.split(stop, 1)[0]
+            budget = record.budget
+            results.append((text, {
+                "video": video, "prompt_tokens": int(sample["input_ids"].shape[1]), "new_tokens": new_tokens,
+                "seconds": round(seconds, 3), "batch_size": len(samples),
+                "n_audio": record.n_audio, "n_video": record.n_video,
+                "budget_total": None if budget is None else budget.total,
+                "budget_audio": None if budget is None else budget.audio,
+                "budget_video": None if budget is None else budget.video,
+                "audio_kept": len(record.audio_kept), "video_kept": len(record.video_kept),
+            }))
+        return results
+
+    def _generation(self, gen_kwargs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+        """lmms-eval's generation arguments -> (stop strings, ``generate`` keyword arguments)."""
         until = gen_kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
         temperature = float(gen_kwargs.pop("temperature", 0) or 0)
@@ -167,27 +255,7 @@ class MacerQwen2_5Omni(lmms):
         if temperature > 0:
             generate["temperature"] = temperature
             generate["top_p"] = float(gen_kwargs.pop("top_p", 1.0) or 1.0)
-        n = inputs["input_ids"].shape[1]
-        start = time.perf_counter()
-        with torch.no_grad(), macer.compress(self.model, self.policy) as trace:
-            out = self.model.generate(**inputs, **generate)
-        seconds = time.perf_counter() - start
-        record = trace.last
-        if record is None:
-            raise RuntimeError("macer.compress recorded no prefill: the policy did not run on this sample")
-        text = self.processor.tokenizer.decode(out[0, n:], skip_special_tokens=True)
-        for stop in until:
-            if stop and stop in text:
-                text = text.split(stop, 1)[0]
-        budget = record.budget
-        return text, {
-            "video": videos[0], "prompt_tokens": n, "new_tokens": int(out.shape[1] - n), "seconds": round(seconds, 3),
-            "n_audio": record.n_audio, "n_video": record.n_video,
-            "budget_total": None if budget is None else budget.total,
-            "budget_audio": None if budget is None else budget.audio,
-            "budget_video": None if budget is None else budget.video,
-            "audio_kept": len(record.audio_kept), "video_kept": len(record.video_kept),
-        }
+        return until, generate
 
     def _log_sample(self, task: str, doc_id: int, record: dict[str, Any], answer: str) -> None:
         line = {"task": task, "doc_id": doc_id, "policy": self.policy_name, "policy_config": repr(self.policy),

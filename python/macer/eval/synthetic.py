@@ -8,6 +8,7 @@ random model are random: these exercise the plumbing, not accuracy.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -98,14 +99,19 @@ def write_clip(path: str | Path, *, seconds: float = 2.0, fps: int = 8, size: tu
     return path
 
 
-def write_dailyomni_release(root: str | Path, *, questions: int = 3, seconds: float = 2.0) -> Path:
+def write_dailyomni_release(root: str | Path, *, questions: int = 3, seconds: float | Sequence[float] = 2.0) -> Path:
     """A Daily-Omni-shaped release under ``root``: ``qa.json`` and ``Videos/<id>/<id>_video.mp4`` (one clip per
-    question, each with an audio track)."""
+    question, each with an audio track). ``seconds``: every clip's length, or one length per question (clips of
+    different lengths give prompts of different lengths, as a batch test needs)."""
     root = Path(root)
+    lengths = [float(seconds)] * questions if isinstance(seconds, (int, float)) else [float(s) for s in seconds]
+    if len(lengths) != questions:
+        raise ValueError(f"write_dailyomni_release: seconds must be one length or {questions} lengths (one per "
+                         f"question), got {len(lengths)}")
     entries = []
-    for i in range(questions):
+    for i, length in enumerate(lengths):
         video_id = f"clip{i:03d}"
-        write_clip(root / "Videos" / video_id / f"{video_id}_video.mp4", seconds=seconds, seed=i)
+        write_clip(root / "Videos" / video_id / f"{video_id}_video.mp4", seconds=length, seed=i)
         entries.append({"Question": f"What sound is heard in clip {i}?",
                         "Choice": ["A. a tone", "B. speech", "C. music", "D. silence"],
                         "Answer": "ABCD"[i % 4], "video_id": video_id, "Type": "Event Sequence",
