@@ -283,6 +283,20 @@ def test_table_script_runs_lmms_eval_cli(setup, tmp_path):
     assert "| MACER | 25% | 62.07 |" in text  # the paper's 7B DailyOmni number beside it
 
 
+def test_table_batch_size_option(tmp_path, capsys):
+    from macer.eval import table
+
+    common = ["--pretrained", "ckpt", "--out", str(tmp_path), "--rows", "full", "--dry-run"]
+    assert table.main(common) == 0
+    assert "--batch_size 1 " in capsys.readouterr().out
+    assert table.main([*common, "--batch-size", "4"]) == 0
+    assert "--batch_size 4 " in capsys.readouterr().out
+    for bad in ("0", "auto", "-1"):
+        with pytest.raises(SystemExit):
+            table.main([*common, "--batch-size", bad])
+        assert "--batch-size: must be an integer >= 1" in capsys.readouterr().err
+
+
 def test_table_rows_and_rendering(tmp_path):
     from macer.eval import table
 

@@ -9,7 +9,9 @@ Each row runs one ``lmms-eval --model macer_qwen2_5_omni`` process (so GPU memor
 line per row: the scores, ``Norm. Avg.`` (``eq:normavg``: the mean over benchmarks of score / Full's score, in %,
 when a ``full`` row is in the table) and ``Retained A/V`` (``tab:ablation``: per benchmark the mean over samples of
 the audio share of the kept audio+video tokens, then the mean over benchmarks), followed by the paper's rows.
-A row spec is ``POLICY[:field=value...][@RATIO[,RATIO...]]``; ``--dry-run`` prints the commands only.
+A row spec is ``POLICY[:field=value...][@RATIO[,RATIO...]]``; ``--batch-size N`` (default 1) is lmms-eval's
+``--batch_size`` for every row (greedy answers and kept counts do not depend on it); ``--dry-run`` prints the
+commands only.
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ def command(row: Row, args: argparse.Namespace) -> list[str]:
         model_args[key] = value
     cmd = [sys.executable, "-m", "lmms_eval", "--model", "macer_qwen2_5_omni",
            "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()),
-           "--tasks", ",".join(args.benchmarks), "--batch_size", "1", "--log_samples", "--output_path", str(out)]
+           "--tasks", ",".join(args.benchmarks), "--batch_size", str(args.batch_size), "--log_samples",
+           "--output_path", str(out)]
     if args.tasks_dir:
         cmd += ["--include_path", str(args.tasks_dir)]
     if args.limit:
@@ -177,6 +180,12 @@ def render(results: list[tuple[Row, dict[str, float], tuple[float, float] | None
     return "\n".join(lines) + "\n"
 
 
+def _batch_size(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m macer.eval.table", description=__doc__.splitlines()[0])
     parser.add_argument("--pretrained", required=True, help="Qwen2.5-Omni checkpoint (folder or hub id)")
@@ -189,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(PAPER), default="7B", help="which paper numbers to print")
     parser.add_argument("--model-args", nargs="*", help="extra key=value model arguments for every row")
     parser.add_argument("--limit", type=int, help="questions per benchmark (smoke runs)")
+    parser.add_argument("--batch-size", type=_batch_size, default=1,
+                        help="prompts per generate call (lmms-eval's --batch_size, an integer >= 1; default 1)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     unknown = [b for b in args.benchmarks if b not in BENCHMARKS]
