@@ -9,7 +9,8 @@ trace.budget, trace.audio_kept, trace.video_kept, trace.layer_tokens, trace.cach
 ```
 Layout: ``policy`` (the policy interface and the host plan), ``config`` (``MacerConfig``), ``policies`` (FastV,
 Random, full, the ablations, ``make_policy``), ``runtime`` (hooks, compaction, caches), ``adapters`` (one file per
-model family), ``trace``, ``cost``, ``testing``. See ``docs/integration.md``.
+model family), ``trace``, ``cost``, ``batching`` (left-padded batches of single-prompt inputs), ``testing``.
+See ``docs/integration.md``.
 """
 
 from macer.adapters import (

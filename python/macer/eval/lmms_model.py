@@ -32,10 +32,6 @@ SYSTEM_PROMPT = ("You are Qwen, a virtual human developed by the Qwen Team, Alib
                  "auditory and visual inputs, as well as generating text and speech.")
 """Qwen2.5-Omni's default system prompt (the one its model card requires for audio-visual input)."""
 
-_WRAPPER_ARGS = ("pretrained", "policy", "device", "dtype", "attn_implementation", "num_frames", "max_pixels",
-                 "video_frontend", "system_prompt", "sample_log", "batch_size", "max_batch_size")
-
-
 def parse_batch_size(value: int | str) -> int:
     """lmms-eval's ``--batch_size`` (an int, or the command line's string) -> an integer >= 1.
 
