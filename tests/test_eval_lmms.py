@@ -157,6 +157,27 @@ def test_wrapper_rejects_bad_arguments(setup, tmp_path):
         MacerQwen2_5Omni(policy="macer", keep_ratio=1.5, **LAYERS, **common)
 
 
+def test_generation_arguments_are_honoured_or_refused(setup, tmp_path):
+    from macer.eval.lmms_model import MacerQwen2_5Omni
+
+    model = MacerQwen2_5Omni(policy="full", pretrained=str(setup["checkpoint"]), video_frontend="torch",
+                             sample_log=str(tmp_path / "l"))
+    until, greedy = model._generation({"until": "\n\n", "max_new_tokens": 7, "temperature": 0, "top_p": None,
+                                       "num_beams": 1, "do_sample": False})
+    assert until == ["\n\n"]
+    assert (greedy["max_new_tokens"], greedy["do_sample"], greedy["num_beams"]) == (7, False, 1)
+    assert "temperature" not in greedy
+    _, sampled = model._generation({"temperature": 0.7, "top_p": 0.9, "num_beams": 3})
+    assert (sampled["do_sample"], sampled["temperature"], sampled["top_p"], sampled["num_beams"]) == (True, 0.7, 0.9, 3)
+    _, forced = model._generation({"do_sample": True})
+    assert forced["do_sample"] and forced["temperature"] == 1.0
+    with pytest.raises(ValueError, match=r"generation arguments \['length_penalty'\] are not supported"):
+        model._generation({"length_penalty": 0.5})
+    with pytest.raises(ValueError, match="num_beams must be an integer >= 1"):
+        model._generation({"num_beams": 0})
+    assert model._generation({"image_aspect_ratio": None})[1]["num_beams"] == 1  # None values are absent arguments
+
+
 def test_batch_size_2_answers_as_batch_size_1(setup, tmp_path, monkeypatch):
     # MACER, greedy, 3 prompts of 3 lengths: batch size 1 (three generate calls) and 2 (a left-padded pair, then the
     # third alone) give the same generated tokens, answers and per-sample log, except the batch fields.

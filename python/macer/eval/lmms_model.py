@@ -241,16 +241,28 @@ class MacerQwen2_5Omni(lmms):
         return results
 
     def _generation(self, gen_kwargs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
-        """lmms-eval's generation arguments -> (stop strings, ``generate`` keyword arguments)."""
+        """lmms-eval's generation arguments -> (stop strings, ``generate`` keyword arguments). Sampling follows
+        ``temperature > 0`` (or ``do_sample: true``); an argument this model cannot honour is refused, not ignored."""
         until = gen_kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
         temperature = float(gen_kwargs.pop("temperature", 0) or 0)
-        generate = {"max_new_tokens": int(gen_kwargs.pop("max_new_tokens", 128)),
-                    "do_sample": temperature > 0, "eos_token_id": self.im_end,
+        top_p = float(gen_kwargs.pop("top_p", 1.0) or 1.0)
+        do_sample = temperature > 0 or bool(gen_kwargs.pop("do_sample", False))
+        num_beams = gen_kwargs.pop("num_beams", None)
+        num_beams = 1 if num_beams is None else num_beams
+        if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+            raise ValueError(f"macer_qwen2_5_omni: num_beams must be an integer >= 1, got {num_beams!r}")
+        max_new_tokens = int(gen_kwargs.pop("max_new_tokens", 128))
+        unknown = sorted(k for k, v in gen_kwargs.items() if v is not None)
+        if unknown:
+            raise ValueError(f"macer_qwen2_5_omni: generation arguments {unknown} are not supported (supported: "
+                             "until, max_new_tokens, temperature, top_p, do_sample, num_beams)")
+        generate = {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
+                    "num_beams": num_beams, "eos_token_id": self.im_end,
                     "pad_token_id": self.processor.tokenizer.pad_token_id}
-        if temperature > 0:
-            generate["temperature"] = temperature
-            generate["top_p"] = float(gen_kwargs.pop("top_p", 1.0) or 1.0)
+        if do_sample:
+            generate["temperature"] = temperature if temperature > 0 else 1.0
+            generate["top_p"] = top_p
         return until, generate
 
     def _log_sample(self, task: str, doc_id: int, record: dict[str, Any], answer: str) -> None:
