@@ -244,3 +244,12 @@ def test_a_macer_stage_is_one_call_for_the_whole_batch(monkeypatch, policy):
     with torch.no_grad(), macer.compress(model, POLICIES["fastv"](model)):
         model(**batch_inputs(prompts[:2]))
     assert calls == {"select_stage": 0, "compact_many": 1}, calls
+    # Keep ratio 1: the plans drop nothing, so the batch does no selection and no compaction, and is the model itself.
+    calls.update(select_stage=0, compact_many=0)
+    batch = batch_inputs(prompts[:3])
+    with torch.no_grad():
+        plain = model(**batch).logits
+        with macer.compress(model, macer_config_for(model, keep_ratio=1.0, audio_layer=1, video_layer=2)):
+            same = model(**batch).logits
+    assert calls == {"select_stage": 0, "compact_many": 0}, calls
+    assert torch.equal(same, plain)

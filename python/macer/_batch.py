@@ -142,7 +142,6 @@ class BatchPrefill:
         self.original_valid, self.original_pads = valid, self.pads
         self.pending: torch.Tensor | None = None  # [B, W] keep of a batched stage, applied at the next layer
         self.pending_pads: list[int] = []
-        self.batched_stages = 0  # stages run once for the whole batch (the rest ran per sample)
 
     def _widths(self, width: int) -> list[int]:
         """The batch's sequence length entering each layer: the padded width until the first layer at which some
@@ -178,8 +177,8 @@ class BatchPrefill:
             k = None if key is None else key[b: b + 1, :, pad:]
             sample.run(q, k, scale, eps)
 
-    def _batch_stage(self, layer: int) -> tuple[list[int], list[StageModality], list[list[int]]] | None:
-        """The batched form of the stages at ``layer``: the labels selected, one ``StageModality`` per label with
+    def _batch_stage(self, layer: int) -> tuple[list[StageModality], list[list[int]]] | None:
+        """The batched form of the stages at ``layer``: one ``StageModality`` per selected label with
         per-sample counts and budgets (a sample without a stage there keeps all its tokens of the label), and each
         sample's question rows as original padded rows. None where the stages cannot run as one ``select_stage``
         (not fused, different selectors or question lengths, or a count the host does not know)."""
@@ -208,17 +207,24 @@ class BatchPrefill:
             mods.append(StageModality(m, counts[m], keeps[m], weight if coverage else None,
                                       chunks if coverage else None))
         lq = present[0].query.numel()
-        last = self.valid.shape[1] - 1  # a sample without a stage here reads its last row (always real): unused
+        # A sample without a stage here reads its last original row (the prompt's last token: text, never dropped);
+        # its scores are unused (it keeps all its tokens of the stage's labels).
+        last = self.labels.shape[1] - 1
         rows = [[last] * lq if st is None else [r + pad for r in sample.question_rows[sample.next]]
                 for sample, st, pad in zip(self.samples, stages, self.original_pads, strict=True)]
-        return labels, mods, rows
+        return mods, rows
 
     def _run_batched(self, query: torch.Tensor, key: torch.Tensor, scale: float | None, eps: float,
                      layer: int) -> bool:
         planned = self._batch_stage(layer)
         if planned is None:
             return False
-        _, mods, rows = planned
+        mods, rows = planned
+        for sample in self.samples:
+            if sample.stage_at(layer) is not None:
+                sample.next += 1
+        if all(m.count == m.keep for m in mods):
+            return True  # the plans drop nothing here (keep ratio 1): no device work, as for a prompt alone
         device = self.rows.device
         original = torch.tensor(rows, dtype=torch.long)
         original = original.to(device, non_blocking=True) if device.type != "cpu" else original
@@ -232,13 +238,9 @@ class BatchPrefill:
         chunks = self.chunks.gather(1, safe) if coverage else None
         keep = select_stage(q, key, labels, mods, chunk_ids=chunks, query_positions=positions, scale=scale, eps=eps,
                             padding=self.pads)
-        for sample in self.samples:
-            if sample.stage_at(layer) is not None:
-                sample.next += 1
         lengths = [self.rows.shape[1] - pad - sum(m.count[i] - m.keep[i] for m in mods)
                    for i, pad in enumerate(self.pads)]
         self.pending, self.pending_pads = keep, [keep.shape[1] - n for n in lengths]
-        self.batched_stages += 1
         return True
 
     def enter(self, index: int) -> None:
