@@ -113,10 +113,12 @@ def compact_many(tensors: Sequence[torch.Tensor], keep: torch.Tensor, dims: Sequ
 def _gather_batched(x: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
     """``x[..., b, keep[b, r], ...]`` along ``dim`` (batch at ``dim - 1``), zero rows where ``keep`` is -1."""
     b, w = keep.shape
-    view = [1] * x.dim()
-    view[dim - 1], view[dim] = b, w
     shape = list(x.shape)
     shape[dim] = w
+    if x.shape[dim] == 0:  # nothing to gather from: every slot is -1 (the public op checks that), all zero rows
+        return x.new_zeros(shape)
+    view = [1] * x.dim()
+    view[dim - 1], view[dim] = b, w
     out = torch.gather(x, dim, keep.clamp(min=0).view(view).expand(shape))
     return out.masked_fill_((keep < 0).view(view), 0)
 

@@ -96,24 +96,24 @@ def _default_positions(n: int, lq: int, device: torch.device) -> torch.Tensor:
 def check_label_values(labels: torch.Tensor, positions: torch.Tensor, n: int, *, given: bool, labels_name: str,
                        extra: tuple[torch.Tensor, ...] = ()) -> list[int]:
     """The data-dependent checks of the scoring inputs in one host read (callers ask ``values_checked`` first):
-    labels in ``[PAD_LABEL, MAX_MODALITIES]``, given positions in ``[0, N-1]`` and never at a padding key. ``extra``
+    labels in ``[PAD_LABEL, MAX_MODALITIES]``, given positions in ``[0, N-1]``, no query row at a padding key. ``extra``
     0-d tensors are read in the same synchronisation; their values are returned."""
-    pad_hit = torch.zeros((), dtype=torch.bool, device=labels.device)
-    if n and given:
-        pad_hit = (labels.gather(1, positions.long().clamp(0, n - 1)) == PAD_LABEL).any()
-    values = read_back(*([labels.min(), labels.max()] if n else []),
-                       *([positions.min(), positions.max(), pad_hit] if given else []), *extra)
+    # Every query row must sit on a token: given positions and the default last Lq rows alike.
+    pad_hit = (labels.gather(1, positions.long().clamp(0, n - 1)) == PAD_LABEL).any() if n else None
+    values = read_back(*([labels.min(), labels.max(), pad_hit] if n else []),
+                       *([positions.min(), positions.max()] if given else []), *extra)
     if n and (values[0] < PAD_LABEL or values[1] > MAX_MODALITIES):
         raise ValueError(f"{labels_name} labels must be in [{PAD_LABEL}, {MAX_MODALITIES}] ({PAD_LABEL} = padding), "
                          f"got range [{values[0]}, {values[1]}]")
-    values = values[2:] if n else values
+    hit, values = (values[2], values[3:]) if n else (False, values)
     if given:
-        lo, hi, hit = values[:3]
+        lo, hi = values[:2]
         if lo < 0 or hi >= n:
             raise ValueError(f"query_positions must be in [0, N-1={n - 1}], got range [{lo}, {hi}]")
-        if hit:
-            raise ValueError(f"query_positions must point at tokens, not at padding ({labels_name} == {PAD_LABEL})")
-        values = values[3:]
+        values = values[2:]
+    if hit:
+        where = "query_positions" if given else "the default query rows (the last Lq positions)"
+        raise ValueError(f"{where} must point at tokens, not at padding ({labels_name} == {PAD_LABEL})")
     return values
 
 

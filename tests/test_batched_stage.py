@@ -163,3 +163,21 @@ def test_a_query_row_on_padding_is_refused(seed):
     q, k, labels, _, positions, _ = padded_batch(seed, [30, 24, 30], [{1: 8, 2: 6}] * 3)
     with pytest.raises(ValueError, match="query_positions must point at tokens, not at padding"):
         modality_scores(q, k, labels, positions - torch.tensor([[0], [27], [0]]))
+
+
+def test_default_query_rows_on_padding_are_refused(seed):
+    """Without query_positions the last Lq rows are the query rows: right padding would put them on padding."""
+    q, k, labels, _, _, pads = padded_batch(seed, [30, 24, 30], [{1: 8, 2: 6}] * 3)
+    with pytest.raises(ValueError, match=r"the default query rows \(the last Lq positions\) must point at tokens"):
+        select_stage(q, k, labels.flip(1), [Mod(1, 8, 3), Mod(2, 6, 2)], padding=pads)
+    with pytest.raises(ValueError, match=r"the default query rows \(the last Lq positions\) must point at tokens"):
+        modality_scores(q, k, labels.flip(1))
+
+
+def test_batched_compaction_of_an_empty_sequence(backend):
+    """N = 0 with an all -1 keep: zero rows, nothing read."""
+    _, device = backend
+    out = compact_many([torch.zeros(2, 0, 3, device=device), torch.zeros(3, 2, 0, dtype=torch.long, device=device)],
+                       torch.full((2, 4), -1, device=device), [1, 2])
+    assert out[0].shape == (2, 4, 3) and out[1].shape == (3, 2, 4)
+    assert all(bool((o.cpu() == 0).all()) for o in out)

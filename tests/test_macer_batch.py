@@ -231,6 +231,10 @@ def test_a_macer_stage_is_one_call_for_the_whole_batch(monkeypatch, policy):
 
     for name in calls:
         monkeypatch.setattr(batch_module, name, counting(name))
+    runs = []
+    original_run = batch_module.BatchPrefill.run
+    monkeypatch.setattr(batch_module.BatchPrefill, "run",
+                        lambda self, *args: runs.append(args[-1]) or original_run(self, *args))
     model = _thinker("sdpa")
     prompts = _interleaved_prompts(model)
     for size in (2, 4):
@@ -240,6 +244,8 @@ def test_a_macer_stage_is_one_call_for_the_whole_batch(monkeypatch, policy):
             model(**batch_inputs(prompts[:size]))
         stages = {s.layer for sample in trace.samples for s in sample.stages}
         assert calls == {"select_stage": len(stages), "compact_many": len(stages)}, (size, calls)
+        assert sorted(runs) == sorted(stages), runs  # the stage machinery runs at stage layers only
+        runs.clear()
     calls.update(select_stage=0, compact_many=0)
     with torch.no_grad(), macer.compress(model, POLICIES["fastv"](model)):
         model(**batch_inputs(prompts[:2]))
@@ -253,3 +259,37 @@ def test_a_macer_stage_is_one_call_for_the_whole_batch(monkeypatch, policy):
             same = model(**batch).logits
     assert calls == {"select_stage": 0, "compact_many": 0}, calls
     assert torch.equal(same, plain)
+
+
+def test_samples_with_different_stage_rules_at_one_layer():
+    """A policy whose stages differ per prompt (video-only prompts: coverage at layer 1; others: top-k at layer 2):
+    at layer 1 the block prompt has no stage but holds video tokens without planned chunk ids. The batch still
+    equals each prompt alone (found in review: it raised a chunk-id error)."""
+    import dataclasses
+
+    from macer.config import MacerConfig
+    from macer.policy import AUDIO, VISUAL, Selection, StageSpec
+
+    @dataclasses.dataclass(frozen=True)
+    class PerPrompt(MacerConfig):
+        def stage_specs(self, n_audio, n_video):
+            if not n_audio + n_video:
+                return []
+            if n_audio == 0:
+                return [StageSpec(1, (Selection((VISUAL,), n_video // 3, "coverage", 0.2, 8),))]
+            selections = [Selection((AUDIO,), n_audio // 3)]
+            if n_video:
+                selections.append(Selection((VISUAL,), n_video // 3))
+            return [StageSpec(2, tuple(selections))]
+
+    model = _thinker("sdpa")
+    base = POLICIES["macer"](model)
+    config = PerPrompt(**{f.name: getattr(base, f.name) for f in dataclasses.fields(MacerConfig)})
+    prompts = _block_prompts(model)[1:]
+    batch = batch_inputs(prompts)
+    with torch.no_grad(), macer.compress(model, config) as trace:
+        logits = model(**batch).logits
+        samples = trace.samples
+        tokens = model.generate(**batch, max_new_tokens=3, do_sample=False)[:, -3:]
+    check_each_sample_alone(model, config, prompts, batch, samples, logits, tokens, "per-prompt stage rules")
+    assert [s.layer for s in samples[0].stages] == [1] and [s.layer for s in samples[1].stages] == [2]

@@ -36,6 +36,14 @@ if TYPE_CHECKING:
     from macer.trace import PrefillRecord
 
 
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host table to ``device`` without waiting for it (from pinned memory on a GPU: a copy from pageable
+    memory may synchronise)."""
+    if device.type == "cpu":
+        return t
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
 def check_left_padding(mask: torch.Tensor) -> list[int]:
     """Left padding of each row of a host ``[B, N]`` 0/1 mask; any other pattern is refused with a clear error."""
     mask = mask.bool()
@@ -159,8 +167,9 @@ class BatchPrefill:
     def has_pending(self) -> bool:
         return self.pending is not None or any(s.pending is not None for s in self.samples)
 
-    def stage_at(self, layer: int) -> bool:
-        return any(s.stage_at(layer) is not None for s in self.samples)
+    def stage_at(self, layer: int) -> Any:
+        """Some sample's stage at ``layer`` (1-based readout; 0 = before the first layer), or None."""
+        return next((stage for s in self.samples if (stage := s.stage_at(layer)) is not None), None)
 
     def run(self, query: torch.Tensor | None, key: torch.Tensor | None, scale: float | None, eps: float,
             layer: int) -> None:
@@ -226,8 +235,7 @@ class BatchPrefill:
         if all(m.count == m.keep for m in mods):
             return True  # the plans drop nothing here (keep ratio 1): no device work, as for a prompt alone
         device = self.rows.device
-        original = torch.tensor(rows, dtype=torch.long)
-        original = original.to(device, non_blocking=True) if device.type != "cpu" else original
+        original = _upload(torch.tensor(rows, dtype=torch.long), device)
         # Current row of each question row: self.rows is ascending in every row (-1 padding first).
         positions = torch.searchsorted(self.rows, original)
         b, hq, _, d = query.shape
@@ -235,7 +243,9 @@ class BatchPrefill:
         safe = self.rows.clamp(min=0)
         labels = torch.where(self.rows >= 0, self.labels.gather(1, safe), PAD_LABEL)
         coverage = any(m.coverage_weight is not None for m in mods)
-        chunks = self.chunks.gather(1, safe) if coverage else None
+        # A sample without the coverage selection keeps all its tokens of that label, so their chunk ids do not
+        # matter, but they must be valid ids (the plan has -1 where a sample's own stages read none).
+        chunks = self.chunks.gather(1, safe).clamp_(min=0) if coverage else None
         keep = select_stage(q, key, labels, mods, chunk_ids=chunks, query_positions=positions, scale=scale, eps=eps,
                             padding=self.pads)
         lengths = [self.rows.shape[1] - pad - sum(m.count[i] - m.keep[i] for m in mods)
