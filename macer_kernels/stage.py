@@ -221,7 +221,8 @@ def _check_values(labels: torch.Tensor, positions: torch.Tensor, chunk_ids: torc
     for label, want in [(PAD_LABEL, pads), *((m.label, c) for m, c in zip(mods, counts, strict=True))]:
         per_sample = (labels == label).sum(dim=1)
         wrong = per_sample != torch.tensor(want, device=device)
-        extra += [wrong.any(), torch.argmax(wrong.to(torch.uint8)), per_sample[torch.argmax(wrong.to(torch.uint8))]]
+        first = torch.argmax(wrong.to(torch.uint8))  # the first sample that disagrees (0 when none does)
+        extra += [wrong.any(), first, per_sample[first]]
     for m in mods:
         if m.coverage_weight is not None:
             is_m = labels == m.label

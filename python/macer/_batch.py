@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from macer.trace import PrefillRecord
 
 
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host table to ``device`` without waiting for it (from pinned memory on a GPU: a copy from pageable
     memory may synchronise)."""
     if device.type == "cpu":
@@ -235,7 +235,7 @@ class BatchPrefill:
         if all(m.count == m.keep for m in mods):
             return True  # the plans drop nothing here (keep ratio 1): no device work, as for a prompt alone
         device = self.rows.device
-        original = _upload(torch.tensor(rows, dtype=torch.long), device)
+        original = upload(torch.tensor(rows, dtype=torch.long), device)
         # Current row of each question row: self.rows is ascending in every row (-1 padding first).
         positions = torch.searchsorted(self.rows, original)
         b, hq, _, d = query.shape

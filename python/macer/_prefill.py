@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from macer._batch import BatchPrefill, check_left_padding, layer_inputs, token_tensors
+from macer._batch import BatchPrefill, check_left_padding, layer_inputs, token_tensors, upload
 from macer.adapters import Adapter
 from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Plan, PromptFacts, plan_prefill, run_stage
 from macer.trace import PrefillRecord, Stage
@@ -44,9 +44,7 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
     """Upload the plan's int64 tables in one host-to-device copy (asynchronous from pinned memory)."""
     if device.type == "cpu" or not tensors:
         return tensors
-    packed = torch.cat([t.reshape(-1).long() for t in tensors])
-    packed = packed.pin_memory() if torch.cuda.is_available() else packed
-    packed = packed.to(device, non_blocking=True)
+    packed = upload(torch.cat([t.reshape(-1).long() for t in tensors]), device)
     return list(torch.split(packed, [t.numel() for t in tensors]))
 
 
