@@ -92,6 +92,13 @@ def compact_many(tensors: Sequence[torch.Tensor], keep: torch.Tensor, dims: Sequ
     Returns:
         The compacted tensors, in order.
     """
+    # A tensor or a str is iterable too: a lone tensor would be split along dim 0 into wrong "tensors", and an int
+    # would fail inside list() with a message that names nothing.
+    if isinstance(tensors, (torch.Tensor, str)) or not isinstance(tensors, Sequence):
+        raise TypeError(f"tensors must be a list or tuple of tensors, got {type(tensors).__name__} "
+                        f"(for one tensor use compact(x, keep, dim))")
+    if isinstance(dims, (torch.Tensor, str)) or not isinstance(dims, Sequence):
+        raise TypeError(f"dims must be a list or tuple of ints, one per tensor, got {type(dims).__name__} {dims!r}")
     tensors = [check_tensor(f"tensors[{i}]", t) for i, t in enumerate(tensors)]
     dims = list(dims)
     if len(dims) != len(tensors):

@@ -111,11 +111,21 @@ def coverage_select_ref(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, c
 
 def temporal_chunks_ref(temporal_positions: torch.Tensor, num_chunks: int) -> torch.Tensor:
     """Chunk id ``floor(C (t - t_min) / (t_max - t_min + 1))`` per video token (Appendix B, coverage greedy)."""
-    t = temporal_positions.to(torch.float64).tolist()
+    if not temporal_positions.is_floating_point():  # integers: exact, in Python's unbounded ints
+        t = temporal_positions.tolist()
+        if not t:
+            return torch.empty(0, dtype=torch.long)
+        lo, hi = min(t), max(t)
+        return torch.tensor([num_chunks * (x - lo) // (hi - lo + 1) for x in t], dtype=torch.long)
+    # Floats: the formula in float64 on t / 2**33 (exact scaling, so C (t - t_min) cannot overflow); the exact value
+    # is below C, so a quotient that rounds up to C (spans past 2**53) is the last chunk, C - 1.
+    s = 2.0**-33
+    t = [x * s for x in temporal_positions.to(torch.float64).tolist()]
     if not t:
         return torch.empty(0, dtype=torch.long)
     lo, hi = min(t), max(t)
-    return torch.tensor([math.floor(num_chunks * (x - lo) / (hi - lo + 1)) for x in t], dtype=torch.long)
+    return torch.tensor([min(math.floor(num_chunks * (x - lo) / (hi - lo + s)), num_chunks - 1) for x in t],
+                        dtype=torch.long)
 
 
 def compact_ref(x: torch.Tensor, keep: torch.Tensor, dim: int = 1) -> torch.Tensor:

@@ -9,6 +9,11 @@ import torch
 from macer_kernels._validate import check_tensor, values_checked
 
 _INT64_MAX = 2**63 - 1
+# Floating positions are scaled by 2**-33 before the formula: a power of two, so every operation rounds exactly as it
+# would unscaled (for normal floats), while t - t_min (up to 2 * 1.8e308 unscaled) times C (< 2**31) stays finite.
+# Rounding can still make the quotient of the last chunk's tokens equal C (t_max - t_min + 1 rounds to t_max - t_min
+# once the span passes 2**53); the exact value is always below C, so those ids are C - 1.
+_FLOAT_SCALE = 2.0**-33
 
 
 def temporal_chunks(temporal_positions: torch.Tensor, num_chunks: int) -> torch.Tensor:
@@ -18,8 +23,10 @@ def temporal_chunks(temporal_positions: torch.Tensor, num_chunks: int) -> torch.
         temporal_positions: 1-D tensor of the video tokens' temporal positions (integer or floating, e.g. the
             temporal row of M-RoPE position ids). ``torch.arange(n)`` gives C equal-size bins. Integer positions must
             span less than ``2**63 - 1`` (``t_max - t_min + 1`` fits int64); within that the ids are exact. Floating
-            positions must be finite. Both are checked on CPU tensors, and on CUDA tensors only in validation mode
-            (``macer_kernels.validation``), so the op never reads device values back on the host.
+            positions must be finite (any finite float64; the span may exceed ``2**53``: the ids are then those of
+            the float64 formula, computed without overflow and kept in ``[0, C - 1]``). Both are checked on CPU
+            tensors, and on CUDA tensors only in validation mode (``macer_kernels.validation``), so the op never
+            reads device values back on the host.
         num_chunks: C, an integer in ``[1, 2**31)``.
 
     Returns:
@@ -36,9 +43,10 @@ def temporal_chunks(temporal_positions: torch.Tensor, num_chunks: int) -> torch.
     if t.is_floating_point():
         if values_checked(t) and not bool(torch.isfinite(t).all()):
             raise ValueError("temporal_positions must be finite")
-        t = t.to(torch.float64)
+        t = t.to(torch.float64) * _FLOAT_SCALE
         lo, hi = t.min(), t.max()
-        return torch.floor(num_chunks * (t - lo) / (hi - lo + 1)).long()
+        ids = torch.floor(num_chunks * (t - lo) / (hi - lo + _FLOAT_SCALE)).long()
+        return ids.clamp_(max=num_chunks - 1)
     t = t.long()
     lo, hi = t.min(), t.max()
     if values_checked(t) and int(hi) - int(lo) + 1 > _INT64_MAX:

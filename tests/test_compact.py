@@ -127,3 +127,22 @@ def test_errors(call, error, message):
     x = torch.randn(2, 10, 4)
     with pytest.raises(error, match=message):
         call(x)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "dims", "message"),
+    [
+        (lambda x: x, [1, 1], r"tensors must be a list or tuple of tensors, got Tensor \(for one tensor use compact"),
+        (lambda x: x, 1, "tensors must be a list or tuple of tensors, got Tensor"),
+        (lambda x: [x], 1, r"dims must be a list or tuple of ints, one per tensor, got int 1"),
+        (lambda x: [x], torch.tensor([1]), "dims must be a list or tuple of ints, one per tensor, got Tensor"),
+        (lambda x: [x], "1", "dims must be a list or tuple of ints, one per tensor, got str"),
+    ],
+)
+def test_compact_many_refuses_a_tensor_or_an_int_for_a_list(tensors, dims, message):
+    """Guards issue 21.8: ``compact_many(x, keep, [1, 1])`` with a tensor [2, N, D] for the list silently iterated over
+    dim 0 and returned two wrong [N', D] tensors; ``compact_many([x], keep, 1)`` failed with "'int' object is not
+    iterable". Both are refused up front, naming the parameter."""
+    x = torch.randn(2, 10, 4)
+    with pytest.raises(TypeError, match=message):
+        compact_many(tensors(x), torch.tensor([0, 3]), dims)

@@ -89,3 +89,38 @@ def test_matches_python_ints_on_random_small_ranges():
         c = int(torch.randint(1, 20, (1,), generator=g))
         t = torch.randint(-1000, 1000, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g)
         assert temporal_chunks(t, c).tolist() == _exact(t.tolist(), c), f"seed={seed} c={c} t={t.tolist()}"
+
+
+@pytest.mark.parametrize("op", [temporal_chunks, temporal_chunks_ref], ids=["op", "reference"])
+@pytest.mark.parametrize(
+    ("t", "c"),
+    [
+        (torch.tensor([0.0, 3e38]), 8),  # float32: t_max - t_min + 1 rounds to t_max - t_min, the quotient to C
+        (torch.tensor([0.0, 2.0**54], dtype=torch.float64), 2),
+        (torch.tensor([-1e308, 0.0, 1e308], dtype=torch.float64), 2**31 - 1),  # t - t_min overflows float64 unscaled
+        (torch.tensor([-1.7e308, 1.7e308, 5.0], dtype=torch.float64), 3),
+        (torch.tensor([2.0**60, 2.0**60 + 2.0**10, 2.0**61], dtype=torch.float64), 1000),
+        (torch.tensor([0, 2**54]), 2),  # integers stay exact in both
+    ],
+)
+def test_extreme_values_stay_in_range(op, t, c):
+    """Guards issue 21.8: for floats with a span past 2**53 (``[0., 3e38]``, C = 8 gave ``[0, 8]``; a float64 span of
+    2**54 with C = 2 gave ``[0, 2]``) the op and the reference returned id C, and past ~1.8e308 t - t_min overflowed to
+    inf (NaN ids). Every id must lie in [0, C - 1], t_min in chunk 0, t_max in chunk C - 1 (its exact value,
+    floor(C span / (span + 1)), is C - 1 for any span >= C - 1), and the ids must not decrease with t."""
+    ids = op(t, c)
+    assert ids.dtype == torch.long and ids.shape == t.shape
+    assert 0 <= int(ids.min()) and int(ids.max()) <= c - 1, ids.tolist()
+    assert int(ids[t.argmin()]) == 0 and int(ids[t.argmax()]) == c - 1, ids.tolist()
+    order = t.double().argsort()
+    assert bool((ids[order].diff() >= 0).all()), ids.tolist()
+
+
+def test_op_matches_reference_on_wide_float_spans(seed):
+    """The scaled float formula of the op and of the reference agree id for id on random float64 positions whose span
+    runs from small to past 2**53 and up to ~1e308 (guards the two drifting apart: one scaled, one not)."""
+    g = torch.Generator().manual_seed(seed)
+    for exponent in (1, 20, 53, 60, 300, 307):
+        t = (torch.rand(200, generator=g, dtype=torch.float64) * 2 - 1) * 10.0**exponent
+        for c in (1, 3, 8, 2**31 - 1):
+            assert torch.equal(temporal_chunks(t, c), temporal_chunks_ref(t, c)), f"seed={seed} 1e{exponent} c={c}"
