@@ -15,6 +15,8 @@ import torch
 from staged_reference import AUDIO, VISUAL, staged_kept
 from torch import nn
 
+import macer_kernels
+
 VOCAB, HIDDEN, EOT, NEWLINE = 256, 64, 2, 10
 
 
@@ -148,14 +150,65 @@ def test_bad_labels_are_refused(eager_model):
         macer.LabelledAdapter(labels, temporal_positions=torch.arange(3))
     with pytest.raises(ValueError, match="question_end"):
         macer.LabelledAdapter(labels, question_end=labels.numel() + 1)
-    # Without question_end, no token ids to search for an end-of-turn token: the error names the ways out.
-    with torch.no_grad(), macer.compress(eager_model, _config(), adapter=macer.LabelledAdapter(labels)), \
-            pytest.raises(ValueError, match="question_span='prompt_end'"):
-        eager_model(inputs_embeds=embeds)
+    # Without question_end, no token ids to search for an end-of-turn token: the error names the ways out, and not
+    # end_of_turn_token_id, which cannot work without token ids (issue 21.9: it used to suggest it), even when given.
+    for config in (_config(), _config(end_of_turn_token_id=EOT)):
+        with torch.no_grad(), macer.compress(eager_model, config, adapter=macer.LabelledAdapter(labels)), \
+                pytest.raises(ValueError, match="question_span='prompt_end'") as error:
+            eager_model(inputs_embeds=embeds)
+        assert r"LabelledAdapter(question_end=...)" in str(error.value)
+        assert "pass end_of_turn_token_id" not in str(error.value)
     adapter = macer.LabelledAdapter(labels[:-1], question_end=question_end)
     with torch.no_grad(), macer.compress(eager_model, _config(), adapter=adapter), \
             pytest.raises(ValueError, match="labels for"):
         eager_model(inputs_embeds=embeds)
+
+
+def test_question_end_as_numpy_integer_or_0d_tensor(family, eager_model):
+    """Guards issue 21.9: ``question_end`` as a numpy integer or a 0-d (or one-element) integer tensor was refused;
+    it is the same position as the int (the same kept sets). Floats, bools and longer tensors are still refused."""
+    np = pytest.importorskip("numpy")
+    embeds, labels, times, question_end = media_prompt(eager_model, seed=1)
+    config = _config()
+    kept = []
+    for end in (question_end, np.int64(question_end), np.int32(question_end), torch.tensor(question_end),
+                torch.tensor([question_end], dtype=torch.int32)):
+        adapter = macer.LabelledAdapter(labels, temporal_positions=times, question_end=end)
+        got = adapter.question_end(labels.numel())
+        assert got == question_end and type(got) is int
+        with torch.no_grad(), macer.compress(eager_model, config, adapter=adapter) as trace:
+            eager_model(inputs_embeds=embeds)
+        kept.append((trace.audio_kept, trace.video_kept))
+    assert all(k == kept[0] for k in kept[1:])
+    for bad in (float(question_end), True, torch.tensor(float(question_end)), torch.tensor([1, 2]), np.float64(3.0),
+                torch.tensor(labels.numel() + 1)):
+        with pytest.raises(ValueError, match=r"LabelledAdapter: question_end must be an integer position in \[0, "):
+            macer.LabelledAdapter(labels, question_end=bad)
+
+
+def test_float_times_from_a_python_list_stay_float64(family, eager_model):
+    """Guards issue 21.9: ``temporal_positions`` given as a Python list of floats became float32, so epoch-second
+    times (1.7e9: a float32 spacing of 128 s) collapsed to one value, every video row fell in chunk 0 and the coverage
+    term silently became plain top-k. A list of floats is kept in float64: the chunk ids are those of the frame
+    indices, and the kept sets match the reference run with the frame indices as times."""
+    embeds, labels, times, question_end = media_prompt(eager_model, seed=1)
+    epoch = [1.7e9 + t for t in times.tolist()]  # one frame a second, on a capture clock (epoch seconds)
+    adapter = macer.LabelledAdapter(labels, temporal_positions=epoch, question_end=question_end)
+    temporal = adapter.temporal_positions({}, labels.numel())[0]
+    assert temporal.dtype == torch.float64 and temporal.tolist() == epoch
+    visual = labels == VISUAL
+    want_chunks = macer_kernels.temporal_chunks(times[visual], 8)
+    assert want_chunks.unique().numel() > 1  # the frames span several chunks
+    assert torch.equal(macer_kernels.temporal_chunks(temporal[visual], 8), want_chunks)
+    config = _config()
+    want_audio, want_video, _ = reference(eager_model, embeds, labels, times, question_end, config)
+    with torch.no_grad(), macer.compress(eager_model, config, adapter=adapter) as trace:
+        eager_model(inputs_embeds=embeds)
+    assert (trace.audio_kept, trace.video_kept) == (want_audio, want_video)
+    batch = macer.BatchLabelledAdapter(labels[None].repeat(2, 1), temporal_positions=[epoch, epoch],
+                                       question_ends=torch.tensor([question_end, question_end]))
+    assert batch._batch_temporal.dtype == torch.float64 and batch._batch_temporal[1].tolist() == epoch
+    assert batch.question_ends(2, labels.numel()) == [question_end, question_end]
 
 
 def test_label_rows_by_provenance():

@@ -206,14 +206,16 @@ def question_rows(facts: PromptFacts, query_tokens: int, question_span: str) -> 
         end, where = n, "the end of the prompt"
     else:
         eot = facts.end_of_turn_token_id
+        if facts.input_ids is None:  # first: no end_of_turn_token_id can help a prompt without token ids
+            raise ValueError("macer.compress: question_span='end_of_turn' searches input_ids for the end-of-turn "
+                             "token, but the prompt came without input_ids (a prefill from inputs_embeds): give the "
+                             "position of the token closing the user's turn, LabelledAdapter(question_end=...) "
+                             "(BatchLabelledAdapter(question_ends=[...]) for a batch), or pass "
+                             "question_span='prompt_end' to read the prompt's last query_tokens rows")
         if eot is None:
             raise ValueError("macer.compress: end_of_turn_token_id is unknown for this model (its adapter cannot "
                              "tell): pass end_of_turn_token_id=<id of the token closing the user's question>, or "
                              "question_span='prompt_end' to read the prompt's last query_tokens tokens")
-        if facts.input_ids is None:
-            raise ValueError("macer.compress: question_span='end_of_turn' searches input_ids for "
-                             f"end_of_turn_token_id={eot}, but the prompt came without input_ids; pass "
-                             "question_span='prompt_end'")
         hits = (facts.input_ids == eot).nonzero().reshape(-1)
         if not hits.numel():
             raise ValueError(

@@ -10,7 +10,8 @@ could read modalities. ``LabelledAdapter`` takes them from the caller instead::
 
 * ``labels``: ``[N]`` (or ``[1, N]``) modality of each row of ``inputs_embeds``: 0 text, 1 audio (``macer.AUDIO``),
   2 image/video (``macer.VISUAL``).
-* ``temporal_positions``: optional ``[N]`` time of each row (any unit, integer or float); only the visual rows' values
+* ``temporal_positions``: optional ``[N]`` time of each row (any unit, integer or float; Python floats are kept in
+  float64); only the visual rows' values
   are used (they form the video's temporal chunks for coverage). Default: the row index, which orders frames as the
   prompt does.
 * ``question_end``: the position of the token that closes the user's turn (e.g. ``<|im_end|>``); the question rows
@@ -27,6 +28,7 @@ another length is refused.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -98,9 +100,34 @@ def label_rows(inputs_embeds: torch.Tensor, *, audio: Any = (), visual: Any = ()
     return torch.tensor([owner.get(key, TEXT) for key in keys(embeds)], dtype=torch.long)
 
 
+def _as_position(name: str, value: Any, length: int) -> int | None:
+    """``value`` (None, a Python or numpy integer, or a 0-d / one-element integer tensor) as an int in
+    ``[0, length]``."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.ndim <= 1 and not (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= length:
+        raise ValueError(f"{name} must be an integer position in [0, {length}] (the token closing the user's turn), "
+                         f"got {value!r}")
+    return int(value)
+
+
+def as_tensor(value: Any) -> torch.Tensor:
+    """``torch.as_tensor``, except that Python floats stay float64: torch's default float32 would merge large times
+    (epoch seconds: 1.7e9 has a float32 spacing of 128 s) into one value, and the coverage chunks with them. Tensors
+    and numpy arrays keep their dtype."""
+    if isinstance(value, torch.Tensor):
+        return value
+    converted = torch.as_tensor(value)
+    if converted.is_floating_point() and not hasattr(value, "dtype"):
+        converted = torch.as_tensor(value, dtype=torch.float64)
+    return converted
+
+
 def _as_vector(name: str, value: Any) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        value = torch.as_tensor(value)
+    value = as_tensor(value)
     if value.ndim == 2 and value.shape[0] == 1:
         value = value[0]
     if value.ndim != 1 or value.numel() == 0:
@@ -114,9 +141,11 @@ class LabelledAdapter(Adapter):
 
     Args:
         labels: ``[N]`` or ``[1, N]`` integers in {0 text, 1 audio, 2 visual}, one per prompt row.
-        temporal_positions: optional ``[N]`` finite integer or floating times (used for the visual rows).
-        question_end: optional position in ``[0, N]`` of the token closing the user's turn; the question rows are
-            the ``query_tokens`` rows before it (without it the config's ``question_span`` decides).
+        temporal_positions: optional ``[N]`` finite integer or floating times (used for the visual rows); a Python
+            list of floats is kept in float64 (a tensor or numpy array keeps its dtype).
+        question_end: optional position in ``[0, N]`` (an int, a numpy integer or a 0-d integer tensor) of the
+            token closing the user's turn; the question rows are the ``query_tokens`` rows before it (without it
+            the config's ``question_span`` decides).
     """
 
     def __init__(self, labels: Any, temporal_positions: Any = None, question_end: int | None = None):
@@ -142,11 +171,7 @@ class LabelledAdapter(Adapter):
             if temporal.is_floating_point() and not bool(torch.isfinite(temporal).all()):
                 raise ValueError("LabelledAdapter: temporal_positions must be finite")
             self._temporal = temporal
-        if question_end is not None and (isinstance(question_end, bool) or not isinstance(question_end, int)
-                                         or not 0 <= question_end <= self.length):
-            raise ValueError(f"LabelledAdapter: question_end must be an integer position in [0, {self.length}] "
-                             f"(the token closing the user's turn), got {question_end!r}")
-        self._question_end = question_end
+        self._question_end = _as_position("LabelledAdapter: question_end", question_end, self.length)
 
     def parts(self, model: nn.Module) -> DecoderParts:
         decoder = find_decoder(model)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer.adapters.labelled import LabelledAdapter
+from macer.adapters.labelled import LabelledAdapter, as_tensor
 
 __all__ = ["BatchLabelledAdapter"]
 
@@ -32,8 +32,9 @@ class BatchLabelledAdapter(LabelledAdapter):
     Args:
         labels: ``[B, N]`` integers in {0 text, 1 audio, 2 visual}, one row per prompt of the padded batch.
         temporal_positions: optional ``[B, N]`` finite integer or floating times.
-        question_ends: optional sequence of ``B`` positions (in ``[0, N]``, or None) of the token closing each
-            prompt's turn, counted in its padded row.
+        question_ends: optional sequence of ``B`` positions (in ``[0, N]``, or None; ints, numpy integers or 0-d
+            integer tensors; or a 1-D integer tensor / numpy array) of the token closing each prompt's turn, counted
+            in its padded row.
     """
 
     batch_ready = True  # no per-token state of its own: the runtime's re-packing covers everything
@@ -45,13 +46,15 @@ class BatchLabelledAdapter(LabelledAdapter):
                              f"{tuple(labels.shape)}")
         batch, length = labels.shape
         if temporal_positions is not None:
-            temporal_positions = torch.as_tensor(temporal_positions)
+            temporal_positions = as_tensor(temporal_positions)
             if tuple(temporal_positions.shape) != (batch, length):
                 raise ValueError(f"BatchLabelledAdapter: temporal_positions must be [B={batch}, N={length}] like "
                                  f"labels, got shape {tuple(temporal_positions.shape)}")
         if question_ends is None:
             question_ends = [None] * batch
-        if isinstance(question_ends, (int, torch.Tensor)) or len(question_ends) != batch:
+        if hasattr(question_ends, "tolist"):
+            question_ends = question_ends.tolist()  # a 1-D tensor or numpy array of positions
+        if not isinstance(question_ends, Sequence) or isinstance(question_ends, str) or len(question_ends) != batch:
             raise ValueError(f"BatchLabelledAdapter: question_ends must be a sequence of B={batch} positions (or "
                              f"None), got {question_ends!r}")
         # Each row is validated exactly as one prompt of the single-prompt path.
