@@ -39,6 +39,26 @@ def test_left_padding_and_media_in_sample_order(model):
     assert batch["use_audio_in_video"] is True
 
 
+def test_audio_only_and_text_only_prompts_go_with_either_flag(model):
+    """Guards issue 21.10: an audio-only prompt (processed with its natural ``use_audio_in_video=False``) next to
+    interleaved ones (True) was refused, though the docs say audio-only prompts go with either layout. Only the
+    samples with a video must agree; the batch takes their flag and is the batch built with the flags overridden."""
+    interleaved = clip_inputs(model, frames=2, audio_tokens=30, use_audio_in_video=True, seed=1)
+    audio_only = clip_inputs(model, frames=0, audio_tokens=40, use_audio_in_video=False, seed=2)
+    text_only = clip_inputs(model, frames=0, audio_tokens=0, use_audio_in_video=False, seed=3)
+    assert "video_grid_thw" not in audio_only and "video_grid_thw" not in text_only
+    mixed = batch_inputs([interleaved, audio_only, text_only])
+    forced = batch_inputs([interleaved, dict(audio_only, use_audio_in_video=True),
+                           dict(text_only, use_audio_in_video=True)])
+    assert mixed["use_audio_in_video"] is True and mixed.keys() == forced.keys()
+    assert all(torch.equal(mixed[k], forced[k]) for k in mixed if isinstance(mixed[k], torch.Tensor))
+    block = clip_inputs(model, frames=2, audio_tokens=30, use_audio_in_video=False, seed=4)
+    assert batch_inputs([dict(audio_only, use_audio_in_video=True), block])["use_audio_in_video"] is False
+    assert batch_inputs([audio_only, dict(text_only, use_audio_in_video=True)])["use_audio_in_video"] is True
+    with pytest.raises(ValueError, match="samples with a video disagree on use_audio_in_video"):
+        batch_inputs([interleaved, audio_only, block])
+
+
 def test_refuses_what_it_cannot_batch(model):
     a = clip_inputs(model, frames=2, audio_tokens=20, use_audio_in_video=True, seed=1)
     with pytest.raises(ValueError, match=r"sample 1 has inputs \['rope_deltas'\] that cannot be batched"):

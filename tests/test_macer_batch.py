@@ -30,14 +30,13 @@ def _block_prompts(model):
 
 
 def _interleaved_prompts(model):
-    """Interleaved clips of two lengths, an audio-only and a text-only prompt (use_audio_in_video=True for all)."""
+    """Interleaved clips of two lengths (use_audio_in_video=True), an audio-only and a text-only prompt with their own
+    False: they go with either flag, alone with False and in the batch under the interleaved prompts' True."""
     return [
         clip_inputs(model, frames=4, grid_hw=(8, 8), audio_tokens=100, seed=4, **SMALL),
-        dict(clip_inputs(model, frames=0, audio_tokens=40, use_audio_in_video=False, seed=5, **SMALL),
-             use_audio_in_video=True),
+        clip_inputs(model, frames=0, audio_tokens=40, use_audio_in_video=False, seed=5, **SMALL),
         clip_inputs(model, frames=6, grid_hw=(4, 8), audio_tokens=150, seed=6, **SMALL),
-        dict(clip_inputs(model, frames=0, audio_tokens=0, use_audio_in_video=False, seed=8, **SMALL),
-             use_audio_in_video=True),
+        clip_inputs(model, frames=0, audio_tokens=0, use_audio_in_video=False, seed=8, **SMALL),
     ]
 
 

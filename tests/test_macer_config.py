@@ -175,6 +175,44 @@ def test_nested_compress_is_refused(model):
     assert _decoder(model).config._attn_implementation == "sdpa"
 
 
+def test_a_used_compress_object_cannot_be_entered_again(model):
+    """Guards issue 21.10: entering a used ``compress(...)`` object again raised contextlib's AttributeError ("args");
+    it is a RuntimeError that says the object is single use, and the model is left as it was."""
+    config = macer_config_for(model, audio_layer=1, video_layer=2)
+    context = macer.compress(model, config)
+    with context as trace:
+        assert trace.budget is None
+    with pytest.raises(RuntimeError, match=r"already used in a with block \(it is single use\); call "
+                                           r"macer\.compress\(model, config\) again"):
+        with context:
+            pass
+    assert _decoder(model).config._attn_implementation == "sdpa"
+    assert all(not layer._forward_pre_hooks for layer in _decoder(model).layers)
+    with macer.compress(model, config):  # a fresh object works as usual
+        pass
+
+
+def test_submodules_cited_by_the_docs_after_a_plain_import():
+    """Guards issue 21.10: after ``import macer``, ``macer.cost.policy_flops_ratio`` (as the README writes it),
+    ``macer.testing`` and ``macer.batching`` (cited by error messages) raised AttributeError. They load on first use:
+    in a fresh interpreter ``import macer`` loads none of them (nor transformers), and naming one works."""
+    import subprocess
+    import sys
+
+    code = ("import sys, macer\n"
+            "lazy = ['macer.cost', 'macer.testing', 'macer.batching', 'macer.testing_qwen3', 'transformers']\n"
+            "assert not [m for m in lazy if m in sys.modules], [m for m in lazy if m in sys.modules]\n"
+            "r = macer.cost.policy_flops_ratio(macer.MacerConfig(), 'qwen2.5-omni-7b')\n"
+            "assert 0 < r < 1, r\n"
+            "assert macer.batching.batch_inputs is macer.testing.batch_inputs\n"
+            "assert macer.testing_qwen3.qwen3_clip_inputs\n"
+            "assert {'cost', 'testing', 'batching'} <= set(dir(macer))\n"
+            "try:\n    macer.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
+            "else:\n    raise AssertionError('macer.no_such_name resolved')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
 def _run(model, config, **inputs):
     with torch.no_grad(), macer.compress(model, config):
         return model(**inputs)

@@ -186,11 +186,38 @@ def test_make_policy_resolves_names_to_documented_settings(eager_model):
         (lambda: macer.RandomConfig(0.5, seed=-1), r"RandomConfig.seed must be an integer >= 0"),
         (lambda: macer.RandomConfig(0.5, seed=2**63), r"RandomConfig.seed must be an integer in \[0, 2\*\*63\)"),
         (lambda: macer.FullConfig(0.5), r"FullConfig.keep_ratio must be 1.0"),
+        # Issue 21.10: True == 1.0 in Python, so FullConfig(keep_ratio=True) was accepted.
+        (lambda: macer.FullConfig(keep_ratio=True), r"FullConfig.keep_ratio must be 1.0 \(a real number"),
+        (lambda: macer.FullConfig(keep_ratio="1.0"), r"FullConfig.keep_ratio must be 1.0"),
     ],
 )
 def test_policy_errors_name_field_and_range(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: macer.make_policy("shared_topk", layer=3),
+         r"make_policy\('shared_topk'\) got unknown parameters \['layer'\]; it takes the fields of MacerConfig: .*"
+         r"its readout layer is video_layer"),
+        (lambda: macer.make_policy("fastv"), r"make_policy\('fastv'\) needs \['keep_ratio', 'layer'\] \(FastVConfig "
+                                             r"has no default for them\), e.g. make_policy\('fastv', keep_ratio=..., "
+                                             r"layer=...\)"),
+        (lambda: macer.make_policy("fastv", keep_ratio=0.5), r"make_policy\('fastv'\) needs \['layer'\]"),
+        (lambda: macer.make_policy("random", layer=2),
+         r"make_policy\('random'\) got unknown parameters \['layer'\]; it takes the fields of RandomConfig: "
+         r"\['keep_ratio', 'seed'\]"),
+        (lambda: macer.make_policy("macer", keep=0.5), r"make_policy\('macer'\) got unknown parameters \['keep'\]"),
+    ],
+)
+def test_make_policy_names_unknown_and_missing_parameters(call, message):
+    """Guards issue 21.10: ``make_policy("shared_topk", layer=3)`` failed with MacerConfig's bare "unexpected keyword
+    argument" (a class the caller never named) and ``make_policy("fastv")`` with the dataclass's bare "missing 2
+    required positional arguments"; both now name the policy, the parameters and what it takes."""
+    with pytest.raises(TypeError, match=message):
+        call()
 
 
 @pytest.mark.parametrize(

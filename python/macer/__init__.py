@@ -13,6 +13,9 @@ model family), ``trace``, ``cost``, ``batching`` (left-padded batches of single-
 See ``docs/integration.md``.
 """
 
+import importlib
+from types import ModuleType
+
 from macer.adapters import (
     AUDIO,
     MODEL_TYPE_TO_ADAPTER,
@@ -55,3 +58,17 @@ __all__ = [
     "paper_defaults",
     "supported_model_types",
 ]
+
+# Submodules that the docs and error messages cite as ``macer.<name>.<attr>`` after a plain ``import macer``. Imported
+# on first use (PEP 562), so ``import macer`` stays what it was: none of them is loaded until it is named.
+_LAZY_SUBMODULES = ("batching", "cost", "testing", "testing_qwen3")
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"macer.{name}")
+    raise AttributeError(f"module 'macer' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_SUBMODULES})

@@ -28,8 +28,10 @@ def batch_inputs(samples: list[dict[str, Any]], *, pad_token_id: int = 0, paddin
     grid), and the audio features are stacked, right-padded to the longest with a per-audio
     ``feature_attention_mask``.
 
-    Each sample holds one prompt (``input_ids`` of shape ``[1, N]``) and only names in ``BATCHED_KEYS``. All samples
-    must share ``use_audio_in_video`` (transformers reads one flag per call); a mismatch raises ``ValueError``.
+    Each sample holds one prompt (``input_ids`` of shape ``[1, N]``) and only names in ``BATCHED_KEYS``. The samples
+    with a video must share ``use_audio_in_video`` (transformers reads one flag per call; a mismatch raises
+    ``ValueError``); a sample without a video (audio-only, image, text-only) goes with either, and the batch takes the
+    flag of the samples with a video.
     """
     if not samples:
         raise ValueError("batch_inputs: samples must be a non-empty list of single-prompt input dicts")
@@ -44,10 +46,14 @@ def batch_inputs(samples: list[dict[str, Any]], *, pad_token_id: int = 0, paddin
         if ids.ndim != 2 or ids.shape[0] != 1:
             raise ValueError(f"batch_inputs: sample {i} must hold one prompt (input_ids [1, N]), got input_ids of "
                              f"shape {tuple(ids.shape)}")
-    flags = {bool(s.get("use_audio_in_video", False)) for s in samples}
-    if len(flags) > 1:
-        raise ValueError("batch_inputs: the samples disagree on use_audio_in_video (one flag per call in "
-                         "transformers); batch prompts of one layout together")
+    # The flag only changes how a video's positions are laid out: a sample without a video (audio-only, image,
+    # text-only) goes with either, so only the samples with a video must agree.
+    with_video = {bool(s.get("use_audio_in_video", False)) for s in samples if "video_grid_thw" in s}
+    if len(with_video) > 1:
+        raise ValueError("batch_inputs: the samples with a video disagree on use_audio_in_video (one flag per call "
+                         "in transformers); batch prompts of one layout together (samples without a video go with "
+                         "either)")
+    flags = with_video or {any(bool(s.get("use_audio_in_video", False)) for s in samples)}
     ids = [s["input_ids"][0] for s in samples]
     masks = [s["attention_mask"][0] for s in samples]
     width = max(t.numel() for t in ids)

@@ -7,6 +7,7 @@ Every policy is accepted by ``macer.compress(model, policy)`` and records its bu
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +36,11 @@ class FullConfig(Policy):
     keep_ratio: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.keep_ratio != 1.0:
-            raise ValueError(f"FullConfig.keep_ratio must be 1.0, got {self.keep_ratio!r}")
+        value = self.keep_ratio  # True == 1.0 in Python: a bool (or a non-number) is refused by type first
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != 1.0:
+            raise ValueError(f"FullConfig.keep_ratio must be 1.0 (a real number: full keeps everything), got "
+                             f"{value!r}")
+        object.__setattr__(self, "keep_ratio", 1.0)
 
     @property
     def prune_layer(self) -> int:
@@ -160,6 +164,29 @@ ABLATIONS: dict[str, str] = {
 POLICY_NAMES = ("full", "macer", "fastv", "random", *ABLATIONS)
 
 
+_CLASSES: dict[str, type] = {"full": FullConfig, "fastv": FastVConfig, "random": RandomConfig}
+
+
+def _check_params(name: str, params: dict[str, Any]) -> None:
+    """Unknown and missing fields of the class ``name`` is built from, named before the dataclass's bare TypeError
+    (which names no policy and, for an ablation, a class the caller never wrote)."""
+    cls = _CLASSES.get(name, MacerConfig)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(params) - {f.name for f in fields})
+    if unknown:
+        hint = ""
+        if name == "shared_topk":
+            hint = (" (shared_topk is FastVConfig(layer=video_layer, query='question') built from MACER's fields: its "
+                    "readout layer is video_layer)")
+        raise TypeError(f"make_policy({name!r}) got unknown parameters {unknown}; it takes the fields of "
+                        f"{cls.__name__}: {[f.name for f in fields]}{hint}")
+    missing = [f.name for f in fields if f.name not in params and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise TypeError(f"make_policy({name!r}) needs {missing} ({cls.__name__} has no default for them), e.g. "
+                        f"make_policy({name!r}, " + ", ".join(f"{m}=..." for m in missing) + ")")
+
+
 def make_policy(name: str, model: Any = None, **params: Any) -> Policy:
     """A policy by name, for code that picks policies from a string (an evaluation wrapper, a command line).
 
@@ -174,6 +201,7 @@ def make_policy(name: str, model: Any = None, **params: Any) -> Policy:
     """
     if name not in POLICY_NAMES:
         raise ValueError(f"make_policy: unknown policy {name!r}; known: {list(POLICY_NAMES)}")
+    _check_params(name, params)
     if name == "full":
         return FullConfig(**params)
     if name == "fastv":

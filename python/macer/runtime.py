@@ -51,9 +51,8 @@ SUPPORTED_ATTENTION = ("sdpa", "eager", "flash_attention_2")
 """Attention implementations the runtime wraps (the user's choice runs unchanged)."""
 
 
-@contextlib.contextmanager
 def compress(model: nn.Module, config: Policy, *, profile: bool = False,
-             adapter: Adapter | None = None) -> Iterator[Trace]:
+             adapter: Adapter | None = None) -> contextlib.AbstractContextManager[Trace]:
     """Run a selection policy's staged pruning in every prefill of ``model`` inside the ``with`` block.
 
     ``model(**inputs)`` and ``model.generate(**inputs)`` work as usual, for one prompt or a left-padded batch (each
@@ -69,10 +68,35 @@ def compress(model: nn.Module, config: Policy, *, profile: bool = False,
         adapter: use this adapter instead of the one registered for the model type, e.g.
             ``macer.LabelledAdapter(labels, ...)`` for any decoder called with ``inputs_embeds``.
 
-    Yields:
-        ``macer.Trace``: budgets, kept tokens, tokens per layer and cache lengths of every prefill
+    Returns:
+        A single-use context manager (one ``with`` block; entering it again is a ``RuntimeError``) whose ``as``
+        target is a ``macer.Trace``: budgets, kept tokens, tokens per layer and cache lengths of every prefill
         (``trace.samples``: the last prefill's record per prompt).
     """
+    return _Compress(_session(model, config, profile=profile, adapter=adapter))
+
+
+class _Compress(contextlib.AbstractContextManager):
+    """``compress``'s context manager: single use like a generator's, but entering it twice says so (a generator's
+    context manager raises an AttributeError from contextlib's internals)."""
+
+    def __init__(self, context: contextlib.AbstractContextManager[Trace]):
+        self._context, self._entered = context, False
+
+    def __enter__(self) -> Trace:
+        if self._entered:
+            raise RuntimeError("macer.compress: this compress(...) object was already used in a with block (it is "
+                               "single use); call macer.compress(model, config) again for each block")
+        self._entered = True
+        return self._context.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._context.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _session(model: nn.Module, config: Policy, *, profile: bool, adapter: Adapter | None) -> Iterator[Trace]:
+    """The body of ``compress``: checks, install, yield the trace, uninstall."""
     if not isinstance(config, Policy):
         raise TypeError(f"macer.compress: config must be a policy (macer.MacerConfig, FastVConfig, RandomConfig, "
                         f"FullConfig or macer.make_policy(name)), got {type(config).__name__}")
