@@ -16,7 +16,7 @@ Procedure (the runtime calls this module only for ``B > 1``):
 3. Before the next layer the batch is re-packed by one ``compact_many`` with the ``[B, W]`` keep (``-1`` slots give
    zero rows): one launch per 8 per-token tensors. The 4-D mask is rebuilt for the new layout (causal over each
    sample's real rows, padded keys masked; a padded query row sees only itself, so no row is fully masked and no NaN
-   appears).
+   appears: ``check_no_masked_row`` asserts it on CPU tensors, and on a GPU in validation mode).
 4. Every layer's cache keeps the layout it was filled in; the session remembers each layer's ``[B, N_l]`` validity
    (``BatchLayout``), and a decode step gives every layer whose layout differs from layer 0's a mask built from it.
 """
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from macer.policy import _fused
-from macer_kernels import PAD_LABEL, StageModality, compact_many, select_stage
+from macer_kernels import PAD_LABEL, StageModality, compact_many, select_stage, validation_enabled
 
 if TYPE_CHECKING:
     from macer._prefill import _Prefill
@@ -100,6 +100,29 @@ def layer_inputs(adapter: Any, names: list[str], compacted: list[torch.Tensor]) 
     return hidden, inputs
 
 
+def check_no_masked_row(allowed: torch.Tensor) -> None:
+    """Raise unless every query row of a ``[B, 1, Q, K]`` boolean mask sees at least one key. A fully masked row is
+    NaN in FlashAttention and GPU SDPA while PyTorch's CPU SDPA returns a finite row, so CPU runs would not show it.
+    Read on CPU tensors; on a GPU only in validation mode (``macer_kernels.validation``: a host read per re-pack)."""
+    if allowed.device.type != "cpu" and not validation_enabled():
+        return
+    every = allowed.any(dim=-1).all()
+    if allowed.device.type == "cpu":
+        # torch._assert_async raises at once on a CPU tensor; the hot-path test (tests/test_macer_sync.py), which
+        # counts the Python-level reads a GPU would wait for, then sees none in a branch a GPU never takes.
+        try:
+            torch._assert_async(every)
+            failed = False
+        except RuntimeError:
+            failed = True
+    else:
+        failed = not bool(every)
+    if failed:
+        b, _, q = (int(i) for i in (~allowed.any(dim=-1)).nonzero()[0])
+        raise RuntimeError(f"macer.compress: internal error: the attention mask built for a re-packed batch leaves "
+                           f"query row {q} of sample {b} with no key to attend to (NaN on GPU attention kernels)")
+
+
 def layout_mask(valid: torch.Tensor, queries: int, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
     """``[B, 1, queries, K]`` mask for the last ``queries`` rows of a sequence whose ``K`` keys are real where
     ``valid`` ``[B, K]``: causal over keys, padded keys masked, and each query row may see its own key (a padded
@@ -110,6 +133,7 @@ def layout_mask(valid: torch.Tensor, queries: int, dtype: torch.dtype, boolean: 
     causal = cols[None, :] <= rows[:, None]
     allowed = (causal[None] & valid[:, None, :]) | (cols[None, :] == rows[:, None])[None]
     allowed = allowed[:, None]
+    check_no_masked_row(allowed)
     if boolean:
         return allowed
     zero = torch.zeros((), dtype=dtype, device=valid.device)
