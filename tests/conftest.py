@@ -7,7 +7,8 @@ query pytest needs to decide what to skip.
 
 Seeds: every test draws its random inputs from one seed per test, fresh on each run (or ``--seed N``), given to it
 as the ``seed`` fixture and also set as torch's global seed. A failing test's report names the seed and the command
-that reruns it on the same inputs (a ``seed`` section next to the captured output).
+that reruns it on the same inputs (a ``seed`` section next to the captured output). A module with one shared random
+case sets ``SEED_SCOPE = "module"``: its tests share one seed (``module_seed``), so that command rebuilds the case.
 """
 
 from __future__ import annotations
@@ -37,15 +38,33 @@ def pytest_addoption(parser):
 
 
 _SEED_KEY = pytest.StashKey[int]()
+_MODULE_SEEDS_KEY = pytest.StashKey[dict]()
+
+
+def _module_seed(config, module) -> int:
+    """The seed every test of a ``SEED_SCOPE = "module"`` module shares in this run (``--seed`` or one fresh seed)."""
+    chosen = config.getoption("--seed")
+    if chosen is not None:
+        return chosen
+    seeds = config.stash.setdefault(_MODULE_SEEDS_KEY, {})
+    return seeds.setdefault(module.__name__, random.SystemRandom().randrange(2**31))
 
 
 def pytest_runtest_setup(item):
     """Pick this test's seed (``--seed`` or a fresh one) and make it torch's global seed, so inputs drawn without a
-    generator are reproducible too. A hook, not an autouse fixture: hypothesis refuses function-scoped fixtures."""
+    generator are reproducible too. A hook, not an autouse fixture: hypothesis refuses function-scoped fixtures.
+
+    A module that builds one random case for all its tests (a module-scoped fixture) sets ``SEED_SCOPE = "module"``:
+    its tests then share one seed (``module_seed``), so the seed a failure names, passed as ``--seed`` to that test
+    alone, rebuilds the same case."""
     import torch
 
-    chosen = item.config.getoption("--seed")
-    value = chosen if chosen is not None else random.SystemRandom().randrange(2**31)
+    module = getattr(item, "module", None)
+    if getattr(module, "SEED_SCOPE", "test") == "module":
+        value = _module_seed(item.config, module)
+    else:
+        chosen = item.config.getoption("--seed")
+        value = chosen if chosen is not None else random.SystemRandom().randrange(2**31)
     item.stash[_SEED_KEY] = value
     torch.manual_seed(value)
 
@@ -54,6 +73,14 @@ def pytest_runtest_setup(item):
 def seed(request) -> int:
     """This test's seed (named in the failure report; ``--seed`` reruns it)."""
     return request.node.stash[_SEED_KEY]
+
+
+@pytest.fixture(scope="module")
+def module_seed(request) -> int:
+    """The seed shared by the tests of a ``SEED_SCOPE = "module"`` module, for its module-scoped random case."""
+    if getattr(request.module, "SEED_SCOPE", "test") != "module":
+        raise RuntimeError(f"module_seed: {request.module.__name__} must set SEED_SCOPE = 'module'")
+    return _module_seed(request.config, request.module)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -2,8 +2,9 @@
 
 It never touches macer's runtime nor the fast ops: the decoder layers run one by one with eager attention, the
 attention probabilities come from the attention module's returned weights, ANMS is computed from them in float64
-(``eq:macer_score``), budgets and selections come from ``macer_kernels.reference``; after a stage the hidden states
-and RoPE tables are shortened with plain indexing and a fresh causal mask is built. ``after_layer`` lets a family add
+(``eq:macer_score``), budgets come from the integer oracle ``budget_oracle`` and selections from
+``macer_kernels.reference``; after a stage the hidden states and RoPE tables are shortened with plain indexing and a
+fresh causal mask is built. ``after_layer`` lets a family add
 its own per-layer inputs (Qwen3-Omni's deepstack features) on the rows still present.
 """
 
@@ -12,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from budget_oracle import exact_budget
 
-from macer_kernels.reference import coverage_select_ref, split_budget_ref, temporal_chunks_ref, topk_indices_ref
+from macer_kernels.reference import coverage_select_ref, temporal_chunks_ref, topk_indices_ref
 
 AUDIO, VISUAL = 1, 2
 
@@ -55,7 +57,7 @@ def staged_kept(
     """
     n = labels.numel()
     n_a, n_v = int((labels == AUDIO).sum()), int((labels == VISUAL).sum())
-    budget = split_budget_ref(n_a, n_v, config.keep_ratio, config.audio_share)
+    budget = exact_budget(n_a, n_v, config.keep_ratio, config.audio_share)
     stages: dict[int, list[int]] = {}
     for layer, modality, count in ((config.audio_layer, AUDIO, n_a), (config.video_layer, VISUAL, n_v)):
         if count:

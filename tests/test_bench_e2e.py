@@ -15,9 +15,9 @@ import math
 
 import pytest
 import torch
+from budget_oracle import exact_budget
 from macer import cost
 
-import macer_kernels as mk
 from benchmarks import bench_e2e, common
 from benchmarks.e2e import measure, naive, output
 
@@ -75,7 +75,7 @@ def test_bench_writes_csv_json_and_plot(tiny_results):
 
 
 def test_bench_accounting_matches_cost_model(tiny_results):
-    # Recompute every accounting column from the prompt's counts alone (split_budget + staged_layer_tokens +
+    # Recompute every accounting column from the prompt's counts alone (the budget oracle + staged_layer_tokens +
     # macer.cost) and compare with what the benchmark read from the trace and the returned KV cache.
     _, rows, _, _ = tiny_results
     shape = cost.DecoderShape(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -100,7 +100,7 @@ def test_bench_accounting_matches_cost_model(tiny_results):
         if row["method"] != "macer":
             continue
         rho = float(row["keep_ratio"])
-        budget = mk.split_budget(n_audio, n_video, rho, 0.30)  # MacerConfig's default audio share (7B)
+        budget = exact_budget(n_audio, n_video, rho, 0.30)  # MacerConfig's default audio share (7B)
         assert (int(row["kept_audio"]), int(row["kept_video"])) == (budget.audio, budget.video)
         assert tokens == cost.staged_layer_tokens(n - n_audio - n_video, n_audio, n_video, budget.audio,
                                                   budget.video, 1, 2, 4)

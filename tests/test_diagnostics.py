@@ -15,12 +15,17 @@ import re
 import macer
 import pytest
 import torch
+from budget_oracle import exact_budget
 from macer.adapters import AUDIO, VISUAL, get_adapter
-from macer.diagnostics import default_policies, diagnose, gini
+from macer.diagnostics import _temporal_gini, default_policies, diagnose, gini
 from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, macer_config_for
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from macer_kernels import reference as ref
+
+# One seed for the whole module (tests/conftest.py): the shared ``case`` is built from it, so the seed a failing test
+# reports, passed as --seed to that test alone, rebuilds the same case.
+SEED_SCOPE = "module"
 
 _SHAPE = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 96}
 
@@ -46,13 +51,20 @@ def _eager_oracle(model, inputs, question: torch.Tensor):
 
 
 @pytest.fixture(scope="module")
-def case():
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+def case(module_seed):
+    seed = module_seed
     model = _model(seed)
     inputs = clip_inputs(model, frames=4, grid_hw=(8, 8), audio_tokens=100, seed=seed % 1000)
     config = macer_config_for(model, keep_ratio=0.3, audio_layer=1, video_layer=2)
     report = diagnose(model, inputs, config)
     return seed, model, inputs, config, report
+
+
+def test_case_is_built_from_the_seed_each_test_reports(case, seed):
+    """Guards issue 22.9: the case's seed was drawn from torch's RNG during the first test's setup, so the seed a later
+    failing test reported (its own) rebuilt a different case when passed as --seed to that test alone. The case is
+    built from the module's seed, which is the seed every test here reports."""
+    assert case[0] == seed
 
 
 def test_masses_and_log_ratio_equal_eager_attention(case):
@@ -82,7 +94,7 @@ def test_readout_sweep_equals_selections_from_eager_probabilities(case):
     labels = get_adapter(model).labels(model, ids)
     question = torch.tensor(report.query_positions)
     temporal = _temporal_row(model, inputs)
-    budget = ref.split_budget_ref(report.n_audio, report.n_video, config.keep_ratio, config.audio_share)
+    budget = exact_budget(report.n_audio, report.n_video, config.keep_ratio, config.audio_share)
     selections = {AUDIO: [], VISUAL: []}
     for probs in _eager_oracle(model, inputs, question):
         for modality in (AUDIO, VISUAL):
@@ -164,7 +176,7 @@ def test_temporal_gini_from_the_policys_trace(case):
             label = AUDIO if modality == "audio" else VISUAL
             blocks = sorted({(int(temporal[p]) - start) // 50 for p in (labels == label).nonzero().reshape(-1)})
             counts = [sum(1 for p in kept if (int(temporal[p]) - start) // 50 == b) for b in blocks]
-            assert report.temporal_gini[name][modality] == pytest.approx(gini(counts), abs=1e-12), \
+            assert report.temporal_gini[name][modality] == pytest.approx(_gini_oracle(counts), abs=1e-12), \
                 f"seed {seed} {name} {modality}"
     # Every token kept: the 4-second clip's two audio blocks hold 50 tokens each.
     assert report.temporal_gini["full"] == {"audio": 0.0, "video": 0.0}
@@ -232,11 +244,47 @@ def test_eager_and_sdpa_give_the_same_report():
         assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)  # eager's float32 softmax feeds later layers
 
 
-def test_gini_values():
+def _gini_oracle(counts: list[int]) -> float | None:
+    """The Gini coefficient by its rank form (not the module's pairwise sum): with the counts sorted ascending,
+    ``G = 2 sum_i i x_(i) / (n sum x) - (n + 1) / n`` (i = 1..n), in exact rationals."""
+    from fractions import Fraction
+
+    n, total = len(counts), sum(counts)
+    if n == 0 or total == 0:
+        return None
+    ranked = sum(i * x for i, x in enumerate(sorted(counts), start=1))
+    return float(Fraction(2 * ranked, n * total) - Fraction(n + 1, n))
+
+
+def test_gini_values(seed):
     assert gini([5, 5, 5]) == 0.0
     assert gini([0, 0, 4]) == pytest.approx(2 / 3)  # sum |xi - xj| = 16, 2 n^2 mean = 24
     assert gini([1, 3]) == pytest.approx(0.25)  # 4 / (2 * 4 * 2)
     assert gini([0, 0]) is None and gini([]) is None
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(50):
+        counts = torch.randint(0, 30, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        want = _gini_oracle(counts)
+        assert (gini(counts) is None) if want is None else gini(counts) == pytest.approx(want, abs=1e-12), counts
+
+
+def test_temporal_gini_blocks_start_at_the_clip_not_at_each_modality():
+    """Guards issue 22.7: blocks counted from each modality's own first token (instead of the clip's first audio/video
+    token) passed, because audio and video start together in the test clip. Here they start 30 position units apart,
+    with text before the clip at lower positions (the M-RoPE text offset) and after it; block = 50 units.
+    Hand-computed: the later modality's tokens at 30, 60, 90, 120, 150 fall in clip blocks 0, 1, 1, 2, 3; keeping
+    60, 90, 150 gives counts [0, 2, 0, 1]: sum_ij |x_i - x_j| = 14, 2 n sum x = 24, Gini 7/12 (per-modality blocks
+    would give [1, 1, 1], Gini 0). The earlier modality at 0, 10, 60, 110 keeping 0 and 110: [1, 0, 1], Gini 4/12."""
+    text_before, text_after = [-40, -39], [200, 201]
+    for first, later in ((VISUAL, AUDIO), (AUDIO, VISUAL)):
+        rows = ([(0, t, False) for t in text_before] + [(first, t, t in (0, 110)) for t in (0, 10, 60, 110)]
+                + [(later, t, t in (60, 90, 150)) for t in (30, 60, 90, 120, 150)] + [(0, t, True) for t in text_after])
+        labels = torch.tensor([r[0] for r in rows])
+        temporal = torch.tensor([r[1] for r in rows])
+        kept = torch.tensor([r[2] for r in rows])
+        assert _temporal_gini(kept, labels, temporal, later, 50) == pytest.approx(7 / 12, abs=1e-12)
+        assert _temporal_gini(kept, labels, temporal, first, 50) == pytest.approx(4 / 12, abs=1e-12)
+        assert _temporal_gini(kept & (labels != later), labels, temporal, later, 50) is None  # nothing kept
 
 
 @pytest.mark.parametrize(

@@ -287,9 +287,8 @@ def test_image_tokens_count_as_visual():
     and selected as the visual modality, and the kept sets equal the independent reference of
     tests/test_macer_selection.py (eager attention probabilities, float64 ANMS, the literal greedy); keep ratio 1 is
     exact."""
+    from budget_oracle import exact_budget
     from test_macer_selection import reference_kept
-
-    from macer_kernels.reference import split_budget_ref
 
     model = _thinker("eager")
     base = clip_inputs(model, frames=0, audio_tokens=60, use_audio_in_video=False, seed=1)
@@ -312,7 +311,7 @@ def test_image_tokens_count_as_visual():
         with macer.compress(model, config) as trace:
             out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
     record = trace.history[0]
-    assert record.n_video == 16 and record.budget == split_budget_ref(60, 16, 0.25, config.audio_share)
+    assert record.n_video == 16 and record.budget == exact_budget(60, 16, 0.25, config.audio_share)
     assert 0 < record.budget.video < 16 and set(want_video) <= set(image_positions)
     assert (record.audio_kept, record.video_kept) == (want_audio, want_video)
     assert out.shape[1] == len(ids) + 2

@@ -10,11 +10,12 @@ from __future__ import annotations
 import macer
 import pytest
 import torch
+from budget_oracle import exact_budget
 from macer import cost
 from macer.policy import AUDIO, VISUAL, PromptFacts, plan_prefill
 from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, macer_config_for, thinker_config
 
-from macer_kernels.reference import split_budget_ref, topk_indices_ref
+from macer_kernels.reference import topk_indices_ref
 
 CLIP = {"frames": 8, "grid_hw": (8, 8), "audio_tokens": 150, "seed": 1}
 
@@ -37,7 +38,7 @@ def fastv_reference(model, inputs, keep_ratio: float, layer: int, rows: list[int
     ids = inputs["input_ids"][0]
     media = _media(ids)
     n_a = int((ids == SYNTHETIC_TOKENS.audio).sum())
-    k = split_budget_ref(n_a, media.numel() - n_a, keep_ratio, 0.5).total
+    k = exact_budget(n_a, media.numel() - n_a, keep_ratio, 0.5).total
     scores = probs[:, rows][..., media].mean(dim=(0, 1))
     return media[topk_indices_ref(scores, k)].tolist()
 
@@ -68,7 +69,7 @@ def test_fastv_kept_sets_equal_joint_topk_over_eager_attention(eager_model, attn
 def _random_reference(ids: torch.Tensor, keep_ratio: float, seed: int) -> list[int]:
     media = _media(ids)
     n_a = int((ids == SYNTHETIC_TOKENS.audio).sum())
-    k = split_budget_ref(n_a, media.numel() - n_a, keep_ratio, 0.5).total
+    k = exact_budget(n_a, media.numel() - n_a, keep_ratio, 0.5).total
     order = torch.randperm(media.numel(), generator=torch.Generator().manual_seed(seed))
     return sorted(media[order[:k]].tolist())
 
@@ -238,7 +239,7 @@ def test_policy_flops_reproduce_main_table_cells(model, policy, printed):
 def test_policy_layer_tokens_and_token_layer_cost():
     # 61 text, 1460 audio, 864 video tokens (the paper's clip), 28 layers.
     fastv = cost.policy_layer_tokens(macer.FastVConfig(0.25, 2), 61, 1460, 864, 28)
-    k = split_budget_ref(1460, 864, 0.25, 0.5).total
+    k = exact_budget(1460, 864, 0.25, 0.5).total
     assert fastv == [2385] * 2 + [61 + k] * 26
     assert cost.policy_layer_tokens(macer.RandomConfig(0.25), 61, 1460, 864, 28) == [61 + k] * 28
     staged = cost.policy_layer_tokens(macer.MacerConfig(keep_ratio=0.25), 61, 1460, 864, 28)

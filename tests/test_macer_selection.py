@@ -2,10 +2,11 @@
 
 The reference never touches macer's patch nor the fast ops: the unpatched model runs with eager attention and
 ``output_attentions``-style probabilities (captured from the attention module's returned weights), ANMS is computed
-from those probabilities in float64 (``eq:macer_score``), budgets and selections come from
-``macer_kernels.reference`` (``split_budget_ref``, ``topk_indices_ref``, ``coverage_select_ref``,
-``temporal_chunks_ref``). A later stage is read on a hand-written forward in which the earlier stage's tokens are
-already dropped from the next layer on (plain ``index_select`` of hidden states and RoPE tables, a fresh causal mask).
+from those probabilities in float64 (``eq:macer_score``), budgets from the integer oracle ``budget_oracle`` (not
+``split_budget``'s own definition) and selections from ``macer_kernels.reference`` (``topk_indices_ref``,
+``coverage_select_ref``, ``temporal_chunks_ref``). A later stage is read on a hand-written forward in which the
+earlier stage's tokens are already dropped from the next layer on (plain ``index_select`` of hidden states and RoPE
+tables, a fresh causal mask).
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from __future__ import annotations
 import macer
 import pytest
 import torch
+from budget_oracle import exact_budget
 from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, decoder_parts, macer_config_for
 from staged_reference import stage_rows
-
-from macer_kernels.reference import split_budget_ref
 
 AUDIO, VISUAL = 1, 2
 
@@ -74,7 +74,7 @@ def reference_kept(model, inputs, config) -> tuple[list[int], list[int]]:
     end = int((ids == config.end_of_turn_token_id).nonzero()[-1])
     question = torch.arange(end - config.query_tokens, end)
     n_a, n_v = int((labels == AUDIO).sum()), int((labels == VISUAL).sum())
-    budget = split_budget_ref(n_a, n_v, config.keep_ratio, config.audio_share)
+    budget = exact_budget(n_a, n_v, config.keep_ratio, config.audio_share)
     # Temporal positions straight from the model's get_rope_index.
     rope, _ = model.get_rope_index(
         inputs["input_ids"], inputs.get("image_grid_thw"), inputs.get("video_grid_thw"), inputs["attention_mask"],
@@ -149,7 +149,7 @@ def test_kept_sets_match_independent_reference(eager_model, layers, clip, attn):
         model(**inputs)
     ids = inputs["input_ids"][0]
     n_a, n_v = int((ids == SYNTHETIC_TOKENS.audio).sum()), int((ids == SYNTHETIC_TOKENS.video).sum())
-    assert trace.budget == split_budget_ref(n_a, n_v, 0.3, config.audio_share)
+    assert trace.budget == exact_budget(n_a, n_v, 0.3, config.audio_share)
     # The test is not vacuous: something of each present modality was dropped or reassigned.
     assert len(trace.audio_kept) + len(trace.video_kept) == trace.budget.total < n_a + n_v
     assert trace.audio_kept == want_audio

@@ -1,37 +1,19 @@
 """split_budget: the capacity-coordinated split (eq:capacity_nominal, eq:capacity_split).
 
-The expected budgets come from integer arithmetic on the decimal digits of the ratios (``_exact_budget``), not from
-the Fraction arithmetic of the implementation: ``floor(p n / q + 1/2) = (2 p n + q) // (2 q)`` for rho = p / q.
+The expected budgets come from integer arithmetic on the decimal digits of the ratios (``budget_oracle.exact_budget``,
+the oracle every budget test shares), not from the Fraction arithmetic of the implementation:
+``floor(p n / q + 1/2) = (2 p n + q) // (2 q)`` for rho = p / q.
 """
 
 import math
-from decimal import Decimal
 from fractions import Fraction
 
 import pytest
+from budget_oracle import exact_budget, ratio_digits
 from hypothesis import given
 from hypothesis import strategies as st
 
 from macer_kernels import Budget, split_budget
-
-
-def _digits(text: str) -> tuple[int, int]:
-    """A decimal string as integers (p, q) with value p / q, from its digits and exponent ("0.35" -> (35, 100))."""
-    sign, digits, exponent = Decimal(text).as_tuple()
-    assert sign == 0, text
-    p = int("".join(map(str, digits)))
-    return (p * 10**exponent, 1) if exponent >= 0 else (p, 10**-exponent)
-
-
-def _exact_budget(n_audio: int, n_video: int, rho: str, alpha: str) -> Budget:
-    """eq:capacity_nominal / eq:capacity_split in integers: floor(p x / q + 1/2) is (2 p x + q) // (2 q)."""
-    rp, rq = _digits(rho)
-    ap, aq = _digits(alpha)
-    n = n_audio + n_video
-    total = min(n, (2 * rp * n + rq) // (2 * rq))
-    nominal_audio = (2 * ap * total + aq) // (2 * aq)
-    audio = min(n_audio, nominal_audio + max(0, total - nominal_audio - n_video))
-    return Budget(total, audio, total - audio)
 
 
 def test_paper_7b_default_case():
@@ -76,15 +58,15 @@ ALPHAS = ("0.3", "0.35", "0.5", "0.15")
 def test_every_count_below_5000_matches_exact_integer_arithmetic(rho):
     # The paper's keep ratios (and 0.7) over every n < 5000; the audio shares take turns (n % 4) and hit half-way
     # products alpha K_mm; audio from balanced to short (n % 37 tokens), so the reassignment runs too.
-    rp, rq = _digits(rho)
+    rp, rq = ratio_digits(rho)
     half_way_totals = half_way_shares = 0
     for n in range(5000):
         alpha = ALPHAS[n % len(ALPHAS)]
         for n_audio in (n // 2, n % 37):
-            want = _exact_budget(n_audio, n - n_audio, rho, alpha)
+            want = exact_budget(n_audio, n - n_audio, rho, alpha)
             got = split_budget(n_audio, n - n_audio, float(rho), float(alpha))
             assert got == want, (n_audio, n - n_audio, rho, alpha)
-        ap, aq = _digits(alpha)
+        ap, aq = ratio_digits(alpha)
         half_way_totals += (2 * rp * n) % (2 * rq) == rq
         half_way_shares += (2 * ap * want.total) % (2 * aq) == aq
     # The sweep holds half-way points of both products, among them those that float arithmetic rounds down.
@@ -140,9 +122,9 @@ def test_errors_name_the_parameter_and_range(kwargs, message):
 def test_budget_invariants(n_audio, n_video, keep_ratio, audio_share):
     b = split_budget(n_audio, n_video, keep_ratio, audio_share)
     assert b.total == b.audio + b.video
-    assert b == _exact_budget(n_audio, n_video, repr(keep_ratio), repr(audio_share))
+    assert b == exact_budget(n_audio, n_video, repr(keep_ratio), repr(audio_share))
     assert 0 <= b.audio <= n_audio and 0 <= b.video <= n_video
-    ap, aq = _digits(repr(audio_share))
+    ap, aq = ratio_digits(repr(audio_share))
     nominal_audio = (2 * ap * b.total + aq) // (2 * aq)
     # Neither modality gets less than its nominal share unless it lacks the tokens.
     assert b.audio >= min(n_audio, nominal_audio)
