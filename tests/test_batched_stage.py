@@ -74,7 +74,9 @@ def _alone(q, k, labels, chunks, positions, pad, mods_b, **kwargs):
 
 def test_stage_with_per_sample_budgets_is_each_sample_alone(backend, seed):
     """Different lengths, padding, counts and budgets per sample (top-K and coverage, a keep of 0, a keep of the whole
-    count, a sample without one modality) in one call: each row is the sample alone, right-aligned after -1s."""
+    count, a sample without one modality) in one call: each row is the sample alone, right-aligned after -1s. A large
+    eps (0.3), so the batched path is checked to apply it (the default moves no selection)."""
+    eps = 0.3
     _, device = backend
     counts = [{1: 12, 2: 9, 3: 2}, {1: 7, 2: 0, 3: 4}, {1: 3, 2: 20}]
     q, k, labels, chunks, positions, pads = padded_batch(seed, [45, 28, 36], counts, device=device)
@@ -82,20 +84,23 @@ def test_stage_with_per_sample_budgets_is_each_sample_alone(backend, seed):
     mods = [Mod(1, [c[1] for c in counts], [kp[0] for kp in keeps]),
             Mod(2, [c[2] for c in counts], [kp[1] for kp in keeps], coverage_weight=0.3, num_chunks=4)]
     keep, scores = select_stage(q, k, labels, mods, chunk_ids=chunks, query_positions=positions, padding=pads,
-                                return_scores=True)
+                                return_scores=True, eps=eps)
     lengths = [labels.shape[1] - pad - sum(c[m] - kp[j] for j, m in enumerate((1, 2)))
                for pad, c, kp in zip(pads, counts, keeps, strict=True)]
     assert keep.shape == (3, max(lengths)) and keep.dtype == torch.long, f"seed={seed}"
     for i, (pad, length) in enumerate(zip(pads, lengths, strict=True)):
         mods_b = [Mod(1, counts[i][1], keeps[i][0]), Mod(2, counts[i][2], keeps[i][1], coverage_weight=0.3)]
-        alone = _alone(q[i:i + 1], k[i:i + 1], labels[i:i + 1], chunks[i:i + 1], positions[i:i + 1], pad, mods_b)
+        alone = _alone(q[i:i + 1], k[i:i + 1], labels[i:i + 1], chunks[i:i + 1], positions[i:i + 1], pad, mods_b,
+                       eps=eps)
         row = keep[i].cpu()
         assert torch.all(row[:keep.shape[1] - length] == -1), f"seed={seed} sample {i}: left fill"
         assert torch.equal(row[keep.shape[1] - length:], alone.cpu()), f"seed={seed} sample {i}"
         # And against the float64 reference on the sample alone (scores and selection).
-        ref_keep, _ = stage_ref(q[i:i + 1], k[i:i + 1, :, pad:], labels[i:i + 1, pad:], mods_b,
-                                chunks[i:i + 1, pad:], positions[i:i + 1] - pad)
+        ref_keep, ref_scores = stage_ref(q[i:i + 1], k[i:i + 1, :, pad:], labels[i:i + 1, pad:], mods_b,
+                                         chunks[i:i + 1, pad:], positions[i:i + 1] - pad, eps=eps)
         assert torch.equal(row[keep.shape[1] - length:], ref_keep[0] + pad), f"seed={seed} sample {i} vs stage_ref"
+        err = rel_err(scores[i:i + 1, pad:].cpu(), ref_scores)
+        assert err <= 2e-6, f"seed={seed} sample {i}: scores rel err {err} vs stage_ref"
     assert torch.all(scores[0, :pads[0]].cpu() == 0), f"seed={seed}"
 
 

@@ -211,6 +211,42 @@ def test_float_times_from_a_python_list_stay_float64(family, eager_model):
     assert batch.question_ends(2, labels.numel()) == [question_end, question_end]
 
 
+def test_config_eps_reaches_the_stages_alone_and_in_a_batch(family):
+    """Guards issue 22.9 (eps checked by one kernel test per backend, and never at model level): every model test ran
+    the default eps, which moves no selection, so a runtime passing the default instead of ``config.eps`` passed them
+    all. On a decoder with sharp attention (q_proj scaled by 30: per-row modality masses differ, so eps changes the
+    ANMS ranking), eps = 5 keeps other tokens than the default in each prompt, and the prompt alone
+    (``LabelledAdapter``) and both prompts in a left-padded batch (``BatchLabelledAdapter``: the batched stage) keep
+    exactly what the staged reference keeps with eps = 5."""
+    model = build_decoder(family, attn="eager", seed=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+    prompts = [media_prompt(model, seed=1), media_prompt(model, seed=2, frames=4, question=6)]
+    config = _config(eps=5.0)
+    wants = [reference(model, *prompt, config)[:2] for prompt in prompts]
+    assert all(want != reference(model, *prompt, _config())[:2] for want, prompt in zip(wants, prompts, strict=True))
+    embeds, labels, times, question_end = prompts[0]
+    adapter = macer.LabelledAdapter(labels, temporal_positions=times, question_end=question_end)
+    with torch.no_grad(), macer.compress(model, config, adapter=adapter) as trace:
+        model(inputs_embeds=embeds)
+    assert (trace.audio_kept, trace.video_kept) == wants[0]
+    width = max(p[0].shape[1] for p in prompts)
+    pads = [width - p[0].shape[1] for p in prompts]
+    batch = torch.cat([torch.nn.functional.pad(p[0], (0, 0, pad, 0)) for p, pad in zip(prompts, pads, strict=True)])
+    mask = torch.stack([torch.cat([torch.zeros(pad), torch.ones(p[0].shape[1])]).long()
+                        for p, pad in zip(prompts, pads, strict=True)])
+    adapter = macer.BatchLabelledAdapter(
+        torch.stack([torch.nn.functional.pad(p[1], (pad, 0)) for p, pad in zip(prompts, pads, strict=True)]),
+        torch.stack([torch.nn.functional.pad(p[2], (pad, 0)) for p, pad in zip(prompts, pads, strict=True)]),
+        [p[3] + pad for p, pad in zip(prompts, pads, strict=True)])
+    with torch.no_grad(), macer.compress(model, config, adapter=adapter) as trace:
+        model(inputs_embeds=batch, attention_mask=mask)
+    for b, (want, pad) in enumerate(zip(wants, pads, strict=True)):
+        got = (trace.samples[b].audio_kept, trace.samples[b].video_kept)
+        assert got == ([i + pad for i in want[0]], [i + pad for i in want[1]]), f"sample {b}"
+
+
 def test_label_rows_by_provenance():
     g = torch.Generator().manual_seed(0)
     audio, visual = torch.randn(5, 8, generator=g).bfloat16(), torch.randn(2, 3, 8, generator=g).bfloat16()

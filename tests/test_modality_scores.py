@@ -11,16 +11,18 @@ from macer_kernels.reference import modality_scores_ref
 
 
 @pytest.mark.parametrize(
-    ("b", "hq", "hkv", "lq", "n", "d"),
-    [(1, 4, 4, 4, 37, 16), (2, 7, 1, 3, 65, 32), (1, 8, 2, 1, 129, 64), (1, 4, 2, 4, 5, 8)],
-    ids=["mha", "gqa7", "gqa4-lq1", "tiny"],
+    ("b", "hq", "hkv", "lq", "n", "d", "eps"),
+    [(1, 4, 4, 4, 37, 16, 1e-6), (2, 7, 1, 3, 65, 32, 0.5), (1, 8, 2, 1, 129, 64, 0.05), (1, 4, 2, 4, 5, 8, 0.0)],
+    ids=["mha", "gqa7-eps0.5", "gqa4-lq1-eps0.05", "tiny-eps0"],
 )
-def test_matches_reference_fp32(backend, b, hq, hkv, lq, n, d):
+def test_matches_reference_fp32(backend, b, hq, hkv, lq, n, d, eps):
+    """Each shape with its own eps: the default 1e-6 moves the scores by ~1e-6 relative, below the tolerance, so only
+    a large eps (or 0) shows whether a kernel path (GQA, one query row, several key tiles) applies it at all."""
     _, device = backend
     q, k, m = score_inputs(b, hq, hkv, lq, n, d, device=device)
-    out = modality_scores(q, k, m)
+    out = modality_scores(q, k, m, eps=eps)
     assert out.dtype == torch.float32 and out.shape == (b, n) and out.device == q.device
-    ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu())
+    ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), eps=eps)
     assert rel_err(out.cpu(), ref) < 1e-5
 
 
@@ -52,8 +54,8 @@ def test_query_rows_not_at_the_end_mask_later_keys(backend):
     _, device = backend
     q, k, m = score_inputs(1, 4, 2, 3, 40, 16, device=device)
     positions = torch.tensor([[12, 20, 27]], device=device)
-    out = modality_scores(q, k, m, positions)
-    ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), positions.cpu())
+    out = modality_scores(q, k, m, positions, eps=0.2)  # a visible eps on the query-positions path too
+    ref = modality_scores_ref(q.cpu(), k.cpu(), m.cpu(), positions.cpu(), eps=0.2)
     assert rel_err(out.cpu(), ref) < 1e-5
     # Keys after the last query row are invisible to every row: they score exactly 0.
     assert torch.all(out[0, 28:] == 0)
