@@ -664,14 +664,20 @@ def test_stage_select_is_one_launch_with_one_parameter_set(recording):
     assert name == "select_cta" and args[0] == "stage_select"
     assert args[1:4] == (scores.data_ptr(), 0, (500, 1)) and args[4:7] == (labels.data_ptr(), 5, (500, 1))
     assert args[7:10] == (chunks.data_ptr(), 7, (500, 1)) and args[10:15] == (out.data_ptr(), 321, 321, 3, 500)
-    assert args[15] == [(1, 40, 0.0, False), (2, 30, 0.2, True)] and args[16:] == (0, 0, 7)  # keeps: none
+    assert args[15] == [(1, 40, 0.0, False), (2, 30, 0.2, True)] and args[16:] == (0, 0, 0, 7)  # keeps, flags: none
     empty = stage.stage_select_cuda(scores[:, :0], labels[:, :0], None, ((1, 0, None, 0),), 0)
     assert empty.shape == (3, 0) and len(_launches(recording)) == 1  # out_len = 0 (here N = 0): no launch
     keeps = torch.tensor([[40, 3], [0, 30], [12, 0]], dtype=torch.int32)
     with no_host_sync():
         stage.stage_select_cuda(scores, labels, chunks, modalities, 321, keeps)
     (_, args) = _launches(recording)[-1]
-    assert len(_launches(recording)) == 2 and args[15:] == (args[15], keeps.data_ptr(), 0, 7)  # the table, on device
+    assert len(_launches(recording)) == 2 and args[15:] == (args[15], keeps.data_ptr(), 0, 0, 7)  # the table
+    flags = torch.empty(3, dtype=torch.bool)
+    with no_host_sync():
+        stage.stage_select_cuda(scores, labels, chunks, modalities, 321, None, flags)
+        stage.stage_select_cuda(scores, labels, chunks, ((1, 0, None, 1), (2, 0, 0.2, 8)), 0, None, flags)
+    # the non-finite flags are written by the same launch, even where nothing is kept (out_len = 0)
+    assert [args[16:] for _, args in _launches(recording)[-2:]] == [(0, flags.data_ptr(), 0, 7)] * 2
 
 
 def test_stage_select_above_the_limit_with_per_sample_budgets_runs_the_sort_chain(recording, seed):
@@ -755,7 +761,8 @@ def test_module_rejects_bad_one_cta_arguments():
                  out=0, os=4, out_len=4, b=1, n=4, mods=[(1, 2, 0.0, False)])
         a.update(over)
         C.select_cta(a["op"], a["scores"], a["sd"], a["ss"], a["labels"], a["ld"], a["ls"], a["chunks"], a["cd"],
-                     a["cs"], a["out"], a["os"], a["out_len"], a["b"], a["n"], a["mods"], a.get("keeps", 0), 0, 0)
+                     a["cs"], a["out"], a["os"], a["out_len"], a["b"], a["n"], a["mods"], a.get("keeps", 0), 0, 0,
+                     0)
 
     cases = [
         (dict(mods=[]), "the number of selected modalities must be in [1, 8]"),
