@@ -35,10 +35,10 @@ StageSpec = tuple[tuple[int, int, float | None, int | None], ...]
 The backend op is ``stage_select(scores, labels, chunk_ids, spec, out_len, keeps, flags=None)``: ``keeps`` is None
 (every sample keeps ``spec[m].keep``) or an int32 ``[B, M]`` device tensor of per-sample budgets; ``flags``, when
 given, a ``[B]`` bool device tensor the backend fills with ``reference.stage_flags_ref`` (a non-finite score among
-the spec's labels). Scores rank by (score desc, index asc) with every NaN after every number. Row b of the ``[B, out_len]``
-result holds its ``len_b`` kept positions ascending and right-aligned, ``-1`` before them; a row whose data
-contradicts the budgets (fewer tokens of a modality than its keep, or more kept than ``out_len``) is all ``-1``.
-Padding (``PAD_LABEL``) is never kept."""
+the spec's labels). Scores rank by (score desc, index asc) with every NaN after every number. Row b of the
+``[B, out_len]`` result holds its ``len_b`` kept positions ascending and right-aligned, ``-1`` before them; a row
+whose data contradicts the budgets (fewer tokens of a modality than its keep, or more kept than ``out_len``) is all
+``-1``. Padding (``PAD_LABEL``) is never kept."""
 
 Counts = int | Sequence[int]
 

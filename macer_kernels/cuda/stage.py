@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from macer_kernels.backend import register
+from macer_kernels.cuda._ext import check_cuda_tensor, dtype_code, ext, launch_args, select_cta_max_n
 from macer_kernels.select import descending_order, order_key
 from macer_kernels.stage import stage_flags
-from macer_kernels.cuda._ext import check_cuda_tensor, dtype_code, ext, launch_args, select_cta_max_n
 
 _OP = "stage_select"
 # (label, keep, coverage_weight, num_chunks); num_chunks (0 for top-K, a bound or None for coverage) is not needed:
