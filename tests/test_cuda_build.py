@@ -625,11 +625,11 @@ def test_selection_up_to_the_limit_is_one_launch_of_the_one_cta_kernel(recording
     (topk, args_t), (cov, args_c) = _launches(recording)
     assert topk == cov == "select_cta"
     # (op, scores, dtype, strides, labels, labels dtype, strides, chunks, dtype, strides, out, out stride, out_len,
-    #  B, n, modalities, keeps, device, stream)
+    #  B, n, modalities, keeps, nonfinite flags, device, stream)
     assert args_t[0] == "topk_indices" and args_t[1] == scores.data_ptr() and args_t[3] == (0, 2)
     assert args_t[4] == 0 and args_t[7] == 0 and args_t[12:17] == (250, 1, 1000, [(0, 250, 0.0, False)], 0)
     assert args_c[0] == "coverage_select" and args_c[7] == chunks.data_ptr() and args_c[9] == (0, 1)
-    assert args_c[12:17] == (100, 1, 1000, [(0, 100, 0.2, True)], 0) and args_c[17:] == (0, 7)
+    assert args_c[12:17] == (100, 1, 1000, [(0, 100, 0.2, True)], 0) and args_c[17:] == (0, 0, 7)
     # the limit is asked once per (device, coverage), then cached
     select.topk_indices_cuda(scores, 3)
     assert [name for name, _ in recording.calls].count("select_cta_max_n") == 2

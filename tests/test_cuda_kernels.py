@@ -226,9 +226,11 @@ def _cta_limit(coverage: bool) -> int:
 def test_one_cta_limits_cover_the_paper_sizes():
     major, _ = torch.cuda.get_device_capability()
     # n 64-bit keys + a bitmap for both: sm_89 (99 KB of shared memory per block) ~12.3k; sm_90 (227 KB) ~28.4k,
-    # coverage capped at 28672 (kThreads * kMaxSortItems).
+    # coverage capped at kThreads * kMaxSortItems (28672, read from the header by the replay).
+    from test_cuda_select_emulation import MAX_SORT
+
     assert _cta_limit(True) >= 12000 and _cta_limit(False) >= 12000, (_cta_limit(True), _cta_limit(False))
-    assert _cta_limit(True) == min(_cta_limit(False), 28672)
+    assert _cta_limit(True) == min(_cta_limit(False), MAX_SORT)
     if major >= 9:
         assert _cta_limit(True) >= 28000 and _cta_limit(False) >= 28000
 
