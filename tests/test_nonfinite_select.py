@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:Runti
               pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")]
 
 NAN, INF = float("nan"), float("inf")
+# Triton-marked tests run compiled on a GPU where there is one, in the interpreter on CPU tensors otherwise.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # NaN bit patterns a device might see: quiet, negative, every bit set, signalling (float32 bits)
 NAN32_BITS = [0x7FC00000, 0xFFC00000, 0xFFFFFFFF, 0x7F800001]
 
@@ -153,7 +155,7 @@ def test_triton_coverage_pairwise_with_nan_picks_exactly_k():
     s = _nan_scores(100, 5, 1)
     chunks = torch.arange(100) % 7
     for k in (10, 97, 100):
-        got = coverage_select_triton(s, chunks, k, 0.4)
+        got = coverage_select_triton(s.to(TRITON_DEVICE), chunks.to(TRITON_DEVICE), k, 0.4).cpu()
         assert torch.equal(got, coverage_select_ref(s, chunks, k, 0.4)), k
 
 
@@ -165,9 +167,10 @@ def test_triton_write_picks_never_stores_past_k():
     from macer_kernels.triton import select as tsel
 
     n, k = 60, 10
-    pos = torch.zeros(n, dtype=torch.int32)  # every token claims place 0
-    out = torch.full((k + 64,), -7, dtype=torch.long)  # a guard large enough that an over-pick stays inside
+    pos = torch.zeros(n, dtype=torch.int32, device=TRITON_DEVICE)  # every token claims place 0
+    out = torch.full((k + 64,), -7, dtype=torch.long, device=TRITON_DEVICE)  # a guard the over-pick stays inside
     tsel._write_picks_kernel[tsel._pairwise_grid(n)](pos, out, n, k, BLOCK_I=tsel._BLOCK_I, BLOCK_J=tsel._BLOCK_J)
+    out = out.cpu()
     assert out[:k].tolist() == list(range(k)) and (out[k:] == -7).all()
 
 
@@ -180,14 +183,17 @@ def test_triton_unchecked_selection_paths_follow_the_rule(n):
     from macer_kernels.triton.select import coverage_select_triton, topk_indices_triton
 
     s = _nan_scores(n, max(3, n // 20), n)
+    s[::13] = -0.0
+    dev = TRITON_DEVICE
     for dtype in (torch.float32, torch.float64):
         x = s.to(dtype)
         for k in (1, n // 2, n):
-            assert torch.equal(topk_indices_triton(x, k), topk_indices_ref(x, k)), (dtype, k)
+            assert torch.equal(topk_indices_triton(x.to(dev), k).cpu(), topk_indices_ref(x, k)), (dtype, k)
         if n <= 2100:
             chunks = torch.arange(n) % 5
             for k in (3, n - 1) if n < 100 else (3, 60):  # the literal greedy costs k passes
-                assert torch.equal(coverage_select_triton(x, chunks, k, 0.3), coverage_select_ref(x, chunks, k, 0.3))
+                got = coverage_select_triton(x.to(dev), chunks.to(dev), k, 0.3).cpu()
+                assert torch.equal(got, coverage_select_ref(x, chunks, k, 0.3)), (dtype, k)
 
 
 def test_torch_unchecked_selection_paths_follow_the_rule():
@@ -246,6 +252,7 @@ def test_cuda_nan_bit_patterns_rank_last_on_every_path(dtype, seed):
     for n in (300, limit + 100):  # one CTA, then the multi-CTA chain
         s = _nan_scores(n, 40, seed + n).to(dtype)
         s[7] = -INF
+        s[::11] = -0.0  # ties with the +0.0 scores, to the lower index
         chunks = torch.arange(n) % 9
         with validation(False):
             for k in (5, n - 20, n):
@@ -270,9 +277,10 @@ def test_cuda_stage_select_multi_cta_with_nan_and_signed_zeros(seed):
     scores[1, :: 97] = NAN
     labels = (torch.arange(n) % 3)[None].repeat(2, 1)
     chunks = torch.randint(0, 8, (2, n), generator=g)
-    mods = [StageModality(1, n // 3, 40), StageModality(2, n // 3, 30, coverage_weight=0.5)]
+    c1, c2 = (int((labels[0] == m).sum()) for m in (1, 2))
+    mods = [StageModality(1, c1, 40), StageModality(2, c2, 30, coverage_weight=0.5)]
     spec = ((1, 40, None, 0), (2, 30, 0.5, None))
-    out_len = n - (n // 3 - 40) - (n // 3 - 30)
+    out_len = n - (c1 - 40) - (c2 - 30)
     flags = torch.empty(2, dtype=torch.bool, device="cuda")
     got = stage_select_cuda(scores.cuda(), labels.cuda(), chunks.cuda(), spec, out_len, None, flags).cpu()
     assert torch.equal(got, stage_select_ref(scores, labels, mods, chunks)), f"seed={seed}"
