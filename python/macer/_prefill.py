@@ -235,7 +235,6 @@ class _Prefill:
         """The stages' non-finite flags (``raise_if_nonfinite``); a prompt alone is sample 0."""
         return self.nonfinite
 
-
     def finish(self, cache: Any, trim: bool, num_layers: int) -> tuple[list[torch.Tensor], int] | None:
         """After the prefill: trim earlier layers' caches to the final rows if asked; returns what a decode step
         needs (each layer's prompt rows and the prompt length; None when nothing was pruned)."""
