@@ -103,7 +103,7 @@ void select_cta(const std::string& op, std::uintptr_t scores, int scores_dtype,
                 const std::array<int64_t, 2>& labels_stride, std::uintptr_t chunk_ids, int chunk_dtype,
                 const std::array<int64_t, 2>& chunk_stride, std::uintptr_t out, int64_t out_stride, int64_t out_len,
                 int64_t batch, int64_t n, const std::vector<CtaModality>& modalities, std::uintptr_t keeps,
-                int device, std::uintptr_t stream) {
+                std::uintptr_t nonfinite, int device, std::uintptr_t stream) {
   macer::SelectCtaParams p{};
   p.op = op.c_str();
   p.scores = ptr<const void>(scores);
@@ -134,6 +134,7 @@ void select_cta(const std::string& op, std::uintptr_t scores, int scores_dtype,
     p.modalities[m].coverage = std::get<3>(modalities[m]) ? 1 : 0;
   }
   p.keeps = ptr<const int32_t>(keeps);
+  p.nonfinite = ptr<bool>(nonfinite);
   p.device = device;
   p.stream = stream_ptr(stream);
   macer::select_cta(p);
@@ -244,6 +245,27 @@ PYBIND11_MODULE(_C, m) {
   m.def("coverage_select", &coverage_select, "eq:chunk_coverage_greedy without a k-step loop");
   m.def("select_cta", &select_cta, "One-CTA top-K / coverage selection of B rows, one launch (see launchers.h)");
   m.def("select_cta_max_n", &macer::select_cta_max_n, py::arg("device"), py::arg("coverage"));
+  m.def(
+      "select_cta_facts",
+      [] {
+        const macer::SelectCtaFacts f = macer::select_cta_facts();
+        py::dict d;
+        d["threads"] = f.threads;
+        d["max_sort_items"] = f.max_sort_items;
+        d["static_smem_bytes"] = f.static_smem_bytes;
+        d["never_key"] = f.never_key;
+        d["nan_key64"] = f.nan_key64;
+        d["nan_key32"] = f.nan_key32;
+        return d;
+      },
+      "Constants of the one-CTA selection kernel (host facts, no device query)");
+  m.def("select_cta_max_n_for", &macer::select_cta_max_n_for,
+        "select_cta_max_n for a given number of dynamic shared-memory bytes (host arithmetic)",
+        py::arg("dynamic_bytes"), py::arg("coverage"));
+  m.def("select_descending_key32", &macer::select_descending_key32,
+        "The kernels' descending order key of a float32 given by its bits", py::arg("float_bits"));
+  m.def("select_descending_key64", &macer::select_descending_key64,
+        "The kernels' descending order key of a float64 given by its bits", py::arg("double_bits"));
   m.attr("MAX_STAGE_MODALITIES") = macer::kMaxStageModalities;
   m.def("compact_many", &compact_many, "One gather launch per group of up to MAX_COMPACT_TENSORS tensors");
   m.def("compact_layouts", &compact_layouts,

@@ -110,11 +110,27 @@ struct SelectCtaParams {
   // device, keeps[b * num_modalities + m] = row b's keep of modality m, in [0, modalities[m].keep] (the spec's keep
   // is the maximum over rows); an entry outside that range makes its row all -1. Needs labels.
   const int32_t* keeps;
+  // Per-row flags, or nullptr: nonfinite[b] = whether row b has a non-finite score (NaN, +-inf) at a token of a
+  // selected label (every token without labels). Written by the same launch (select_stage's return_flags).
+  bool* nonfinite;
   int device;
   void* stream;
 };
 int64_t select_cta_max_n(int device, bool coverage);  // largest n of the one-CTA kernel on this device
 void select_cta(const SelectCtaParams& p);
+// Host-side facts of the one-CTA kernel, for the CPU replay (tests/test_cuda_select_emulation.py) to check itself
+// against: its constants, its static shared memory, the launcher's n limit for `dynamic_bytes` of dynamic shared
+// memory (select_cta_max_n without the device query), and the order keys of scores given by their raw bits.
+struct SelectCtaFacts {
+  int threads, max_sort_items;
+  int64_t static_smem_bytes;
+  uint64_t never_key, nan_key64;
+  uint32_t nan_key32;
+};
+SelectCtaFacts select_cta_facts();
+int64_t select_cta_max_n_for(int64_t dynamic_bytes, bool coverage);
+uint32_t select_descending_key32(uint32_t float_bits);
+uint64_t select_descending_key64(uint64_t double_bits);
 
 // ---------------------------------------------------------------------------------------------------------------
 // compact / compact_many: one gather launch for up to kMaxCompactTensors tensors sharing a sequence axis

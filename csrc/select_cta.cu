@@ -45,6 +45,30 @@ int64_t max_n_for(size_t avail, bool coverage) {
 
 }  // namespace
 
+SelectCtaFacts select_cta_facts() {
+  return {cta::kThreads, cta::kMaxSortItems, static_cast<int64_t>(sizeof(cta::Shared)), cta::kNever, kNanKey64,
+          kNanKey32};
+}
+
+int64_t select_cta_max_n_for(int64_t dynamic_bytes, bool coverage) {
+  require(dynamic_bytes >= 0, "select_cta_max_n_for", "dynamic_bytes must be >= 0");
+  return max_n_for(static_cast<size_t>(dynamic_bytes), coverage);
+}
+
+// The kernels' own key functions (common.cuh, __host__ __device__) on scores given by their bits: no conversion
+// between the caller's bits and the function.
+uint32_t select_descending_key32(uint32_t float_bits) {
+  float x;
+  memcpy(&x, &float_bits, sizeof x);
+  return descending_key32(x);
+}
+
+uint64_t select_descending_key64(uint64_t double_bits) {
+  double x;
+  memcpy(&x, &double_bits, sizeof x);
+  return descending_key64(x);
+}
+
 int64_t select_cta_max_n(int device, bool coverage) {
   return max_n_for(device_dynamic_limit(device, "select_cta_max_n"), coverage);
 }
@@ -81,7 +105,7 @@ void select_cta(const SelectCtaParams& params) {
   const int64_t limit = max_n_for(avail, coverage);
   require(p.n <= limit, op, "n = " + std::to_string(p.n) + " exceeds the one-CTA limit " + std::to_string(limit) +
                                 " of this device (select_cta_max_n)");
-  if (p.out_len == 0) return;
+  if (p.out_len == 0 && p.nonfinite == nullptr) return;  // nothing to write
   use_device(p.device, op);
   p.key_capacity = p.n;
   cta::select_cta_kernel<<<static_cast<unsigned>(p.batch), cta::kThreads, dynamic_bytes(p.n),

@@ -70,9 +70,10 @@ def modality_scores_ref(
 
 
 def topk_indices_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``TopKIdx`` (eq. ``Top-k``): the k largest, ties to the lower index, returned sorted ascending."""
+    """``TopKIdx`` (eq. ``Top-k``): the k largest, ties to the lower index, returned sorted ascending. A NaN ranks
+    below every number (-inf included), NaNs among themselves by index: the selection rule for non-finite scores."""
     values = scores.to(torch.float64).tolist()
-    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+    order = sorted(range(len(values)), key=lambda i: (math.isnan(values[i]), -values[i], i))
     return torch.tensor(sorted(order[:k]), dtype=torch.long)
 
 
@@ -85,17 +86,22 @@ def coverage_greedy_picks(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int,
     score, then to the lower index. For equal scores (and for ``lambda_c = 0``) this is "ties to the lower index";
     preferring the higher score first only matters where the float64 sum absorbs a score difference (scores ~1e-16
     times the bonus or smaller), and keeps the rule's exact-arithmetic property that a token is never picked before a
-    higher-scored token of its own chunk. Tensor ops on the inputs' device with no host read, so the "naive"
-    benchmark provider runs this same definition on a GPU.
+    higher-scored token of its own chunk. A NaN score (its value is NaN) is taken only when no token with a number
+    is left, the lowest index first: the selection rule for non-finite scores. Tensor ops on the inputs' device with
+    no host read, so the "naive" benchmark provider runs this same definition on a GPU.
     """
     s = scores.to(torch.float64)
+    nan = torch.isnan(s)
+    s_num = s.masked_fill(nan, float("-inf"))  # NaNs only ever compete among themselves, where all tie
     taken = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
     in_chunk = torch.zeros_like(s)  # r_{c(j)} for every token j
     picks = torch.empty(k, dtype=torch.long, device=s.device)
     for step in range(k):
-        value = (s + torch.sqrt(coverage_weight / (1.0 + in_chunk))).masked_fill_(taken, float("-inf"))
-        best = ~taken & (value == value.max())  # the largest value ...
-        best &= s == torch.where(best, s, float("-inf")).max()  # ... then the largest score among those ...
+        numbers = ~taken & ~nan
+        pool = torch.where(numbers.any(), numbers, ~taken)  # the NaN tokens once every number is taken
+        value = (s_num + torch.sqrt(coverage_weight / (1.0 + in_chunk))).masked_fill_(~pool, float("-inf"))
+        best = pool & (value == value.max())  # the largest value ...
+        best &= s_num == torch.where(best, s_num, float("-inf")).max()  # ... then the largest score among those ...
         pick = torch.argmax(best.to(torch.uint8))  # ... then the lowest index (argmax returns the first maximum)
         picks[step] = pick
         taken[pick] = True
@@ -153,6 +159,15 @@ def stage_select_ref(scores: torch.Tensor, labels: torch.Tensor, modalities, chu
             kept[where[picks]] = True
         rows.append(kept.nonzero().flatten())
     return torch.stack(rows)
+
+
+def stage_flags_ref(scores: torch.Tensor, labels: torch.Tensor, modalities) -> torch.Tensor:
+    """``select_stage``'s ``return_flags`` output: per sample, whether a token of a stage modality has a score that is
+    not finite (under ``modality_scores``' rule: a NaN/inf in the query rows or in a key they see). ``[B]`` bool."""
+    stage = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    for m in modalities:
+        stage |= labels == m.label
+    return (stage & ~torch.isfinite(scores.to(labels.device))).any(dim=1)
 
 
 def stage_ref(query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, modalities,

@@ -31,7 +31,8 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
     Args:
         scores: 1-D floating tensor of n scores (no NaN: checked on CPU tensors, and on CUDA tensors in validation
-            mode, ``macer_kernels.validation()``; otherwise never read back, and NaN gives unspecified picks).
+            mode, ``macer_kernels.validation()``; otherwise never read back, and a NaN ranks below every number,
+            NaNs by index: the selection rule for non-finite scores, the same on every backend).
         k: integer in ``[0, n]``.
 
     Returns:
@@ -57,7 +58,7 @@ def coverage_select(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, cover
     plain top-k.
 
     Args:
-        scores: 1-D floating tensor of n scores (no NaN).
+        scores: 1-D floating tensor of n scores (no NaN; unchecked, a NaN ranks as in ``topk_indices``).
         chunk_ids: 1-D integer tensor of n non-negative chunk ids (e.g. from ``temporal_chunks``). Both value
             conditions are checked on CPU tensors, and on CUDA tensors only in validation mode.
         k: integer in ``[0, n]``.
@@ -89,10 +90,30 @@ def _stable_argsort(keys: torch.Tensor, *, descending: bool = False) -> torch.Te
     return torch.sort(keys, descending=descending, stable=True).indices
 
 
+NAN_KEY = -(2**63) + 1
+"""``order_key`` of every NaN: below the key of -inf (``-2**63 + 2**52 - 1``); ``-2**63`` stays free for "never"."""
+
+
+def order_key(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered as selection ranks floats: ascending key = ascending number, -0.0 equal to +0.0, and every
+    NaN (any sign or payload) equal to ``NAN_KEY``, below every number. A stable descending sort of the keys is
+    (score desc, index asc) with the NaNs last: the selection rule for non-finite scores. (``torch.sort`` itself
+    ranks NaN above +inf.)"""
+    x = x.to(torch.float64)
+    bits = torch.where(x == 0, 0.0, x).view(torch.int64)
+    key = bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)  # two's-complement order == float order for numbers
+    return key.masked_fill_(torch.isnan(x), NAN_KEY)
+
+
+def descending_order(x: torch.Tensor) -> torch.Tensor:
+    """Indices that sort ``x`` along its last dim by (value desc, index asc), NaN after every number."""
+    return torch.sort(order_key(x), dim=-1, descending=True, stable=True).indices
+
+
 @register("topk_indices", "torch")
 def _topk_indices_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
     # A stable descending sort keeps equal scores in index order, which is the lower-index tie-break.
-    order = _stable_argsort(scores, descending=True)
+    order = descending_order(scores)
     return torch.sort(order[:k]).values
 
 
@@ -108,8 +129,9 @@ def _coverage_order(scores: torch.Tensor, chunk_ids: torch.Tensor, coverage_weig
     n = scores.numel()
     index = torch.arange(n, device=scores.device)
     s = scores.to(torch.float64)
-    # Chunk order: by chunk, then score descending, then index (stable sorts compose into a lexsort).
-    by_score = _stable_argsort(s, descending=True)
+    # Chunk order: by chunk, then score descending, then index (stable sorts compose into a lexsort). NaN scores come
+    # last in their chunk, so they take no rank from a number; their values are NaN and rank last below.
+    by_score = descending_order(s)
     by_chunk = by_score[_stable_argsort(chunk_ids[by_score])]
     chunk_sorted = chunk_ids[by_chunk]
     new_chunk = torch.ones(n, dtype=torch.bool, device=scores.device)
@@ -121,7 +143,7 @@ def _coverage_order(scores: torch.Tensor, chunk_ids: torch.Tensor, coverage_weig
     value[by_chunk] = s[by_chunk] + torch.sqrt(coverage_weight / (1.0 + rank))
     # Global key: value descending, score descending, index ascending.
     order = by_score  # score descending, index ascending
-    return order[_stable_argsort(value[order], descending=True)]
+    return order[descending_order(value[order])]
 
 
 @register("coverage_select", "torch")

@@ -24,6 +24,7 @@ from macer_kernels._validate import (
 )
 from macer_kernels.backend import dispatch, register, resolve
 from macer_kernels.modality_scores import MAX_MODALITIES, PAD_LABEL, check_label_values, check_score_inputs
+from macer_kernels.select import descending_order
 
 StageSpec = tuple[tuple[int, int, float | None, int | None], ...]
 """What ``stage_select`` backends receive: one ``(label, keep, coverage_weight, num_chunks)`` per stage modality.
@@ -31,11 +32,13 @@ StageSpec = tuple[tuple[int, int, float | None, int | None], ...]
 ``[0, num_chunks)``) for coverage, or None when the caller gave no bound (ids are any non-negative integers).
 ``keep`` is the largest budget over the batch when the backend also gets a per-sample ``keeps`` table.
 
-The backend op is ``stage_select(scores, labels, chunk_ids, spec, out_len, keeps)``: ``keeps`` is None (every sample
-keeps ``spec[m].keep``) or an int32 ``[B, M]`` device tensor of per-sample budgets. Row b of the ``[B, out_len]``
-result holds its ``len_b`` kept positions ascending and right-aligned, ``-1`` before them; a row whose data
-contradicts the budgets (fewer tokens of a modality than its keep, or more kept than ``out_len``) is all ``-1``.
-Padding (``PAD_LABEL``) is never kept."""
+The backend op is ``stage_select(scores, labels, chunk_ids, spec, out_len, keeps, flags=None)``: ``keeps`` is None
+(every sample keeps ``spec[m].keep``) or an int32 ``[B, M]`` device tensor of per-sample budgets; ``flags``, when
+given, a ``[B]`` bool device tensor the backend fills with ``reference.stage_flags_ref`` (a non-finite score among
+the spec's labels). Scores rank by (score desc, index asc) with every NaN after every number. Row b of the
+``[B, out_len]`` result holds its ``len_b`` kept positions ascending and right-aligned, ``-1`` before them; a row
+whose data contradicts the budgets (fewer tokens of a modality than its keep, or more kept than ``out_len``) is all
+``-1``. Padding (``PAD_LABEL``) is never kept."""
 
 Counts = int | Sequence[int]
 
@@ -128,7 +131,8 @@ def select_stage(
     eps: float = 1e-6,
     padding: Counts = 0,
     return_scores: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return_flags: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     r"""One stage of MACER at a readout layer: ANMS scores (``eq:macer_score``) and the positions the stage keeps.
 
     Each sample keeps, in ascending order, every token whose label is not a stage modality (text, and modalities
@@ -148,13 +152,22 @@ def select_stage(
             coverage modality's tokens are; only read there. Required iff a modality sets ``coverage_weight``.
         padding: the number of ``PAD_LABEL`` tokens of each sample (an integer for all, or B integers).
         return_scores: also return the ``[B, N]`` fp32 scores.
+        return_flags: also return ``[B]`` bool on the device: whether the sample has a non-finite score among the
+            tokens of the stage's modalities (``reference.stage_flags_ref``). Written by the selection launch on
+            the GPU backends (no extra launch, no host read); a caller reads it once where it already waits.
 
     Returns:
         ``keep`` ``[B, out_len]`` int64. Sample b keeps ``len_b = N - padding_b - sum_m (count_bm - keep_bm)``
         positions, ascending; ``out_len = max_b len_b`` (host integers known before the call). Each row holds its
         positions right-aligned, after ``out_len - len_b`` entries of -1 (a left-padded batch stays left-padded:
         ``compact_many`` takes such rows as they are). With equal counts, keeps and padding in every sample, every
-        row is full. With ``return_scores``, ``(keep, scores)``.
+        row is full. With ``return_scores`` and/or ``return_flags``, the tuple ``(keep, scores, flags)`` without
+        the ones not asked for.
+
+    Non-finite scores (a NaN or an infinity in the query rows or a key they see makes every scored token of that
+    sample NaN, see ``modality_scores``) rank below every number, ties to the lower index, on every backend and in
+    ``reference.stage_ref``: such a sample keeps the first ``keep`` tokens of each modality, the right number of
+    positions and never a -1 row. That selection is meaningless, hence ``return_flags``: the model layer raises on it.
 
     Per-sample budgets (a ``count``/``keep`` sequence) cost one small host-to-device copy of the ``[B, M]`` budget
     table per call (no synchronisation; not capturable in a CUDA graph); uniform budgets pass only host integers.
@@ -181,8 +194,9 @@ def select_stage(
             raise ValueError(f"chunk_ids must be [B={b}, N={n}], got {tuple(chunk_ids.shape)}")
     if chunk_ids is not None:
         check_same_device(query=query, chunk_ids=chunk_ids)
-    if not isinstance(return_scores, bool):
-        raise ValueError(f"return_scores must be a bool, got {return_scores!r}")
+    for name, value in (("return_scores", return_scores), ("return_flags", return_flags)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
     if values_checked(labels):
         _check_values(labels, positions, chunk_ids, mods, counts, pads, query_positions is not None, n)
     out_len = max(n - pads[s] - sum(c[s] - k[s] for c, k in zip(counts, keeps, strict=True)) for s in range(b))
@@ -196,9 +210,12 @@ def select_stage(
     # The backend's scoring implementation directly: the arguments are checked above, and the public op's own checks
     # would read values back.
     scores = resolve("modality_scores", query.device)[1](query, key, labels, positions, scale, eps)
+    flags = torch.empty(b, dtype=torch.bool, device=query.device) if return_flags else None
     keep = dispatch("stage_select", query.device, scores, labels, chunk_ids, spec, out_len,
-                    *(() if table is None else (table,)))
-    return (keep, scores) if return_scores else keep
+                    *(() if table is None else (table,)), **({} if flags is None else {"flags": flags}))
+    if not (return_scores or return_flags):
+        return keep
+    return (keep, *((scores,) if return_scores else ()), *((flags,) if return_flags else ()))
 
 
 def _keeps_table(keeps: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
@@ -251,16 +268,29 @@ def _sort_indices(keys: torch.Tensor, *, descending: bool = False) -> torch.Tens
     return torch.sort(keys, dim=1, descending=descending, stable=True).indices
 
 
+def stage_flags(scores: torch.Tensor, labels: torch.Tensor, spec: StageSpec, flags: torch.Tensor | None) -> None:
+    """Write into ``flags`` ``[B]`` whether each sample has a non-finite score at a token of the stage's labels (the
+    PyTorch composition's form of what the GPU kernels write in their selection launch); nothing when None."""
+    if flags is None:
+        return
+    stage = torch.zeros_like(labels, dtype=torch.bool)
+    for label, _, _, _ in spec:
+        stage |= labels == label
+    flags.copy_((stage & ~torch.isfinite(scores)).any(dim=1))
+
+
 @register("stage_select", "torch")
 def _stage_select_torch(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
-                        spec: StageSpec, out_len: int, keeps: torch.Tensor | None = None) -> torch.Tensor:
+                        spec: StageSpec, out_len: int, keeps: torch.Tensor | None = None,
+                        flags: torch.Tensor | None = None) -> torch.Tensor:
     """Batched stable sorts over ``[B, N]``; the tokens of other labels are sorted behind a modality's own, so no
     per-sample count or index list (``nonzero``, a host synchronisation) is needed, and per-sample budgets are a
-    rank mask (no loop over the batch)."""
+    rank mask (no loop over the batch). NaN scores sort after every number (``select.order_key``)."""
+    stage_flags(scores, labels, spec, flags)
     b, n = labels.shape
     index = torch.arange(n, device=labels.device).expand(b, n)
     s = scores.to(torch.float64)
-    by_score = _sort_indices(s, descending=True)  # (score desc, index asc): shared by every modality
+    by_score = descending_order(s)  # (score desc, index asc, NaN last): shared by every modality
     stage_token = torch.zeros(b, n, dtype=torch.bool, device=labels.device)
     picked = torch.zeros(b, n, dtype=torch.bool, device=labels.device)
     bad = torch.zeros(b, dtype=torch.bool, device=labels.device)
@@ -306,4 +336,4 @@ def _coverage_order(s: torch.Tensor, chunks: torch.Tensor, is_m: torch.Tensor, b
     value = torch.empty_like(s)
     # The same float64 expression as the literal greedy, so both compare the same numbers.
     value.scatter_(1, grouped, s.gather(1, grouped) + torch.sqrt(weight / (1.0 + rank)))
-    return by_score.gather(1, _sort_indices(value.gather(1, by_score), descending=True))
+    return by_score.gather(1, descending_order(value.gather(1, by_score)))

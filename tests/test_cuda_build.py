@@ -625,11 +625,11 @@ def test_selection_up_to_the_limit_is_one_launch_of_the_one_cta_kernel(recording
     (topk, args_t), (cov, args_c) = _launches(recording)
     assert topk == cov == "select_cta"
     # (op, scores, dtype, strides, labels, labels dtype, strides, chunks, dtype, strides, out, out stride, out_len,
-    #  B, n, modalities, keeps, device, stream)
+    #  B, n, modalities, keeps, nonfinite flags, device, stream)
     assert args_t[0] == "topk_indices" and args_t[1] == scores.data_ptr() and args_t[3] == (0, 2)
     assert args_t[4] == 0 and args_t[7] == 0 and args_t[12:17] == (250, 1, 1000, [(0, 250, 0.0, False)], 0)
     assert args_c[0] == "coverage_select" and args_c[7] == chunks.data_ptr() and args_c[9] == (0, 1)
-    assert args_c[12:17] == (100, 1, 1000, [(0, 100, 0.2, True)], 0) and args_c[17:] == (0, 7)
+    assert args_c[12:17] == (100, 1, 1000, [(0, 100, 0.2, True)], 0) and args_c[17:] == (0, 0, 7)
     # the limit is asked once per (device, coverage), then cached
     select.topk_indices_cuda(scores, 3)
     assert [name for name, _ in recording.calls].count("select_cta_max_n") == 2
@@ -664,14 +664,20 @@ def test_stage_select_is_one_launch_with_one_parameter_set(recording):
     assert name == "select_cta" and args[0] == "stage_select"
     assert args[1:4] == (scores.data_ptr(), 0, (500, 1)) and args[4:7] == (labels.data_ptr(), 5, (500, 1))
     assert args[7:10] == (chunks.data_ptr(), 7, (500, 1)) and args[10:15] == (out.data_ptr(), 321, 321, 3, 500)
-    assert args[15] == [(1, 40, 0.0, False), (2, 30, 0.2, True)] and args[16:] == (0, 0, 7)  # keeps: none
+    assert args[15] == [(1, 40, 0.0, False), (2, 30, 0.2, True)] and args[16:] == (0, 0, 0, 7)  # keeps, flags: none
     empty = stage.stage_select_cuda(scores[:, :0], labels[:, :0], None, ((1, 0, None, 0),), 0)
     assert empty.shape == (3, 0) and len(_launches(recording)) == 1  # out_len = 0 (here N = 0): no launch
     keeps = torch.tensor([[40, 3], [0, 30], [12, 0]], dtype=torch.int32)
     with no_host_sync():
         stage.stage_select_cuda(scores, labels, chunks, modalities, 321, keeps)
     (_, args) = _launches(recording)[-1]
-    assert len(_launches(recording)) == 2 and args[15:] == (args[15], keeps.data_ptr(), 0, 7)  # the table, on device
+    assert len(_launches(recording)) == 2 and args[15:] == (args[15], keeps.data_ptr(), 0, 0, 7)  # the table
+    flags = torch.empty(3, dtype=torch.bool)
+    with no_host_sync():
+        stage.stage_select_cuda(scores, labels, chunks, modalities, 321, None, flags)
+        stage.stage_select_cuda(scores, labels, chunks, ((1, 0, None, 1), (2, 0, 0.2, 8)), 0, None, flags)
+    # the non-finite flags are written by the same launch, even where nothing is kept (out_len = 0)
+    assert [args[16:] for _, args in _launches(recording)[-2:]] == [(0, flags.data_ptr(), 0, 7)] * 2
 
 
 def test_stage_select_above_the_limit_with_per_sample_budgets_runs_the_sort_chain(recording, seed):
@@ -755,7 +761,8 @@ def test_module_rejects_bad_one_cta_arguments():
                  out=0, os=4, out_len=4, b=1, n=4, mods=[(1, 2, 0.0, False)])
         a.update(over)
         C.select_cta(a["op"], a["scores"], a["sd"], a["ss"], a["labels"], a["ld"], a["ls"], a["chunks"], a["cd"],
-                     a["cs"], a["out"], a["os"], a["out_len"], a["b"], a["n"], a["mods"], a.get("keeps", 0), 0, 0)
+                     a["cs"], a["out"], a["os"], a["out_len"], a["b"], a["n"], a["mods"], a.get("keeps", 0), 0, 0,
+                     0)
 
     cases = [
         (dict(mods=[]), "the number of selected modalities must be in [1, 8]"),

@@ -226,9 +226,11 @@ def _cta_limit(coverage: bool) -> int:
 def test_one_cta_limits_cover_the_paper_sizes():
     major, _ = torch.cuda.get_device_capability()
     # n 64-bit keys + a bitmap for both: sm_89 (99 KB of shared memory per block) ~12.3k; sm_90 (227 KB) ~28.4k,
-    # coverage capped at 28672 (kThreads * kMaxSortItems).
+    # coverage capped at kThreads * kMaxSortItems (28672, read from the header by the replay).
+    from test_cuda_select_emulation import MAX_SORT
+
     assert _cta_limit(True) >= 12000 and _cta_limit(False) >= 12000, (_cta_limit(True), _cta_limit(False))
-    assert _cta_limit(True) == min(_cta_limit(False), 28672)
+    assert _cta_limit(True) == min(_cta_limit(False), MAX_SORT)
     if major >= 9:
         assert _cta_limit(True) >= 28000 and _cta_limit(False) >= 28000
 
@@ -375,13 +377,14 @@ def test_stage_select_coverage_over_the_members_of_a_long_row(n, m):
 
 
 def test_stage_select_nan_keyed_never_picks_no_padding():
-    """A score whose key equals "never" (every bit set) neither lets a PAD token in nor is dropped silently."""
+    """A NaN with every bit set (whose key was "never", like the PAD token's) is a member ranked after every number
+    (the non-finite rule): it is picked before the PAD token could be, and never dropped."""
     from macer_kernels.cuda.stage import stage_select_cuda
 
     scores = torch.zeros(1, 2, dtype=torch.float64)
-    scores.view(torch.int64)[0, 1] = -1  # float64 NaN with every bit set: its top-K key is ~0, as the PAD token's
+    scores.view(torch.int64)[0, 1] = -1  # float64 NaN with every bit set
     labels = torch.tensor([[-1, 0]])
-    assert stage_select_cuda(scores.to(DEV), labels.to(DEV), None, ((0, 1, None, 0),), 1).tolist() == [[-1]]
+    assert stage_select_cuda(scores.to(DEV), labels.to(DEV), None, ((0, 1, None, 0),), 1).tolist() == [[1]]
     labels = torch.tensor([[-1, 0, 1, 0, 0, -1, 0, 0]])
     scores = torch.tensor([[5.0, 0.5, 1.0, 0.25, 0.5, 9.0, 0.75, 0.0]])
     scores.view(torch.int32)[0, 7] = -1  # fp32 NaN with every bit set; chunk 2^29 - 1: its sort key is ~0

@@ -2,13 +2,21 @@
 compared with the float64 references; plus the multi-CTA stage path (batched torch sorts), which runs on CPU as is.
 
 No GPU is needed: the emulation mirrors the kernel's integer key packing, its bitonic network, the chunk-rank binary
-search, the IEEE float64 value, the 8-pass radix select with its bin search, the tie scans and the row assembly. What
-it cannot show is that the CUDA code matches it (races, barriers): tests/test_cuda_kernels.py does that on a GPU.
+search, the IEEE float64 value, the 8-pass radix select with its bin search, the tie scans, the non-finite flags and
+the row assembly at its output stride. Its constants are read from the headers (``csrc/kernels/select_cta.cuh``,
+``common.cuh``); where ``_C`` is built, the replay's keys (from raw bits), constants and launch limit are checked
+against the module's host helpers, which run the kernels' own code (``test_replay_matches_the_built_module``). What
+it cannot show is that the CUDA code matches it (races, barriers, the device's float conversions):
+tests/test_cuda_kernels.py and tests/test_nonfinite_select.py do that on a GPU (docs/cuda.md lists the rest).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,26 +26,79 @@ from macer_kernels.cuda.stage import stage_select_sorts
 from macer_kernels.reference import coverage_select_ref, topk_indices_ref
 from macer_kernels.select import _coverage_select_torch, _topk_indices_torch
 
-NEVER = np.uint64(2**64 - 1)
-MAX_SORT = 1024 * 28  # kThreads * kMaxSortItems
+
+def _cuda_module_built() -> bool:
+    return importlib.util.find_spec("macer_kernels._C") is not None
+
+
+_KERNELS = Path(__file__).resolve().parents[1] / "csrc" / "kernels"
+_CTA_HEADER = (_KERNELS / "select_cta.cuh").read_text()
+_COMMON_HEADER = (_KERNELS / "common.cuh").read_text()
+
+
+def _constant(header: str, name: str) -> int:
+    """``constexpr <type> name = <value>;`` of a header: a decimal or hex literal, or ``~0ull`` (- 1)."""
+    match = re.search(rf"constexpr \w+ {name} = ([^;]+);", header)
+    assert match, f"{name} not found in the header"
+    text = match.group(1).strip()
+    if text == "~0ull":
+        return 2**64 - 1
+    if text == "~0ull - 1":
+        return 2**64 - 2
+    return int(text.rstrip("uUlL"), 0)
+
+
+THREADS = _constant(_CTA_HEADER, "kThreads")
+MAX_SORT_ITEMS = _constant(_CTA_HEADER, "kMaxSortItems")
+MAX_SORT = THREADS * MAX_SORT_ITEMS  # coverage's register bound; the launcher also bounds n by shared memory
+NEVER = np.uint64(_constant(_CTA_HEADER, "kNever"))
+NAN_KEY32 = np.uint32(_constant(_COMMON_HEADER, "kNanKey32"))
+NAN_KEY64 = np.uint64(_constant(_COMMON_HEADER, "kNanKey64"))
+
+# The launcher's n limit (csrc/select_cta.cu): n 64-bit keys and a bitmap of ceil(n / 32) words in dynamic shared
+# memory, capped by MAX_SORT for coverage. The kernel's static shared memory (its Shared struct, CUB's scan storage
+# included) is a recorded fact of the build, checked against _C where it is built.
+STATIC_SMEM_BYTES = 1248
+SM90_OPTIN_BYTES = 227 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an H100
+
+
+def dynamic_bytes(n: int) -> int:
+    return n * 8 + -(-n // 32) * 4
+
+
+def launcher_max_n(avail: int, coverage: bool) -> int:
+    n = avail // 8
+    while n > 0 and dynamic_bytes(n) > avail:
+        n -= 1
+    return min(n, MAX_SORT) if coverage else n
+
+
+SM90_MAX_N = launcher_max_n(SM90_OPTIN_BYTES - STATIC_SMEM_BYTES, True)  # 28455: the largest one-CTA n on an H100
 
 
 def descending_key32(x: np.ndarray) -> np.ndarray:
-    x = np.where(x == 0, np.float32(0), x.astype(np.float32))
-    bits = x.view(np.uint32)
+    """The kernel's descending_key32 (common.cuh): NaN by value (x != x) -> kNanKey32, whatever its bits."""
+    x = np.asarray(x).astype(np.float32)
+    nan = np.isnan(x)
+    bits = np.where(x == 0, np.float32(0), np.where(nan, np.float32(0), x)).view(np.uint32)
     asc = np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000))
-    return ~asc
+    return np.where(nan, NAN_KEY32, ~asc)
 
 
 def descending_key64(x: np.ndarray) -> np.ndarray:
-    x = np.where(x == 0, 0.0, x.astype(np.float64))
-    bits = x.view(np.uint64)
+    """The kernel's descending_key64 (common.cuh): NaN by value -> kNanKey64 (after -inf, before kNever)."""
+    x = np.asarray(x).astype(np.float64)
+    nan = np.isnan(x)
+    bits = np.where(x == 0, 0.0, np.where(nan, 0.0, x)).view(np.uint64)
     asc = np.where(bits >> np.uint64(63) == 1, ~bits, bits | np.uint64(1 << 63))
-    return ~asc
+    return np.where(nan, NAN_KEY64, ~asc)
 
 
 def radix_select(keys: np.ndarray, k: int) -> tuple[int, int, int]:
-    """(T, need, count) as the kernel's radix_select: 8 passes of 8-bit digits, the bin holding the need-th best."""
+    """(T, need, count) as the kernel's radix_select: 8 passes of 8-bit digits, the bin holding the need-th best,
+    found as warp 0 finds it (lane l owns bins 8l..8l+7; the lane whose range holds the need-th key writes). When no
+    bin holds it (k above the live keys), no lane writes and the previous pass's values stay, as in the kernel (its
+    thread 0 starts them at prefix 0, need k, count 0)."""
     prefix, need = 0, k
     count = 0
     for shift in range(56, -1, -8):
@@ -47,11 +108,22 @@ def radix_select(keys: np.ndarray, k: int) -> tuple[int, int, int]:
             live = keys[((keys ^ np.uint64(prefix)) >> np.uint64(shift + 8)) == 0]
         digits = ((live >> np.uint64(shift)) & np.uint64(255)).astype(np.int64)
         hist = np.bincount(digits, minlength=256)
-        cum = np.cumsum(hist)
-        b = int(np.argmax(cum >= need))  # first bin whose inclusive count reaches need
-        need -= int(cum[b] - hist[b])
-        count = int(hist[b])
-        prefix |= b << shift
+        lane_sum = hist.reshape(32, 8).sum(axis=1)
+        incl = np.cumsum(lane_sum)
+        excl = incl - lane_sum
+        hit = np.flatnonzero((excl < need) & (need <= incl))
+        if not len(hit):
+            continue  # no lane's bins hold it: sh.prefix / need / count keep their values
+        lane = int(hit[0])
+        run = int(excl[lane])
+        for j in range(8):
+            c = int(hist[lane * 8 + j])
+            if run + c >= need:
+                prefix |= (lane * 8 + j) << shift
+                need -= run
+                count = c
+                break
+            run += c
     return prefix, need, count
 
 
@@ -102,9 +174,6 @@ def bitonic_sort(keys: np.ndarray) -> np.ndarray:
         a, b = keys[i], keys[j]
         keys[i], keys[j] = np.minimum(a, b), np.maximum(a, b)
     return keys
-
-
-THREADS = 1024
 
 
 def owned(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -213,6 +282,27 @@ def select_row(scores, labels, chunks, modalities, out_len, keeps=None, trace=No
     out = np.full(out_len, -1)
     out[out_len - total:] = np.flatnonzero(kept)  # right-aligned after the -1 fill
     return out
+
+
+def select_cta(scores, labels, chunks, modalities, out_len, out_stride, keeps=None, flags=False):
+    """The kernel's launch over B rows (select_cta_kernel): row b reads its scores, labels and chunk ids, its budgets
+    at ``keeps[b * M:]`` of the flat int32 table, and writes ``out[b * out_stride:][:out_len]`` of one flat buffer
+    (entries between rows untouched, here -7); with ``flags`` also ``nonfinite[b]``: a non-finite score at a token of
+    a selected label (every token without labels), found before any modality is selected. Returns (out, nonfinite)."""
+    b = scores.shape[0]
+    out = np.full(max(0, (b - 1) * out_stride) + out_len, -7)
+    nonfinite = np.zeros(b, dtype=bool)
+    table = None if keeps is None else np.asarray(keeps, dtype=np.int32).reshape(-1)
+    m = len(modalities)
+    for row in range(b):
+        lab = None if labels is None else labels[row]
+        if flags:
+            staged = np.ones(scores.shape[1], dtype=bool) if lab is None else np.isin(lab, [x[0] for x in modalities])
+            nonfinite[row] = bool((staged & ~np.isfinite(scores[row].astype(np.float64))).any())
+        budgets = None if table is None else table[row * m:(row + 1) * m]
+        got = select_row(scores[row], lab, None if chunks is None else chunks[row], modalities, out_len, budgets)
+        out[row * out_stride:row * out_stride + out_len] = got
+    return out, nonfinite
 
 
 def _scores(rng, n, ties, dtype=np.float32):
@@ -382,7 +472,7 @@ def test_stage_select_sorts_matches_torch_paths_at_larger_sizes():
 
 def _schedule_sizes(rng) -> list[int]:
     powers = [p + d for e in range(1, 16) for p in (2**e,) for d in (-1, 0, 1)]
-    return sorted({1, 2, 3, MAX_SORT - 1, MAX_SORT, *rng.integers(1, 3001, 300).tolist(), *powers} - {0})
+    return sorted({1, 2, 3, SM90_MAX_N, MAX_SORT - 1, MAX_SORT, *rng.integers(1, 3001, 300).tolist(), *powers} - {0})
 
 
 def test_bitonic_schedule_with_skipped_comparators_sorts_every_size(seed):
@@ -423,7 +513,7 @@ def test_skipped_comparators_are_no_ops_of_the_padded_network(seed):
         assert np.array_equal(keys[:n], bitonic_sort(keys[:n])), f"seed={seed} n={n}"
 
 
-@pytest.mark.parametrize("n", [16385, 20000, MAX_SORT])
+@pytest.mark.parametrize("n", [16385, 20000, SM90_MAX_N])
 def test_emulated_coverage_above_16k_matches_the_references(n):
     """Coverage at sizes the power-of-two sort could not hold (n_pad = 32768 keys): keys, ranks and selection
     against coverage_select_ref (small k) and the step-by-step greedy oracle (large k)."""
@@ -585,7 +675,7 @@ def _row_oracle(scores, labels, chunks, label, k, weight, order=None):
 
 
 @pytest.mark.parametrize(("n", "m"), [(3000, 37), (3000, 3000), (500, 1), (1, 1), (1025, 1024), (20000, 864),
-                                      (20000, 19000), (MAX_SORT, 900)])
+                                      (20000, 19000), (SM90_MAX_N, 900)])
 def test_emulated_coverage_sorts_only_the_members(n, m):
     """The new schedule: member keys compacted into keys[0, m), a network of width m (log2(m_pad)(log2(m_pad)+1)/2
     steps), ranks over p < m, value keys by token index; the shared key array starts with garbage. Against the
@@ -641,32 +731,92 @@ def test_emulated_coverage_absent_or_zero_budget_costs_no_sort():
     assert trace[0] == {"overflow": False, "width": 400, "steps": 45}
 
 
-# --- NaN scores whose key is kNever (every bit set): never a PAD or another label's token ---------------------------
+# --- NaN scores: the kernels' key rule (NaN by value, after every number), checked against the built module -------
 
 NAN64 = np.array([2**64 - 1], dtype=np.uint64).view(np.float64)[0]
 NAN32 = np.array([2**32 - 1], dtype=np.uint32).view(np.float32)[0]
+NAN32_BITS = np.array([0x7FC00000, 0xFFC00000, 0xFFFFFFFF, 0x7F800001, 0xFF800001], dtype=np.uint32)
+NAN64_BITS = np.array([0x7FF8000000000000, 0xFFF8000000000000, 2**64 - 1, 0x7FF0000000000001], dtype=np.uint64)
 
 
-def test_topk_nan_member_never_picks_padding_or_other_labels():
-    # the review's trigger: the member's key is ~0 like the PAD token's; the kernel used to pick the PAD token
+def _bit_patterns(rng, width: int) -> np.ndarray:
+    """Random bit patterns of a float of ``width`` bits plus the specials: zeros, infinities, NaNs, subnormals."""
+    if width == 32:
+        special = [0, 0x80000000, 0x7F800000, 0xFF800000, 1, 0x80000001, 0x7F7FFFFF, 0xFF7FFFFF, *NAN32_BITS]
+        return np.concatenate([np.array(special, dtype=np.uint32), rng.integers(0, 2**32, 4000, dtype=np.uint32)])
+    special = [0, 2**63, 0x7FF0000000000000, 0xFFF0000000000000, 1, 2**63 + 1, *NAN64_BITS]
+    return np.concatenate([np.array(special, dtype=np.uint64), rng.integers(0, 2**64, 4000, dtype=np.uint64)])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_nan_keys_depend_on_the_value_not_the_bits(seed):
+    """Issue 20 item 2: every NaN (sign, payload, signalling) has one key, after -inf's and before kNever; the old
+    keys came from the bits, so a positive NaN ranked best. -0.0 and +0.0 share a key."""
+    k32 = descending_key32(NAN32_BITS.view(np.float32))
+    k64 = descending_key64(NAN64_BITS.view(np.float64))
+    assert (k32 == NAN_KEY32).all() and (k64 == NAN_KEY64).all()
+    assert descending_key32(np.float32(-np.inf)) < NAN_KEY32 and descending_key64(-np.inf) < NAN_KEY64 < NEVER
+    assert descending_key32(np.float32(-0.0)) == descending_key32(np.float32(0.0))
+    assert descending_key64(-0.0) == descending_key64(0.0)
+    rng = np.random.default_rng(seed)
+    x = _bit_patterns(rng, 64).view(np.float64)
+    nan = np.isnan(x)
+    order = np.lexsort((np.arange(len(x)), np.where(nan, 0.0, -x), nan))  # NaN last, then score desc, index asc
+    ranked = np.argsort(descending_key64(x), kind="stable")
+    assert np.array_equal(ranked, order), f"seed={seed}"
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.skipif(not _cuda_module_built(), reason="macer_kernels._C is not built")
+def test_replay_matches_the_built_module(seed):
+    """The replay's keys, constants and launch limit against ``_C``'s host helpers, which run the kernels' own code
+    (common.cuh's key functions, select_cta.cu's limit arithmetic): no re-derivation on either side of the check."""
+    from macer_kernels.cuda._ext import ext
+
+    c = ext()
+    facts = c.select_cta_facts()
+    assert (facts["threads"], facts["max_sort_items"]) == (THREADS, MAX_SORT_ITEMS)
+    assert (facts["never_key"], facts["nan_key64"], facts["nan_key32"]) == (int(NEVER), int(NAN_KEY64),
+                                                                             int(NAN_KEY32))
+    assert facts["static_smem_bytes"] == STATIC_SMEM_BYTES
+    for avail in (0, 7, 8, 33, 4096, 48 * 1024, 99 * 1024 - STATIC_SMEM_BYTES, SM90_OPTIN_BYTES - STATIC_SMEM_BYTES,
+                  300 * 1024):
+        for coverage in (False, True):
+            assert c.select_cta_max_n_for(avail, coverage) == launcher_max_n(avail, coverage), (avail, coverage)
+    assert SM90_MAX_N == c.select_cta_max_n_for(SM90_OPTIN_BYTES - STATIC_SMEM_BYTES, True) == 28455
+    rng = np.random.default_rng(seed)
+    bits32, bits64 = _bit_patterns(rng, 32), _bit_patterns(rng, 64)
+    assert [c.select_descending_key32(int(b)) for b in bits32] == descending_key32(bits32.view(np.float32)).tolist()
+    assert [c.select_descending_key64(int(b)) for b in bits64] == descending_key64(bits64.view(np.float64)).tolist()
+
+
+def test_radix_select_keeps_previous_values_when_no_bin_holds_k():
+    """The kernel's bin search writes nothing when no lane's bins hold the need-th key (k above the live keys); the
+    replay used to take bin 0 and report its count."""
+    keys = np.array([1, 2, 3], dtype=np.uint64)
+    assert radix_select(keys, 5) == (0, 5, 0)
+    assert radix_select(keys, 3) == (3, 1, 1)
+
+
+def test_topk_nan_member_ranks_last_and_never_picks_padding_or_other_labels():
+    # the review's trigger: a NaN member with every bit set, next to a PAD token: the member is picked, not the PAD
     scores, labels = np.array([0.0, NAN64]), np.array([PAD, 0])
-    assert descending_key64(scores)[1] == NEVER
-    assert np.array_equal(select_row(scores, labels, None, [(0, 1, None)], 1), [-1])
+    assert descending_key64(scores)[1] == NAN_KEY64
+    assert np.array_equal(select_row(scores, labels, None, [(0, 1, None)], 1), [1])
     sorts = stage_select_sorts(torch.from_numpy(scores)[None], torch.from_numpy(labels)[None], None,
                                ((0, 1, None, 0),), 1)
-    assert int(sorts[0, 0]) != 0  # the sorts path orders NaN first; it must not keep the PAD token either
-    # a label-1 token (kept anyway) and a PAD token around it: the short modality flags the row
+    assert sorts.tolist() == [[1]]
+    # a label-1 token (kept anyway) and a PAD token: the NaN member is taken after the numbers of its label
     scores, labels = np.array([1.0, NAN64, 2.0, 0.5]), np.array([1, 0, 0, PAD])
-    assert np.array_equal(select_row(scores, labels, None, [(0, 2, None)], 3), [-1, -1, -1])
-    # within the budget below the NaN member nothing changes
+    assert np.array_equal(select_row(scores, labels, None, [(0, 2, None)], 3), [0, 1, 2])
     assert np.array_equal(select_row(scores, labels, None, [(0, 1, None)], 2), [0, 2])
-    # a standalone top-K asking for the NaN token too: all -1, never a short or padded row
-    assert np.array_equal(select_row(np.array([NAN64, 3.0, NAN64]), None, None, [(0, 2, None)], 2), [-1, -1])
+    # a standalone top-K: the numbers, then the NaNs by index
+    assert np.array_equal(select_row(np.array([NAN64, 3.0, NAN64]), None, None, [(0, 2, None)], 2), [0, 1])
 
 
-def test_coverage_nan_member_whose_sort_key_is_never_is_still_a_member():
-    # n = 8: index field 3 bits, chunk field 29 bits; token 7 with chunk 2^29 - 1 and an fp32 NaN with every bit set
-    # packs to ~0, the old "not a member" mark: it used to be dropped and its place taken by the PAD token 0
+def test_coverage_nan_member_whose_sort_key_is_all_ones_is_still_a_member():
+    # n = 8: index field 3 bits, chunk field 29 bits; token 7 with chunk 2^29 - 1 and an fp32 NaN packs to ~0 (the
+    # coverage sort key, not a selection key): it stays a member, and ranks after every number of its label
     labels = np.array([PAD, 0, 1, 0, 0, PAD, 0, 0])
     ib = (len(labels) - 1).bit_length()
     scores = np.array([5.0, 0.5, 1.0, 0.25, 0.5, 9.0, 0.75, NAN32], dtype=np.float32)
@@ -674,12 +824,42 @@ def test_coverage_nan_member_whose_sort_key_is_never_is_still_a_member():
     key7 = (int(chunks[7]) << (32 + ib)) | (int(descending_key32(scores[7:])[0]) << ib) | 7
     assert key7 == int(NEVER)
     members = np.flatnonzero(labels == 0)
-    want = np.array([1, 2, 3, 4, 6, 7])  # every member (keep = m) and the label-1 token
-    got = select_row(scores, labels, chunks, [(0, len(members), 0.5)], len(want))
-    assert np.array_equal(got, want)
     t = tuple(torch.from_numpy(x)[None] for x in (scores, labels, chunks))
-    assert torch.equal(stage_select_sorts(*t, ((0, len(members), 0.5, None),), len(want))[0], torch.from_numpy(want))
-    # a budget below m: where the NaN lands is unspecified, but only members are picked and the count is right
-    for k in range(1, len(members)):
-        got = select_row(scores, labels, chunks, [(0, k, 0.5)], k + 1)
-        assert (got >= 0).all() and set(got) - {2} <= set(members) and 2 in got, k
+    for k in range(1, len(members) + 1):
+        want = padded_oracle(*t, ((0, k, 0.5, None),), k + 1, None)[0]
+        assert (7 in want.tolist()) == (k == len(members)), k
+        assert np.array_equal(select_row(scores, labels, chunks, [(0, k, 0.5)], k + 1), want.numpy()), k
+        assert torch.equal(stage_select_sorts(*t, ((0, k, 0.5, None),), k + 1)[0], want), k
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy casting a signalling NaN
+@pytest.mark.parametrize("out_stride", [None, 50])
+def test_emulated_launch_with_nan_rows_matches_the_reference_and_flags(out_stride, seed):
+    """B rows through the replayed launch (per-row budget table, output stride, the non-finite flags): a finite row,
+    a row with NaNs of several bit patterns and -inf, an all-NaN row (its first K tokens), against the reference."""
+    from macer_kernels.reference import stage_flags_ref
+
+    counts = [{1: 12, 2: 15}] * 3
+    scores, labels, chunks = padded_case(seed, 40, [40, 36, 40], counts, ties=True)
+    members = np.flatnonzero(labels[1].numpy() > 0)
+    scores[1, members[::4]] = torch.from_numpy(np.resize(NAN32_BITS, len(members[::4])).view(np.float32))
+    scores[1, members[1]] = -np.inf
+    scores[2] = torch.where(labels[2] > 0, float("nan"), scores[2])
+    modalities = ((1, 6, None, 0), (2, 7, 0.4, 8))
+    keeps = torch.tensor([[6, 7], [3, 7], [6, 2]], dtype=torch.int32)
+    out_len = 40 - 6 - 8
+    want = padded_oracle(scores, labels, chunks, modalities, out_len, keeps)
+    assert (want[2] >= 0).sum() == 40 - 6 - 13 and (want[1] >= 0).sum() == 36 - 9 - 8
+    stride = out_len if out_stride is None else out_stride
+    mods = [(label, keep, weight) for label, keep, weight, _ in modalities]
+    out, flags = select_cta(scores.numpy(), labels.numpy(), chunks.numpy(), mods, out_len, stride, keeps.numpy(),
+                            flags=True)
+    for b in range(3):
+        assert np.array_equal(out[b * stride:b * stride + out_len], want[b].numpy()), f"seed={seed} row={b}"
+        if b < 2:
+            assert (out[b * stride + out_len:(b + 1) * stride] == -7).all(), "a row wrote past out_len"
+    stage = [SimpleNamespace(label=label) for label, _, _, _ in modalities]
+    assert flags.tolist() == stage_flags_ref(scores, labels, stage).tolist() == [False, True, True]
+    got_flags = torch.empty(3, dtype=torch.bool)
+    assert torch.equal(stage_select_sorts(scores, labels, chunks, modalities, out_len, keeps, got_flags), want)
+    assert got_flags.tolist() == [False, True, True]

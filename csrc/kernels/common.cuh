@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -55,6 +56,30 @@ __device__ __forceinline__ double load_double(const void* base, int dtype, int64
     case kFloat64: return static_cast<const double*>(base)[offset];
     default: return static_cast<double>(static_cast<const float*>(base)[offset]);
   }
+}
+
+// Selection order keys: an unsigned integer whose ascending order is the descending order of the score, the same
+// rule on every backend (macer_kernels.select.order_key): -0.0 ties with +0.0, and every NaN -- tested with x != x,
+// never through its bits, so neither its sign nor its payload nor a conversion on the way here (float -> double
+// may return the canonical NaN) matters -- gets kNanKey*, after -inf's key (0xFF800000 / 0xFFF0000000000000) and
+// before ~0, which the kernels keep for "never" (tokens of another label, padding).
+constexpr uint32_t kNanKey32 = 0xFFFFFFFFu;
+constexpr uint64_t kNanKey64 = ~0ull - 1;
+
+__host__ __device__ __forceinline__ uint32_t descending_key32(float x) {
+  if (x != x) return kNanKey32;
+  if (x == 0.0f) x = 0.0f;  // -0.0 -> +0.0: the reference compares them equal
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  return ~((bits >> 31) ? ~bits : (bits | 0x80000000u));
+}
+
+__host__ __device__ __forceinline__ uint64_t descending_key64(double x) {
+  if (x != x) return kNanKey64;
+  if (x == 0.0) x = 0.0;
+  uint64_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  return ~((bits >> 63) ? ~bits : (bits | (1ull << 63)));
 }
 
 template <typename T>

@@ -5,7 +5,8 @@
 //
 // Ordering keys: a float64 is mapped to a uint64 whose unsigned order is the float order (flip all bits of
 // negatives, the sign bit of the rest; -0.0 first becomes +0.0, since the reference compares -0.0 == 0.0); the
-// complement gives descending order. Stability turns "ties to the lower index" into "keep the input order".
+// complement gives descending order, and every NaN gets kNanKey64, after every number (common.cuh). Stability turns
+// "ties to the lower index" into "keep the input order".
 #pragma once
 
 #include "common.cuh"
@@ -15,12 +16,7 @@ namespace select {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ uint64_t descending_key(double x) {
-  if (x == 0.0) x = 0.0;  // -0.0 -> +0.0
-  const uint64_t bits = static_cast<uint64_t>(__double_as_longlong(x));
-  const uint64_t ascending = (bits >> 63) ? ~bits : (bits | (1ull << 63));
-  return ~ascending;
-}
+__device__ __forceinline__ uint64_t descending_key(double x) { return descending_key64(x); }  // common.cuh
 
 __device__ __forceinline__ int64_t thread_index() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -16,8 +16,9 @@
 //  * the k best keys by a radix select (8 passes of 8-bit digits, block histogram in shared memory with
 //    warp-aggregated atomics): threshold T and the number `need` of tokens with key == T to take. Among those ties
 //    the higher score wins (a second radix select over the score keys, coverage only, run only when the tie group is
-//    split), then the lower index (a block scan in index order). Picks go into a bitmap. Tokens keyed kNever are
-//    never picked; a modality left short by them (NaN scores with every bit set) flags the row.
+//    split), then the lower index (a block scan in index order). Picks go into a bitmap. Tokens keyed kNever (other
+//    labels, padding) are never picked. A NaN score or value has kNanKey64 (common.cuh): after every number, so a
+//    row of NaN scores keeps its first K members, as the reference does.
 // Finally every token that is picked, or whose label is >= 0 and not selected at all, is written in ascending index
 // order with a block scan, right-aligned in the row's output (-1 before it). Nothing is sorted by index: the bitmap
 // is already in index order. Per-row budgets come from an optional int32 [B, M] table; padding (label -1) is never
@@ -37,19 +38,7 @@ constexpr int kThreads = 1024;
 // are packed as rank << 16 | token, and the key's index field has bit_width(n - 1) <= 15 bits.
 constexpr int kMaxSortItems = 28;
 static_assert(kThreads * kMaxSortItems <= 32768, "coverage packs token and rank in 16 bits and indices in 15");
-constexpr uint64_t kNever = ~0ull;
-
-__device__ __forceinline__ uint32_t descending_key32(float x) {
-  if (x == 0.0f) x = 0.0f;  // -0.0 -> +0.0: the reference compares them equal
-  const uint32_t bits = __float_as_uint(x);
-  return ~((bits >> 31) ? ~bits : (bits | 0x80000000u));
-}
-
-__device__ __forceinline__ uint64_t descending_key64(double x) {
-  if (x == 0.0) x = 0.0;
-  const uint64_t bits = static_cast<uint64_t>(__double_as_longlong(x));
-  return ~((bits >> 63) ? ~bits : (bits | (1ull << 63)));
-}
+constexpr uint64_t kNever = ~0ull;  // above every key descending_key64 gives (common.cuh), NaN's included
 
 using BlockScan = cub::BlockScan<int, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
 
@@ -88,8 +77,8 @@ __device__ void radix_select(const Key& key, int n, int k, Shared& sh) {
   const int lane = threadIdx.x & 31;
   uint64_t prefix = 0;
   int need = k;
-  // Defined results even when no bin can hold the need-th key (k above the candidates: only NaN scores whose key
-  // equals kNever get there); T is then kNever, which select_k reports as a shortfall.
+  // Defined results even when no bin can hold the need-th key (k above n, which the launcher refuses): the previous
+  // pass's values stay. With k above the candidates (keys below kNever) T is kNever: select_k reports a shortfall.
   if (threadIdx.x == 0) {
     sh.prefix = 0;
     sh.need = k;
@@ -144,16 +133,16 @@ __device__ void radix_select(const Key& key, int n, int k, Shared& sh) {
 
 // Mark the k best tokens by (key asc, then secondary asc if `by_score`, then index asc) in `picked` (bit i of word
 // i / 32). key(i) == kNever for tokens that must not be picked; 1 <= k. Returns whether k tokens were picked, the
-// same on every thread: false only when fewer than k keys are below kNever (a candidate whose key is kNever, i.e. a
-// NaN score with every bit set, counts as no candidate), and then only the keys below kNever are picked.
+// same on every thread: false only when fewer than k keys are below kNever (no member has that key: the caller
+// checked the member count, so this is a guard), and then only the keys below kNever are picked.
 template <class Key, class Secondary>
 __device__ bool select_k(const Key& key, const Secondary& secondary, bool by_score, int n, int k, unsigned* picked,
                          Shared& sh) {
   radix_select(key, n, k, sh);
   const uint64_t t1 = sh.prefix;
   const int need1 = sh.need, count1 = sh.count;
-  // A threshold of kNever means k is above the candidates (only a NaN score with every bit set has a candidate's key
-  // equal to kNever): the tokens below it are all taken and the kNever group -- other labels, padding -- never.
+  // A threshold of kNever means k is above the candidates: the tokens below it are all taken and the kNever group --
+  // other labels, padding -- never.
   const bool complete = t1 != kNever;
   // Only a split tie group needs the score: all of it (need1 == count1) or none is taken whatever the scores.
   const bool split = complete && by_score && need1 < count1;
@@ -215,7 +204,7 @@ __device__ void coverage_keys(const Row& row, int64_t label, double weight, int 
     // then half-cleaners i against i + stride. The network sorts m_pad keys; the m_pad - m missing ones are virtual
     // +inf keys at positions >= m. A comparator (i < j) leaves +inf at j, so a virtual key never moves below m and
     // every comparator with j >= m is a no-op: it is skipped, and only the m real keys are stored. (A real key may
-    // equal ~0, e.g. a NaN score with every bit set in the last chunk: it sorts last and is still a member.)
+    // equal ~0, e.g. a NaN score (kNanKey32) in the last chunk at the last index: it sorts last and is a member.)
     int m_pad = 1;
     while (m_pad < m) m_pad <<= 1;
     auto compare = [&](int i, int j) {  // i < j
@@ -294,10 +283,22 @@ __device__ void coverage_keys(const Row& row, int64_t label, double weight, int 
 // the spec's). A row whose data contradicts the host's numbers (a budget outside [0, spec keep], a modality with
 // fewer tokens -- or fewer candidates, see select_k -- than its budget, or len_b > out_len) is filled with -1.
 __device__ void select_row(const Row& row, const SelectCtaParams& p, const int32_t* keeps, int64_t* out,
-                           uint64_t* keys, unsigned* picked, Shared& sh) {
+                           bool* nonfinite, uint64_t* keys, unsigned* picked, Shared& sh) {
   const int n = row.n;
   const int words = (n + 31) / 32;
   for (int w = threadIdx.x; w < words; w += kThreads) picked[w] = 0;
+  if (nonfinite != nullptr) {  // the stage's flag: a non-finite score at a token of a selected label
+    int lo, hi;
+    owned(n, lo, hi);
+    bool bad = false;
+    for (int i = lo; i < hi; ++i) {
+      bool staged = row.labels == nullptr;
+      for (int m = 0; m < p.num_modalities && !staged; ++m) staged = row.label(i) == p.modalities[m].label;
+      bad |= staged && !isfinite(row.score(i));
+    }
+    bad = __syncthreads_or(bad);  // also the barrier after the bitmap's reset
+    if (threadIdx.x == 0) *nonfinite = bad;
+  }
   __syncthreads();
   bool valid = true;
   for (int m = 0; m < p.num_modalities; ++m) {
@@ -333,7 +334,7 @@ __device__ void select_row(const Row& row, const SelectCtaParams& p, const int32
       for (int i = threadIdx.x; i < n; i += kThreads) keys[i] = row.member(i, mod.label) ? score_key(i) : kNever;
       __syncthreads();
     }
-    // Fewer than keep picks (a member whose key is kNever, a NaN score with every bit set): the row's len_b would
+    // Fewer than keep picks (cannot happen once count >= keep; a guard): the row's len_b would
     // disagree with the host's, so the row is flagged (all -1) rather than silently short.
     if (!select_k([&](int i) { return keys[i]; }, score_key, mod.coverage != 0, n, static_cast<int>(keep), picked,
                   sh)) {
@@ -388,7 +389,8 @@ __global__ void __launch_bounds__(kThreads, 1) select_cta_kernel(const SelectCta
   uint64_t* keys = dynamic_smem;
   unsigned* picked = reinterpret_cast<unsigned*>(keys + p.key_capacity);
   const int32_t* keeps = p.keeps != nullptr ? p.keeps + b * p.num_modalities : nullptr;
-  select_row(row, p, keeps, p.out + b * p.out_stride, keys, picked, sh);
+  bool* nonfinite = p.nonfinite != nullptr ? p.nonfinite + b : nullptr;
+  select_row(row, p, keeps, p.out + b * p.out_stride, nonfinite, keys, picked, sh);
 }
 
 }  // namespace cta

@@ -43,7 +43,7 @@ def _select_one_cta(op: str, scores: torch.Tensor, chunk_ids: torch.Tensor | Non
     modality = (0, k, 0.0 if coverage_weight is None else float(coverage_weight), coverage_weight is not None)
     ext().select_cta(op, scores.data_ptr(), dtype_code(op, "scores", scores), (0, scores.stride(0)), 0, 0, (0, 0),
                      chunk_ptr, chunk_code, (0, chunk_stride), out.data_ptr(), 0, k, 1, scores.numel(), [modality], 0,
-                     device, stream)
+                     0, device, stream)
 
 
 def topk_indices_cuda(scores: torch.Tensor, k: int) -> torch.Tensor:

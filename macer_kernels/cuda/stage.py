@@ -23,6 +23,8 @@ import torch
 
 from macer_kernels.backend import register
 from macer_kernels.cuda._ext import check_cuda_tensor, dtype_code, ext, launch_args, select_cta_max_n
+from macer_kernels.select import descending_order, order_key
+from macer_kernels.stage import stage_flags
 
 _OP = "stage_select"
 # (label, keep, coverage_weight, num_chunks); num_chunks (0 for top-K, a bound or None for coverage) is not needed:
@@ -79,22 +81,25 @@ def _stable_argsort(x: torch.Tensor, descending: bool = False) -> torch.Tensor:
 
 def stage_select_sorts(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
                        modalities: tuple[Modality, ...], out_len: int,
-                       keeps: torch.Tensor | None = None) -> torch.Tensor:
+                       keeps: torch.Tensor | None = None, flags: torch.Tensor | None = None) -> torch.Tensor:
     """The same contract with batched torch sorts (any device, no host synchronisation): the multi-CTA path.
 
     Per modality: the candidates first, in (score desc, index asc) order; for coverage each candidate's rank t inside
     its chunk in that order gives ``v = s + sqrt(lambda_c / (1 + t))`` and a stable sort by v keeps the order for
     equal values (score desc, index asc): the greedy's pick order, as ``macer_kernels.select._coverage_order``.
     Per-sample budgets are a mask on the rank in that order (``rank < keeps[b, m]``), not a loop over the batch.
+    Scores and values are sorted as ``select.order_key``s: -0.0 equal to +0.0, NaN after every number.
+    ``flags``: None or ``[B]`` bool, filled as ``stage.stage_flags`` does.
     """
+    stage_flags(scores, labels, modalities, flags)
     b, n = scores.shape
     device = scores.device
-    s = scores.to(torch.float64) + 0.0  # -0.0 -> +0.0: equal to 0.0 for every sort below
+    s = scores.to(torch.float64)
     index = torch.arange(n, device=device).expand(b, n)
     picked = torch.zeros(b, n, dtype=torch.bool, device=device)
     listed = torch.zeros(b, n, dtype=torch.bool, device=device)
     bad = torch.zeros(b, dtype=torch.bool, device=device)
-    by_score = _stable_argsort(s, descending=True)  # (score desc, index asc): the same for every modality
+    by_score = descending_order(s)  # (score desc, index asc, NaN last): the same for every modality
     for m, (label, keep, weight, _) in enumerate(modalities):
         member = labels == label
         listed |= member
@@ -117,8 +122,9 @@ def stage_select_sorts(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: to
             rank = (index - start).to(torch.float64)
             value = torch.empty(b, n, dtype=torch.float64, device=device)
             value.scatter_(1, by_chunk, s.gather(1, by_chunk) + torch.sqrt(weight / (1.0 + rank)))
-            value = torch.where(member, value, -torch.inf)  # stable: candidates stay ahead of equal -inf others
-            order = order.gather(1, _stable_argsort(value.gather(1, order), descending=True))
+            # Others below every candidate (NaN's key included): a stable sort keeps the candidates first.
+            key = torch.where(member, order_key(value), torch.iinfo(torch.int64).min)
+            order = order.gather(1, _stable_argsort(key.gather(1, order), descending=True))
         if keeps is None:
             picked.scatter_(1, order[:, :keep], True)
         else:  # the first keeps[b, m] of row b's order (ranks < keep: the spec's keep is the maximum)
@@ -134,19 +140,27 @@ def stage_select_sorts(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: to
 
 def stage_select_cuda(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
                       modalities: tuple[Modality, ...], out_len: int,
-                      keeps: torch.Tensor | None = None) -> torch.Tensor:
-    """``stage_select`` on CUDA tensors: one launch up to the one-CTA limit (see the module docstring)."""
+                      keeps: torch.Tensor | None = None, flags: torch.Tensor | None = None) -> torch.Tensor:
+    """``stage_select`` on CUDA tensors: one launch up to the one-CTA limit (see the module docstring); ``flags``
+    (None or ``[B]`` bool) are written by that same launch."""
     _check(scores, labels, chunk_ids, modalities, out_len, keeps)
-    for name, t in (("scores", scores), ("labels", labels), ("chunk_ids", chunk_ids), ("keeps", keeps)):
+    if flags is not None and (flags.dtype != torch.bool or tuple(flags.shape) != (scores.shape[0],)
+                              or not flags.is_contiguous()):
+        raise ValueError(f"{_OP}: flags must be None or a contiguous bool tensor of shape {(scores.shape[0],)}, got "
+                         f"{flags.dtype} {tuple(flags.shape)}")
+    for name, t in (("scores", scores), ("labels", labels), ("chunk_ids", chunk_ids), ("keeps", keeps),
+                    ("flags", flags)):
         if t is not None:
             check_cuda_tensor(_OP, name, t)
     b, n = scores.shape
     coverage = any(weight is not None for _, _, weight, _ in modalities)
     device, stream = launch_args(scores)
     if n > select_cta_max_n(device, coverage) or (coverage and scores.dtype == torch.float64):
-        return stage_select_sorts(scores, labels, chunk_ids, modalities, out_len, keeps)
+        return stage_select_sorts(scores, labels, chunk_ids, modalities, out_len, keeps, flags)
     out = torch.empty(b, out_len, dtype=torch.long, device=scores.device)
-    if out_len == 0:  # nothing kept (N = 0 included): no launch
+    if out_len == 0 and (flags is None or n == 0):  # nothing kept and no flag to find: no launch
+        if flags is not None:
+            flags.zero_()
         return out
     chunk_ptr, chunk_code, chunk_stride = 0, 0, (0, 0)
     if chunk_ids is not None:
@@ -156,8 +170,8 @@ def stage_select_cuda(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: tor
             for label, keep, weight, _ in modalities]
     ext().select_cta(_OP, scores.data_ptr(), dtype_code(_OP, "scores", scores), scores.stride(), labels.data_ptr(),
                      dtype_code(_OP, "labels", labels), labels.stride(), chunk_ptr, chunk_code, chunk_stride,
-                     out.data_ptr(), out_len, out_len, b, n, mods, 0 if keeps is None else keeps.data_ptr(), device,
-                     stream)
+                     out.data_ptr(), out_len, out_len, b, n, mods, 0 if keeps is None else keeps.data_ptr(),
+                     0 if flags is None else flags.data_ptr(), device, stream)
     return out
 
 

@@ -42,9 +42,10 @@ import triton
 import triton.language as tl
 
 from macer_kernels.backend import register
+from macer_kernels.select import descending_order
 from macer_kernels.triton import stage as _stage
 from macer_kernels.triton._device import on_input_device
-from macer_kernels.triton.stage import _bonus_value
+from macer_kernels.triton.stage import _bonus_value, _desc_key
 
 PAIRWISE_MAX_N = 2048
 """Largest n handled by the pairwise (sort-free) kernels; above it the sort-based path runs. At n = 2048 a kernel
@@ -59,20 +60,21 @@ _BLOCK_J = _BLOCK_I
 
 @triton.jit
 def _coverage_value_kernel(s_ptr, c_ptr, v_ptr, n, weight_ptr,
-                          CMP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-    """v_i of (1), with rank_i = #{j in chunk(i) : s_j > s_i or (s_j == s_i and j < i)}."""
+                          WIDE: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """v_i of (1), with rank_i = #{j in chunk(i) : s_j > s_i or (s_j == s_i and j < i)}, NaN below every number:
+    scores are compared as the integer keys of ``stage._desc_key`` (a float ``>`` is false for every NaN)."""
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < n
     s_raw = tl.load(s_ptr + i, mask=i_ok, other=0.0)
-    s_i = s_raw.to(CMP)
+    s_i = _desc_key(s_raw, WIDE)
     c_i = tl.load(c_ptr + i, mask=i_ok, other=0).to(tl.int64)
     count = tl.zeros([BLOCK_I], tl.int32)
     for j0 in range(0, n, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         j_ok = j < n
-        s_j = tl.load(s_ptr + j, mask=j_ok, other=0.0).to(CMP)
+        s_j = _desc_key(tl.load(s_ptr + j, mask=j_ok, other=0.0), WIDE)
         c_j = tl.load(c_ptr + j, mask=j_ok, other=0).to(tl.int64)
-        better = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (j[None, :] < i[:, None]))
+        better = (s_j[None, :] < s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (j[None, :] < i[:, None]))
         # Lanes past n are masked here, not by a sentinel chunk id: no value is out of range for every id dtype
         # (-2 is chunk 254 as uint8), and their filler score 0 beats negative scores.
         count += tl.sum((better & (c_j[None, :] == c_i[:, None]) & j_ok[None, :]).to(tl.int32), axis=1)
@@ -80,28 +82,30 @@ def _coverage_value_kernel(s_ptr, c_ptr, v_ptr, n, weight_ptr,
 
 
 @triton.jit
-def _coverage_position_kernel(s_ptr, v_ptr, pos_ptr, n, CMP: tl.constexpr, BLOCK_I: tl.constexpr,
+def _coverage_position_kernel(s_ptr, v_ptr, pos_ptr, n, WIDE: tl.constexpr, BLOCK_I: tl.constexpr,
                               BLOCK_J: tl.constexpr):
-    """pos_i = #{j : key (1) of j comes before key (1) of i}: v desc, then score desc, then index asc."""
+    """pos_i = #{j : key (1) of j comes before key (1) of i}: v desc, then score desc, then index asc (NaN last, as
+    integer keys). The keys are unique, so the positions are a permutation of 0..n-1."""
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < n
-    s_i = tl.load(s_ptr + i, mask=i_ok, other=0.0).to(CMP)
-    v_i = tl.load(v_ptr + i, mask=i_ok, other=0.0)
+    s_i = _desc_key(tl.load(s_ptr + i, mask=i_ok, other=0.0), WIDE)
+    v_i = _desc_key(tl.load(v_ptr + i, mask=i_ok, other=0.0), True)
     count = tl.zeros([BLOCK_I], tl.int32)
     for j0 in range(0, n, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         j_ok = j < n
-        s_j = tl.load(s_ptr + j, mask=j_ok, other=0.0).to(CMP)
-        v_j = tl.load(v_ptr + j, mask=j_ok, other=0.0)
-        score_first = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (j[None, :] < i[:, None]))
-        before = (v_j[None, :] > v_i[:, None]) | ((v_j[None, :] == v_i[:, None]) & score_first)
+        s_j = _desc_key(tl.load(s_ptr + j, mask=j_ok, other=0.0), WIDE)
+        v_j = _desc_key(tl.load(v_ptr + j, mask=j_ok, other=0.0), True)
+        score_first = (s_j[None, :] < s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (j[None, :] < i[:, None]))
+        before = (v_j[None, :] < v_i[:, None]) | ((v_j[None, :] == v_i[:, None]) & score_first)
         count += tl.sum((before & j_ok[None, :]).to(tl.int32), axis=1)
     tl.store(pos_ptr + i, count, mask=i_ok)
 
 
 @triton.jit
 def _write_picks_kernel(pos_ptr, out_ptr, n, k, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-    """Token i is picked when pos_i < k; it goes to slot #{j < i picked}, so ``out`` comes out sorted ascending."""
+    """Token i is picked when pos_i < k; it goes to slot #{j < i picked}, so ``out`` comes out sorted ascending.
+    The store is masked by the slot too: whatever ``pos`` holds, nothing is written past ``out[k - 1]``."""
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < n
     picked = (tl.load(pos_ptr + i, mask=i_ok, other=k) < k) & i_ok
@@ -110,21 +114,18 @@ def _write_picks_kernel(pos_ptr, out_ptr, n, k, BLOCK_I: tl.constexpr, BLOCK_J: 
         j = j0 + tl.arange(0, BLOCK_J)
         picked_j = tl.load(pos_ptr + j, mask=j < n, other=k) < k
         slot += tl.sum((picked_j[None, :] & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
-    tl.store(out_ptr + slot, i.to(tl.int64), mask=picked)
+    tl.store(out_ptr + slot, i.to(tl.int64), mask=picked & (slot < k))
 
 
 @triton.jit
 def _pack_topk_keys_kernel(s_ptr, key_ptr, n, BLOCK: tl.constexpr):
-    """One int64 per token whose ascending order is (score desc, index asc): the high 32 bits hold the float32
-    score's bits mapped to a descending integer order, the low 32 bits the index. Keys are unique."""
+    """One int64 per token whose ascending order is (score desc, index asc, NaN last): the high 32 bits hold the
+    float32 score's descending key (``stage._desc_key``: -0.0 as +0.0, every NaN after -inf), the low 32 bits the
+    index. Keys are unique."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
-    s = tl.load(s_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    s = tl.where(s == 0.0, 0.0, s)  # -0.0 == +0.0 must tie, so both get the bits of +0.0
-    bits = s.to(tl.int32, bitcast=True)
-    ascending = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-integer order == float order (no NaN here)
-    descending = ~ascending
-    tl.store(key_ptr + i, (descending.to(tl.int64) << 32) | i.to(tl.int64), mask=ok)
+    descending = _desc_key(tl.load(s_ptr + i, mask=ok, other=0.0), False)  # a signed 32-bit value in an int64
+    tl.store(key_ptr + i, (descending << 32) | i.to(tl.int64), mask=ok)
 
 
 @triton.jit
@@ -148,7 +149,7 @@ def _coverage_sorted_kernel(order_ptr, s_ptr, c_ptr, v_ptr, n, weight_ptr, SEARC
         right = c_mid < c_p
         lo = tl.where(active & right, mid + 1, lo)
         hi = tl.where(active & ~right, mid, hi)
-    s_p = tl.load(s_ptr + token, mask=ok, other=0.0).to(tl.float64)
+    s_p = tl.load(s_ptr + token, mask=ok, other=0.0).to(tl.float64)  # NaN: v is NaN, ranked last by the final sort
     tl.store(v_ptr + token, _bonus_value(s_p, p - lo, weight), mask=ok)
 
 
@@ -157,12 +158,6 @@ def _weight_tensor(coverage_weight: float, device: torch.device) -> torch.Tensor
     """lambda_c as a one-element float64 tensor (Triton passes Python floats to kernels as float32). lambda_c is a
     configuration constant, so caching saves a fill launch on every call; the tensor is only ever read."""
     return torch.full((1,), coverage_weight, dtype=torch.float64, device=device)
-
-
-def _cmp_dtype(scores: torch.Tensor) -> tl.dtype:
-    # Widening to float64 is exact and monotone, so comparisons agree with the reference in either type; float32
-    # comparisons are much cheaper on GPUs with slow float64.
-    return tl.float64 if scores.dtype == torch.float64 else tl.float32
 
 
 def _pairwise_grid(n: int) -> tuple[int]:
@@ -188,8 +183,7 @@ def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
     scores = scores.contiguous()
     if scores.dtype == torch.float64:
         # A float64 score and an index do not fit one 64-bit key: a stable sort keeps equal scores in index order.
-        order = torch.sort(scores, descending=True, stable=True).indices
-        return torch.sort(order[:k]).values
+        return torch.sort(descending_order(scores)[:k]).values
     keys = torch.empty(n, dtype=torch.int64, device=scores.device)
     _pack_topk_keys_kernel[(triton.cdiv(n, 1024),)](scores, keys, n, BLOCK=1024)
     picked = torch.topk(keys, k, largest=False, sorted=False).values
@@ -211,15 +205,18 @@ def coverage_select_triton(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int
     if n <= PAIRWISE_MAX_N:
         pos = torch.empty(n, dtype=torch.int32, device=dev)
         grid = _pairwise_grid(n)
-        cmp = _cmp_dtype(scores)
-        _coverage_value_kernel[grid](scores, chunk_ids, value, n, weight, CMP=cmp, BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J)
-        _coverage_position_kernel[grid](scores, value, pos, n, CMP=cmp, BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J)
+        # Widening to float64 is exact and monotone, so 32-bit keys of <= 32-bit scores order them as the reference
+        # does; they are much cheaper than float64 keys on GPUs with slow float64.
+        wide = scores.dtype == torch.float64
+        _coverage_value_kernel[grid](scores, chunk_ids, value, n, weight, WIDE=wide, BLOCK_I=_BLOCK_I,
+                                     BLOCK_J=_BLOCK_J)
+        _coverage_position_kernel[grid](scores, value, pos, n, WIDE=wide, BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J)
         return _write_picks(pos, n, k)
-    # Score order (score desc, index asc), then grouped by chunk: two stable sorts form the lexsort.
-    by_score = torch.sort(scores, descending=True, stable=True).indices
+    # Score order (score desc, index asc, NaN last), then grouped by chunk: two stable sorts form the lexsort.
+    by_score = descending_order(scores)
     grouped = by_score[torch.sort(chunk_ids[by_score], stable=True).indices]
     _coverage_sorted_kernel[(triton.cdiv(n, 256),)](grouped, scores, chunk_ids, value, n, weight,
                                                    SEARCH_STEPS=n.bit_length() + 1, BLOCK=256)
     # Key (1): a stable sort by v (descending) of the score order keeps (score desc, index asc) among equal v.
-    greedy = by_score[torch.sort(value[by_score], descending=True, stable=True).indices]
+    greedy = by_score[descending_order(value[by_score])]
     return torch.sort(greedy[:k]).values

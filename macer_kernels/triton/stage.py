@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from macer_kernels.backend import register
-from macer_kernels.stage import StageSpec, _stage_select_torch
+from macer_kernels.stage import StageSpec, _stage_select_torch, stage_flags
 from macer_kernels.triton._device import on_input_device
 
 ONE_PROGRAM_MAX_N = 16384
@@ -88,15 +88,19 @@ def _pick(m: tl.constexpr, k0, k1, k2, k3, k4, k5, k6, k7):
 
 @triton.jit
 def _desc_key(s, WIDE: tl.constexpr):
-    """An integer whose ascending order is the score's descending order (-0.0 ties with +0.0; no NaN here)."""
+    """A signed integer (int64) whose ascending order is the score's descending order: -0.0 ties with +0.0, and
+    every NaN (any sign or payload, tested with ``s != s``, not from its bits) gets the largest key of its width,
+    after -inf's: the selection rule for non-finite scores."""
     if WIDE:
-        s = tl.where(s == 0.0, 0.0, s.to(tl.float64))
-        bits = s.to(tl.int64, bitcast=True)
-        return ~(bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF))
+        s = s.to(tl.float64)
+        bits = tl.where(s == 0.0, 0.0, s).to(tl.int64, bitcast=True)
+        key = ~(bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF))
+        return tl.where(s != s, 9223372036854775807, key)
     else:
-        s = tl.where(s == 0.0, 0.0, s.to(tl.float32))
-        bits = s.to(tl.int32, bitcast=True)
-        return (~(bits ^ ((bits >> 31) & 0x7FFFFFFF))).to(tl.int64)
+        s = s.to(tl.float32)
+        bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
+        key = ~(bits ^ ((bits >> 31) & 0x7FFFFFFF))
+        return tl.where(s != s, 2147483647, key).to(tl.int64)
 
 
 @triton.jit
@@ -174,7 +178,7 @@ def _unsigned_less(a, b, WIDE: tl.constexpr):
 @triton.jit
 def _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, label, weight,
                     stride_sn, stride_ln, stride_cn,
-                    LABELLED: tl.constexpr, LABEL0: tl.constexpr, CMP: tl.constexpr, BLOCK: tl.constexpr,
+                    LABELLED: tl.constexpr, LABEL0: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr,
                     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
     """Flag the coverage greedy's ``keep`` picks among the tokens of ``label``; returns their number (with fewer than
     ``keep`` every one is flagged and the caller discards the row)."""
@@ -198,16 +202,16 @@ def _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, l
         a_ok = a < count
         tok = tl.load(list_row + a, mask=a_ok, other=0)
         s_raw = tl.load(s_row + tok * stride_sn, mask=a_ok, other=0.0)
-        s_a = s_raw.to(CMP)
+        s_a = _desc_key(s_raw, WIDE)  # integer keys: a NaN ranks after every number (a float > would not)
         c_a = tl.load(c_row + tok * stride_cn, mask=a_ok, other=0).to(tl.int64)
         rank = tl.zeros([BLOCK_I], tl.int32)
         for j0 in range(0, count, BLOCK_J):
             j = j0 + offs_j
             j_ok = j < count
             tok_j = tl.load(list_row + j, mask=j_ok, other=0)
-            s_j = tl.load(s_row + tok_j * stride_sn, mask=j_ok, other=0.0).to(CMP)
+            s_j = _desc_key(tl.load(s_row + tok_j * stride_sn, mask=j_ok, other=0.0), WIDE)
             c_j = tl.load(c_row + tok_j * stride_cn, mask=j_ok, other=0).to(tl.int64)
-            ahead = (s_j[None, :] > s_a[:, None]) | ((s_j[None, :] == s_a[:, None]) & (j[None, :] < a[:, None]))
+            ahead = (s_j[None, :] < s_a[:, None]) | ((s_j[None, :] == s_a[:, None]) & (j[None, :] < a[:, None]))
             rank += tl.sum((ahead & (c_j[None, :] == c_a[:, None]) & j_ok[None, :]).to(tl.int32), axis=1)
         tl.store(v_row + a, _bonus_value(s_raw.to(tl.float64), rank, weight), mask=a_ok)
     tl.debug_barrier()
@@ -216,33 +220,35 @@ def _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, l
         a = i0 + offs_i
         a_ok = a < count
         tok = tl.load(list_row + a, mask=a_ok, other=0)
-        s_a = tl.load(s_row + tok * stride_sn, mask=a_ok, other=0.0).to(CMP)
-        v_a = tl.load(v_row + a, mask=a_ok, other=0.0)
+        s_a = _desc_key(tl.load(s_row + tok * stride_sn, mask=a_ok, other=0.0), WIDE)
+        v_a = _desc_key(tl.load(v_row + a, mask=a_ok, other=0.0), True)
         place = tl.zeros([BLOCK_I], tl.int32)
         for j0 in range(0, count, BLOCK_J):
             j = j0 + offs_j
             j_ok = j < count
             tok_j = tl.load(list_row + j, mask=j_ok, other=0)
-            s_j = tl.load(s_row + tok_j * stride_sn, mask=j_ok, other=0.0).to(CMP)
-            v_j = tl.load(v_row + j, mask=j_ok, other=0.0)
-            score_first = (s_j[None, :] > s_a[:, None]) | ((s_j[None, :] == s_a[:, None]) & (j[None, :] < a[:, None]))
-            ahead = (v_j[None, :] > v_a[:, None]) | ((v_j[None, :] == v_a[:, None]) & score_first)
+            s_j = _desc_key(tl.load(s_row + tok_j * stride_sn, mask=j_ok, other=0.0), WIDE)
+            v_j = _desc_key(tl.load(v_row + j, mask=j_ok, other=0.0), True)
+            score_first = (s_j[None, :] < s_a[:, None]) | ((s_j[None, :] == s_a[:, None]) & (j[None, :] < a[:, None]))
+            ahead = (v_j[None, :] < v_a[:, None]) | ((v_j[None, :] == v_a[:, None]) & score_first)
             place += tl.sum((ahead & j_ok[None, :]).to(tl.int32), axis=1)
         tl.store(flag_row + tok, tl.full([BLOCK_I], 1, tl.int8), mask=a_ok & (place < keep))
     return count
 
 
 @triton.jit
-def _stage_select_kernel(s_ptr, lab_ptr, c_ptr, w_ptr, keeps_ptr, out_ptr, list_ptr, v_ptr, flag_ptr,
+def _stage_select_kernel(s_ptr, lab_ptr, c_ptr, w_ptr, keeps_ptr, out_ptr, list_ptr, v_ptr, flag_ptr, nonfinite_ptr,
                          N, OUT_LEN, stride_sb, stride_sn, stride_lb, stride_ln, stride_cb, stride_cn,
                          K0, K1, K2, K3, K4, K5, K6, K7,
                          NUM_MODS: tl.constexpr, LABELS: tl.constexpr, COVER: tl.constexpr, LABELLED: tl.constexpr,
-                         PER_SAMPLE: tl.constexpr, CMP: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+                         PER_SAMPLE: tl.constexpr, NONFINITE: tl.constexpr, WIDE: tl.constexpr,
+                         BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
     """One sample per program. ``LABELS`` packs the stage's labels 4 bits each, ``COVER`` has bit m set when
     modality m uses coverage; the budgets are ``keeps[b, m]`` (``PER_SAMPLE``: an int32 ``[B, NUM_MODS]`` tensor read
     here, on the device) or ``K0..K7`` for every sample (runtime, so budgets that change per prompt do not
     recompile). ``LABELLED = False``: no label tensor, every token is modality 0 (the single selection ops).
+    ``NONFINITE``: also write ``nonfinite[b]`` (bool): whether a token of a stage label has a non-finite score, found
+    in the first pass over the row (the select_stage flags, no launch of their own).
 
     The row's kept positions are written ascending and right-aligned: ``out[b, OUT_LEN - len:]``, with
     ``out[b, :OUT_LEN - len] = -1``. A row that contradicts the host (a modality with fewer tokens than its budget,
@@ -260,14 +266,21 @@ def _stage_select_kernel(s_ptr, lab_ptr, c_ptr, w_ptr, keeps_ptr, out_ptr, list_
     label0: tl.constexpr = LABELS & 15
     # Flags: 1 for the tokens of no stage modality (always kept), 0 for stage tokens until picked and for PAD tokens
     # (label < 0: not a token of this sample, never kept).
+    broken = tl.zeros([], tl.int32)
     for i0 in range(0, N, BLOCK):
         i = i0 + offs
         ok = i < N
         lab = _label_of(lab_row, i, ok, stride_ln, LABELLED, label0)
-        dropped = lab < 0
+        staged = tl.zeros([BLOCK], tl.int1)
         for m in tl.static_range(NUM_MODS):
-            dropped = dropped | (lab == ((LABELS >> (4 * m)) & 15))
-        tl.store(flag_row + i, (~dropped).to(tl.int8), mask=ok)
+            staged = staged | (lab == ((LABELS >> (4 * m)) & 15))
+        tl.store(flag_row + i, (~(staged | (lab < 0))).to(tl.int8), mask=ok)
+        if NONFINITE:
+            x = tl.load(s_row + i * stride_sn, mask=ok & staged, other=0.0)
+            bad_x = (x != x) | (tl.abs(x) == float("inf"))
+            broken = tl.maximum(broken, tl.max((bad_x & staged & ok).to(tl.int32), axis=0))
+    if NONFINITE:
+        tl.store(nonfinite_ptr + b, broken != 0)
     tl.debug_barrier()
     bad = tl.zeros([], tl.int32)  # 1 when the row contradicts the host: written as all -1
     for m in tl.static_range(NUM_MODS):
@@ -280,7 +293,7 @@ def _stage_select_kernel(s_ptr, lab_ptr, c_ptr, w_ptr, keeps_ptr, out_ptr, list_
         if keep > 0:
             if (COVER >> m) & 1:
                 count = _coverage_flags(s_row, lab_row, c_row, flag_row, list_row, v_row, N, keep, label,
-                                        tl.load(w_ptr + m), stride_sn, stride_ln, stride_cn, LABELLED, label0, CMP,
+                                        tl.load(w_ptr + m), stride_sn, stride_ln, stride_cn, LABELLED, label0, WIDE,
                                         BLOCK, BLOCK_I, BLOCK_J)
             else:
                 count = _topk_flags(s_row, lab_row, flag_row, N, keep, label, stride_sn, stride_ln, LABELLED, label0,
@@ -333,14 +346,18 @@ def _workspace(b: int, n: int, device: torch.device) -> tuple[torch.Tensor, torc
 
 
 def launch_stage_select(scores: torch.Tensor, labels: torch.Tensor | None, chunk_ids: torch.Tensor | None,
-                        spec: StageSpec, out_len: int, keeps: torch.Tensor | None = None) -> torch.Tensor:
+                        spec: StageSpec, out_len: int, keeps: torch.Tensor | None = None,
+                        nonfinite: torch.Tensor | None = None) -> torch.Tensor:
     """One launch of ``_stage_select_kernel`` for ``scores [B, N]``; ``labels`` None: every token is the first
     modality's (the single selection ops, which pass one modality). ``keeps``: None (every sample keeps the spec's
-    budgets) or the per-sample budgets, int32 ``[B, len(spec)]`` on the scores' device, read by the kernel."""
+    budgets) or the per-sample budgets, int32 ``[B, len(spec)]`` on the scores' device, read by the kernel.
+    ``nonfinite``: None, or a ``[B]`` bool tensor the kernel fills (``stage.stage_flags``)."""
     b, n = scores.shape
     dev = scores.device
     out = torch.empty(b, out_len, dtype=torch.long, device=dev)
-    if b == 0 or out_len == 0:
+    if b == 0 or out_len == 0:  # nothing to keep: no launch (the flags, if asked, from the composition)
+        if labels is not None:
+            stage_flags(scores, labels, spec, nonfinite)
         return out
     flags, token_list, values = _workspace(b, n, dev)
     budgets = [keep for _, keep, _, _ in spec] + [0] * (_MAX_MODS - len(spec))
@@ -350,10 +367,10 @@ def launch_stage_select(scores: torch.Tensor, labels: torch.Tensor | None, chunk
     lab = labels if labels is not None else scores
     chunks = chunk_ids if chunk_ids is not None else scores  # never read when no modality uses coverage
     _stage_select_kernel[(b,)](
-        scores, lab, chunks, weights, keeps if keeps is not None else flags, out, token_list, values, flags, n,
-        out_len, scores.stride(0), scores.stride(1), lab.stride(0), lab.stride(1), chunks.stride(0), chunks.stride(1),
-        *budgets, NUM_MODS=len(spec), LABELS=packed, COVER=cover, LABELLED=labels is not None,
-        PER_SAMPLE=keeps is not None, CMP=tl.float64 if scores.dtype == torch.float64 else tl.float32,
+        scores, lab, chunks, weights, keeps if keeps is not None else flags, out, token_list, values, flags,
+        nonfinite if nonfinite is not None else flags, n, out_len, scores.stride(0), scores.stride(1), lab.stride(0),
+        lab.stride(1), chunks.stride(0), chunks.stride(1), *budgets, NUM_MODS=len(spec), LABELS=packed, COVER=cover,
+        LABELLED=labels is not None, PER_SAMPLE=keeps is not None, NONFINITE=nonfinite is not None,
         WIDE=scores.dtype == torch.float64, BLOCK=_BLOCK, BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J, num_warps=8,
     )
     return out
@@ -380,14 +397,18 @@ def _check_keeps(keeps: torch.Tensor, scores: torch.Tensor, spec: StageSpec) -> 
 @register("stage_select", "triton")
 @on_input_device
 def stage_select_triton(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
-                        spec: StageSpec, out_len: int, keeps: torch.Tensor | None = None) -> torch.Tensor:
+                        spec: StageSpec, out_len: int, keeps: torch.Tensor | None = None,
+                        flags: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``stage_select``: one launch (one program per sample) up to the one-program limits, the PyTorch
     composition above them. ``keeps`` (None or int32 ``[B, len(spec)]``): per-sample budgets; rows come out
-    right-aligned with -1 on the left, PAD tokens (label -1) are never kept (``docs/triton.md``)."""
+    right-aligned with -1 on the left, PAD tokens (label -1) are never kept (``docs/triton.md``). ``flags``: None or
+    a ``[B]`` bool tensor filled with the non-finite flags (``macer_kernels.stage`` contract)."""
     if keeps is not None:
         _check_keeps(keeps, scores, spec)
+    if flags is not None and (flags.dtype != torch.bool or tuple(flags.shape) != (scores.shape[0],)
+                              or flags.device != scores.device):
+        raise ValueError(f"flags must be None or a bool tensor [B={scores.shape[0]}] on {scores.device}, got "
+                         f"{flags.dtype} {tuple(flags.shape)} on {flags.device}")
     if not one_program_fits(labels.shape[1], spec):
-        if keeps is None:
-            return _stage_select_torch(scores, labels, chunk_ids, spec, out_len)
-        return _stage_select_torch(scores, labels, chunk_ids, spec, out_len, keeps)
-    return launch_stage_select(scores, labels, chunk_ids, spec, out_len, keeps)
+        return _stage_select_torch(scores, labels, chunk_ids, spec, out_len, keeps, flags)
+    return launch_stage_select(scores, labels, chunk_ids, spec, out_len, keeps, flags)

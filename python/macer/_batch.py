@@ -174,6 +174,12 @@ class BatchPrefill:
         self.original_valid, self.original_pads = valid, self.pads
         self.pending: torch.Tensor | None = None  # [B, W] keep of a batched stage, applied at the next layer
         self.pending_pads: list[int] = []
+        self.nonfinite: list[tuple[int, list[int | None], torch.Tensor]] = []  # the batched stages' flags
+
+    def nonfinite_flags(self) -> list[tuple[int, list[int | None], torch.Tensor]]:
+        """Every stage's non-finite flags by batch index (``macer._prefill.raise_if_nonfinite``)."""
+        return self.nonfinite + [(layer, [b], flags) for b, sample in enumerate(self.samples)
+                                 for layer, _, flags in sample.nonfinite]
 
     def _widths(self, width: int) -> list[int]:
         """The batch's sequence length entering each layer: the padded width until the first layer at which some
@@ -253,6 +259,7 @@ class BatchPrefill:
         if planned is None:
             return False
         mods, rows = planned
+        selected = [b if sample.stage_at(layer) is not None else None for b, sample in enumerate(self.samples)]
         for sample in self.samples:
             if sample.stage_at(layer) is not None:
                 sample.next += 1
@@ -270,8 +277,9 @@ class BatchPrefill:
         # A sample without the coverage selection keeps all its tokens of that label, so their chunk ids do not
         # matter, but they must be valid ids (the plan has -1 where a sample's own stages read none).
         chunks = self.chunks.gather(1, safe).clamp_(min=0) if coverage else None
-        keep = select_stage(q, key, labels, mods, chunk_ids=chunks, query_positions=positions, scale=scale, eps=eps,
-                            padding=self.pads)
+        keep, flags = select_stage(q, key, labels, mods, chunk_ids=chunks, query_positions=positions, scale=scale,
+                                   eps=eps, padding=self.pads, return_flags=True)
+        self.nonfinite.append((layer, selected, flags))
         lengths = [self.rows.shape[1] - pad - sum(m.count[i] - m.keep[i] for m in mods)
                    for i, pad in enumerate(self.pads)]
         self.pending, self.pending_pads = keep, [keep.shape[1] - n for n in lengths]

@@ -120,6 +120,29 @@ def _plan_batch(session: _Session, input_ids: torch.Tensor | None, root_kwargs: 
     return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager", tables=tables)
 
 
+def raise_if_nonfinite(entries: list[tuple[int, list[int | None], torch.Tensor]]) -> None:
+    """Raise if a stage ranked non-finite scores. ``entries``: per stage ``(layer, samples, flags)``, ``flags[i]``
+    the device flag of batch index ``samples[i]`` (None: a sample the stage did not select for). All flags come to
+    the host in one copy: the prefill's only device read after the plan's, made once the decoder has run."""
+    if not entries:
+        return
+    flat = torch.cat([flags.reshape(-1) for _, _, flags in entries]).tolist()
+    hits, i = [], 0
+    for layer, samples, _ in entries:
+        for b in samples:
+            if flat[i] and b is not None:
+                hits.append((layer, b))
+            i += 1
+    if hits:
+        layer, b = min(hits)
+        raise RuntimeError(
+            f"macer.compress: the attention scores of the stage reading layer {layer} are not finite for sample {b} "
+            f"(batch index): NaN or inf in that layer's queries or keys, i.e. in the weights of layer {layer} "
+            "(q_proj/k_proj, its norms) or in the hidden states entering it (an earlier layer, the inputs). A "
+            "selection from such scores would keep arbitrary tokens, so this prefill is stopped; the model is left "
+            "as it was. Check the weights and inputs (the model without compress shows NaN logits too).")
+
+
 class _Clock:
     """MACER's own time; with ``profile`` the device is synchronised around each interval."""
 
@@ -165,6 +188,7 @@ class _Prefill:
         self.layer_rows: dict[int, torch.Tensor] = {}  # rows present at each hooked layer (= its cache rows)
         self.handles: list[Any] = []
         self.overhead = 0.0
+        self.nonfinite: list[tuple[int, list[int | None], torch.Tensor]] = []  # raise_if_nonfinite's entries
 
     @property
     def layer_tokens(self) -> list[int]:
@@ -202,9 +226,14 @@ class _Prefill:
         self.next += 1
         if stage.tokens_after == stage.tokens_before:
             return  # the plan says nothing is dropped (keep ratio 1): no device work
-        self.pending = run_stage(stage, query, key, self.current, self.labels, self.chunks, self.queries[i],
-                                 self.picks[i], scale=scale, eps=eps)
+        self.pending, flag = run_stage(stage, query, key, self.current, self.labels, self.chunks, self.queries[i],
+                                       self.picks[i], scale=scale, eps=eps)
+        if flag is not None:
+            self.nonfinite.append((stage.spec.layer, [0], flag))
 
+    def nonfinite_flags(self) -> list[tuple[int, list[int | None], torch.Tensor]]:
+        """The stages' non-finite flags (``raise_if_nonfinite``); a prompt alone is sample 0."""
+        return self.nonfinite
 
     def finish(self, cache: Any, trim: bool, num_layers: int) -> tuple[list[torch.Tensor], int] | None:
         """After the prefill: trim earlier layers' caches to the final rows if asked; returns what a decode step

@@ -353,8 +353,11 @@ def _fused(stage: PlannedStage) -> bool:
 
 def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor | None, current: torch.Tensor,
               labels: torch.Tensor, chunks: torch.Tensor | None, question: torch.Tensor,
-              picks: tuple[torch.Tensor | None, ...], *, scale: float | None, eps: float) -> torch.Tensor:
-    """The rows of the current sequence a stage keeps (sorted; ``stage.tokens_after`` of them).
+              picks: tuple[torch.Tensor | None, ...], *, scale: float | None, eps: float
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(keep, nonfinite)``: the rows of the current sequence a stage keeps (sorted; ``stage.tokens_after`` of them)
+    and a ``[1]`` bool device tensor, whether a token the stage ranks has a non-finite score (None for a stage
+    without scores). The caller reads the flags once, at the prefill's end.
 
     Args:
         current: ``[n]`` prompt positions of the rows entering the stage (device).
@@ -364,7 +367,7 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
 
     MACER's stages run the fused ``macer_kernels.select_stage`` (scores and every selection in one call, at most 4
     launches on the GPU backends); raw scores, joint and random selections compose the ops. Both take their sizes
-    from the host plan and read nothing back.
+    from the host plan and read nothing back. Both rank a NaN score below every number (ties to the lower index).
     """
     spec = stage.spec
     cur_labels = labels[current]
@@ -375,10 +378,19 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
                                     sel.num_chunks if sel.rule == "coverage" else None)
                       for sel, count in zip(spec.selections, stage.members, strict=True)]
         coverage = any(sel.rule == "coverage" for sel in spec.selections)
-        return select_stage(query[:, :, rows], key, cur_labels[None], modalities,
-                            chunk_ids=chunks[current][None] if coverage else None, query_positions=rows[None],
-                            scale=scale, eps=eps)[0]
-    scores = score(query, key, cur_labels, rows, spec.scoring, scale=scale, eps=eps) if spec.needs_scores else None
+        keep, flags = select_stage(query[:, :, rows], key, cur_labels[None], modalities,
+                                   chunk_ids=chunks[current][None] if coverage else None, query_positions=rows[None],
+                                   scale=scale, eps=eps, return_flags=True)
+        return keep[0], flags
+    scores, flag = None, None
+    if spec.needs_scores:
+        scores = score(query, key, cur_labels, rows, spec.scoring, scale=scale, eps=eps)
+        ranked = _member_mask(cur_labels, tuple(m for sel in spec.selections if sel.rule != "random"
+                                                for m in sel.modalities))
+        flag = (ranked & ~torch.isfinite(scores)).any()[None]
+        # Scores are >= 0 or NaN (modality_scores' rule), so -inf for NaN ranks it below every number, ties to the
+        # lower index: select_stage's rule, and the public ops (which refuse NaN where they check) accept it.
+        scores = torch.where(torch.isnan(scores), float("-inf"), scores)
     keep = torch.ones(current.numel(), dtype=torch.bool, device=current.device)
     for sel, count, pick in zip(spec.selections, stage.members, picks, strict=True):
         in_sel = _member_mask(cur_labels, sel.modalities)
@@ -393,4 +405,4 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
                 picked = topk_indices(scores[members], sel.k)
             chosen = members[picked]
         keep[chosen] = True
-    return positions_where(keep, stage.tokens_after)
+    return positions_where(keep, stage.tokens_after), flag

@@ -17,7 +17,9 @@ Model-independent; an adapter (``macer.adapters``) says where the decoder is and
    never dropped, order is preserved, and every later layer receives the compacted tensors. A stage at layer 0
    (``RandomConfig``) compacts before ``layers[0]``.
 4. Layers keep the KV cache of the sequence they saw (the paper's single pass). After prefill, with
-   ``trim_early_cache``, the dropped tokens are also removed from the earlier layers' caches.
+   ``trim_early_cache``, the dropped tokens are also removed from the earlier layers' caches. Every scored stage
+   leaves a device flag "a ranked token's score was not finite" (NaN/inf attention); the prefill's end reads them
+   all in one copy and raises an error naming the layer and the sample if one is set (``raise_if_nonfinite``).
 5. Decoding: ``generate`` passes explicit positions, so only the mask needs care: a mask tensor sized against
    layer 0's cache is compacted along keys to each layer's own cache rows (hooks installed for that step only, and
    only when the step's mask is materialised: eager attention, or a 4-D mask given by the caller).
@@ -39,7 +41,7 @@ from torch import nn
 
 from macer._attention import ACTIVE, register_names, unregister_names
 from macer._batch import BatchLayout, BatchPrefill, decode_step
-from macer._prefill import _Clock, _plan, _plan_batch, _Prefill
+from macer._prefill import _Clock, _plan, _plan_batch, _Prefill, raise_if_nonfinite
 from macer.adapters import Adapter, DecoderParts, get_adapter, text_config
 from macer.policy import Policy
 from macer.trace import Trace
@@ -319,6 +321,7 @@ class _Session:
         cache = getattr(output, "past_key_values", None)
         cache = kwargs.get("past_key_values") if cache is None else cache
         start = self.clock.tick()
+        raise_if_nonfinite(state.nonfinite_flags())
         entry = state.finish(cache, self.policy.trim_early_cache, len(self.parts.layers))
         if cache is not None and entry is not None:
             self.caches[cache] = entry
