@@ -517,3 +517,53 @@ def test_cuda_split_kernels_small_case_for_the_sanitizer(seed, dtype):
     N = 2600), 34 rows per KV head (two row tiles), PAD keys: every barrier, buffer swap and partial of the split
     kernel, small enough for racecheck."""
     _run_cuda(seed, dtype, 8, 16, 8, 17, 2600)
+
+
+_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_cuda_unsplit_grid_of_many_tiles(seed, dtype):
+    """The other side of the split plan: B * Hkv = 68800 CTAs, at least 16 waves on any GPU (an SM holds at most 32
+    CTAs), so each CTA runs all 3-5 tiles of its (batch, KV head) as one split; vs the float64 reference."""
+    from macer_kernels.cuda.modality_scores import modality_scores_cuda
+
+    b, hq, hkv, lq, n, d = 4300, 16, 16, 1, 130, 16
+    wave_bound = torch.cuda.get_device_properties(0).multi_processor_count * 32
+    assert _C.modality_scores_split_plan(_CODES[dtype], b, hkv, n, wave_bound)[1] == 1
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g, device="cuda").to(dtype)
+    k = (2 * torch.randn(b, hkv, n, d, generator=g, device="cuda")).to(dtype)
+    lab = torch.randint(0, 4, (b, n), generator=g, device="cuda")
+    pos = torch.randint(n // 3, n, (b, lq), generator=g, device="cuda")
+    out = modality_scores_cuda(q, k, lab, pos, 0.25, 1e-6)
+    ref = modality_scores_ref(q.double(), k.double(), lab, pos, scale=0.25, eps=1e-6)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 1e-5 * ref.abs().max().item(), f"seed={seed} {dtype}: max error {err}"
+    assert bool((out[lab == 0] == 0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_cuda_non_finite_rule_across_splits(seed, dtype):
+    """The non-finite rule through splits of several tiles: a NaN in a key that sample 0's rows see (in one split)
+    makes its scored keys NaN and its text 0; sample 1, with a NaN only after its rows' positions and an inf in a PAD
+    key, is the PAD oracle's."""
+    from macer_kernels.cuda.modality_scores import modality_scores_cuda
+
+    q, k, lab, positions = make_case(seed, 2, 8, 2, 3, 2600, 64, pad=0)
+    positions[1] = [1500, 1800, 2000]
+    k[0, 1, 700, 5] = np.nan
+    k[1, 0, 2300, :] = np.nan
+    lab[1, 900] = -1
+    k[1, 1, 900, 0] = np.inf
+    qt, kt = torch.from_numpy(q).to(dtype), torch.from_numpy(k).to(dtype)
+    out = modality_scores_cuda(qt.cuda(), kt.cuda(), torch.from_numpy(lab).cuda(), torch.from_numpy(positions).cuda(),
+                               0.125, 1e-6).cpu().numpy()
+    assert np.isnan(out[0][lab[0] > 0]).all() and np.all(out[0][lab[0] == 0] == 0), f"seed={seed} {dtype}"
+    clean = kt.float().numpy()[1:].copy()
+    clean[0, 0, 2300] = 0.0
+    clean[0, 1, 900] = 0.0
+    ref = pad_oracle(qt.float().numpy()[1:], clean, lab[1:], positions[1:], 0.125, 1e-6)
+    check(seed, f"cuda non-finite {dtype}", out[1:], ref, lab[1:], tol=1e-5)
