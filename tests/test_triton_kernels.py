@@ -167,6 +167,32 @@ def test_scores_both_phase3_strategies(store):
     _check_scores(out, q, k, m)
 
 
+@pytest.mark.parametrize("block_t", [2, 4])
+def test_scores_combine_over_several_blocks_of_tiles(monkeypatch, block_t):
+    """Issue 22 item 3: the combine reads a row's tile maxima and sums COMBINE_BLOCK_T tiles at a time (1024
+    compiled, i.e. only above ~32k fp32 / ~131k bf16 keys); with 2 or 4 here, 7 tiles of 64 keys take 4 or 2 steps of
+    both loops. Guards ``acc += ...`` -> ``acc = ...`` (only the last block's sums) and a row maximum taken over one
+    block only. Rows at different depths, so some blocks are empty for some rows."""
+    import macer_kernels.triton.modality_scores as triton_scores
+
+    monkeypatch.setattr(triton_scores, "COMBINE_BLOCK_T", block_t)
+    n = 411  # fp32 inputs, D = 16: 64-key tiles (the grid of 4 x 7 tiles fills the interpreter's 8 "SMs")
+    q, k, m = score_inputs(2, 4, 2, 3, n, 16, q_scale=3.0, device=DEVICE)
+    positions = torch.tensor([[40, 200, n - 1], [n - 1, 300, 90]], device=DEVICE)
+    for eps in (1e-6, 0.5):
+        out = triton_scores.modality_scores_triton(q, k, m, positions, 0.25, eps)
+        _check_scores(out, q, k, m, positions, scale=0.25, eps=eps)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_scores_combine_past_1024_tiles_on_gpu(dtype):
+    """The compiled combine past its block of 1024 tiles (issue 22 item 3): N = 140000 keys is 2188 tiles of 64 fp32
+    keys or 1094 of 128 bf16 keys, so both of its loops take two steps."""
+    q, k, m = score_inputs(1, 4, 1, 2, 140000, 64, dtype=dtype, device=DEVICE)
+    _check_scores(modality_scores(q, k, m), q, k, m)
+
+
 _HUGE_STRIDE_CODE = """
 import torch, macer_kernels as mk
 from macer_kernels.reference import modality_scores_ref

@@ -64,6 +64,11 @@ SMEM_PER_PROGRAM = 96 * 1024
 """Shared memory a scoring program's pipelined tiles may take: under the 99 KB per block of sm_86 / sm_89, the
 smallest of the GPUs the package targets (Triton's small reduction scratch comes on top)."""
 
+COMBINE_BLOCK_T = 1024
+"""Key tiles the combine (phase 2) reads per step of its loops over a row's tiles. Above ``COMBINE_BLOCK_T`` tiles
+(N above 32k fp32 / 131k bf16 keys at 32 / 128 keys per tile) the loops take several steps; the tests set it small
+to run those steps in the interpreter."""
+
 _LOG2E = 1.4426950408889634
 _INTERPRETED = bool(triton.knobs.runtime.interpret)
 
@@ -385,7 +390,7 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     )
     _combine_kernel[(total_rows,)](
         tile_max, tile_sums, row_max, weight, tiles, eps, 1.0 / (lq * hq),
-        NUM_M=num_m, M_PAD=m_pad, BLOCK_T=min(1024, triton.next_power_of_2(tiles)), num_warps=4,
+        NUM_M=num_m, M_PAD=m_pad, BLOCK_T=min(COMBINE_BLOCK_T, triton.next_power_of_2(tiles)), num_warps=4,
     )
     block_n3 = _block_n(d, 2 * sms, n, b, dot_fp32)
     _scores_kernel[(b, triton.cdiv(n, block_n3))](
