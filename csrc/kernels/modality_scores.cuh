@@ -159,8 +159,10 @@ __device__ __forceinline__ uint4 load16_evict_first(const void* src, uint64_t po
       : "l"(src), "l"(policy));
   return v;
 }
+// No "memory" clobber: nothing in the tile kernel reads the logits back, so the store need not order other accesses
+// (it would force the shared-memory reads around it to be reissued).
 __device__ __forceinline__ void store_evict_last(float* dst, float v, uint64_t policy) {
-  asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(dst), "f"(v), "l"(policy) : "memory");
+  asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(dst), "f"(v), "l"(policy));
 }
 
 // The bits of V = 16 / sizeof(T) consecutive elements at src, zero past `valid` (all-zero bits are 0.0 in every

@@ -291,6 +291,16 @@ def _block_n(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> i
     return block
 
 
+def _block_n_scores(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> int:
+    """Key-tile width of phase 3: half of ``_block_n``'s (a quarter for the fp32 dot), at least 16. Phase 3 holds the
+    logit tile of every row block, its exp2 and the per-label weights at once: at phase 1's width it took 151 / 154
+    registers (sm_89 / sm_90, bf16, D = 128, 8 warps, one program per SM) and the fp32 variant spilled on sm_89
+    (320 B of stack at D = 128, 4.3 KB at D = 256). At this width: 80 / 96 for bf16; fp32 48 (8 B) / 80 at D = 128,
+    78 / no spill at D = 256 (cuobjdump of offline compiles, docs/triton.md). The query rows are re-read per program
+    from L2; K is still read once."""
+    return max(16, _block_n(d, tiles_wanted, n, batch, dot_fp32) // (4 if dot_fp32 else 2))
+
+
 def _num_stages(rows_pad: int, block_n: int, block_d: int, operand_bytes: int, row_loop: bool,
                 dot_fp32: bool) -> int:
     """Pipeline stages of the loops that take a ``tl.dot`` (phase 3's loop over KV heads). With ``s`` stages a
@@ -392,7 +402,7 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
         tile_max, tile_sums, row_max, weight, tiles, eps, 1.0 / (lq * hq),
         NUM_M=num_m, M_PAD=m_pad, BLOCK_T=min(COMBINE_BLOCK_T, triton.next_power_of_2(tiles)), num_warps=4,
     )
-    block_n3 = _block_n(d, 2 * sms, n, b, dot_fp32)
+    block_n3 = _block_n_scores(d, 2 * sms, n, b, dot_fp32)
     _scores_kernel[(b, triton.cdiv(n, block_n3))](
         query, key, modality, query_positions, row_max, weight, logits, out, *common, *k_strides, *lab_strides,
         *pos_strides, scale_log2,
