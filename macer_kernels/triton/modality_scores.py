@@ -72,6 +72,11 @@ to run those steps in the interpreter."""
 _LOG2E = 1.4426950408889634
 _INTERPRETED = bool(triton.knobs.runtime.interpret)
 
+SMALL_PHASE3_TILES = not _INTERPRETED
+"""Phase 3 takes a smaller key tile than phase 1 (``_block_n_scores``): compiled, it saves registers; the interpreter
+has none to save and runs each program in Python (3.5x the time of the scoring tests), so there it keeps phase 1's
+tile unless a test sets this."""
+
 
 @triton.jit
 def _tile_logits(q_rows, k_head, pos_row, labels, offs_n, rows, N, R, LQ, D, stride_kn, stride_pl, scale_log2,
@@ -298,7 +303,8 @@ def _block_n_scores(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: boo
     (320 B of stack at D = 128, 4.3 KB at D = 256). At this width: 80 / 96 for bf16; fp32 48 (8 B) / 80 at D = 128,
     78 / no spill at D = 256 (cuobjdump of offline compiles, docs/triton.md). The query rows are re-read per program
     from L2; K is still read once."""
-    return max(16, _block_n(d, tiles_wanted, n, batch, dot_fp32) // (4 if dot_fp32 else 2))
+    block = _block_n(d, tiles_wanted, n, batch, dot_fp32)
+    return max(16, block // (4 if dot_fp32 else 2)) if SMALL_PHASE3_TILES else block
 
 
 def _num_stages(rows_pad: int, block_n: int, block_d: int, operand_bytes: int, row_loop: bool,
