@@ -485,9 +485,10 @@ def test_replay_follows_the_non_finite_rule(seed):
 
 
 # ---- on a GPU: the kernels themselves on PAD keys, splits of several tiles and two row tiles --------------------
-# The split count is one wave of CTAs over (splits, Hkv, B) (132 SMs x 8 CTAs for bf16 at D = 64 on an H100), so a
-# split holds several tiles only when the tiles outnumber wave / (Hkv * B): the shapes below have 2 to 6 tiles per
-# split on an H100. The small case is the one benchmarks/gpu_check.sh runs under compute-sanitizer.
+# The split count fills whole waves of CTAs over (splits, Hkv, B) (an H100 wave at D = 64: 132 SMs x 8 CTAs for bf16,
+# x 4 for fp32 by registers), so a split holds several tiles when the tiles outnumber a wave's CTAs per (Hkv, B): by
+# _C.modality_scores_split_plan the shapes below have 2-4 tiles per split for bf16 and 9-15 for fp32 on an H100. The
+# small case is the one benchmarks/gpu_check.sh runs under compute-sanitizer.
 
 def _run_cuda(seed, dtype, b, hq, hkv, lq, n, d=64, tol=1e-5):
     from macer_kernels.cuda.modality_scores import modality_scores_cuda
@@ -513,7 +514,7 @@ def test_cuda_kernels_match_the_pad_oracle(seed, dtype, b, hq, hkv, lq, n):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_split_kernels_small_case_for_the_sanitizer(seed, dtype):
-    """B * Hkv = 64 CTAs per split index (on an H100 about 17 splits of 2-3 tiles for bf16, 15 of 5-6 for fp32 at
+    """B * Hkv = 64 CTAs per split index (on an H100 16 splits of 2-3 tiles for bf16, 8 of 10-11 for fp32 at
     N = 2600), 34 rows per KV head (two row tiles), PAD keys: every barrier, buffer swap and partial of the split
     kernel, small enough for racecheck."""
     _run_cuda(seed, dtype, 8, 16, 8, 17, 2600)
