@@ -59,8 +59,8 @@ struct TileConfig {
   static constexpr int kKeys = 32;
   // Resident CTAs per SM that ptxas must allow (__launch_bounds__): without it, sm_90's fp32 tile kernel took 96
   // registers and spilled 20 B around the batched K loads; 4 caps it at 128 (no spill; 111-127 used). On an H100
-  // that is 4 resident CTAs at D <= 128 where shared memory would allow 5 (64 KB of K loads in flight per SM instead
-  // of 10 KB before); sm_89 stays at shared memory's 2.
+  // that is 4 resident CTAs at D <= 128 where shared memory would allow 5 or more (64 KB of K loads in flight per SM
+  // instead of 10 KB before at D = 128); sm_89 stays at shared memory's 2.
   static constexpr int kMinBlocks = 4;
   static constexpr int kPad = 4;  // keeps rows 16-byte aligned and spreads lanes over banks
   static constexpr int kDimAlign = 4;
