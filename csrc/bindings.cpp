@@ -240,6 +240,30 @@ PYBIND11_MODULE(_C, m) {
       },
       "(tiles, splits, split_tiles, split_extra) of the scoring tile kernel for a wave of CTAs (host arithmetic)",
       py::arg("q_dtype"), py::arg("batch"), py::arg("kv_heads"), py::arg("num_keys"), py::arg("wave"));
+  m.def("modality_scores_split_begin", &macer::modality_scores_split_begin,
+        "First key tile of a split (the kernel's split_begin)", py::arg("split"), py::arg("split_tiles"),
+        py::arg("split_extra"));
+  m.def(
+      "modality_scores_visible",
+      [](const std::vector<int64_t>& keys, const std::vector<int64_t>& labels, int64_t num_keys,
+         const std::vector<int64_t>& positions) {
+        if (keys.size() != labels.size()) {
+          throw std::invalid_argument("macer_kernels.modality_scores: keys and labels must have the same length");
+        }
+        std::vector<bool> visible;
+        visible.reserve(positions.size() * keys.size());
+        for (const int64_t pos : positions)
+          for (size_t j = 0; j < keys.size(); ++j)
+            visible.push_back(macer::modality_scores_key_visible(keys[j], num_keys, pos, labels[j]));
+        return visible;
+      },
+      "The kernel's key_visible for each (row position, key): row-major [len(positions), len(keys)]",
+      py::arg("keys"), py::arg("labels"), py::arg("num_keys"), py::arg("positions"));
+  {
+    py::dict constants;
+    for (const auto& [name, value] : macer::modality_scores_constants()) constants[name.c_str()] = value;
+    m.attr("MODALITY_SCORES_CONSTANTS") = constants;
+  }
   m.def("select_workspace_bytes", &macer::select_workspace_bytes, py::arg("n"), py::arg("device"));
   m.def("topk_indices", &topk_indices, "Top-k indices, ties to the lower index, sorted ascending");
   m.def("coverage_select", &coverage_select, "eq:chunk_coverage_greedy without a k-step loop");

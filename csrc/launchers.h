@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace macer {
@@ -60,6 +61,12 @@ struct ScoresSplitPlan {
 ScoresSplitPlan modality_scores_split_plan(int q_dtype, int64_t batch, int64_t kv_heads, int64_t num_keys,
                                            int64_t wave);
 void modality_scores(const ModalityScoresParams& p);
+// The tile kernel's own host/device helpers and constants (csrc/kernels/modality_scores.cuh), for the CPU replay:
+// the first tile of a split, whether a key is visible to a row (exists, not after the causal limit, not PAD), and
+// (name, value) of every constant the kernels' schedule depends on.
+int64_t modality_scores_split_begin(int64_t split, int64_t split_tiles, int64_t split_extra);
+bool modality_scores_key_visible(int64_t n, int64_t num_keys, int64_t pos, int64_t label);
+std::vector<std::pair<std::string, int64_t>> modality_scores_constants();
 
 // ---------------------------------------------------------------------------------------------------------------
 // topk_indices and coverage_select (eq:chunk_coverage_greedy)

@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <climits>
 #include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "kernels/modality_scores.cuh"
 
@@ -118,14 +121,29 @@ ScoresSplitPlan modality_scores_split_plan(int q_dtype, int64_t batch, int64_t k
                                            int64_t wave) {
   require(batch >= 1 && kv_heads >= 1 && num_keys >= 1 && wave >= 1, kOp,
           "split plan: B, Hkv, N and wave must be >= 1");
-  const bool mma = q_dtype == kFloat16 || q_dtype == kBFloat16;
   ScoresSplitPlan plan{};
-  plan.tiles = ceil_div(num_keys, mma ? scores::TileConfig<__half>::kKeys : scores::TileConfig<float>::kKeys);
-  // At most one wave of CTAs over (splits, Hkv, B): enough to keep every SM's loads in flight, few partials per row.
-  // Rounded down: rounding up would leave up to Hkv*B - 1 CTAs of a second wave, each a whole split, so the kernel
-  // would take about one split longer. Every split gets at least one tile (splits <= tiles) and the workspace bound
-  // holds (splits <= max_splits(N)); Hkv*B >= wave gives one split (the grid is then a wave or more by itself).
-  plan.splits = std::max<int64_t>(1, std::min({wave / (kv_heads * batch), plan.tiles, max_splits(num_keys)}));
+  plan.tiles = ceil_div(num_keys, scores::tile_keys(q_dtype));
+  // Whole waves of CTAs over (splits, Hkv, B). With S splits the grid is S * Hkv * B CTAs, ceil(S Hkv B / wave)
+  // waves, each as long as a split: ceil(T / S) tiles plus about one tile of fixed work per CTA (staging the query,
+  // writing its partials). S = 1 at Hkv * B = 400 on a 660-CTA wave would run one 60 % full wave of whole-row CTAs;
+  // the estimate picks the S of least waves x (tiles per split + 1), the fewest splits among equals (fewer
+  // partials). Among the S that run in w waves the largest, floor(w * wave / (Hkv B)), has the shortest splits, so
+  // only those are tried, for w = 1 .. kMaxWaves. Every split gets at least one tile (S <= T) and the workspace
+  // bound holds (S <= max_splits(N)).
+  const int64_t ctas = kv_heads * batch;
+  const int64_t limit = std::min(plan.tiles, max_splits(num_keys));
+  constexpr int64_t kMaxWaves = 16;  // beyond this the last wave's share of the time is under 1/16 anyway
+  auto cost = [&](int64_t s) { return ceil_div(s * ctas, wave) * (ceil_div(plan.tiles, s) + 1); };
+  plan.splits = 1;
+  int64_t best = cost(1);
+  for (int64_t w = 1; w <= kMaxWaves; ++w) {
+    const int64_t s = std::min(limit, w * wave / ctas);
+    if (s >= 1 && cost(s) < best) {
+      best = cost(s);
+      plan.splits = s;
+    }
+    if (s >= limit) break;
+  }
   plan.split_tiles = plan.tiles / plan.splits;
   plan.split_extra = plan.tiles % plan.splits;
   return plan;
@@ -139,6 +157,35 @@ size_t modality_scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q
 }
 
 int64_t modality_scores_max_head_dim() { return scores::kMaxHeadDim; }
+
+int64_t modality_scores_split_begin(int64_t split, int64_t split_tiles, int64_t split_extra) {
+  return scores::split_begin(split, split_tiles, split_extra);
+}
+
+bool modality_scores_key_visible(int64_t n, int64_t num_keys, int64_t pos, int64_t label) {
+  return scores::key_visible(n, num_keys, pos, label);
+}
+
+std::vector<std::pair<std::string, int64_t>> modality_scores_constants() {
+  return {{"threads", scores::kThreads},
+          {"warps", scores::kWarps},
+          {"row_tile", scores::kRowTile},
+          {"rows_per_warp", scores::kRowsPerWarp},
+          {"threads_per_row", scores::kThreadsPerRow},
+          {"load_batch", scores::kLoadBatch},
+          {"keys_fp32", scores::TileConfig<float>::kKeys},
+          {"keys_fp64", scores::TileConfig<double>::kKeys},
+          {"keys_fp16", scores::TileConfig<__half>::kKeys},
+          {"keys_bf16", scores::TileConfig<__nv_bfloat16>::kKeys},
+          {"min_keys_per_tile", scores::kMinKeysPerTile},
+          {"max_splits", scores::kMaxSplits},
+          {"max_head_dim", scores::kMaxHeadDim},
+          {"num_labels", kNumLabels},
+          {"combine_threads", scores::kCombineThreads},
+          {"reduce_warps", scores::kReduceWarps},
+          {"reduce_keys", scores::kReduceKeys},
+          {"reduce_unroll", scores::kReduceUnroll}};
+}
 
 void modality_scores(const ModalityScoresParams& p) {
   require(p.head_dim >= 1 && p.head_dim <= scores::kMaxHeadDim, kOp,
@@ -169,8 +216,7 @@ void modality_scores(const ModalityScoresParams& p) {
   scores::scores_combine_kernel<<<static_cast<unsigned>(total_rows), scores::kCombineThreads, 0, stream>>>(
       w.partial, w.stats, splits, p.eps);
   MACER_LAUNCH_CHECK(kOp, "scores_combine_kernel");
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.num_keys, scores::kReduceThreads)),
-                  static_cast<unsigned>(p.batch));
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.num_keys, scores::kReduceKeys)), static_cast<unsigned>(p.batch));
   scores::scores_reduce_kernel<<<grid, scores::kReduceThreads, 0, stream>>>(
       w.logits, w.stats, p.modality, p.modality_dtype, p.mod_stride[0], p.mod_stride[1], p.out, rows, p.num_keys);
   MACER_LAUNCH_CHECK(kOp, "scores_reduce_kernel");

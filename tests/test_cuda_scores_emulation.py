@@ -3,11 +3,15 @@ with the float64 reference ``modality_scores_ref``.
 
 No GPU is needed: the replay follows the kernels' loop structure and fp32 arithmetic -- the host's split count and
 tile ranges, the row tiles of 32 query rows, per K tile the visibility test (causal limit, N tail, PAD keys), the
-tile's (max, sum of exp2) per label merged into a running pair in the kernel's order, one partial per (row, label,
-split) at the flat index the kernel writes (inside the workspace bound of ``modality_scores_workspace_bytes``), the
-combine's per-lane merge over splits and its butterfly reductions, and the reduce over rows. Dot products are
-numpy's fp32 matmul rather than WMMA's order of accumulation (both fp32, rounding-level apart). What the replay
-cannot show is that the CUDA code matches it (barriers, races): the ``cuda``-marked tests at the end, and
+tile's (max, sum of exp2) per label merged into a running pair in the kernel's order (4 threads per row, then two
+shuffles), one partial per (row, label, split) at the flat index the kernel writes (inside the workspace bound of
+``modality_scores_workspace_bytes``), the combine's per-lane merge over splits and its butterfly reductions, and the
+reduce (8 warps splitting the rows, summed in warp order). It shares its arithmetic helpers with the kernels rather
+than re-deriving them: the split plan, ``split_begin`` and ``key_visible`` are the header's own functions called
+through ``_C`` (so an off-by-one planted in the causal limit or in ``split_begin`` fails here), and every constant
+comes from ``_C.MODALITY_SCORES_CONSTANTS``, compiled from the header. Dot products are numpy's fp32 matmul rather
+than WMMA's order of accumulation (both fp32, rounding-level apart). What the replay cannot show is that the CUDA
+code matches it (barriers, races, the K staging, see docs/cuda.md): the ``cuda``-marked tests at the end, and
 tests/test_cuda_kernels.py, do that on a GPU.
 
 PAD keys (label -1, a batch's padding: excluded from every row's softmax): the oracle is the contract's own, each
@@ -17,8 +21,8 @@ positions shifted, PAD keys score exactly 0; the reference run on the padded bat
 
 from __future__ import annotations
 
+import math
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,33 +30,33 @@ import torch
 
 from macer_kernels.reference import modality_scores_ref
 
-ROOT = Path(__file__).resolve().parents[1]
-HEADER = (ROOT / "csrc" / "kernels" / "modality_scores.cuh").read_text()
+# The replay calls the kernels' own host helpers and reads their constants from the compiled module (built from
+# csrc/kernels/modality_scores.cuh): without the extension there is nothing to replay.
+_C = pytest.importorskip("macer_kernels._C")
+K = dict(_C.MODALITY_SCORES_CONSTANTS)
 
-# The kernel's constants, mirrored here (test_replay_constants_match_the_kernel checks them against the header).
-ROW_TILE = 32
-WARPS = 4
-NUM_LABELS = 9
-MIN_KEYS_PER_TILE = 32
-MAX_SPLITS = 1024
-REDUCE_UNROLL = 8
+ROW_TILE = K["row_tile"]
+WARPS = K["warps"]
+ROWS_PER_WARP = K["rows_per_warp"]
+THREADS_PER_ROW = K["threads_per_row"]
+NUM_LABELS = K["num_labels"]
+MIN_KEYS_PER_TILE = K["min_keys_per_tile"]
+MAX_SPLITS = K["max_splits"]
+REDUCE_WARPS = K["reduce_warps"]
+REDUCE_KEYS = K["reduce_keys"]
+REDUCE_UNROLL = K["reduce_unroll"]
+KEYS_CODE = {K["keys_fp32"]: 0, K["keys_bf16"]: 2}  # keys per tile -> a dtype code with that tile (fp32, bf16)
 LOG2E = 1.4426950408889634
 F32 = np.float32
 NEG_INF = F32(-np.inf)
 
 
-def _header_constant(name: str) -> int:
-    match = re.search(rf"constexpr int(?:64_t)? {name} = (\d+);", HEADER)
-    assert match, f"{name} not found in csrc/kernels/modality_scores.cuh"
-    return int(match.group(1))
-
-
-def test_replay_constants_match_the_kernel():
-    assert [_header_constant(n) for n in ("kRowTile", "kMinKeysPerTile", "kMaxSplits", "kReduceUnroll")] == [
-        ROW_TILE, MIN_KEYS_PER_TILE, MAX_SPLITS, REDUCE_UNROLL]
-    assert _header_constant("kThreads") == 32 * WARPS
-    assert re.search(r"static constexpr int kKeys = 32;", HEADER) and re.search(r"static constexpr int kKeys = 64;",
-                                                                                  HEADER)
+def test_the_module_reports_the_kernels_layout():
+    """The constants the replay runs on are those the kernels were compiled with; the mappings they imply hold."""
+    assert K["threads"] == 32 * WARPS and ROWS_PER_WARP * WARPS == ROW_TILE and THREADS_PER_ROW * ROWS_PER_WARP == 32
+    assert K["keys_fp32"] == K["keys_fp64"] == 32 and K["keys_fp16"] == K["keys_bf16"] == 64
+    assert K["combine_threads"] == 32 * NUM_LABELS and REDUCE_KEYS == 32
+    assert _C.MAX_MODALITIES + 1 == NUM_LABELS
 
 
 # ---- host side: splits, tile ranges, workspace ---------------------------------------------------------------------
@@ -61,14 +65,17 @@ def max_splits(n: int) -> int:
     return min(-(-n // MIN_KEYS_PER_TILE), MAX_SPLITS)
 
 
-def host_splits(tiles: int, n: int, kv_heads: int, batch: int, wave: int) -> int:
-    """launch_tiles: at most one wave of CTAs over (splits, Hkv, B) (rounded down: no nearly empty second wave), at
-    most one split per tile, within the workspace."""
-    return max(1, min(wave // (kv_heads * batch), tiles, max_splits(n)))
+def split_plan(keys: int, n: int, kv_heads: int, batch: int, wave: int) -> tuple[int, int, int, int]:
+    """The launcher's (tiles, splits, split_tiles, split_extra) for a wave of `wave` CTAs: _C's own arithmetic."""
+    return tuple(_C.modality_scores_split_plan(KEYS_CODE[keys], batch, kv_heads, n, wave))
+
+
+def host_splits(keys: int, n: int, kv_heads: int, batch: int, wave: int) -> int:
+    return split_plan(keys, n, kv_heads, batch, wave)[1]
 
 
 def split_begin(split: int, split_tiles: int, split_extra: int) -> int:
-    return split * split_tiles + min(split, split_extra)
+    return _C.modality_scores_split_begin(split, split_tiles, split_extra)
 
 
 def _align(x: int) -> int:
@@ -85,6 +92,7 @@ def workspace_layout(b: int, hq: int, lq: int, n: int) -> tuple[int, int, int, i
 
 @pytest.mark.parametrize("tiles", [1, 2, 3, 7, 64, 313, 1563, 5000])
 def test_splits_cover_every_tile_once_with_lengths_differing_by_at_most_one(tiles):
+    """_C.modality_scores_split_begin is the kernel's split_begin (an off-by-one planted there fails here)."""
     for splits in sorted({1, 2, 3, 5, 31, 32, 33, 132, 792, tiles} & set(range(1, tiles + 1))):
         q, extra = divmod(tiles, splits)
         bounds = [split_begin(s, q, extra) for s in range(splits + 1)]
@@ -93,67 +101,95 @@ def test_splits_cover_every_tile_once_with_lengths_differing_by_at_most_one(tile
         assert lengths.min() >= 1 and lengths.max() - lengths.min() <= 1, (tiles, splits)
 
 
-@pytest.mark.parametrize(("n", "hkv", "b", "wave"), [(2400, 4, 1, 792), (20000, 4, 1, 792), (100000, 4, 1, 792),
-                                                     (100000, 1, 1, 2368), (5, 2, 3, 100), (40, 8, 64, 792)])
-def test_host_split_count_fills_one_wave_within_the_workspace(n, hkv, b, wave):
+def _wave_cost(splits: int, tiles: int, ctas: int, wave: int) -> int:
+    """The plan's time model: waves of CTAs x (tiles per split + about one tile of fixed work per CTA)."""
+    return math.ceil(splits * ctas / wave) * (math.ceil(tiles / splits) + 1)
+
+
+@pytest.mark.parametrize(("n", "hkv", "b", "wave"), [(2400, 4, 1, 660), (20000, 4, 1, 660), (100000, 4, 1, 660),
+                                                     (100000, 1, 1, 2368), (5, 2, 3, 100), (40, 8, 64, 792),
+                                                     (2400, 4, 100, 660), (20000, 4, 100, 660), (100000, 4, 37, 660),
+                                                     (20000, 4, 160, 660), (777, 3, 2, 1), (10 ** 6, 1, 1, 5000)])
+def test_split_count_fills_whole_waves_within_the_workspace(n, hkv, b, wave):
+    """Item 5 of issue 20: the split count keeps the grid close to whole waves. Against a brute force over every
+    split count, the plan's modelled time (waves x tiles per split) is within 2 % of the best; the old rule (at most
+    one wave, rounded down) ran B = 100, Hkv = 4 on a 660-CTA wave as one 61 % full wave of whole-row CTAs."""
     for keys in (32, 64):
-        tiles = -(-n // keys)
-        splits = host_splits(tiles, n, hkv, b, wave)
-        assert 1 <= splits <= min(tiles, MAX_SPLITS, max_splits(n))
-        if splits < tiles and splits < max_splits(n):  # not capped by the tiles or the workspace: one wave
-            assert splits * hkv * b <= wave or splits == 1, (n, hkv, b, wave)
-            assert (splits + 1) * hkv * b > wave, (n, hkv, b, wave)  # and no fewer splits than fit in it
+        tiles, splits, split_tiles, split_extra = split_plan(keys, n, hkv, b, wave)
+        assert tiles == -(-n // keys) and (split_tiles, split_extra) == divmod(tiles, splits)
+        limit = min(tiles, max_splits(n))
+        assert 1 <= splits <= limit
+        best = min(_wave_cost(s, tiles, hkv * b, wave) for s in range(1, limit + 1))
+        assert _wave_cost(splits, tiles, hkv * b, wave) <= 1.02 * best, (keys, n, hkv, b, wave, splits)
+        if splits * hkv * b <= wave:  # within one wave: as many splits as fit (the shortest splits)
+            assert splits == limit or (splits + 1) * hkv * b > wave, (keys, n, hkv, b, wave, splits)
+    assert host_splits(64, 2400, 4, 100, 660) > 1
 
 
-def test_the_modules_split_plan_is_the_replayed_one():
-    """_C.modality_scores_split_plan (the arithmetic launch_tiles uses, with the device's wave passed in) against
-    host_splits / divmod, for both tile sizes (dtype codes: 0 float32, 1 float16, 2 bfloat16, 3 float64)."""
-    pytest.importorskip("macer_kernels._C")
-    from macer_kernels.cuda._ext import ext
-
-    for code, keys in ((0, 32), (1, 64), (2, 64), (3, 32)):
-        for b, hkv, n, wave in [(1, 4, 2400, 660), (1, 4, 20000, 660), (1, 4, 100000, 660), (1, 1, 10**6, 5000),
-                                (3, 2, 5, 100), (64, 8, 40, 792), (1, 1, 1, 1), (2, 3, 777, 1)]:
-            tiles = -(-n // keys)
-            splits = host_splits(tiles, n, hkv, b, wave)
-            want = (tiles, splits, *divmod(tiles, splits))
-            assert tuple(ext().modality_scores_split_plan(code, b, hkv, n, wave)) == want, (code, b, hkv, n, wave)
+def test_split_plan_rejects_empty_shapes():
     with pytest.raises(ValueError, match="split plan: B, Hkv, N and wave must be >= 1"):
-        ext().modality_scores_split_plan(2, 1, 1, 0, 1)
+        _C.modality_scores_split_plan(2, 1, 1, 0, 1)
 
 
 def test_module_rejects_more_rows_than_the_combine_grid_takes():
     """The combine runs one block per query row (grid.x < 2^31) and the tile kernel's row math is 32-bit."""
-    pytest.importorskip("macer_kernels._C")
-    from macer_kernels.cuda._ext import ext
-
     with pytest.raises(ValueError, match=re.escape("B * Hq * Lq must be at most 2^31 - 1 (CUDA grid limit)")):
-        ext().modality_scores(0, 0, 0, 0, 0, 0, 2, 8, 8, (65535, 65535, 1, 64, 1, 16), (1, 1, 1, 1), (1, 1, 1),
-                              (1, 1), (1, 1), 0.1, 1e-6, 0, 0)
+        _C.modality_scores(0, 0, 0, 0, 0, 0, 2, 8, 8, (65535, 65535, 1, 64, 1, 16), (1, 1, 1, 1), (1, 1, 1),
+                           (1, 1), (1, 1), 0.1, 1e-6, 0, 0)
 
 
 def test_workspace_bytes_match_the_replayed_layout():
-    pytest.importorskip("macer_kernels._C")
-    from macer_kernels.cuda._ext import ext
-
     for b, hq, lq, n in [(1, 28, 4, 2400), (1, 28, 4, 100000), (3, 8, 5, 1), (2, 4, 17, 33), (1, 1, 1, 32769 * 32)]:
-        assert ext().modality_scores_workspace_bytes(b, hq, lq, n) == workspace_layout(b, hq, lq, n)[3]
+        assert _C.modality_scores_workspace_bytes(b, hq, lq, n) == workspace_layout(b, hq, lq, n)[3]
+
+
+def test_key_visibility_is_the_causal_limit_the_tail_and_pad():
+    """_C.modality_scores_visible is the kernel's key_visible (an off-by-one planted in the causal limit fails here
+    and in every replay below): key n is visible to a row at position pos iff n < N, n <= pos and its label >= 0."""
+    keys = list(range(12))
+    labels = [0, 1, -1, 2, 8, 0, -1, 3, 1, 1, 0, 2]
+    positions = [0, 3, 5, 9, 11, 20]
+    got = np.array(_C.modality_scores_visible(keys, labels, 10, positions)).reshape(len(positions), len(keys))
+    n, lab, pos = np.array(keys)[None], np.array(labels)[None], np.array(positions)[:, None]
+    assert np.array_equal(got, (n < 10) & (n <= pos) & (lab >= 0))
 
 
 # ---- the kernels ---------------------------------------------------------------------------------------------------
 
-def warp_sum(v: np.ndarray) -> np.ndarray:
-    """warp_sum: the xor butterfly over the last axis (32 lanes), in fp32; every lane ends with the same value."""
+def butterfly_sum(v: np.ndarray) -> np.ndarray:
+    """An xor-shuffle sum over the last axis (its lanes: 32 for warp_sum, THREADS_PER_ROW for the tile epilogue's
+    row groups), offsets from the largest down as warp_sum does, in fp32; returns lane 0's value (every lane ends
+    with the same one: fp32 addition is commutative)."""
     v = v.astype(F32)
-    lanes = np.arange(32)
-    for off in (16, 8, 4, 2, 1):
+    lanes = np.arange(v.shape[-1])
+    off = v.shape[-1] // 2
+    while off:
         v = (v + v[..., lanes ^ off]).astype(F32)
+        off //= 2
     return v[..., 0]
+
+
+def row_group_sum(v: np.ndarray) -> np.ndarray:
+    """The epilogue's per-row sum: offsets 1, 2 (ascending, as the kernel's loop runs) over the row's threads."""
+    v = v.astype(F32)
+    lanes = np.arange(v.shape[-1])
+    off = 1
+    while off < v.shape[-1]:
+        v = (v + v[..., lanes ^ off]).astype(F32)
+        off *= 2
+    return v[..., 0]
+
+
+def warp_sum(v: np.ndarray) -> np.ndarray:
+    """warp_sum: the xor butterfly over 32 lanes (offsets 16 .. 1)."""
+    return butterfly_sum(v)
 
 
 def tile_kernel(q, k, labels, positions, scale_log2, keys, splits, logits, partial):
     """scores_tile_kernel over the whole grid (splits, Hkv, B). q [B,Hq,Lq,D], k [B,Hkv,N,D] fp32 values; writes the
-    flat logits and partial arrays at the kernel's indices."""
+    flat logits and partial arrays at the kernel's indices. Split ranges and visibility come from the kernel's own
+    helpers (_C.modality_scores_split_begin, _C.modality_scores_visible); the epilogue's sums follow its order
+    (THREADS_PER_ROW threads per row, each over keys g + THREADS_PER_ROW u, then two xor shuffles)."""
     b_n, hq, lq, _ = q.shape
     hkv, n = k.shape[1], k.shape[2]
     tiles = -(-n // keys)
@@ -183,20 +219,23 @@ def tile_kernel(q, k, labels, positions, scale_log2, keys, splits, logits, parti
                         ktile[exists] = k[b, kvh, keys_n[exists]]
                         s = (qtile @ ktile.T).astype(F32)
                         logit = (s * scale_log2).astype(F32)
-                        visible = exists[None] & (keys_n[None] <= pos[:, None]) & (lab[None] >= 0)
+                        # The kernel's own visibility test (key_visible: the causal limit, the N tail, PAD).
+                        visible = np.array(_C.modality_scores_visible(keys_n.tolist(), lab.tolist(), n,
+                                                                      pos.tolist()), bool).reshape(len(rr), keys)
                         v = np.where(visible, logit, NEG_INF)
                         broken |= (visible & ~np.isfinite(logit)).any(axis=1)
                         logits[row_index[:, None] * n + keys_n[exists][None]] = v[:, exists]
                         for m in present:
                             in_m = np.broadcast_to(lab[None] == m, v.shape)
-                            mx = np.where(in_m, v, NEG_INF).max(axis=1)  # warp_max: exact
-                            merge = mx != NEG_INF  # warp-uniform skip of rows without a visible key of m here
+                            mx = np.where(in_m, v, NEG_INF).max(axis=1)  # the row group's max: exact
+                            merge = mx != NEG_INF  # rows without a visible key of m here keep their pair
                             ref = np.maximum(run_max[:, m], mx)
                             terms = np.where(in_m & (v != NEG_INF), np.exp2(v - ref[:, None]), F32(0))
-                            lane = np.zeros((len(rr), 32), F32)
-                            for u in range(keys // 32):  # lane's keys lane + 32u, summed in u order
-                                lane = (lane + terms[:, 32 * u:32 * u + 32]).astype(F32)
-                            total = warp_sum(lane)
+                            # Thread g of the row's group sums keys g, g + THREADS_PER_ROW, ... in that order.
+                            part = np.zeros((len(rr), THREADS_PER_ROW), F32)
+                            for u in range(keys // THREADS_PER_ROW):
+                                part = (part + terms[:, THREADS_PER_ROW * u:THREADS_PER_ROW * (u + 1)]).astype(F32)
+                            total = row_group_sum(part)
                             scaled = (run_sum[:, m] * np.exp2(run_max[:, m] - ref)).astype(F32)
                             run_sum[:, m] = np.where(merge, (scaled + total).astype(F32), run_sum[:, m])
                             run_max[:, m] = np.where(merge, ref, run_max[:, m])
@@ -243,21 +282,25 @@ def combine_kernel(partial, stats, total_rows, splits, eps):
 
 
 def reduce_kernel(logits, stats, labels, rows_per_batch, out):
-    """scores_reduce_kernel: one thread per key, rows summed in order (unrolled by 8, same order), / rows."""
+    """scores_reduce_kernel: per key, warp w sums rows w, w + REDUCE_WARPS, ... in order (its unrolled loads keep
+    that order), then the warps' sums are added in warp order, / rows."""
     b_n, n = labels.shape
     for b in range(b_n):
         m = labels[b]
         scored = (m > 0) & (m < NUM_LABELS)  # -1 (PAD) and 0 never index stats
-        acc = np.zeros(int(scored.sum()), F32)
         keys_n = np.nonzero(scored)[0]
-        for r in range(rows_per_batch):
-            row = b * rows_per_batch + r
-            lg = logits[row * n + keys_n]
-            st = stats[row * NUM_LABELS + m[scored]]
-            p = np.where(lg == NEG_INF, F32(0), np.exp2(lg - st[:, 0]))
-            acc = (acc + (p * st[:, 1]).astype(F32)).astype(F32)
+        total = np.zeros(len(keys_n), F32)
+        for w in range(REDUCE_WARPS):
+            acc = np.zeros(len(keys_n), F32)
+            for r in range(w, rows_per_batch, REDUCE_WARPS):
+                row = b * rows_per_batch + r
+                lg = logits[row * n + keys_n]
+                st = stats[row * NUM_LABELS + m[scored]]
+                p = np.where(lg == NEG_INF, F32(0), np.exp2(lg - st[:, 0]))
+                acc = (acc + (p * st[:, 1]).astype(F32)).astype(F32)
+            total = (total + acc).astype(F32)
         out[b] = 0
-        out[b, keys_n] = (acc / F32(rows_per_batch)).astype(F32)
+        out[b, keys_n] = (total / F32(rows_per_batch)).astype(F32)
 
 
 def replay(q, k, labels, positions, scale, eps, *, keys, splits=None, wave=792):
@@ -266,7 +309,7 @@ def replay(q, k, labels, positions, scale, eps, *, keys, splits=None, wave=792):
     b_n, hq, lq, _ = q.shape
     hkv, n = k.shape[1], k.shape[2]
     tiles = -(-n // keys)
-    splits = host_splits(tiles, n, hkv, b_n, wave) if splits is None else splits
+    splits = host_splits(keys, n, hkv, b_n, wave) if splits is None else splits
     assert 1 <= splits <= min(tiles, max_splits(n))
     off = workspace_layout(b_n, hq, lq, n)
     logits = np.full((off[1] - off[0]) // 4, F32(np.nan))  # NaN: a logit the reduce reads but nobody wrote shows
@@ -360,7 +403,7 @@ def test_replay_matches_the_reference(seed, case, keys):
     tiles = -(-n // keys)
     # The host's split count for a small wave (several tiles per split) and for an H100-sized one (one tile per
     # split here), plus an explicit count that splits the tiles unevenly.
-    for splits in sorted({host_splits(tiles, n, hkv, b, 3 * hkv * b), host_splits(tiles, n, hkv, b, 792),
+    for splits in sorted({host_splits(keys, n, hkv, b, 3 * hkv * b), host_splits(keys, n, hkv, b, 792),
                           max(1, min(tiles, tiles // 2 + 1))}):
         out = replay(q, k, lab, positions, scale, 1e-6, keys=keys, splits=splits)
         check(seed, f"{case}, keys/tile {keys}, splits {splits}", out, ref, lab)
@@ -442,9 +485,10 @@ def test_replay_follows_the_non_finite_rule(seed):
 
 
 # ---- on a GPU: the kernels themselves on PAD keys, splits of several tiles and two row tiles --------------------
-# The split count is one wave of CTAs over (splits, Hkv, B) (132 SMs x 8 CTAs for bf16 at D = 64 on an H100), so a
-# split holds several tiles only when the tiles outnumber wave / (Hkv * B): the shapes below have 2 to 6 tiles per
-# split on an H100. The small case is the one benchmarks/gpu_check.sh runs under compute-sanitizer.
+# The split count fills whole waves of CTAs over (splits, Hkv, B) (an H100 wave at D = 64: 132 SMs x 8 CTAs for bf16,
+# x 4 for fp32 by registers), so a split holds several tiles when the tiles outnumber a wave's CTAs per (Hkv, B): by
+# _C.modality_scores_split_plan the shapes below have 2-4 tiles per split for bf16 and 9-15 for fp32 on an H100. The
+# small case is the one benchmarks/gpu_check.sh runs under compute-sanitizer.
 
 def _run_cuda(seed, dtype, b, hq, hkv, lq, n, d=64, tol=1e-5):
     from macer_kernels.cuda.modality_scores import modality_scores_cuda
@@ -470,7 +514,57 @@ def test_cuda_kernels_match_the_pad_oracle(seed, dtype, b, hq, hkv, lq, n):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_split_kernels_small_case_for_the_sanitizer(seed, dtype):
-    """B * Hkv = 64 CTAs per split index (on an H100 about 17 splits of 2-3 tiles for bf16, 15 of 5-6 for fp32 at
+    """B * Hkv = 64 CTAs per split index (on an H100 16 splits of 2-3 tiles for bf16, 8 of 10-11 for fp32 at
     N = 2600), 34 rows per KV head (two row tiles), PAD keys: every barrier, buffer swap and partial of the split
     kernel, small enough for racecheck."""
     _run_cuda(seed, dtype, 8, 16, 8, 17, 2600)
+
+
+_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_cuda_unsplit_grid_of_many_tiles(seed, dtype):
+    """The other side of the split plan: B * Hkv = 68800 CTAs, at least 16 waves on any GPU (an SM holds at most 32
+    CTAs), so each CTA runs all 3-5 tiles of its (batch, KV head) as one split; vs the float64 reference."""
+    from macer_kernels.cuda.modality_scores import modality_scores_cuda
+
+    b, hq, hkv, lq, n, d = 4300, 16, 16, 1, 130, 16
+    wave_bound = torch.cuda.get_device_properties(0).multi_processor_count * 32
+    assert _C.modality_scores_split_plan(_CODES[dtype], b, hkv, n, wave_bound)[1] == 1
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g, device="cuda").to(dtype)
+    k = (2 * torch.randn(b, hkv, n, d, generator=g, device="cuda")).to(dtype)
+    lab = torch.randint(0, 4, (b, n), generator=g, device="cuda")
+    pos = torch.randint(n // 3, n, (b, lq), generator=g, device="cuda")
+    out = modality_scores_cuda(q, k, lab, pos, 0.25, 1e-6)
+    ref = modality_scores_ref(q.double(), k.double(), lab, pos, scale=0.25, eps=1e-6)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 1e-5 * ref.abs().max().item(), f"seed={seed} {dtype}: max error {err}"
+    assert bool((out[lab == 0] == 0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_cuda_non_finite_rule_across_splits(seed, dtype):
+    """The non-finite rule through splits of several tiles: a NaN in a key that sample 0's rows see (in one split)
+    makes its scored keys NaN and its text 0; sample 1, with a NaN only after its rows' positions and an inf in a PAD
+    key, is the PAD oracle's."""
+    from macer_kernels.cuda.modality_scores import modality_scores_cuda
+
+    q, k, lab, positions = make_case(seed, 2, 8, 2, 3, 2600, 64, pad=0)
+    positions[1] = [1500, 1800, 2000]
+    k[0, 1, 700, 5] = np.nan
+    k[1, 0, 2300, :] = np.nan
+    lab[1, 900] = -1
+    k[1, 1, 900, 0] = np.inf
+    qt, kt = torch.from_numpy(q).to(dtype), torch.from_numpy(k).to(dtype)
+    out = modality_scores_cuda(qt.cuda(), kt.cuda(), torch.from_numpy(lab).cuda(), torch.from_numpy(positions).cuda(),
+                               0.125, 1e-6).cpu().numpy()
+    assert np.isnan(out[0][lab[0] > 0]).all() and np.all(out[0][lab[0] == 0] == 0), f"seed={seed} {dtype}"
+    clean = kt.float().numpy()[1:].copy()
+    clean[0, 0, 2300] = 0.0
+    clean[0, 1, 900] = 0.0
+    ref = pad_oracle(qt.float().numpy()[1:], clean, lab[1:], positions[1:], 0.125, 1e-6)
+    check(seed, f"cuda non-finite {dtype}", out[1:], ref, lab[1:], tol=1e-5)

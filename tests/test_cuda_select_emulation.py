@@ -176,6 +176,84 @@ def bitonic_sort(keys: np.ndarray) -> np.ndarray:
     return keys
 
 
+def _register_pass(keys: np.ndarray, m: int, full_top: int, stride_top: int) -> None:
+    """select_cta.cuh's sort64_in_registers on the shared key array: a warp per aligned block of 64 positions, lane l
+    holding x0 = position 64 b + l and x1 = 64 b + 32 + l (NEVER at positions >= m, never stored), partners by the
+    kernel's xor shuffles. full_top > 0: every step of the sizes 2 .. full_top; else half-cleaners stride_top .. 1."""
+    lanes = np.arange(32)
+
+    def shfl(x, mask):
+        return x[..., lanes ^ mask]
+
+    def half_cleaners(x0, x1, top):
+        s = top
+        while s > 0:
+            if s == 32:
+                x0, x1 = np.minimum(x0, x1), np.maximum(x0, x1)
+            else:
+                lower = (lanes & s) == 0
+                y0, y1 = shfl(x0, s), shfl(x1, s)
+                x0 = np.where(lower, np.minimum(x0, y0), np.maximum(x0, y0))
+                x1 = np.where(lower, np.minimum(x1, y1), np.maximum(x1, y1))
+            s //= 2
+        return x0, x1
+
+    blocks = np.arange(-(-m // 64))[:, None]  # every warp's blocks at once: [blocks, 32 lanes]
+    p0, p1 = blocks * 64 + lanes, blocks * 64 + 32 + lanes
+    x0 = np.full(p0.shape, NEVER, dtype=np.uint64)
+    x1 = np.full(p1.shape, NEVER, dtype=np.uint64)
+    x0[p0 < m], x1[p1 < m] = keys[p0[p0 < m]], keys[p1[p1 < m]]
+    if full_top > 0:
+        size = 2
+        while size <= full_top:
+            if size == 64:
+                x0, x1 = np.minimum(x0, shfl(x1, 31)), np.maximum(x1, shfl(x0, 31))
+            else:
+                lower = (lanes & (size // 2)) == 0
+                y0, y1 = shfl(x0, size - 1), shfl(x1, size - 1)
+                x0 = np.where(lower, np.minimum(x0, y0), np.maximum(x0, y0))
+                x1 = np.where(lower, np.minimum(x1, y1), np.maximum(x1, y1))
+            x0, x1 = half_cleaners(x0, x1, size // 4)
+            size *= 2
+    else:
+        x0, x1 = half_cleaners(x0, x1, stride_top)
+    keys[p0[p0 < m]], keys[p1[p1 < m]] = x0[p0 < m], x1[p1 < m]
+
+
+def kernel_sort_phases(m: int) -> list:
+    """coverage_keys' sort as the kernel runs it, one entry per barrier: ("registers", full_top, stride_top) for a
+    pass of sort64_in_registers, ("shared", i, j) for a step in shared memory (comparators with j >= m skipped)."""
+    m_pad = 1 << max(0, (m - 1).bit_length())
+    phases = [("registers", min(m_pad, 64), 0)]
+    q = np.arange(m_pad // 2)
+    size = 128
+    while size <= m_pad:
+        half = size // 2
+        r = q & (half - 1)
+        i = 2 * (q - r) + r
+        j = i + size - 1 - 2 * r
+        phases.append(("shared", i[j < m], j[j < m]))
+        stride = half // 2
+        while stride >= 64:
+            i = 2 * q - (q & (stride - 1))
+            j = i + stride
+            phases.append(("shared", i[j < m], j[j < m]))
+            stride //= 2
+        phases.append(("registers", 0, 32))
+        size *= 2
+    return phases
+
+
+def run_sort_phases(keys: np.ndarray, m: int, phases: list) -> None:
+    for kind, a, b in phases:
+        if kind == "registers":
+            _register_pass(keys, m, a, b)
+        else:
+            assert np.all(a < b) and b.max(initial=-1) < m
+            x, y = keys[a], keys[b]
+            keys[a], keys[b] = np.minimum(x, y), np.maximum(x, y)
+
+
 def owned(n: int) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's blocked ownership: thread t owns tokens [lo[t], hi[t]), ceil(n / kThreads) each, in index order."""
     per = -(-n // THREADS)
@@ -220,12 +298,10 @@ def coverage_keys(scores: np.ndarray, chunks: np.ndarray, member: np.ndarray, we
         trace["overflow"] = overflow
     if not overflow:
         steps = list(bitonic_schedule(m))
+        phases = kernel_sort_phases(m)  # the network's steps as the kernel groups them, a barrier after each
         if trace is not None:
-            trace.update(width=m, steps=len(steps))
-        for i, j in steps:
-            assert j.max(initial=-1) < m
-            a, b = keys[i], keys[j]
-            keys[i], keys[j] = np.minimum(a, b), np.maximum(a, b)
+            trace.update(width=m, steps=len(steps), barriers=len(phases))
+        run_sort_phases(keys, m, phases)
         assert np.all(keys[:m - 1] <= keys[1:m])
     real = keys[:m].copy()  # positions p < m; a real key may equal NEVER and is still a member
     tokens = (real & np.uint64((1 << ib) - 1)).astype(np.int64)
@@ -485,6 +561,25 @@ def test_bitonic_schedule_with_skipped_comparators_sorts_every_size(seed):
             assert np.array_equal(bitonic_sort(x), np.sort(x)), f"seed={seed} n={n}"
 
 
+def test_kernel_sort_phases_are_the_network(seed):
+    """Issue 20 item 6: the kernel runs the steps inside aligned 64-position blocks in registers (xor shuffles, one
+    barrier per run of steps). Replaying its lane arithmetic must give exactly the keys the network's comparator list
+    gives (distinct keys, few distinct values with NEVER, reversed input), for ~110 widths; and the barriers drop
+    from one per step to 15 at m = 864 (55 steps) and 55 at m = 28672 (120 steps)."""
+    rng = np.random.default_rng(seed)
+    powers = [p + d for e in range(1, 16) for p in (2**e,) for d in (-1, 0, 1)]
+    for n in sorted({1, 2, 3, 864, MAX_SORT - 1, MAX_SORT, *rng.integers(1, 3001, 60).tolist(), *powers} - {0}):
+        distinct = rng.integers(0, 2**62, n, dtype=np.uint64)
+        few = rng.choice(np.array([0, 5, 2**40, NEVER], dtype=np.uint64), n)
+        for x in (distinct, few, np.sort(distinct)[::-1].copy()):
+            got = x.copy()
+            run_sort_phases(got, n, kernel_sort_phases(n))
+            assert np.array_equal(got, bitonic_sort(x)), f"seed={seed} n={n}"
+    assert len(kernel_sort_phases(864)) == 15 and len(list(bitonic_schedule(864))) == 55
+    assert len(kernel_sort_phases(MAX_SORT)) == 55 and len(list(bitonic_schedule(MAX_SORT))) == 120
+    assert len(kernel_sort_phases(64)) == 1 and len(kernel_sort_phases(1)) == 1
+
+
 def test_skipped_comparators_are_no_ops_of_the_padded_network(seed):
     """The skip rule itself: the full network over n_pad keys with +inf (kNever) at positions >= n never moves a
     padding key below n, so every comparator the kernel skips (j >= n) compares and keeps kNever at j."""
@@ -695,9 +790,12 @@ def test_emulated_coverage_sorts_only_the_members(n, m):
         assert np.array_equal(got, want), f"seed={seed} n={n} m={m} k={k}"
         m_pad = 1 << max(0, (m - 1).bit_length())
         log = m_pad.bit_length() - 1
-        assert trace[2] == {"overflow": False, "width": m, "steps": log * (log + 1) // 2}, f"seed={seed}"
+        barriers = 1 + sum(e - 5 for e in range(7, log + 1))  # a register pass, then per size >= 128 its wide steps
+        assert trace[2] == {"overflow": False, "width": m, "steps": log * (log + 1) // 2, "barriers": barriers}, \
+            f"seed={seed}"
     if n == 20000 and m == 864:
-        assert trace[2]["steps"] == 55  # not the 120 steps of a 32768-wide network over the whole row
+        # not the 120 steps of a 32768-wide network over the whole row; 15 barriers, not one per step
+        assert trace[2]["steps"] == 55 and trace[2]["barriers"] == 15
 
 
 @pytest.mark.parametrize(("n", "m"), [(300, 40), (1200, 1200), (257, 1)])
@@ -728,7 +826,7 @@ def test_emulated_coverage_absent_or_zero_budget_costs_no_sort():
     assert np.array_equal(out, kept) and trace == {}
     trace = {}
     select_row(scores, None, chunks % 2**20, [(0, 3, 0.3)], 3, trace=trace)
-    assert trace[0] == {"overflow": False, "width": 400, "steps": 45}
+    assert trace[0] == {"overflow": False, "width": 400, "steps": 45, "barriers": 1 + 2 + 3 + 4}
 
 
 # --- NaN scores: the kernels' key rule (NaN by value, after every number), checked against the built module -------

@@ -167,6 +167,45 @@ def test_scores_both_phase3_strategies(store):
     _check_scores(out, q, k, m)
 
 
+def test_scores_combine_over_several_blocks_of_tiles(monkeypatch):
+    """Issue 22 item 3: the combine reads a row's tile maxima and sums COMBINE_BLOCK_T tiles at a time (1024
+    compiled, i.e. only above ~32k fp32 / ~131k bf16 keys); with 2 here, 5 tiles of 64 keys take 3 steps of both
+    loops. Guards ``acc += ...`` -> ``acc = ...`` (only the last block's sums) and a row maximum taken over one block
+    only. Rows at different depths, so some blocks are empty for some rows; eps = 0.5 makes Z matter."""
+    import macer_kernels.triton.modality_scores as triton_scores
+
+    monkeypatch.setattr(triton_scores, "COMBINE_BLOCK_T", 2)
+    n = 300  # fp32 inputs, D = 16: 64-key tiles (the grid of 4 x 5 tiles fills the interpreter's 8 "SMs")
+    q, k, m = score_inputs(2, 4, 2, 3, n, 16, q_scale=3.0, device=DEVICE)
+    positions = torch.tensor([[40, 200, n - 1], [n - 1, 150, 90]], device=DEVICE)
+    out = triton_scores.modality_scores_triton(q, k, m, positions, 0.25, 0.5)
+    _check_scores(out, q, k, m, positions, scale=0.25, eps=0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_scores_with_the_compiled_phase3_tile(monkeypatch, dtype):
+    """Phase 3's smaller key tile (a quarter of phase 1's for the fp32 dot, half for the half dot; the compiled
+    default, kept off in the interpreter for time): at this N phase 1 takes 32-key tiles and phase 3 16-key ones,
+    with causal rows across them."""
+    import macer_kernels.triton.modality_scores as triton_scores
+
+    monkeypatch.setattr(triton_scores, "SMALL_PHASE3_TILES", True)
+    n = 150
+    q, k, m = score_inputs(1, 4, 2, 3, n, 32, dtype=dtype, device=DEVICE)
+    positions = torch.tensor([[20, 90, n - 1]], device=DEVICE)
+    out = triton_scores.modality_scores_triton(q, k, m, positions, 0.2, 1e-6)
+    _check_scores(out, q, k, m, positions, scale=0.2, eps=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_scores_combine_past_1024_tiles_on_gpu(dtype):
+    """The compiled combine past its block of 1024 tiles (issue 22 item 3): N = 140000 keys is 2188 tiles of 64 fp32
+    keys or 1094 of 128 bf16 keys, so both of its loops take two steps."""
+    q, k, m = score_inputs(1, 4, 1, 2, 140000, 64, dtype=dtype, device=DEVICE)
+    _check_scores(modality_scores(q, k, m), q, k, m)
+
+
 _HUGE_STRIDE_CODE = """
 import torch, macer_kernels as mk
 from macer_kernels.reference import modality_scores_ref

@@ -174,6 +174,56 @@ __device__ bool select_k(const Key& key, const Secondary& secondary, bool by_sco
 
 __device__ __forceinline__ int bit_width(unsigned x) { return x == 0 ? 1 : 32 - __clz(x); }
 
+// Steps of the coverage sort's bitonic network (coverage_keys) that stay inside aligned blocks of 64 positions, run
+// by one warp per block in registers: lane l holds positions 64 b + l (x0) and 64 b + 32 + l (x1) and finds its
+// partners by shuffles. `full_top` > 0: every step of the block sizes 2 .. full_top (<= 64), i.e. the sort of each
+// block; else the half-cleaners of stride `stride_top` (<= 32) down to 1 that end a larger size's merge. Positions
+// >= m are read as the network's virtual +inf (~0) and never stored. Barriers at m = 864: 15 (was 55); m = 28672:
+// 55 (was 120). The caller synchronises after it.
+__device__ void sort64_in_registers(uint64_t* keys, int m, int full_top, int stride_top) {
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  // Half-cleaner of stride s: positions p, p + s; in registers s = 32 pairs x0 with x1, s < 32 lane with lane ^ s.
+  auto half_cleaners = [&](uint64_t& x0, uint64_t& x1, int top) {
+    for (int s = top; s > 0; s >>= 1) {
+      if (s == 32) {
+        const uint64_t lo = min(x0, x1);
+        x1 = max(x0, x1);
+        x0 = lo;
+      } else {
+        const bool lower = (lane & s) == 0;
+        const uint64_t y0 = __shfl_xor_sync(0xffffffffu, x0, s), y1 = __shfl_xor_sync(0xffffffffu, x1, s);
+        x0 = lower ? min(x0, y0) : max(x0, y0);
+        x1 = lower ? min(x1, y1) : max(x1, y1);
+      }
+    }
+  };
+  const int blocks = (m + 63) / 64;  // a block of virtual keys only has nothing to sort
+  for (int blk = static_cast<int>(threadIdx.x >> 5); blk < blocks; blk += kThreads / 32) {  // warp-uniform
+    const int p0 = blk * 64 + lane, p1 = p0 + 32;
+    uint64_t x0 = p0 < m ? keys[p0] : kNever, x1 = p1 < m ? keys[p1] : kNever;
+    if (full_top > 0) {
+      for (int size = 2; size <= full_top; size <<= 1) {
+        if (size == 64) {  // the mirror of position l is 63 - l: x1 of lane l ^ 31 for x0, and the reverse
+          const uint64_t y1 = __shfl_xor_sync(0xffffffffu, x1, 31), y0 = __shfl_xor_sync(0xffffffffu, x0, 31);
+          x0 = min(x0, y1);
+          x1 = max(x1, y0);
+        } else {  // blocks of size <= 32 within each half: the mirror of lane l is l ^ (size - 1)
+          const bool lower = (lane & (size >> 1)) == 0;
+          const uint64_t y0 = __shfl_xor_sync(0xffffffffu, x0, size - 1);
+          const uint64_t y1 = __shfl_xor_sync(0xffffffffu, x1, size - 1);
+          x0 = lower ? min(x0, y0) : max(x0, y0);
+          x1 = lower ? min(x1, y1) : max(x1, y1);
+        }
+        half_cleaners(x0, x1, size >> 2);
+      }
+    } else {
+      half_cleaners(x0, x1, stride_top);
+    }
+    if (p0 < m) keys[p0] = x0;
+    if (p1 < m) keys[p1] = x1;
+  }
+}
+
 // Coverage keys: keys[i] = descending key of the greedy value of member i (kNever for others), from its rank inside
 // its chunk. keys has n entries (n <= kThreads * kMaxSortItems). The m members are sorted alone: thread t owns the
 // tokens [lo, hi) (owned()) and writes the key of its j-th member at keys[before + j], `before` being the members
@@ -203,8 +253,11 @@ __device__ void coverage_keys(const Row& row, int64_t label, double weight, int 
     // each block size `size` = 2, 4, ..., m_pad (the power of two >= m), position i of a block against its mirror,
     // then half-cleaners i against i + stride. The network sorts m_pad keys; the m_pad - m missing ones are virtual
     // +inf keys at positions >= m. A comparator (i < j) leaves +inf at j, so a virtual key never moves below m and
-    // every comparator with j >= m is a no-op: it is skipped, and only the m real keys are stored. (A real key may
-    // equal ~0, e.g. a NaN score (kNanKey32) in the last chunk at the last index: it sorts last and is a member.)
+    // every comparator with j >= m is a no-op: it is skipped (in registers: run against a virtual ~0, which it
+    // leaves in place), and only the m real keys are stored. (A real key may equal ~0, e.g. a NaN score (kNanKey32) in
+    // the last chunk at the last index: it sorts last and is still a member.) The steps whose comparators stay inside
+    // aligned blocks of 64 positions -- every step of the sizes <= 64, and the half-cleaners of stride <= 32 of the
+    // larger sizes -- run in registers (sort64_in_registers), one barrier per run of them instead of one per step.
     int m_pad = 1;
     while (m_pad < m) m_pad <<= 1;
     auto compare = [&](int i, int j) {  // i < j
@@ -215,7 +268,9 @@ __device__ void coverage_keys(const Row& row, int64_t label, double weight, int 
         keys[j] = a;
       }
     };
-    for (int size = 2; size <= m_pad; size <<= 1) {
+    sort64_in_registers(keys, m, m_pad < 64 ? m_pad : 64, 0);
+    __syncthreads();
+    for (int size = 128; size <= m_pad; size <<= 1) {
       const int half = size >> 1;
       for (int q = threadIdx.x; q < m_pad / 2; q += kThreads) {
         const int r = q & (half - 1);
@@ -223,13 +278,15 @@ __device__ void coverage_keys(const Row& row, int64_t label, double weight, int 
         compare(i, i + size - 1 - 2 * r);
       }
       __syncthreads();
-      for (int stride = half >> 1; stride > 0; stride >>= 1) {
+      for (int stride = half >> 1; stride >= 64; stride >>= 1) {
         for (int q = threadIdx.x; q < m_pad / 2; q += kThreads) {
           const int i = 2 * q - (q & (stride - 1));
           compare(i, i + stride);
         }
         __syncthreads();
       }
+      sort64_in_registers(keys, m, 0, 32);
+      __syncthreads();
     }
   }
   // Each thread finds (token, rank in chunk) of its positions p < m, packed into 32 bits (both < n <= 2^15) and held

@@ -64,8 +64,18 @@ SMEM_PER_PROGRAM = 96 * 1024
 """Shared memory a scoring program's pipelined tiles may take: under the 99 KB per block of sm_86 / sm_89, the
 smallest of the GPUs the package targets (Triton's small reduction scratch comes on top)."""
 
+COMBINE_BLOCK_T = 1024
+"""Key tiles the combine (phase 2) reads per step of its loops over a row's tiles. Above ``COMBINE_BLOCK_T`` tiles
+(N above 32k fp32 / 131k bf16 keys at 32 / 128 keys per tile) the loops take several steps; the tests set it small
+to run those steps in the interpreter."""
+
 _LOG2E = 1.4426950408889634
 _INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+SMALL_PHASE3_TILES = not _INTERPRETED
+"""Phase 3 takes a smaller key tile than phase 1 (``_block_n_scores``): compiled, it saves registers; the interpreter
+has none to save and runs each program in Python (3.5x the time of the scoring tests), so there it keeps phase 1's
+tile unless a test sets this."""
 
 
 @triton.jit
@@ -286,6 +296,17 @@ def _block_n(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> i
     return block
 
 
+def _block_n_scores(d: int, tiles_wanted: int, n: int, batch: int, dot_fp32: bool) -> int:
+    """Key-tile width of phase 3: half of ``_block_n``'s (a quarter for the fp32 dot), at least 16. Phase 3 holds the
+    logit tile of every row block, its exp2 and the per-label weights at once: at phase 1's width it took 151 / 154
+    registers (sm_89 / sm_90, bf16, D = 128, 8 warps, one program per SM) and the fp32 variant spilled on sm_89
+    (320 B of stack at D = 128, 4.3 KB at D = 256). At this width: 80 / 96 for bf16; fp32 48 (8 B) / 80 at D = 128,
+    78 / no spill at D = 256 (cuobjdump of offline compiles, docs/triton.md). The query rows are re-read per program
+    from L2; K is still read once."""
+    block = _block_n(d, tiles_wanted, n, batch, dot_fp32)
+    return max(16, block // (4 if dot_fp32 else 2)) if SMALL_PHASE3_TILES else block
+
+
 def _num_stages(rows_pad: int, block_n: int, block_d: int, operand_bytes: int, row_loop: bool,
                 dot_fp32: bool) -> int:
     """Pipeline stages of the loops that take a ``tl.dot`` (phase 3's loop over KV heads). With ``s`` stages a
@@ -385,9 +406,9 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     )
     _combine_kernel[(total_rows,)](
         tile_max, tile_sums, row_max, weight, tiles, eps, 1.0 / (lq * hq),
-        NUM_M=num_m, M_PAD=m_pad, BLOCK_T=min(1024, triton.next_power_of_2(tiles)), num_warps=4,
+        NUM_M=num_m, M_PAD=m_pad, BLOCK_T=min(COMBINE_BLOCK_T, triton.next_power_of_2(tiles)), num_warps=4,
     )
-    block_n3 = _block_n(d, 2 * sms, n, b, dot_fp32)
+    block_n3 = _block_n_scores(d, 2 * sms, n, b, dot_fp32)
     _scores_kernel[(b, triton.cdiv(n, block_n3))](
         query, key, modality, query_positions, row_max, weight, logits, out, *common, *k_strides, *lab_strides,
         *pos_strides, scale_log2,
