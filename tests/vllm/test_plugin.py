@@ -204,7 +204,11 @@ def test_record_keeps_and_logs_each_request(caplog):
                        policy="macer", prompt_counts={"audio": 24, "video": 64, "text": 15})
     assert last() is entry and list(RECORDS) == [entry]
     assert entry.layer_tokens == (103, 103, 103, 86, 86, 46)
-    assert caplog.messages == ["macer: request req-7 policy=macer budget=22 (audio 7, video 15) kept audio 7/24 "
-                               "video 15/64 layers [103x3, 86x2, 46]"]
+    assert caplog.messages == ["macer: prefill 1 request req-7 policy=macer budget=22 (audio 7, video 15) kept "
+                               "audio 7/24 video 15/64 layers [103x3, 86x2, 46]"]
+    second = record(None, None, {}, [9, 9], policy="full", prompt_counts={"audio": 0, "video": 0, "text": 9})
+    assert second.line() == "macer: prefill 2 policy=full budget=none (no audio/video) kept audio 0/0 video 0/0 " \
+                            "layers [9x2]"
+    assert list(RECORDS) == [entry, second]
     assert format_layers([5]) == "[5]"
     clear()

@@ -1,10 +1,12 @@
 """What MACER did to each request inside the engine: one ``RequestRecord`` per prefill, kept in ``RECORDS`` (in the
 process that runs the model) and logged at INFO on the ``macer.vllm`` logger::
 
-    macer: request 0 policy=macer budget=22 (audio 7, video 15) kept audio 7/24 video 15/64 layers [103x3, 86x2, 46]
+    macer: prefill 1 policy=macer budget=22 (audio 7, video 15) kept audio 7/24 video 15/64 layers [103x3, 86x2, 46]
 
 The model calls ``record(...)`` once per prefill with host values it already has (the plan's budget and counts):
-recording reads nothing back from the device. ``RECORDS`` keeps the last ``MAX_RECORDS`` requests; in a test with
+recording reads nothing back from the device. Prefills are numbered from 1 in each process; vLLM's V1 runner does not
+tell the model which request a step serves, so ``request_id`` is None there (with ``max_num_seqs=1`` the n-th prefill
+is the n-th request the engine scheduled). ``RECORDS`` keeps the last ``MAX_RECORDS`` requests; in a test with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine core runs in the test's process and the test reads them directly.
 """
 
@@ -30,6 +32,7 @@ class RequestRecord:
     """One request's prefill under MACER.
 
     Attributes:
+        index: the prefill's number in this process (from 1).
         request_id: vLLM's request id (None where the forward cannot tell).
         policy: the policy's name (``"macer"``, ``"fastv"``, ...).
         budget: the retained budget (``total``, ``audio``, ``video``), or None for a prompt without audio/video.
@@ -38,6 +41,7 @@ class RequestRecord:
         layer_tokens: sequence length entering each decoder layer (length = decoder depth).
     """
 
+    index: int
     request_id: str | None
     policy: str
     budget: Budget | None
@@ -50,12 +54,15 @@ class RequestRecord:
         budget = ("none (no audio/video)" if self.budget is None else
                   f"{self.budget.total} (audio {self.budget.audio}, video {self.budget.video})")
         kept = " ".join(f"{m} {self.kept.get(m, 0)}/{self.prompt.get(m, 0)}" for m in ("audio", "video"))
-        return (f"macer: request {self.request_id} policy={self.policy} budget={budget} kept {kept} "
+        request = f" request {self.request_id}" if self.request_id is not None else ""
+        return (f"macer: prefill {self.index}{request} policy={self.policy} budget={budget} kept {kept} "
                 f"layers {format_layers(self.layer_tokens)}")
 
 
 RECORDS: deque[RequestRecord] = deque(maxlen=MAX_RECORDS)
 """The last ``MAX_RECORDS`` records of this process, oldest first."""
+
+_COUNT = [0]  # prefills recorded in this process (``RECORDS`` is bounded, so it cannot count them)
 
 
 def format_layers(layer_tokens: Sequence[int]) -> str:
@@ -77,7 +84,8 @@ def record(request_id: str | None, budget: Budget | None, kept_counts: Mapping[s
         policy: the policy's name.
         prompt_counts: ``{"audio": n_a, "video": n_v, "text": n_t}`` of the prompt.
     """
-    entry = RequestRecord(request_id, policy, budget, dict(prompt_counts or {}),
+    _COUNT[0] += 1
+    entry = RequestRecord(_COUNT[0], request_id, policy, budget, dict(prompt_counts or {}),
                           {k: int(v) for k, v in kept_counts.items()}, tuple(int(n) for n in layer_tokens))
     RECORDS.append(entry)
     logger.info("%s", entry.line())
@@ -94,5 +102,6 @@ def last() -> RequestRecord:
 
 
 def clear() -> None:
-    """Forget every record (tests)."""
+    """Forget every record and restart the numbering (tests)."""
     RECORDS.clear()
+    _COUNT[0] = 0
