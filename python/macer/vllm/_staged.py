@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 from macer._prefill import _Prefill, _to_host
 from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Policy, PromptFacts, plan_prefill
 
-__all__ = ["PromptLabels", "RequestState", "StagedDecoder"]
+__all__ = ["PromptLabels", "RequestState", "StagedDecoder", "kept_counts", "omni_prompt_labels", "temporal_row"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,29 @@ class PromptLabels:
 
     labels: Callable[[torch.Tensor], torch.Tensor]
     end_of_turn_token_id: int | None = None
+
+
+def omni_prompt_labels(thinker_config: Any) -> PromptLabels:
+    """The Qwen2.5-Omni thinker's rows, read as ``macer``'s Qwen2.5-Omni adapter reads them for transformers: audio
+    = the config's audio token id, visual = its video or image token id; the question ends at ``<|im_end|>``."""
+    from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
+
+    adapter, holder = Qwen25OmniAdapter(), SimpleNamespace(config=thinker_config)
+
+    def labels(ids: torch.Tensor) -> torch.Tensor:
+        return adapter.labels(holder, ids[None])[0]
+
+    return PromptLabels(labels, adapter.end_of_turn_token_id(holder))
+
+
+def temporal_row(positions: torch.Tensor) -> torch.Tensor:
+    """Temporal position of each row from vLLM's positions: ``[T]`` (RoPE) as is, ``[3, T]`` (M-RoPE) its first,
+    temporal row (the adapter's ``position_ids[-3]`` in transformers' ``[3, B, N]``)."""
+    if positions.ndim == 1:
+        return positions
+    if positions.ndim == 2 and positions.shape[0] == 3:
+        return positions[0]
+    raise ValueError(f"macer: positions must be [T] or [3, T] (M-RoPE), got shape {tuple(positions.shape)}")
 
 
 @dataclass
@@ -132,8 +156,7 @@ class StagedDecoder:
         if input_ids is None:
             raise ValueError("macer: the prompt came without token ids (prompt embeddings); MACER labels audio/video "
                              "rows by their token ids")
-        temporal = positions if positions.ndim == 1 else positions[0]  # M-RoPE: the temporal row
-        ids, temporal = _to_host(input_ids[:n], temporal[:n])  # the prefill's one device read
+        ids, temporal = _to_host(input_ids[:n], temporal_row(positions)[:n])  # the prefill's one device read
         facts = PromptFacts(labels=self.prompt.labels(ids).long(), temporal=temporal, input_ids=ids,
                             end_of_turn_token_id=self.end_of_turn, num_layers=len(self.layers))
         plan = plan_prefill(self.policy, facts)
@@ -200,12 +223,14 @@ class StagedDecoder:
                                f"{first.max_seq_len - first.max_query_len} cached ones (chunked prefill, prefix "
                                "caching or speculative decoding); the MACER architectures need the whole prompt in "
                                "one step and one token per decode step")
-        if state is None or not any(state.shifts):
+        if state is None:
             return self._layers(hidden, positions)
         position = first.max_seq_len - 1
         if position >= state.slots.shape[0]:
             raise RuntimeError(f"macer: decode position {position} is beyond max_model_len")
         state.slots[position: position + 1] = first.slot_mapping[:1]
+        if not any(state.shifts):
+            return self._layers(hidden, positions)
         start = next(i for i, shift in enumerate(state.shifts) if shift)
         for index in range(start, len(self.layers)):
             if index == start or state.shifts[index] != state.shifts[index - 1]:

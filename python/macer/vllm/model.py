@@ -19,18 +19,17 @@ from typing import Any
 import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
-from vllm.model_executor.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerForConditionalGeneration
 from vllm.sequence import IntermediateTensors
 
-from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
 from macer.vllm._staged import PromptLabels, StagedDecoder
 from macer.vllm.checks import check_engine
 from macer.vllm.settings import policy_from_config
 
-__all__ = ["MacerQwen2ForCausalLM", "MacerQwen2_5OmniThinkerForConditionalGeneration"]
+# MacerQwen2_5OmniThinkerForConditionalGeneration is an attribute too, loaded on first access (``__getattr__``).
+__all__ = ["MacerQwen2ForCausalLM", "no_pipeline"]
 
 
-def _no_pipeline(intermediate_tensors: IntermediateTensors | None) -> None:
+def no_pipeline(intermediate_tensors: IntermediateTensors | None) -> None:
     if intermediate_tensors is not None:
         raise ValueError("macer: pipeline parallelism is not supported by the MACER architectures "
                          "(pipeline_parallel_size must be 1)")
@@ -48,30 +47,15 @@ class MacerQwen2ForCausalLM(Qwen2ForCausalLM):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None,
                 **kwargs: Any) -> torch.Tensor:
-        _no_pipeline(intermediate_tensors)
+        no_pipeline(intermediate_tensors)
         return self.macer.forward(input_ids, positions, inputs_embeds)
 
 
-class MacerQwen2_5OmniThinkerForConditionalGeneration(Qwen2_5OmniThinkerForConditionalGeneration):
-    """vLLM's Qwen2.5-Omni thinker with MACER's stages inside its language model."""
+def __getattr__(name: str) -> Any:
+    # vLLM's Qwen2.5-Omni thinker module imports torchvision (through transformers' Qwen2-VL image processor), which
+    # the CPU environment cannot import: the thinker class is loaded only when vLLM asks for it.
+    if name == "MacerQwen2_5OmniThinkerForConditionalGeneration":
+        from macer.vllm._omni import MacerQwen2_5OmniThinkerForConditionalGeneration
 
-    # The runner then passes the step's token ids beside the merged embeddings: the labels come from them.
-    requires_raw_input_tokens = True
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        check_engine(vllm_config)
-        policy, _ = policy_from_config(vllm_config)
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        adapter = Qwen25OmniAdapter()
-
-        def labels(ids: torch.Tensor) -> torch.Tensor:
-            return adapter.labels(self, ids[None])[0]
-
-        prompt = PromptLabels(labels, adapter.end_of_turn_token_id(self))
-        self.macer = StagedDecoder(self.language_model.model, policy, prompt, vllm_config)
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None,
-                **kwargs: object) -> torch.Tensor:
-        _no_pipeline(intermediate_tensors)
-        return self.macer.forward(input_ids, positions, inputs_embeds)
+        return MacerQwen2_5OmniThinkerForConditionalGeneration
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
