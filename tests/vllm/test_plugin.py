@@ -81,7 +81,8 @@ def test_paper_defaults_where_the_model_is_recognised():
     {"keep_ratio": 0.25, "audio_layer": 2, "video_layer": 3, "bogus": 1},
     {"keep_ratio": 0.25},
     {"policy": "fastv", "keep_ratio": 0.25, "layer": 7},
-    {"policy": "shared_topk", "keep_ratio": 0.25, "audio_layer": 2, "video_layer": 3, "scoring": "raw"},
+    {"policy": "macer_raw", "keep_ratio": 0.25, "audio_layer": 2, "video_layer": 3, "scoring": "anms"},
+    {"policy": "random", "keep_ratio": 0.0},
 ])
 def test_bad_values_give_make_policys_errors(settings):
     """A bad value gives exactly the error `make_policy` (and the policy's depth check) gives for it."""
@@ -105,6 +106,8 @@ def test_bad_values_give_make_policys_errors(settings):
     ({"policy": "full", "audio_token_ids": [5, True]}, LABELLED_ARCHITECTURE, r"integer token ids"),
     ({"policy": "full", "audio_token_ids": [5, 6], "video_token_ids": [6]}, LABELLED_ARCHITECTURE, r"disjoint"),
     ({"policy": "full", **LABELS}, OMNI_THINKER_ARCHITECTURE, r"are settings of MacerQwen2ForCausalLM"),
+    ({"policy": "random", "keep_ratio": 0.5, "end_of_turn_token_id": 2, **LABELS}, LABELLED_ARCHITECTURE,
+     r"policy 'random' \(RandomConfig\) has no field \['end_of_turn_token_id'\]; allowed: \['keep_ratio', 'seed'"),
     ({"keep_ratio": 0.5, "audio_layer": 2, "video_layer": 3, "end_of_turn_token_id": 600, **LABELS},
      LABELLED_ARCHITECTURE, r"end_of_turn_token_id\"\]=600 is outside this model's vocabulary \(vocab_size=512\)"),
 ])
@@ -117,7 +120,8 @@ def test_label_spec_labels_rows_by_token_id():
     import torch
     from macer.vllm.testing import MACER_SETTINGS, clip_prompt, label_ids
 
-    _, labels = policy_from_settings({"policy": "full", **MACER_SETTINGS}, qwen2_config(), LABELLED_ARCHITECTURE)
+    ids_only = {k: MACER_SETTINGS[k] for k in ("audio_token_ids", "video_token_ids")}
+    _, labels = policy_from_settings({"policy": "full", **ids_only}, qwen2_config(), LABELLED_ARCHITECTURE)
     ids = torch.tensor(clip_prompt(n_audio=12, n_video=20))
     assert torch.equal(labels.labels(ids), label_ids(ids))
     assert int((labels.labels(ids) == macer.AUDIO).sum()) == 12
@@ -129,7 +133,8 @@ def _llm_refusal(checkpoint, **engine):
     settings = {"policy": "macer", "keep_ratio": 0.25, "audio_layer": 2, "video_layer": 3, **LABELS}
     arguments = {"skip_tokenizer_init": True, "dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 256,
                  "enforce_eager": True, "enable_chunked_prefill": False, "enable_prefix_caching": False,
-                 "max_num_seqs": 1, "additional_config": {"macer": settings}, **engine}
+                 "max_num_seqs": 1, "kv_cache_memory_bytes": 32 << 20, "additional_config": {"macer": settings},
+                 **engine}
     return LLM(model=str(checkpoint), **arguments)
 
 
@@ -145,7 +150,8 @@ def checkpoint(tmp_path_factory):
     ({"enable_prefix_caching": True}, r"--no-enable-prefix-caching"),
     ({"enforce_eager": False}, r"--enforce-eager"),
     ({"max_num_seqs": 2}, r"--max-num-seqs 1 \(LLM\(\.\.\., max_num_seqs=1\)\); got 2"),
-    ({"additional_config": {"macer": {"keep_ratio": 2.0}}}, r"MacerConfig.keep_ratio must be a finite real number"),
+    ({"additional_config": {"macer": {"keep_ratio": 2.0, "audio_layer": 2, "video_layer": 3, **LABELS}}},
+     r"MacerConfig.keep_ratio must be a finite real number in \(0.0, 1.0\], got 2.0"),
 ])
 def test_engine_settings_refused_when_vllm_builds_the_config(checkpoint, engine, message, monkeypatch):
     """`LLM(...)` with a setting the compacted forward cannot run under fails while vLLM builds its config, with the

@@ -23,6 +23,7 @@ Pure Python over ``vllm_config`` attributes, except ``MacerRequestGuard`` (impor
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -38,7 +39,7 @@ GUARD = "macer.vllm.guard:MacerRequestGuard"
 
 
 def _mode_name(value: Any) -> str:
-    return getattr(value, "name", str(value)).upper()
+    return "DEFAULT" if value is None else getattr(value, "name", str(value)).upper()
 
 
 def check_version(version: str) -> None:
@@ -68,7 +69,10 @@ def check_engine(vllm_config: Any) -> None:
                          "turn it off with --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))")
     model_config = vllm_config.model_config
     compilation = vllm_config.compilation_config
-    compiled = _mode_name(compilation.mode) != "NONE"
+    # None = not resolved yet (the config hook runs before vLLM resolves them): vLLM's default, which compiles and,
+    # on a GPU, captures graphs, unless TORCH_COMPILE_DISABLE=1.
+    compiled = _mode_name(compilation.mode) != "NONE" and not (
+        compilation.mode is None and os.environ.get("TORCH_COMPILE_DISABLE") == "1")
     graphs = _mode_name(compilation.cudagraph_mode) != "NONE"
     if not model_config.enforce_eager and (compiled or graphs):
         raise ValueError(f"{arch} (macer): the compacted forward gathers a data-dependent set of rows and rebuilds "

@@ -23,6 +23,7 @@ Pure Python over ``vllm_config`` attributes: this module does not import vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import torch
 
 from macer.adapters.base import text_config
 from macer.config import decoder_depth
-from macer.policies import POLICY_NAMES, make_policy
+from macer.policies import POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
 from macer.policy import AUDIO, TEXT, VISUAL, Policy
 
 __all__ = [
@@ -49,6 +50,7 @@ SETTINGS_KEY = "macer"
 LABELLED_ARCHITECTURE = "MacerQwen2ForCausalLM"
 OMNI_THINKER_ARCHITECTURE = "MacerQwen2_5OmniThinkerForConditionalGeneration"
 LABEL_KEYS = ("audio_token_ids", "video_token_ids")
+_BASELINES = {"full": FullConfig, "fastv": FastVConfig, "random": RandomConfig}  # no per-model defaults
 
 
 @dataclass(frozen=True)
@@ -128,10 +130,18 @@ def policy_from_settings(settings: Any, hf_config: Any, architecture: str) -> tu
                          f"{LABELLED_ARCHITECTURE}; {architecture} labels its rows from its own config's token ids")
     for key in LABEL_KEYS:
         params.pop(key, None)
-    # MACER and its ablations start from the paper's defaults for a recognised model (make_policy(name, model));
-    # the other policies have no per-model defaults.
-    policy = make_policy(name, hf_config, **params) if name not in ("full", "fastv", "random") else \
-        make_policy(name, **params)
+    baseline = _BASELINES.get(name)
+    if baseline is None:
+        # MACER and its ablations start from the paper's defaults for a recognised model (make_policy(name, model)).
+        policy = make_policy(name, hf_config, **params)
+    else:
+        # make_policy would raise TypeError from the dataclass for an unknown field: name it and the allowed ones.
+        allowed = [f.name for f in dataclasses.fields(baseline)]
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            raise ValueError(f'additional_config["{SETTINGS_KEY}"]: policy {name!r} ({baseline.__name__}) has no '
+                             f"field {unknown}; allowed: {allowed}")
+        policy = make_policy(name, **params)
     policy.check_depth(decoder_depth(hf_config))
     eot = policy.end_of_turn_token_id
     if eot is not None and vocab_size is not None and eot >= vocab_size:
