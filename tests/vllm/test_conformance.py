@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import pytest
 import torch
@@ -190,3 +191,60 @@ def test_engine_matches_transformers(name, ratio, engine, hf_model, prompt, unpa
     if ratio == 1.0:
         assert torch.equal(got["logits"], unpatched["logits"])
         assert got["tokens"] == unpatched["tokens"]
+
+
+_READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _model_layer_caller() -> str | None:
+    """``module:line`` of the first frame outside torch and this file, if it is the model layer (``macer.*``)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("torch") or name == __name__:
+            frame = frame.f_back
+            continue
+        return f"{name}:{frame.f_lineno}" if name == "macer" or name.startswith("macer.") else None
+    return None
+
+
+def test_no_host_reads_in_stages_or_decode_steps(engine, prompt, checkpoint, monkeypatch):
+    """Guards the hot-path rule inside the engine: the staged layers of a prefill (readouts, selections, compaction,
+    rebuilt metadata) and every decode step read no tensor back on the host from macer's code (a GPU synchronisation
+    each); only the prefill's start (ids to the host, the plan) may. On CPU nothing synchronises, so the calls that
+    would are counted."""
+    from transformers import AutoConfig
+
+    _, model, _ = engine
+    policy, _ = policy_from_settings(_settings("macer", 0.25), AutoConfig.from_pretrained(checkpoint), ARCHITECTURE)
+    model.macer.use_policy(policy)
+    found: list[str] = []
+    window = [0]
+
+    def spy(name, original):
+        def wrapped(*args, **kwargs):
+            if window[0]:
+                where = _model_layer_caller()
+                if where is not None:
+                    found.append(f"{name} at {where}")
+            return original(*args, **kwargs)
+
+        return wrapped
+
+    def windowed(method):
+        def wrapped(*args, **kwargs):
+            window[0] += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                window[0] -= 1
+
+        return wrapped
+
+    for name in _READS:
+        monkeypatch.setattr(torch.Tensor, name, spy(f"Tensor.{name}", getattr(torch.Tensor, name)))
+    monkeypatch.setattr(model.macer, "_staged_layers", windowed(model.macer._staged_layers))
+    monkeypatch.setattr(model.macer, "_decode", windowed(model.macer._decode))
+    _engine_run(engine, prompt)
+    assert model.macer.state.prefill.plan.layer_tokens[-1] < len(prompt)
+    assert found == []
