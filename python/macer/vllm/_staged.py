@@ -33,7 +33,8 @@ from torch import nn
 from macer._prefill import _Prefill, _to_host
 from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Policy, PromptFacts, plan_prefill
 
-__all__ = ["PromptLabels", "RequestState", "StagedDecoder", "kept_counts", "omni_prompt_labels", "temporal_row"]
+__all__ = ["PromptLabels", "RequestState", "StagedDecoder", "check_policy", "kept_counts", "omni_prompt_labels",
+           "temporal_row"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,24 @@ def omni_prompt_labels(thinker_config: Any) -> PromptLabels:
         return adapter.labels(holder, ids[None])[0]
 
     return PromptLabels(labels, adapter.end_of_turn_token_id(holder))
+
+
+def check_policy(policy: Policy, end_of_turn_token_id: int | None) -> None:
+    """Refuse, when the model loads, a policy the engine cannot serve as the transformers runtime would: an error at
+    a prefill would stop the engine, not just the request.
+
+    * ``trim_early_cache=True``: the early layers' pages would have to be compacted after the prefill (not done).
+    * question rows read before an unknown end-of-turn token (``question_span="end_of_turn"`` with no
+      ``end_of_turn_token_id`` from the settings or the model).
+    """
+    if policy.trim_early_cache:
+        raise ValueError('additional_config["macer"]["trim_early_cache"]=true is not supported inside vLLM (the early '
+                         "layers' KV pages keep every prompt token); leave it false")
+    reads_question = any(spec.needs_scores and spec.query == "question" for spec in policy.stage_specs(1, 1))
+    if reads_question and policy.question_span == "end_of_turn" and end_of_turn_token_id is None:
+        raise ValueError('additional_config["macer"]: the question rows end before the end-of-turn token, which this '
+                         'model does not name: set "end_of_turn_token_id" (the id closing the user\'s question), or '
+                         '"question_span": "prompt_end" to read the prompt\'s last query_tokens tokens')
 
 
 def temporal_row(positions: torch.Tensor) -> torch.Tensor:
@@ -110,9 +129,10 @@ class StagedDecoder:
         """Serve the next prefills with ``policy`` (the engine's comes from its settings; the conformance tests
         switch policies in-process between requests to run them all on one engine)."""
         policy.check_depth(len(self.layers))
-        self.policy = policy
-        self.end_of_turn = (policy.end_of_turn_token_id if policy.end_of_turn_token_id is not None
-                            else self.prompt.end_of_turn_token_id)
+        end_of_turn = (policy.end_of_turn_token_id if policy.end_of_turn_token_id is not None
+                       else self.prompt.end_of_turn_token_id)
+        check_policy(policy, end_of_turn)
+        self.policy, self.end_of_turn = policy, end_of_turn
 
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
