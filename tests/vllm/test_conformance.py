@@ -148,15 +148,16 @@ def unpatched(engine, prompt):
         del model.forward
 
 
-@pytest.mark.parametrize(("name", "ratio"), CASES)
-def test_engine_matches_transformers(name, ratio, engine, hf_model, prompt, unpatched, checkpoint):
-    """Guards: the engine's stage selecting other rows than the transformers runtime, a compacted layer reading the
-    wrong context (its metadata's sequence length or slots), a decode step not shifted by the dropped tokens, KV
-    written to the wrong slots, and keep ratio 1 changing anything."""
-    _, model, _ = engine
+def _policy(name: str, ratio: float, checkpoint):
     from transformers import AutoConfig
 
-    policy, _ = policy_from_settings(_settings(name, ratio), AutoConfig.from_pretrained(checkpoint), ARCHITECTURE)
+    return policy_from_settings(_settings(name, ratio), AutoConfig.from_pretrained(checkpoint), ARCHITECTURE)[0]
+
+
+def _compare(engine, hf_model, policy, prompt: list[int]) -> dict:
+    """Run ``prompt`` under ``policy`` in the engine and in transformers and assert that they agree (see the module
+    docstring); returns the engine's run."""
+    _, model, _ = engine
     model.macer.use_policy(policy)
     records.clear()
     got = _engine_run(engine, prompt)
@@ -167,11 +168,8 @@ def test_engine_matches_transformers(name, ratio, engine, hf_model, prompt, unpa
     plan_tokens = state.prefill.plan.layer_tokens
     assert plan_tokens == record.layer_tokens == record.cache_lengths
     assert [rows.numel() for rows in state.layer_rows] == plan_tokens
-    kept = state.prefill.current
     want_kept = torch.arange(n) if record.kept_positions is None else record.kept_positions
-    assert torch.equal(kept.cpu(), want_kept.cpu())
-    if ratio < 1.0:
-        assert plan_tokens[-1] < n, "keep ratio 0.25 must drop tokens (the comparison would be vacuous)"
+    assert torch.equal(state.prefill.current.cpu(), want_kept.cpu())
     torch.testing.assert_close(got["logits"], want["logits"], rtol=0, atol=1e-4)
     assert got["tokens"] == want["tokens"]
 
@@ -187,10 +185,28 @@ def test_engine_matches_transformers(name, ratio, engine, hf_model, prompt, unpa
             model, index, layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1), state.slots[:held])
         assert count == 2 * layer.keys.numel()
         torch.testing.assert_close(engine_kv, reference_kv, rtol=0, atol=1e-4)
+    return got
 
-    if ratio == 1.0:
+
+@pytest.mark.parametrize(("name", "ratio"), CASES)
+def test_engine_matches_transformers(name, ratio, engine, hf_model, prompt, unpatched, checkpoint):
+    """Guards: the engine's stage selecting other rows than the transformers runtime, a compacted layer reading the
+    wrong context (its metadata's sequence length or slots), a decode step not shifted by the dropped tokens, KV
+    written to the wrong slots, and keep ratio 1 changing anything."""
+    _, model, _ = engine
+    got = _compare(engine, hf_model, _policy(name, ratio, checkpoint), prompt)
+    if ratio < 1.0:
+        assert model.macer.state.prefill.plan.layer_tokens[-1] < len(prompt), "0.25 must drop tokens"
+    else:
         assert torch.equal(got["logits"], unpatched["logits"])
         assert got["tokens"] == unpatched["tokens"]
+
+
+@pytest.mark.parametrize(("n_audio", "n_video"), [(24, 0), (0, 64), (0, 0)])
+def test_one_modality_or_none(n_audio, n_video, engine, hf_model, checkpoint):
+    """Guards prompts with one modality empty (a stage with nothing to select) or no media at all (no plan)."""
+    prompt = clip_prompt(n_audio=n_audio, n_video=n_video, question=8, seed=2)
+    _compare(engine, hf_model, _policy("macer", 0.25, checkpoint), prompt)
 
 
 _READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
@@ -213,11 +229,8 @@ def test_no_host_reads_in_stages_or_decode_steps(engine, prompt, checkpoint, mon
     rebuilt metadata) and every decode step read no tensor back on the host from macer's code (a GPU synchronisation
     each); only the prefill's start (ids to the host, the plan) may. On CPU nothing synchronises, so the calls that
     would are counted."""
-    from transformers import AutoConfig
-
     _, model, _ = engine
-    policy, _ = policy_from_settings(_settings("macer", 0.25), AutoConfig.from_pretrained(checkpoint), ARCHITECTURE)
-    model.macer.use_policy(policy)
+    model.macer.use_policy(_policy("macer", 0.25, checkpoint))
     found: list[str] = []
     window = [0]
 
