@@ -97,7 +97,6 @@ class RequestState:
     every position it has written (``slots[p]``), which a compacted layer reuses for compacted index ``p - D``."""
 
     prefill: _Prefill
-    prompt_length: int
     shifts: list[int]  # per layer: prompt tokens the stages dropped before it (0: a full layer)
     layer_rows: list[torch.Tensor]  # per layer: prompt positions of the rows its cache holds, in slot order
     slots: torch.Tensor  # [max_model_len] slot of each position of the request
@@ -158,9 +157,10 @@ class StagedDecoder:
         finally:
             context.attn_metadata, context.slot_mapping = saved
 
-    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int = 0,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        for layer in self.layers[start:]:
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layers as vLLM runs them, with whatever metadata the forward context holds."""
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
@@ -184,7 +184,7 @@ class StagedDecoder:
         slots = torch.empty(self.vllm_config.model_config.max_model_len, dtype=first.slot_mapping.dtype,
                             device=first.slot_mapping.device)
         slots[:n] = first.slot_mapping[:n]
-        state = RequestState(prefill, n, [n - tokens for tokens in plan.layer_tokens], [], slots)
+        state = RequestState(prefill, [n - tokens for tokens in plan.layer_tokens], [], slots)
         self.state = state
         try:
             hidden = self._staged_layers(context, first, state, hidden, positions)
