@@ -161,26 +161,29 @@ def test_engine_settings_refused_when_vllm_builds_the_config(checkpoint, engine,
         _llm_refusal(checkpoint, **engine)
 
 
-def test_parallel_refusals_name_the_flag():
-    """Tensor/pipeline parallel > 1 are refused by name (checked on a config object: this machine cannot start two
-    ranks)."""
+def test_parallel_and_speculative_refusals_name_the_flag():
+    """Tensor/pipeline parallel > 1 and speculative decoding are refused by name (checked on a config object: this
+    machine cannot start two ranks, and a draft model would be a second engine start)."""
     from types import SimpleNamespace
 
     from macer.vllm.checks import check_engine
 
-    def config(tp=1, pp=1):
+    def config(tp=1, pp=1, speculative=None):
         return SimpleNamespace(
             model_config=SimpleNamespace(architecture=LABELLED_ARCHITECTURE, enforce_eager=True),
             scheduler_config=SimpleNamespace(enable_chunked_prefill=False, max_num_seqs=1),
             cache_config=SimpleNamespace(enable_prefix_caching=False),
-            compilation_config=SimpleNamespace(mode=0, cudagraph_mode=None),
-            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+            compilation_config=SimpleNamespace(mode=None, cudagraph_mode=None),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+            speculative_config=speculative)
 
     check_engine(config())
     with pytest.raises(ValueError, match=r"--tensor-parallel-size=2 is not supported .* use --tensor-parallel-size 1"):
         check_engine(config(tp=2))
     with pytest.raises(ValueError, match=r"--pipeline-parallel-size=4 is not supported"):
         check_engine(config(pp=4))
+    with pytest.raises(ValueError, match=r"speculative decoding is not supported .* drop --speculative-config"):
+        check_engine(config(speculative=SimpleNamespace(method="ngram")))
 
 
 def test_version_check_names_the_tested_versions():

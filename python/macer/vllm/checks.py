@@ -14,6 +14,7 @@ Why each setting is refused (docs/serving.md has the long form):
   metadata, which a captured graph or a traced graph would freeze.
 * tensor / pipeline parallel > 1: each rank sees only its heads, and the scores must be summed over ranks before the
   selection (not implemented).
+* speculative decoding: a verify step feeds several tokens per request; the decode shifts assume one.
 * ``max_num_seqs > 1``: the forward compacts one prefill (phase 1 of the design).
 * ``prompt_logprobs``: the dropped rows leave the later layers, so their logits do not exist.
 
@@ -87,6 +88,9 @@ def check_engine(vllm_config: Any) -> None:
             raise ValueError(f"{arch} (macer): --{flag}={size} is not supported (each rank holds part of the heads or "
                              f"layers, and the scores must be summed over ranks before the selection): use "
                              f"--{flag} 1")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ValueError(f"{arch} (macer): speculative decoding is not supported (a verify step feeds several tokens "
+                         "per request, the compacted layers' decode shifts assume one): drop --speculative-config")
     if scheduler.max_num_seqs > 1:
         raise ValueError(f"{arch} (macer) compacts one prefill at a time (no batching yet): set --max-num-seqs 1 "
                          f"(LLM(..., max_num_seqs=1)); got {scheduler.max_num_seqs}")
