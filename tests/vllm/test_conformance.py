@@ -209,6 +209,19 @@ def test_one_modality_or_none(n_audio, n_video, engine, hf_model, checkpoint):
     _compare(engine, hf_model, _policy("macer", 0.25, checkpoint), prompt)
 
 
+def test_requests_in_one_call_each_get_their_own_plan(engine, prompt, checkpoint):
+    """Guards a request inheriting the previous request's plan, shifts or slots: two prompts in one ``generate``
+    (served one after the other, ``max_num_seqs=1``) give each the tokens it gets alone."""
+    llm, model, _ = engine
+    model.macer.use_policy(_policy("macer", 0.25, checkpoint))
+    other = clip_prompt(n_audio=16, n_video=40, question=6, seed=4)
+    alone = [_engine_run(engine, p)["tokens"] for p in (prompt, other)]
+    params = vllm.SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": other}], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in out] == alone
+    assert alone[0] != alone[1]
+
+
 _READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 
 
