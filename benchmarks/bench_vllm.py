@@ -11,8 +11,9 @@ not disturb the next), on the same random-weight Qwen2 checkpoint and the same p
 * ``full``: the plugin's ``MacerQwen2ForCausalLM`` with ``policy="full"`` (the plugin's overhead without pruning);
 * ``macer``: the same with ``policy="macer"``, ``keep_ratio`` 0.25 (paper's 7B layers and shares).
 
-Every engine runs with the settings MACER needs (eager, no chunked prefill, no prefix caching, one sequence), the
-baseline included, so the rows differ only in the model. Per provider, medians over ``reps`` after ``warmup``:
+Every engine runs with the settings MACER needs (eager, V1 model runner, no chunked prefill, no prefix caching, one
+sequence), the baseline included, so the rows differ only in the model. Per provider, medians over ``reps`` after
+``warmup``:
 
 * ``ttft_s``: wall time of ``LLM.generate`` with ``max_tokens=1`` (queueing, prefill and the first sample);
 * ``prefill_tok_s`` = prompt tokens / ``ttft_s``;
@@ -155,9 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     parser.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)  # internal: one engine, then exit
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.provider:
-        print(json.dumps(run_provider(args.checkpoint, args.provider, args.mode)))
+        # A file, not stdout: vLLM logs to stdout.
+        args.result.write_text(json.dumps(run_provider(args.checkpoint, args.provider, args.mode)))
         return
 
     import torch
@@ -174,11 +177,14 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = write_checkpoint(Path(tmp) / "ckpt", args.mode)
         for provider in args.providers:
             print(f"bench_vllm: {provider} ...", file=sys.stderr, flush=True)
+            result = Path(tmp) / f"{provider}.json"
+            # Every provider on the V1 model runner, the one the plugin supports (vLLM's GPU default is V2).
             done = subprocess.run([sys.executable, "-m", "benchmarks.bench_vllm", "--mode", args.mode, "--provider",
-                                   provider, "--checkpoint", str(checkpoint)], capture_output=True, text=True)
+                                   provider, "--checkpoint", str(checkpoint), "--result", str(result)],
+                                  capture_output=True, text=True, env={**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0"})
             if done.returncode:
-                raise SystemExit(f"bench_vllm: the {provider} engine failed:\n{done.stderr[-4000:]}")
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                raise SystemExit(f"bench_vllm: the {provider} engine failed:\n{(done.stdout + done.stderr)[-4000:]}")
+            rows.append(json.loads(result.read_text()))
     base = next((r for r in rows if r["provider"] == "vllm"), None)
     for row in rows:
         row["speedup_ttft"] = base["ttft_s"] / row["ttft_s"] if base else None

@@ -161,21 +161,22 @@ def test_engine_settings_refused_when_vllm_builds_the_config(checkpoint, engine,
         _llm_refusal(checkpoint, **engine)
 
 
-def test_parallel_and_speculative_refusals_name_the_flag():
-    """Tensor/pipeline parallel > 1 and speculative decoding are refused by name (checked on a config object: this
-    machine cannot start two ranks, and a draft model would be a second engine start)."""
+def test_parallel_speculative_and_runner_refusals_name_the_flag():
+    """Tensor/pipeline parallel > 1, speculative decoding and Model Runner V2 are refused by name (checked on a config
+    object: this machine cannot start two ranks, a draft model would be a second engine start, and MRV2 needs Triton
+    on a GPU)."""
     from types import SimpleNamespace
 
     from macer.vllm.checks import check_engine
 
-    def config(tp=1, pp=1, speculative=None):
+    def config(tp=1, pp=1, speculative=None, runner_v2=False):
         return SimpleNamespace(
             model_config=SimpleNamespace(architecture=LABELLED_ARCHITECTURE, enforce_eager=True),
             scheduler_config=SimpleNamespace(enable_chunked_prefill=False, max_num_seqs=1),
             cache_config=SimpleNamespace(enable_prefix_caching=False),
             compilation_config=SimpleNamespace(mode=None, cudagraph_mode=None),
             parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-            speculative_config=speculative)
+            speculative_config=speculative, use_v2_model_runner=runner_v2)
 
     check_engine(config())
     with pytest.raises(ValueError, match=r"--tensor-parallel-size=2 is not supported .* use --tensor-parallel-size 1"):
@@ -184,6 +185,8 @@ def test_parallel_and_speculative_refusals_name_the_flag():
         check_engine(config(pp=4))
     with pytest.raises(ValueError, match=r"speculative decoding is not supported .* drop --speculative-config"):
         check_engine(config(speculative=SimpleNamespace(method="ngram")))
+    with pytest.raises(ValueError, match=r"V1 model runner only .* set VLLM_USE_V2_MODEL_RUNNER=0"):
+        check_engine(config(runner_v2=True))
 
 
 def test_version_check_names_the_tested_versions():

@@ -14,6 +14,7 @@ Why each setting is refused (docs/serving.md has the long form):
   metadata, which a captured graph or a traced graph would freeze.
 * tensor / pipeline parallel > 1: each rank sees only its heads, and the scores must be summed over ranks before the
   selection (not implemented).
+* Model Runner V2 (vLLM 0.32's default where Triton runs, i.e. on GPUs): the plugin has run on the V1 runner only.
 * speculative decoding: a verify step feeds several tokens per request; the decode shifts assume one.
 * ``max_num_seqs > 1``: the forward compacts one prefill (phase 1 of the design).
 * ``prompt_logprobs``: the dropped rows leave the later layers, so their logits do not exist.
@@ -88,6 +89,10 @@ def check_engine(vllm_config: Any) -> None:
             raise ValueError(f"{arch} (macer): --{flag}={size} is not supported (each rank holds part of the heads or "
                              f"layers, and the scores must be summed over ranks before the selection): use "
                              f"--{flag} 1")
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise ValueError(f"{arch} (macer) has run on vLLM's V1 model runner only (the compacted layers' metadata is "
+                         "rebuilt for it), and this engine would use Model Runner V2 (vLLM's default where Triton "
+                         "runs): set VLLM_USE_V2_MODEL_RUNNER=0")
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise ValueError(f"{arch} (macer): speculative decoding is not supported (a verify step feeds several tokens "
                          "per request, the compacted layers' decode shifts assume one): drop --speculative-config")
