@@ -51,7 +51,7 @@ MODES = {
             "clip": {"n_audio": 1460, "n_video": 864, "question": 24}, "dtype": "bfloat16", "decode_tokens": 64,
             "warmup": 2, "reps": 10, "max_model_len": 4096},
 }
-MACER = {"policy": "macer", "keep_ratio": 0.25, "audio_layer": 3, "video_layer": 5}
+MACER = {"policy": "macer", "keep_ratio": 0.25, "audio_layer": 3, "video_layer": 5, "end_of_turn_token_id": 2}
 
 
 def prompt_ids(n_audio: int, n_video: int, question: int, seed: int = 0) -> list[int]:
@@ -102,7 +102,7 @@ def run_provider(checkpoint: str, provider: str, mode: str) -> dict:
 
     spec = MODES[mode]
     prompt = prompt_ids(**spec["clip"])
-    labels = {k: MACER_SETTINGS[k] for k in ("audio_token_ids", "video_token_ids", "end_of_turn_token_id")}
+    labels = {k: MACER_SETTINGS[k] for k in ("audio_token_ids", "video_token_ids")}
     engine = {"model": checkpoint, "skip_tokenizer_init": True, "dtype": spec["dtype"], "enforce_eager": True,
               "max_model_len": spec["max_model_len"], "max_num_batched_tokens": spec["max_model_len"],
               "max_num_seqs": 1, "enable_chunked_prefill": False, "enable_prefix_caching": False, "seed": 0}
