@@ -18,7 +18,10 @@ sequence), the baseline included, so the rows differ only in the model. Per prov
 * ``ttft_s``: wall time of ``LLM.generate`` with ``max_tokens=1`` (queueing, prefill and the first sample);
 * ``prefill_tok_s`` = prompt tokens / ``ttft_s``;
 * ``e2e_s``: wall time with ``max_tokens=T`` (``ignore_eos``), and ``decode_tok_s`` = (T - 1) / (e2e_s - ttft_s);
-* ``speedup_ttft`` and ``speedup_decode`` against ``vllm``.
+* ``ttft_cpu_s`` and ``decode_tok_cpu_s``: the same from the process's CPU time (the engine runs in the provider's
+  process): steadier than wall time on a machine shared with other work;
+* ``speedup_ttft`` and ``speedup_decode`` against ``vllm`` (wall time), ``cpu_speedup_ttft`` and
+  ``cpu_speedup_decode`` (CPU time).
 
 The GPU mode uses the Qwen2.5-Omni-7B thinker's text shape (28 layers, hidden 3584, GQA 28/4, head 128) in bf16
 with random weights written in code and the paper's clip counts (1460 audio + 864 video tokens); it has not run
@@ -96,7 +99,8 @@ def write_checkpoint(directory: Path, mode: str) -> Path:
 
 
 def run_provider(checkpoint: str, provider: str, mode: str) -> dict:
-    """Time one provider in this process (the ``--provider`` entry: one engine, then exit)."""
+    """Time one provider in this process (the ``--provider`` entry: one engine, then exit). The engine runs in this
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``main``), so the process CPU time covers its work."""
     from macer.vllm.testing import MACER_SETTINGS
     from vllm import LLM, SamplingParams
 
@@ -121,21 +125,24 @@ def run_provider(checkpoint: str, provider: str, mode: str) -> dict:
     whole = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     request = [{"prompt_token_ids": prompt}]
 
-    def timed(params: SamplingParams) -> float:
-        start = time.perf_counter()
+    def timed(params: SamplingParams) -> tuple[float, float]:
+        """Wall and process CPU seconds of one ``generate``."""
+        start, cpu = time.perf_counter(), time.process_time()
         out = llm.generate(request, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         assert len(out[0].outputs[0].token_ids) == params.max_tokens
-        return elapsed
+        return elapsed, cpu
 
     for _ in range(spec["warmup"]):
         timed(first), timed(whole)
     ttft = [timed(first) for _ in range(spec["reps"])]
     e2e = [timed(whole) for _ in range(spec["reps"])]
-    ttft_s, e2e_s = statistics.median(ttft), statistics.median(e2e)
+    ttft_s, e2e_s = (statistics.median(t[0] for t in runs) for runs in (ttft, e2e))
+    ttft_cpu_s, e2e_cpu_s = (statistics.median(t[1] for t in runs) for runs in (ttft, e2e))
     return {"provider": provider, "prompt_tokens": len(prompt), "decode_tokens": tokens, "ttft_s": ttft_s,
             "prefill_tok_s": len(prompt) / ttft_s, "e2e_s": e2e_s, "decode_tok_s": (tokens - 1) / (e2e_s - ttft_s),
-            "ttft_spread_s": max(ttft) - min(ttft), "startup_s": startup_s}
+            "ttft_cpu_s": ttft_cpu_s, "decode_tok_cpu_s": (tokens - 1) / (e2e_cpu_s - ttft_cpu_s),
+            "ttft_spread_s": max(t[0] for t in ttft) - min(t[0] for t in ttft), "startup_s": startup_s}
 
 
 def _machine() -> dict:
@@ -178,10 +185,12 @@ def main(argv: list[str] | None = None) -> None:
         for provider in args.providers:
             print(f"bench_vllm: {provider} ...", file=sys.stderr, flush=True)
             result = Path(tmp) / f"{provider}.json"
-            # Every provider on the V1 model runner, the one the plugin supports (vLLM's GPU default is V2).
+            # Every provider on the V1 model runner, the one the plugin supports (vLLM's GPU default is V2), with
+            # the engine in the provider's process (its CPU time is then measurable).
+            env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
             done = subprocess.run([sys.executable, "-m", "benchmarks.bench_vllm", "--mode", args.mode, "--provider",
                                    provider, "--checkpoint", str(checkpoint), "--result", str(result)],
-                                  capture_output=True, text=True, env={**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0"})
+                                  capture_output=True, text=True, env=env)
             if done.returncode:
                 raise SystemExit(f"bench_vllm: the {provider} engine failed:\n{(done.stdout + done.stderr)[-4000:]}")
             rows.append(json.loads(result.read_text()))
@@ -189,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         row["speedup_ttft"] = base["ttft_s"] / row["ttft_s"] if base else None
         row["speedup_decode"] = row["decode_tok_s"] / base["decode_tok_s"] if base else None
+        row["cpu_speedup_ttft"] = base["ttft_cpu_s"] / row["ttft_cpu_s"] if base else None
+        row["cpu_speedup_decode"] = row["decode_tok_cpu_s"] / base["decode_tok_cpu_s"] if base else None
     meta["load_average_at_end"] = list(os.getloadavg())
     print_table(rows)
     for path in write_results(f"bench_vllm_{args.mode}", rows, meta, args.out):
