@@ -224,6 +224,38 @@ def test_requests_in_one_call_each_get_their_own_plan(engine, prompt, checkpoint
     assert alone[0] != alone[1]
 
 
+class _TemporalRope(torch.nn.Module):
+    """A layer's RoPE fed ``[3, T]`` positions: applies the wrapped 1-D RoPE to the temporal row (test shim)."""
+
+    def __init__(self, rope: torch.nn.Module):
+        super().__init__()
+        self.rope = rope
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        return self.rope(positions[0], query, key)
+
+
+def test_mrope_positions_are_gathered_and_read_by_their_temporal_row(engine, prompt, checkpoint, monkeypatch):
+    """Guards the Omni thinker's path through the staged forward, where vLLM passes M-RoPE positions ``[3, T]``: the
+    stages must gather all three rows of the kept tokens and take temporal chunks from row 0 (rows 1 and 2 here are
+    made different, so coverage would pick other video tokens from them). The layers apply RoPE from row 0, so the
+    run must equal the plain ``[T]`` run bit for bit."""
+    _, model, _ = engine
+    model.macer.use_policy(_policy("macer", 0.25, checkpoint))
+    plain = _engine_run(engine, prompt)
+    kept = model.macer.state.prefill.current.clone()
+
+    def forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        return model.macer.forward(input_ids, torch.stack([positions, positions % 7, positions % 5]), inputs_embeds)
+
+    monkeypatch.setattr(model, "forward", forward)
+    for layer in model.macer.layers:
+        monkeypatch.setattr(layer.self_attn, "rotary_emb", _TemporalRope(layer.self_attn.rotary_emb))
+    mrope = _engine_run(engine, prompt)
+    assert torch.equal(model.macer.state.prefill.current, kept)
+    assert torch.equal(mrope["logits"], plain["logits"]) and mrope["tokens"] == plain["tokens"]
+
+
 _READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 
 
