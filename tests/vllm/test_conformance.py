@@ -235,7 +235,7 @@ class _TemporalRope(torch.nn.Module):
         return self.rope(positions[0], query, key)
 
 
-def test_mrope_positions_are_gathered_and_read_by_their_temporal_row(engine, prompt, checkpoint, monkeypatch):
+def test_mrope_positions_are_gathered_and_read_by_their_temporal_row(engine, prompt, checkpoint):
     """Guards the Omni thinker's path through the staged forward, where vLLM passes M-RoPE positions ``[3, T]``: the
     stages must gather all three rows of the kept tokens and take temporal chunks from row 0 (rows 1 and 2 here are
     made different, so coverage would pick other video tokens from them). The layers apply RoPE from row 0, so the
@@ -248,10 +248,16 @@ def test_mrope_positions_are_gathered_and_read_by_their_temporal_row(engine, pro
     def forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         return model.macer.forward(input_ids, torch.stack([positions, positions % 7, positions % 5]), inputs_embeds)
 
-    monkeypatch.setattr(model, "forward", forward)
-    for layer in model.macer.layers:
-        monkeypatch.setattr(layer.self_attn, "rotary_emb", _TemporalRope(layer.self_attn.rotary_emb))
-    mrope = _engine_run(engine, prompt)
+    ropes = [layer.self_attn.rotary_emb for layer in model.macer.layers]
+    model.forward = forward
+    try:
+        for layer, rope in zip(model.macer.layers, ropes, strict=True):
+            layer.self_attn.rotary_emb = _TemporalRope(rope)
+        mrope = _engine_run(engine, prompt)
+    finally:
+        del model.forward
+        for layer, rope in zip(model.macer.layers, ropes, strict=True):
+            layer.self_attn.rotary_emb = rope
     assert torch.equal(model.macer.state.prefill.current, kept)
     assert torch.equal(mrope["logits"], plain["logits"]) and mrope["tokens"] == plain["tokens"]
 
