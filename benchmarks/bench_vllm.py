@@ -92,6 +92,9 @@ def write_checkpoint(directory: Path, mode: str) -> Path:
     with torch.device("cuda"):
         model = Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
+    # The engines run in other processes and size their KV cache from the GPU's free memory: give this one's back.
+    del model
+    torch.cuda.empty_cache()
     saved = json.loads((directory / "config.json").read_text())
     saved["architectures"] = [testing.ARCHITECTURE]
     (directory / "config.json").write_text(json.dumps(saved, indent=2))
