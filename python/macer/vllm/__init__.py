@@ -1,0 +1,39 @@
+"""MACER inside vLLM: the ``vllm.general_plugins`` entry point and the plugin's parts (docs/serving.md).
+
+``pip install "macer-kernels[vllm]"`` installs the entry point ``macer = "macer.vllm:register"``; vLLM calls
+``register()`` in every process it starts. It registers the MACER architectures with ``ModelRegistry`` lazily (by
+"module:Class" string, so nothing heavy is imported until a MACER model is built) and installs the engine-settings
+hook (``macer.vllm.checks.MacerEngineHook``) for them. Select one with ``--hf-overrides '{"architectures":
+["MacerQwen2_5OmniThinkerForConditionalGeneration"]}'`` (or a checkpoint whose config names it) and configure it with
+``--additional-config '{"macer": {...}}'`` (``macer.vllm.settings``).
+
+Modules: ``settings`` (the ``"macer"`` settings), ``checks`` (engine settings refused), ``records`` (per-request
+record and log line), ``model`` (the architectures), ``testing`` (a tiny checkpoint and prompts built in code).
+Importing this package does not import vLLM.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ARCHITECTURES", "register"]
+
+ARCHITECTURES = {
+    "MacerQwen2ForCausalLM": "macer.vllm.model:MacerQwen2ForCausalLM",
+    "MacerQwen2_5OmniThinkerForConditionalGeneration":
+        "macer.vllm.model:MacerQwen2_5OmniThinkerForConditionalGeneration",
+}
+"""Architecture name -> "module:Class" registered with vLLM's ``ModelRegistry``."""
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register the MACER architectures and their engine-settings hook.
+    Idempotent (vLLM may call it more than once per process)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from macer.vllm.checks import MacerEngineHook
+
+    supported = set(ModelRegistry.get_supported_archs())
+    for architecture, target in ARCHITECTURES.items():
+        if architecture not in supported:
+            ModelRegistry.register_model(architecture, target)
+        MODELS_CONFIG_MAP[architecture] = MacerEngineHook

@@ -1,0 +1,61 @@
+"""The plugin's architectures: vLLM's own Qwen2 decoder and Qwen2.5-Omni thinker with MACER's stages in the language
+model's forward (``macer.vllm._staged.StagedDecoder``). Registered lazily by ``macer.vllm.register``.
+
+* ``MacerQwen2ForCausalLM``: a Qwen2 decoder whose audio/video rows are named by token-id sets in the settings
+  (``additional_config["macer"]["audio_token_ids"]`` / ``["video_token_ids"]``): the labelled path inside the engine.
+* ``MacerQwen2_5OmniThinkerForConditionalGeneration``: vLLM's Qwen2.5-Omni thinker (encoders, processor, M-RoPE
+  unchanged), rows labelled from its config's audio/video/image token ids as ``macer``'s Qwen2.5-Omni adapter does,
+  temporal positions from the M-RoPE temporal row. Selected on a checkpoint with
+  ``--hf-overrides '{"architectures": ["MacerQwen2_5OmniThinkerForConditionalGeneration"]}'``.
+
+Both check the engine's settings when they load (``macer.vllm.checks.check_engine``) and build their policy from
+``additional_config["macer"]`` (``macer.vllm.settings.policy_from_config``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.sequence import IntermediateTensors
+
+from macer.vllm._staged import PromptLabels, StagedDecoder
+from macer.vllm.checks import check_engine
+from macer.vllm.settings import policy_from_config
+
+# MacerQwen2_5OmniThinkerForConditionalGeneration is an attribute too, loaded on first access (``__getattr__``).
+__all__ = ["MacerQwen2ForCausalLM", "no_pipeline"]
+
+
+def no_pipeline(intermediate_tensors: IntermediateTensors | None) -> None:
+    if intermediate_tensors is not None:
+        raise ValueError("macer: pipeline parallelism is not supported by the MACER architectures "
+                         "(pipeline_parallel_size must be 1)")
+
+
+class MacerQwen2ForCausalLM(Qwen2ForCausalLM):
+    """vLLM's ``Qwen2ForCausalLM`` with MACER's stages; rows labelled by the settings' token-id sets."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        check_engine(vllm_config)
+        policy, labels = policy_from_config(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.macer = StagedDecoder(self.model, policy, PromptLabels(labels.labels), vllm_config)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        no_pipeline(intermediate_tensors)
+        return self.macer.forward(input_ids, positions, inputs_embeds)
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM's Qwen2.5-Omni thinker module imports torchvision (through transformers' Qwen2-VL image processor), which
+    # the CPU environment cannot import: the thinker class is loaded only when vLLM asks for it.
+    if name == "MacerQwen2_5OmniThinkerForConditionalGeneration":
+        from macer.vllm._omni import MacerQwen2_5OmniThinkerForConditionalGeneration
+
+        return MacerQwen2_5OmniThinkerForConditionalGeneration
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,110 @@
+"""What MACER did to each request inside the engine: one ``RequestRecord`` per prefill, kept in ``RECORDS`` (in the
+process that runs the model) and logged at INFO on the ``vllm.macer`` logger (through vLLM's handler, at
+``VLLM_LOGGING_LEVEL``)::
+
+    macer: prefill 1 policy=macer budget=22 (audio 7, video 15) kept audio 7/24 video 15/64 layers [103x3, 86x2, 46]
+
+The model calls ``record(...)`` once per prefill with host values it already has (the plan's budget and counts):
+recording reads nothing back from the device. Prefills are numbered from 1 in each process; vLLM's V1 runner does not
+tell the model which request a step serves, so ``request_id`` is None there (with ``max_num_seqs=1`` the n-th prefill
+is the n-th request the engine scheduled). ``RECORDS`` keeps the last ``MAX_RECORDS`` requests; in a test with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine core runs in the test's process and the test reads them directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import groupby
+
+from macer_kernels import Budget
+
+__all__ = ["MAX_RECORDS", "RECORDS", "RequestRecord", "clear", "format_layers", "last", "record"]
+
+# A child of vLLM's "vllm" logger, so the line goes through vLLM's handler and level (VLLM_LOGGING_LEVEL) in every
+# process of the engine; a logger of our own would have no handler there and drop INFO.
+logger = logging.getLogger("vllm.macer")
+
+MAX_RECORDS = 1024
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request's prefill under MACER.
+
+    Attributes:
+        index: the prefill's number in this process (from 1).
+        request_id: vLLM's request id (None where the forward cannot tell).
+        policy: the policy's name (``"macer"``, ``"fastv"``, ...).
+        budget: the retained budget (``total``, ``audio``, ``video``), or None for a prompt without audio/video.
+        prompt: ``{"audio": n_a, "video": n_v, "text": n_t}`` token counts of the prompt.
+        kept: ``{"audio": k_a, "video": k_v}`` tokens kept after the last stage.
+        layer_tokens: sequence length entering each decoder layer (length = decoder depth).
+    """
+
+    index: int
+    request_id: str | None
+    policy: str
+    budget: Budget | None
+    prompt: Mapping[str, int]
+    kept: Mapping[str, int]
+    layer_tokens: tuple[int, ...]
+
+    def line(self) -> str:
+        """The INFO log line of this record."""
+        budget = ("none (no audio/video)" if self.budget is None else
+                  f"{self.budget.total} (audio {self.budget.audio}, video {self.budget.video})")
+        kept = " ".join(f"{m} {self.kept.get(m, 0)}/{self.prompt.get(m, 0)}" for m in ("audio", "video"))
+        request = f" request {self.request_id}" if self.request_id is not None else ""
+        return (f"macer: prefill {self.index}{request} policy={self.policy} budget={budget} kept {kept} "
+                f"layers {format_layers(self.layer_tokens)}")
+
+
+RECORDS: deque[RequestRecord] = deque(maxlen=MAX_RECORDS)
+"""The last ``MAX_RECORDS`` records of this process, oldest first."""
+
+_COUNT = [0]  # prefills recorded in this process (``RECORDS`` is bounded, so it cannot count them)
+
+
+def format_layers(layer_tokens: Sequence[int]) -> str:
+    """``[103x3, 86x2, 46]``: run-length form of the per-layer sequence lengths."""
+    runs = [(value, len(list(group))) for value, group in groupby(layer_tokens)]
+    return "[" + ", ".join(f"{v}x{n}" if n > 1 else f"{v}" for v, n in runs) + "]"
+
+
+def record(request_id: str | None, budget: Budget | None, kept_counts: Mapping[str, int],
+           layer_tokens: Sequence[int], *, policy: str = "", prompt_counts: Mapping[str, int] | None = None
+           ) -> RequestRecord:
+    """Store and log (INFO) one request's record; returns it.
+
+    Args:
+        request_id: vLLM's request id, or None.
+        budget: the plan's budget (None: nothing to prune).
+        kept_counts: ``{"audio": k_a, "video": k_v}`` kept after the last stage (host integers).
+        layer_tokens: the plan's sequence length entering each decoder layer.
+        policy: the policy's name.
+        prompt_counts: ``{"audio": n_a, "video": n_v, "text": n_t}`` of the prompt.
+    """
+    _COUNT[0] += 1
+    entry = RequestRecord(_COUNT[0], request_id, policy, budget, dict(prompt_counts or {}),
+                          {k: int(v) for k, v in kept_counts.items()}, tuple(int(n) for n in layer_tokens))
+    RECORDS.append(entry)
+    logger.info("%s", entry.line())
+    return entry
+
+
+def last() -> RequestRecord:
+    """The most recent record; ``LookupError`` if none was made in this process."""
+    if not RECORDS:
+        raise LookupError("macer.vllm.records: no request has been recorded in this process (with multiprocessing "
+                          "on, records live in the engine core's process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 to "
+                          "read them in-process, or read the INFO log lines)")
+    return RECORDS[-1]
+
+
+def clear() -> None:
+    """Forget every record and restart the numbering (tests)."""
+    RECORDS.clear()
+    _COUNT[0] = 0

@@ -1,0 +1,61 @@
+"""The Qwen2.5-Omni thinker's side of the vLLM plugin that runs without vLLM's thinker module (which imports
+torchvision, absent beside the CPU torch build): how its rows are labelled, where its question ends, which temporal
+positions its stages read, and the policies its engine refuses at load. The staged forward itself is vLLM's
+``Qwen2Model`` layer loop, the same object for both architectures, checked against transformers in
+``test_conformance.py``.
+"""
+
+from __future__ import annotations
+
+import macer
+import pytest
+import torch
+from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
+from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, thinker_config
+from macer.vllm._staged import check_policy, omni_prompt_labels, temporal_row
+
+
+def test_omni_labels_and_question_end_follow_the_transformers_adapter():
+    """Guards the thinker labelling its rows (or closing its question) differently from the Qwen2.5-Omni adapter of
+    the transformers runtime, on a clip prompt with audio and video placeholders."""
+    model = build_thinker(num_layers=2, hidden_size=64)
+    inputs = clip_inputs(model, frames=2, grid_hw=(4, 4), audio_tokens=12, seed=0)
+    ids = inputs["input_ids"][0]
+    prompt = omni_prompt_labels(model.config)
+    want = Qwen25OmniAdapter().labels(model, ids[None])[0]
+    got = prompt.labels(ids)
+    assert torch.equal(got, want)
+    assert int((got == macer.AUDIO).sum()) == int((ids == SYNTHETIC_TOKENS.audio).sum()) > 0
+    assert int((got == macer.VISUAL).sum()) == int((ids == SYNTHETIC_TOKENS.video).sum()) > 0
+    assert prompt.end_of_turn_token_id == SYNTHETIC_TOKENS.im_end == Qwen25OmniAdapter().end_of_turn_token_id(model)
+
+
+def test_omni_question_end_defaults_to_im_end_on_the_real_vocabulary():
+    """Guards the real-size thinker (vocabulary past 151645) getting no end-of-turn id: its question rows would be
+    refused at load."""
+    config = thinker_config(num_layers=2, hidden_size=64, vocab_size=151936)
+    del config.im_end_token_id  # the published config names none
+    assert omni_prompt_labels(config).end_of_turn_token_id == 151645
+
+
+def test_temporal_row_reads_the_mrope_temporal_row():
+    """Guards the coverage chunks of an M-RoPE thinker reading the height or width row instead of time."""
+    positions = torch.stack([torch.arange(6) // 2, torch.arange(6) % 2, torch.arange(6) % 3])
+    assert torch.equal(temporal_row(positions), positions[0])
+    assert torch.equal(temporal_row(torch.arange(5)), torch.arange(5))
+    with pytest.raises(ValueError, match=r"positions must be \[T\] or \[3, T\]"):
+        temporal_row(torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_policies_the_engine_cannot_serve_are_refused_at_load():
+    """Guards a prefill error stopping the engine: a policy without an end-of-turn id for its question rows, and
+    trim_early_cache (the early layers' pages are not compacted), are refused when the model loads; policies that
+    read no question rows need no end-of-turn id."""
+    with pytest.raises(ValueError, match="end_of_turn_token_id"):
+        check_policy(macer.MacerConfig(keep_ratio=0.25), None)
+    with pytest.raises(ValueError, match="trim_early_cache"):
+        check_policy(macer.MacerConfig(keep_ratio=0.25, trim_early_cache=True), 2)
+    check_policy(macer.MacerConfig(keep_ratio=0.25), 2)
+    check_policy(macer.MacerConfig(keep_ratio=0.25, question_span="prompt_end"), None)
+    check_policy(macer.FastVConfig(keep_ratio=0.25, layer=2), None)
+    check_policy(macer.RandomConfig(keep_ratio=0.25), None)
