@@ -162,21 +162,22 @@ def test_engine_settings_refused_when_vllm_builds_the_config(checkpoint, engine,
 
 
 def test_parallel_speculative_and_runner_refusals_name_the_flag():
-    """Tensor/pipeline parallel > 1, speculative decoding and Model Runner V2 are refused by name (checked on a config
-    object: this machine cannot start two ranks, a draft model would be a second engine start, and MRV2 needs Triton
-    on a GPU)."""
+    """Tensor/pipeline parallel > 1, speculative decoding, Model Runner V2, LoRA and KV connectors are refused by name
+    (checked on a config object: this machine cannot start two ranks, a draft model would be a second engine start,
+    and MRV2 needs Triton on a GPU)."""
     from types import SimpleNamespace
 
     from macer.vllm.checks import check_engine
 
-    def config(tp=1, pp=1, speculative=None, runner_v2=False):
+    def config(tp=1, pp=1, speculative=None, runner_v2=False, lora=None, kv_transfer=None):
         return SimpleNamespace(
             model_config=SimpleNamespace(architecture=LABELLED_ARCHITECTURE, enforce_eager=True),
             scheduler_config=SimpleNamespace(enable_chunked_prefill=False, max_num_seqs=1),
             cache_config=SimpleNamespace(enable_prefix_caching=False),
             compilation_config=SimpleNamespace(mode=None, cudagraph_mode=None),
             parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-            speculative_config=speculative, use_v2_model_runner=runner_v2)
+            speculative_config=speculative, use_v2_model_runner=runner_v2, lora_config=lora,
+            kv_transfer_config=kv_transfer)
 
     check_engine(config())
     with pytest.raises(ValueError, match=r"--tensor-parallel-size=2 is not supported .* use --tensor-parallel-size 1"):
@@ -187,6 +188,10 @@ def test_parallel_speculative_and_runner_refusals_name_the_flag():
         check_engine(config(speculative=SimpleNamespace(method="ngram")))
     with pytest.raises(ValueError, match=r"V1 model runner only .* set VLLM_USE_V2_MODEL_RUNNER=0"):
         check_engine(config(runner_v2=True))
+    with pytest.raises(ValueError, match=r"LoRA is not supported .* drop --enable-lora"):
+        check_engine(config(lora=SimpleNamespace(max_loras=1)))
+    with pytest.raises(ValueError, match=r"KV transfer connectors are not supported .* drop --kv-transfer-config"):
+        check_engine(config(kv_transfer=SimpleNamespace(kv_connector="OffloadingConnector")))
 
 
 def test_version_check_names_the_tested_versions():

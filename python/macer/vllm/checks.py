@@ -16,6 +16,8 @@ Why each setting is refused (docs/serving.md has the long form):
   selection (not implemented).
 * Model Runner V2 (vLLM 0.32's default where Triton runs, i.e. on GPUs): the plugin has run on the V1 runner only.
 * speculative decoding: a verify step feeds several tokens per request; the decode shifts assume one.
+* LoRA: the LoRA layers' per-token adapter mapping has the step's N rows; the compacted layers see K.
+* KV transfer connectors (disaggregated prefill, offloading): compacted pages hold kept tokens at slots 0..K-1.
 * ``max_num_seqs > 1``: the forward compacts one prefill (phase 1 of the design).
 * ``prompt_logprobs``: the dropped rows leave the later layers, so their logits do not exist.
 
@@ -96,6 +98,13 @@ def check_engine(vllm_config: Any) -> None:
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise ValueError(f"{arch} (macer): speculative decoding is not supported (a verify step feeds several tokens "
                          "per request, the compacted layers' decode shifts assume one): drop --speculative-config")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        raise ValueError(f"{arch} (macer): LoRA is not supported (the LoRA layers map each of the step's N prompt rows "
+                         "to an adapter, while the compacted layers run on the kept rows only): drop --enable-lora")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise ValueError(f"{arch} (macer): KV transfer connectors are not supported (the compacted layers' pages hold "
+                         "the kept tokens in slots 0..K-1, which a connector would ship as positions 0..K-1): drop "
+                         "--kv-transfer-config")
     if scheduler.max_num_seqs > 1:
         raise ValueError(f"{arch} (macer) compacts one prefill at a time (no batching yet): set --max-num-seqs 1 "
                          f"(LLM(..., max_num_seqs=1)); got {scheduler.max_num_seqs}")
