@@ -105,10 +105,14 @@ def test_documented_eval_install_keeps_torch(tmp_path):
     assert versions["lmms-eval"] == EVAL_LINE.match(line)["version"] and "macer-kernels" in versions
 
     # The docs' smoke test in that environment, with the default video frontend: lmms-eval exits 0 even when a
-    # sample fails, so the sample log is the evidence that both questions were answered.
+    # sample fails, so the sample log is the evidence that both questions were answered, and that MACER pruned
+    # (with transformers 5.24, which this install once resolved to, it silently pruned nothing: n_audio 0).
     work = tmp_path / "smoke"
     work.mkdir()
     smoke = _run(["bash", "-e", "-c", _smoke_block().replace("/tmp/", f"{work}/")], cwd=work, env=env)
     assert smoke.returncode == 0, (smoke.stdout[-3000:], smoke.stderr[-3000:])
     lines = [json.loads(x) for x in (work / "macer_samples.jsonl").read_text().splitlines()]
     assert [x["doc_id"] for x in lines] == [0, 1] and all(x["policy"] == "macer" for x in lines), lines
+    for x in lines:
+        assert x["n_audio"] > 0 and x["n_video"] > 0, x
+        assert x["audio_kept"] + x["video_kept"] == x["budget_total"] < x["n_audio"] + x["n_video"], x

@@ -360,19 +360,27 @@ def test_answer_letter_parsing():
 
 
 def test_table_script_runs_lmms_eval_cli(setup, tmp_path):
-    # The lmms-eval command line itself (`python -m lmms_eval --model macer_qwen2_5_omni ...`), one row, through
-    # the table runner; then table.md holds the measured score next to the paper's rows.
+    """The lmms-eval command line itself (``python -m lmms_eval --model macer_qwen2_5_omni ...``) through the table
+    runner, a full row and a MACER row sharing --model-args with layer arguments (which broke the full row:
+    FullConfig got audio_layer, issue 21 item 6); the default video frontend; then table.md holds both scores, Norm.
+    Avg. and the paper's rows."""
     from macer.eval import table
 
     out = tmp_path / "runs"
     code = table.main(["--pretrained", str(setup["checkpoint"]), "--out", str(out), "--benchmarks", "dailyomni",
-                       "--tasks-dir", str(setup["tasks"]), "--rows", "macer:audio_layer=1:video_layer=2@0.25",
-                       "--model-args", "video_frontend=torch", "--limit", "1"])
+                       "--tasks-dir", str(setup["tasks"]), "--rows", "full", "macer@0.25",
+                       "--model-args", "audio_layer=1", "video_layer=2", "--limit", "1"])
     assert code == 0
     text = (out / "table.md").read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| macer-audio_layer1-video_layer2@0.25 |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1] == "25%" and cells[3] in ("0.00", "100.00"), row  # one question: right or wrong
-    audio, video = (float(x) for x in cells[2].split(" / "))
+    assert "failed" not in text, text
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in text.split("## Paper")[0].splitlines() if line.startswith(("| full |", "| macer@0.25 |"))}
+    assert set(rows) == {"full", "macer@0.25"}, text
+    full, macer_row = rows["full"], rows["macer@0.25"]
+    assert full[1] == "100%" and full[3] in ("0.00", "100.00"), full  # one question: right or wrong
+    assert macer_row[1] == "25%" and macer_row[3] in ("0.00", "100.00"), macer_row
+    audio, video = (float(x) for x in macer_row[2].split(" / "))
     assert 0 < audio < 100 and abs(audio + video - 100) < 1e-6
+    logged = json.loads((out / "macer@0.25" / "macer_samples.jsonl").read_text().splitlines()[0])
+    assert (logged["policy_fields"]["audio_layer"], logged["policy_fields"]["video_layer"]) == (1, 2), logged
     assert "| MACER | 25% | 62.07 |" in text  # the paper's 7B DailyOmni number beside it
