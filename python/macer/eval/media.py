@@ -50,7 +50,8 @@ def read_clip(path: str, num_frames: int) -> Clip:
     try:
         import av
     except ImportError as exc:  # the eval extra installs it; say so instead of a bare ImportError
-        raise ImportError("reading video files needs PyAV: pip install 'macer-kernels[eval]' (or 'av')") from exc
+        raise ImportError("reading video files needs PyAV: pip install \".[eval]\" (README, Install) or "
+                          "pip install av") from exc
 
     with av.open(path) as container:
         if not container.streams.video:
