@@ -54,8 +54,10 @@ class MacerQwen2_5Omni(lmms):
     bfloat16 on CUDA, float32 on CPU), ``attn_implementation`` (default ``sdpa``), ``num_frames`` and
     ``max_pixels`` (``PAPER_FRAME_DEFAULTS``), ``video_frontend`` (``auto``/``hf``/``torch``, see
     ``macer.eval.media``), ``system_prompt``, ``sample_log`` (JSONL file, one line per sample with the policy's
-    budget and kept counts; default ``macer_samples.jsonl``). Every other argument is a field of the policy
-    (``keep_ratio``, ``audio_share``, ``audio_layer``, ``video_layer``, ``coverage_weight``, ``layer``, ``seed``, ...).
+    budget and kept counts, and the policy object that ran: ``policy_class``, ``policy_fields``; default
+    ``macer_samples.jsonl``). Every other argument is a field of the policy (``keep_ratio``, ``audio_share``,
+    ``audio_layer``, ``video_layer``, ``coverage_weight``, ``layer``, ``seed``, ...:
+    ``macer.eval.policy.policy_fields``); one the policy does not take is refused by name.
     ``batch_size`` (lmms-eval's ``--batch_size``): up to that many consecutive requests with equal generation
     arguments run as one left-padded ``generate`` (each prompt pruned as if alone, so greedy answers and kept counts
     equal batch size 1); an integer >= 1, lmms-eval's ``auto`` forms are refused.
