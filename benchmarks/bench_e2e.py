@@ -402,7 +402,9 @@ def _mib(nbytes: float | None) -> float | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_e2e", description=__doc__.splitlines()[0])
+    # The first paragraph of the docstring, whole (its first line alone stopped mid-sentence).
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_e2e",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

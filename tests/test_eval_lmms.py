@@ -7,27 +7,37 @@ policy ran (kept counts against the budget), and a failing generation must raise
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("lmms_eval", reason="needs the eval extra (make test installs requirements-eval.txt)")
 pytest.importorskip("av", reason="needs PyAV (requirements-eval.txt)")
 
 import macer
+from macer import FastVConfig, FullConfig, MacerConfig, RandomConfig
 from macer.eval import prepare as prepare_module
+from macer.eval.policy import describe_policy
 from macer.eval.synthetic import write_checkpoint, write_clip, write_dailyomni_release
+from macer.testing import SYNTHETIC_TOKENS
 
 LAYERS = {"audio_layer": 1, "video_layer": 2}
+# Non-default keep ratios and fields (the class defaults are keep_ratio 0.25, audio_share 0.30, coverage_weight 0.20,
+# num_chunks 8, query_tokens 4, query "last", seed 0): a field that does not reach the policy changes the log.
 POLICY_ARGS = {
     "full": {},
-    "macer": {"keep_ratio": 0.25, **LAYERS},
-    "fastv": {"keep_ratio": 0.25, "layer": 2},
-    "random": {"keep_ratio": 0.25, "seed": 3},
-    "macer_raw": {"keep_ratio": 0.25, **LAYERS},
-    "shared_topk": {"keep_ratio": 0.25, **LAYERS},
-    "no_coverage": {"keep_ratio": 0.25, **LAYERS},
+    "macer": {"keep_ratio": 0.4, "audio_share": 0.5, "coverage_weight": 0.6, "num_chunks": 3, "query_tokens": 2,
+              **LAYERS},
+    "fastv": {"keep_ratio": 0.45, "layer": 2, "query": "question", "query_tokens": 3},
+    "random": {"keep_ratio": 0.55, "seed": 3},
+    "macer_raw": {"keep_ratio": 0.35, "audio_share": 0.45, **LAYERS},
+    "shared_topk": {"keep_ratio": 0.4, "video_layer": 2, "query_tokens": 2},
+    "no_coverage": {"keep_ratio": 0.3, "num_chunks": 3, **LAYERS},
+    "single_readout": {"keep_ratio": 0.3, "video_layer": 2},  # the tiny model has no paper layers: give the one
 }
 FRAMES = 12
 CLIP_SIZE = (64, 48)  # width, height: smart_resize -> 56 x 56 -> 2 x 2 merged tokens per 2-frame group
@@ -69,13 +79,67 @@ def _evaluate(setup, policy: str, log, limit: int | None = None, batch_size: int
                            limit=limit)
 
 
+def _paper_policy(name: str):
+    """The policy ``name`` with ``POLICY_ARGS[name]``, written from its definition (``macer.ABLATIONS``), not through
+    ``make_policy`` / ``resolve_policy``: the oracle of what the wrapper must run."""
+    args, eot = dict(POLICY_ARGS[name]), SYNTHETIC_TOKENS.im_end
+    if name == "full":
+        return FullConfig()
+    if name == "random":
+        return RandomConfig(**args)
+    if name == "fastv":
+        return FastVConfig(**args, end_of_turn_token_id=eot)
+    if name == "shared_topk":
+        return FastVConfig(keep_ratio=args["keep_ratio"], layer=args["video_layer"], query="question",
+                           query_tokens=args["query_tokens"], end_of_turn_token_id=eot)
+    fixed = {"macer": {}, "macer_raw": {"scoring": "raw"}, "no_coverage": {"coverage_weight": 0.0},
+             "single_readout": {"audio_layer": args["video_layer"]}}[name]
+    return MacerConfig(**args, **fixed, end_of_turn_token_id=eot)
+
+
+def _record_runs(monkeypatch) -> list[dict]:
+    """Record every ``macer.compress`` the wrapper opens: the model, the policy object, the trace, and the inputs of
+    the ``generate`` inside it."""
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration as Thinker
+
+    runs, compress, generate = [], macer.compress, Thinker.generate
+
+    @contextlib.contextmanager
+    def recording_compress(model, policy, **kwargs):
+        with compress(model, policy, **kwargs) as trace:
+            runs.append({"model": model, "policy": policy, "trace": trace})
+            yield trace
+
+    def recording_generate(self, *args, **kwargs):
+        runs[-1]["inputs"] = kwargs
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(macer, "compress", recording_compress)
+    monkeypatch.setattr(Thinker, "generate", recording_generate)
+    return runs
+
+
+def _kept(model, policy, inputs) -> list[tuple[list[int], list[int]]]:
+    """The model layer's own run of ``policy`` on ``inputs``: the kept audio and video positions of each prompt."""
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration as Thinker
+
+    with torch.no_grad(), macer.compress(model, policy) as trace:
+        Thinker.generate(model, **{**inputs, "max_new_tokens": 1})
+    return [(record.audio_kept, record.video_kept) for record in trace.samples]
+
+
 def test_every_policy_of_the_model_layer_is_covered():
-    # single_readout takes its layer in its own test (test_single_readout_runs_at_the_given_layer).
-    assert set(POLICY_ARGS) | {"single_readout"} == set(macer.POLICY_NAMES)
+    assert set(POLICY_ARGS) == set(macer.POLICY_NAMES)
 
 
 @pytest.mark.parametrize("policy", list(POLICY_ARGS))
-def test_lmms_eval_runs_policy(setup, policy, tmp_path):
+def test_lmms_eval_runs_policy(setup, policy, tmp_path, monkeypatch):
+    """Every policy through lmms-eval, with a non-default keep ratio and fields. Guards (issue 22 items 1-2): an
+    ablation resolved to another policy (macer_raw / no_coverage / shared_topk run as macer), a field such as
+    keep_ratio that never reaches the policy, and a wrapper that runs another object than it logs: the log must
+    name the paper's definition of the policy with the fields asked for, and each prompt's kept sets must equal the
+    model layer's own run of that definition on the same inputs."""
+    runs = _record_runs(monkeypatch)
     log = tmp_path / "samples.jsonl"
     limit = 2 if policy == "macer" else 1
     result = _evaluate(setup, policy, log, limit=limit)
@@ -84,33 +148,43 @@ def test_lmms_eval_runs_policy(setup, policy, tmp_path):
     assert len(answers) == limit and all(isinstance(a, str) and a for a in answers), answers
     assert "accuracy,none" in result["results"]["dailyomni"]
 
+    expected = _paper_policy(policy)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [line["doc_id"] for line in lines] == [s["doc_id"] for s in samples]
     # The clip's token counts from the processor's own rules: 12 frames -> 6 temporal groups of 2 x 2 tokens;
     # 2 s of audio at 25 tokens/s (AAC adds a few ms of padding, hence the range).
     for line in lines:
         assert line["policy"] == policy and line["n_video"] == FRAMES // 2 * 4
+        assert {"class": line["policy_class"], "fields": line["policy_fields"]} == describe_policy(expected), line
         assert 50 <= line["n_audio"] <= 53, line
         n_media = line["n_audio"] + line["n_video"]
         kept = line["audio_kept"] + line["video_kept"]
         if policy == "full":
             assert (line["audio_kept"], line["video_kept"]) == (line["n_audio"], line["n_video"])
         else:
-            # K_mm = min(n, floor(rho n + 0.5)) (tab:macer_algorithm step 1) for every pruning policy
-            assert line["budget_total"] == min(n_media, math.floor(0.25 * n_media + 0.5)), line
+            # K_mm = min(n, floor(rho n + 0.5)) (tab:macer_algorithm step 1) with the keep ratio asked for
+            rho = POLICY_ARGS[policy]["keep_ratio"]
+            assert line["keep_ratio"] == rho and line["budget_total"] == min(n_media, math.floor(rho * n_media + 0.5))
             assert kept == line["budget_total"] < n_media, line
-        if policy in ("macer", "macer_raw", "no_coverage"):
+        if policy in ("macer", "macer_raw", "no_coverage", "single_readout"):
             assert (line["audio_kept"], line["video_kept"]) == (line["budget_audio"], line["budget_video"]), line
 
-
-def test_single_readout_runs_at_the_given_layer(setup, tmp_path):
-    # The tiny model has no paper layers: the single readout layer is given, and both stages read there.
-    log = tmp_path / "log.jsonl"
-    _evaluate(setup, "single_readout", log, limit=1, keep_ratio=0.25, video_layer=2)
-    (line,) = [json.loads(line) for line in log.read_text().splitlines()]
-    assert line["policy"] == "single_readout"
-    assert (line["audio_kept"], line["video_kept"]) == (line["budget_audio"], line["budget_video"]), line
-    assert line["audio_kept"] + line["video_kept"] == line["budget_total"] < line["n_audio"] + line["n_video"], line
+    # What ran is what was asked: the object handed to macer.compress, and the kept sets against the model layer.
+    assert len(runs) == limit
+    for run, line in zip(runs, lines):
+        assert describe_policy(run["policy"]) == describe_policy(expected), run["policy"]
+        ran = [(r.audio_kept, r.video_kept) for r in run["trace"].samples]
+        assert ran == _kept(run["model"], expected, run["inputs"]), policy
+        assert [(len(a), len(v)) for a, v in ran] == [(line["audio_kept"], line["video_kept"])]
+    if policy not in ("full", "macer", "macer_raw"):
+        # These clips tell the policies apart: MACER with the same fields keeps other tokens, so an ablation run
+        # as MACER would fail the kept-set comparison above as well as the logged fields. (Not macer_raw: on a
+        # random-weight model the attention is near uniform across heads and rows, so renormalising per modality
+        # seldom reorders a modality; there the policy object handed to macer.compress is the check.)
+        macer_fields = {f.name for f in dataclasses.fields(MacerConfig)}
+        same = MacerConfig(**{**LAYERS, **{k: v for k, v in POLICY_ARGS[policy].items() if k in macer_fields}},
+                           end_of_turn_token_id=SYNTHETIC_TOKENS.im_end)
+        assert _kept(runs[0]["model"], same, runs[0]["inputs"]) != ran, policy
 
 
 def test_failing_generate_raises(setup, tmp_path, monkeypatch):
@@ -286,57 +360,27 @@ def test_answer_letter_parsing():
 
 
 def test_table_script_runs_lmms_eval_cli(setup, tmp_path):
-    # The lmms-eval command line itself (`python -m lmms_eval --model macer_qwen2_5_omni ...`), one row, through
-    # the table runner; then table.md holds the measured score next to the paper's rows.
+    """The lmms-eval command line itself (``python -m lmms_eval --model macer_qwen2_5_omni ...``) through the table
+    runner, a full row and a MACER row sharing --model-args with layer arguments (which broke the full row:
+    FullConfig got audio_layer, issue 21 item 6); the default video frontend; then table.md holds both scores, Norm.
+    Avg. and the paper's rows."""
     from macer.eval import table
 
     out = tmp_path / "runs"
     code = table.main(["--pretrained", str(setup["checkpoint"]), "--out", str(out), "--benchmarks", "dailyomni",
-                       "--tasks-dir", str(setup["tasks"]), "--rows", "macer:audio_layer=1:video_layer=2@0.25",
-                       "--model-args", "video_frontend=torch", "--limit", "1"])
+                       "--tasks-dir", str(setup["tasks"]), "--rows", "full", "macer@0.25",
+                       "--model-args", "audio_layer=1", "video_layer=2", "--limit", "1"])
     assert code == 0
     text = (out / "table.md").read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| macer-audio_layer1-video_layer2@0.25 |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1] == "25%" and cells[3] in ("0.00", "100.00"), row  # one question: right or wrong
-    audio, video = (float(x) for x in cells[2].split(" / "))
+    assert "failed" not in text, text
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in text.split("## Paper")[0].splitlines() if line.startswith(("| full |", "| macer@0.25 |"))}
+    assert set(rows) == {"full", "macer@0.25"}, text
+    full, macer_row = rows["full"], rows["macer@0.25"]
+    assert full[1] == "100%" and full[3] in ("0.00", "100.00"), full  # one question: right or wrong
+    assert macer_row[1] == "25%" and macer_row[3] in ("0.00", "100.00"), macer_row
+    audio, video = (float(x) for x in macer_row[2].split(" / "))
     assert 0 < audio < 100 and abs(audio + video - 100) < 1e-6
+    logged = json.loads((out / "macer@0.25" / "macer_samples.jsonl").read_text().splitlines()[0])
+    assert (logged["policy_fields"]["audio_layer"], logged["policy_fields"]["video_layer"]) == (1, 2), logged
     assert "| MACER | 25% | 62.07 |" in text  # the paper's 7B DailyOmni number beside it
-
-
-def test_table_batch_size_option(tmp_path, capsys):
-    from macer.eval import table
-
-    common = ["--pretrained", "ckpt", "--out", str(tmp_path), "--rows", "full", "--dry-run"]
-    assert table.main(common) == 0
-    assert "--batch_size 1 " in capsys.readouterr().out
-    assert table.main([*common, "--batch-size", "4"]) == 0
-    assert "--batch_size 4 " in capsys.readouterr().out
-    for bad in ("0", "auto", "-1"):
-        with pytest.raises(SystemExit):
-            table.main([*common, "--batch-size", bad])
-        assert "--batch-size: must be an integer >= 1" in capsys.readouterr().err
-
-
-def test_table_rows_and_rendering(tmp_path):
-    from macer.eval import table
-
-    rows = table.parse_row("macer:audio_share=0.4@0.25,0.35")
-    assert [(r.policy, r.keep_ratio, r.params) for r in rows] == [("macer", 0.25, {"audio_share": "0.4"}),
-                                                                  ("macer", 0.35, {"audio_share": "0.4"})]
-    for bad, match in (("full@0.5", "no @ratio"), ("macer", "keep ratios"), ("omnizip@0.25", "policy must be"),
-                       ("macer@1.5", r"\(0, 1\]"), ("macer:x@0.25", "key=value")):
-        with pytest.raises(ValueError, match=match):
-            table.parse_row(bad)
-    log = tmp_path / "log.jsonl"
-    samples = [("a", 3, 7), ("a", 1, 9), ("b", 5, 5)]  # task a: shares 0.3, 0.1 -> 0.2; task b: 0.5
-    log.write_text("".join(json.dumps({"task": t, "audio_kept": a, "video_kept": v}) + "\n" for t, a, v in samples))
-    audio, video = table.retained_av(log)
-    assert abs(audio - 35.0) < 1e-9 and abs(video - 65.0) < 1e-9
-    full, macer_row = table.parse_row("full")[0], table.parse_row("macer@0.25")[0]
-    text = table.render([(full, {"avutbench": 50.0, "dailyomni": 40.0}, None),
-                         (macer_row, {"avutbench": 45.0, "dailyomni": 40.0}, (30.0, 70.0))],
-                        ["avutbench", "dailyomni"], "3B")
-    assert "| macer@0.25 | 25% | 30.0 / 70.0 | 45.00 | 40.00 | 95.0% |" in text  # (45/50 + 40/40) / 2
-    assert "| full | 100% | - | 50.00 | 40.00 | 100.0% |" in text
-    assert "| MACER | 25% | 59.74 | 58.40 |" in text

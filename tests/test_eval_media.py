@@ -63,3 +63,42 @@ def test_read_clip_samples_uniformly_with_real_fps(tmp_path):
     assert clip.audio is not None and abs(clip.audio.size / 16000 - 3.0) < 0.1
     with pytest.raises(ValueError, match="even integer"):
         read_clip(str(path), 7)
+
+
+def test_synthetic_checkpoint_has_the_vision_processor_config(tmp_path):
+    """Guards: the synthetic checkpoint failing under the default video frontend once torchvision is installed
+    ("Unrecognized image processor", issue 21 item 7): transformers must find its image and video processors as in a
+    released checkpoint. Without torchvision the only thing missing is torchvision itself."""
+    from macer.eval.media import torchvision_usable
+    from macer.eval.synthetic import write_checkpoint
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+
+    path = write_checkpoint(tmp_path / "tiny", num_layers=2)
+    if torchvision_usable():
+        processor = build_processor(str(path), "auto")
+        assert processor.frontend == "hf" and type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"
+        frames = np.random.default_rng(0).integers(0, 256, (12, 48, 64, 3), dtype=np.uint8)
+        grid = processor.video_processor(videos=[frames], return_tensors="pt")["video_grid_thw"]
+        assert grid.tolist() == TorchVideoProcessor()([frames])["video_grid_thw"].tolist()
+    else:
+        with pytest.raises(ImportError, match="Qwen2VLVideoProcessor requires the Torchvision library"):
+            Qwen2_5OmniProcessor.from_pretrained(str(path))
+        assert build_processor(str(path), "auto").frontend == "torch"
+
+
+def test_hf_frontend_on_a_checkpoint_without_vision_config_says_why(tmp_path, monkeypatch):
+    """Guards: ``video_frontend=hf`` on a folder without the Qwen2-VL keys raised transformers' bare "Unrecognized
+    image processor"; the error must name the cause and video_frontend=torch."""
+    import json
+
+    from macer.eval import media
+    from macer.eval.synthetic import QWEN2_VL_PREPROCESSOR, write_checkpoint
+
+    path = write_checkpoint(tmp_path / "tiny", num_layers=2)
+    config = path / "preprocessor_config.json"
+    audio_only = {k: v for k, v in json.loads(config.read_text()).items() if k not in QWEN2_VL_PREPROCESSOR}
+    config.write_text(json.dumps(audio_only))
+    monkeypatch.setattr(media, "torchvision_usable", lambda: True)  # the check before the processor is loaded
+    with pytest.raises(ValueError, match=r"cannot build this checkpoint's .*pass video_frontend=torch") as info:
+        build_processor(str(path), "hf")
+    assert "Unrecognized image processor" in str(info.value)

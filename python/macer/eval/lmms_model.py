@@ -19,7 +19,7 @@ from loguru import logger
 
 from macer.batching import batch_inputs
 from macer.eval.media import VIDEO_FRONTENDS, build_processor, read_clip
-from macer.eval.policy import resolve_policy
+from macer.eval.policy import describe_policy, resolve_policy
 
 __all__ = ["PAPER_FRAME_DEFAULTS", "MacerQwen2_5Omni", "parse_batch_size"]
 
@@ -54,8 +54,10 @@ class MacerQwen2_5Omni(lmms):
     bfloat16 on CUDA, float32 on CPU), ``attn_implementation`` (default ``sdpa``), ``num_frames`` and
     ``max_pixels`` (``PAPER_FRAME_DEFAULTS``), ``video_frontend`` (``auto``/``hf``/``torch``, see
     ``macer.eval.media``), ``system_prompt``, ``sample_log`` (JSONL file, one line per sample with the policy's
-    budget and kept counts; default ``macer_samples.jsonl``). Every other argument is a field of the policy
-    (``keep_ratio``, ``audio_share``, ``audio_layer``, ``video_layer``, ``coverage_weight``, ``layer``, ``seed``, ...).
+    budget and kept counts, and the policy object that ran: ``policy_class``, ``policy_fields``; default
+    ``macer_samples.jsonl``). Every other argument is a field of the policy (``keep_ratio``, ``audio_share``,
+    ``audio_layer``, ``video_layer``, ``coverage_weight``, ``layer``, ``seed``, ...:
+    ``macer.eval.policy.policy_fields``); one the policy does not take is refused by name.
     ``batch_size`` (lmms-eval's ``--batch_size``): up to that many consecutive requests with equal generation
     arguments run as one left-padded ``generate`` (each prompt pruned as if alone, so greedy answers and kept counts
     equal batch size 1); an integer >= 1, lmms-eval's ``auto`` forms are refused.
@@ -113,7 +115,7 @@ class MacerQwen2_5Omni(lmms):
             raise ValueError(f"{pretrained}: the tokenizer has no <|im_end|> token; cannot find the question span")
         self.im_end = im_end
         self.policy_name = policy
-        self.policy = resolve_policy(policy, self.model, end_of_turn_token_id=im_end, **policy_params)
+        self.policy = resolve_policy(policy, self.model, im_end=im_end, **policy_params)
         self.num_frames, self.max_pixels = num_frames, max_pixels
         self.system_prompt = system_prompt
         self.sample_log = Path(sample_log)
@@ -266,8 +268,12 @@ class MacerQwen2_5Omni(lmms):
         return until, generate
 
     def _log_sample(self, task: str, doc_id: int, record: dict[str, Any], answer: str) -> None:
-        line = {"task": task, "doc_id": doc_id, "policy": self.policy_name, "policy_config": repr(self.policy),
-                "keep_ratio": getattr(self.policy, "keep_ratio", None), **record, "answer": answer}
+        # The policy object that ran (class and fields), not only the name asked for: an ablation resolved to
+        # another policy, or a field that did not arrive, shows in the log.
+        ran = describe_policy(self.policy)
+        line = {"task": task, "doc_id": doc_id, "policy": self.policy_name, "policy_class": ran["class"],
+                "policy_fields": ran["fields"], "keep_ratio": getattr(self.policy, "keep_ratio", None), **record,
+                "answer": answer}
         with self.sample_log.open("a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
         logger.info(f"macer sample {task}/{doc_id}: audio {record['audio_kept']}/{record['n_audio']}, "

@@ -50,7 +50,8 @@ def read_clip(path: str, num_frames: int) -> Clip:
     try:
         import av
     except ImportError as exc:  # the eval extra installs it; say so instead of a bare ImportError
-        raise ImportError("reading video files needs PyAV: pip install 'macer-kernels[eval]' (or 'av')") from exc
+        raise ImportError("reading video files needs PyAV: pip install \".[eval]\" (README, Install) or "
+                          "pip install av") from exc
 
     with av.open(path) as container:
         if not container.streams.video:
@@ -163,7 +164,14 @@ def build_processor(pretrained: str, video_frontend: str = "auto", *, max_pixels
         if not torchvision_usable():
             raise ImportError("video_frontend=hf needs torchvision matching the installed torch (the checkpoint's "
                               "video processor is torchvision-based); install it or pass video_frontend=torch")
-        processor = Qwen2_5OmniProcessor.from_pretrained(pretrained)
+        try:
+            processor = Qwen2_5OmniProcessor.from_pretrained(pretrained)
+        except ValueError as exc:  # e.g. "Unrecognized image processor": no Qwen2-VL keys in the folder
+            raise ValueError(f"{pretrained}: transformers cannot build this checkpoint's Qwen2.5-Omni processor for "
+                             "video_frontend=hf (its preprocessor_config.json needs the Qwen2-VL image keys, as the "
+                             "released checkpoints have; macer.eval.synthetic.write_checkpoint writes them); pass "
+                             f"video_frontend=torch to use the PyTorch video frontend. transformers said: {exc}"
+                             ) from exc
         processor.frontend = "hf"
         return processor
     # The processor class validates its parts' classes on construction, and its video processor class cannot be

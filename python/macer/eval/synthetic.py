@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["build_tokenizer", "write_checkpoint", "write_clip", "write_dailyomni_release"]
+__all__ = ["QWEN2_VL_PREPROCESSOR", "build_tokenizer", "write_checkpoint", "write_clip", "write_dailyomni_release"]
 
 _SPECIAL = ("endoftext", "im_start", "im_end", "audio", "audio_start", "audio_end", "vision_start", "vision_end",
             "image", "video")
@@ -46,10 +46,20 @@ def build_tokenizer():
                                    extra_special_tokens=dict(zip(names, texts)))
 
 
+QWEN2_VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5OmniProcessor",
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 16384, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+}
+"""The image/video keys of Qwen2.5-Omni's ``preprocessor_config.json`` (beside the Whisper keys): transformers reads
+the checkpoint's image and video processors from them (``video_frontend="hf"``)."""
+
+
 def write_checkpoint(path: str | Path, *, num_layers: int = 4, seed: int = 0) -> Path:
-    """Save a random ``macer.testing.build_thinker`` (vocabulary 272), the tokenizer and a Whisper feature
-    extractor (128 mel bins) to ``path``: a folder ``Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained``
-    and ``macer.eval.media.build_processor(path, "torch")`` load."""
+    """Save a random ``macer.testing.build_thinker`` (vocabulary 272), the tokenizer, a Whisper feature extractor
+    (128 mel bins) and the Qwen2-VL image/video settings (``QWEN2_VL_PREPROCESSOR``) to ``path``: a folder that
+    ``Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained`` and ``macer.eval.media.build_processor`` load
+    with either video frontend, as a real checkpoint (``hf`` needs torchvision)."""
     from transformers import WhisperFeatureExtractor
 
     from macer.testing import build_thinker
@@ -59,6 +69,10 @@ def write_checkpoint(path: str | Path, *, num_layers: int = 4, seed: int = 0) ->
     build_thinker(num_layers=num_layers, vocab_size=272, seed=seed).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     WhisperFeatureExtractor(feature_size=128).save_pretrained(path)
+    # One preprocessor_config.json with the audio and the vision keys, the layout of the released checkpoints:
+    # without the vision keys, transformers cannot tell which image processor the folder has (video_frontend=hf).
+    config = path / "preprocessor_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **QWEN2_VL_PREPROCESSOR}, indent=2) + "\n")
     return path
 
 

@@ -1,31 +1,50 @@
 """Run a table (rows = policies x keep ratios, columns = benchmarks) with lmms-eval and write it as markdown beside
-the paper's numbers: ``python -m macer.eval.table``.
+the paper's numbers.
 
     python -m macer.eval.table --pretrained Qwen/Qwen2.5-Omni-7B --tasks-dir tasks/ --out runs/7b \\
         --rows full macer@0.45,0.35,0.25 random@0.55 fastv:layer=2@0.5
 
-Each row runs one ``lmms-eval --model macer_qwen2_5_omni`` process (so GPU memory is freed between rows) with
-``--output_path <out>/<row>`` and the sample log ``<out>/<row>/macer_samples.jsonl``; ``<out>/table.md`` gets one
-line per row: the scores, ``Norm. Avg.`` (``eq:normavg``: the mean over benchmarks of score / Full's score, in %,
-when a ``full`` row is in the table) and ``Retained A/V`` (``tab:ablation``: per benchmark the mean over samples of
-the audio share of the kept audio+video tokens, then the mean over benchmarks), followed by the paper's rows.
-A row spec is ``POLICY[:field=value...][@RATIO[,RATIO...]]``; ``--batch-size N`` (default 1) is lmms-eval's
-``--batch_size`` for every row (greedy answers and kept counts do not depend on it); ``--dry-run`` prints the
-commands only.
+A row spec is POLICY[:FIELD=VALUE...][@RATIO[,RATIO...]]: a policy of macer.POLICY_NAMES, fields of that policy (or
+model arguments such as num_frames) for this row only, and its keep ratios in (0, 1], one row per ratio; "full" takes
+no ratio. --model-args KEY=VALUE ... go to every row that takes them: model arguments (device, dtype,
+attn_implementation, num_frames, max_pixels, video_frontend, system_prompt) to all rows, a policy field (audio_layer,
+video_layer, layer, seed, ...) to the rows whose policy has that field (the others are listed on stderr); a row
+spec's own fields win.
+
+Each row runs one "lmms-eval --model macer_qwen2_5_omni" process (so GPU memory is freed between rows) with
+--output_path OUT/ROW and the sample log OUT/ROW/macer_samples.jsonl. OUT/table.md gets one line per row: the scores,
+Norm. Avg. (eq:normavg: the mean over benchmarks of score / Full's score, in %, when a full row is in the table) and
+Retained A/V (tab:ablation: per benchmark the mean over samples of the audio share of the kept audio+video tokens,
+then the mean over benchmarks), followed by the paper's rows. A row whose lmms-eval run failed or wrote no score for
+a benchmark (lmms-eval logs a failing model and exits 0) is marked "failed" with the reason under the table; the
+other rows still run, and the exit status is then 1. --batch-size N (default 1) is lmms-eval's --batch_size for every
+row (greedy answers and kept counts do not depend on it); --dry-run prints the commands only.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["BENCHMARKS", "PAPER", "Row", "main", "parse_row", "render", "retained_av", "scores"]
+from macer.eval.policy import policy_fields
+
+__all__ = ["BENCHMARKS", "MODEL_ARGS", "PAPER", "Row", "RowResult", "main", "parse_row", "render", "retained_av",
+           "row_model_args", "scores"]
+
+MODEL_ARGS = ("device", "dtype", "attn_implementation", "num_frames", "max_pixels", "video_frontend", "system_prompt")
+"""The arguments of ``macer_qwen2_5_omni`` that are not policy fields (and not set by the table): every row takes
+them."""
+
+_SET_BY_TABLE = {"pretrained": "--pretrained", "policy": "the row spec", "keep_ratio": "the row spec's @RATIO",
+                 "sample_log": "--out", "batch_size": "--batch-size", "max_batch_size": "--batch-size"}
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     # task name -> (column title, metric key of lmms-eval's results)
@@ -90,6 +109,11 @@ def parse_row(spec: str) -> list[Row]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"row {spec!r}: fields are written key=value, got {item!r}")
+        if key in _SET_BY_TABLE:
+            raise ValueError(f"row {spec!r}: {key} is set by {_SET_BY_TABLE[key]}, not as a field")
+        if key not in policy_fields(policy) and key not in MODEL_ARGS:
+            raise ValueError(f"row {spec!r}: {key!r} is neither a field of policy {policy!r} "
+                             f"{list(policy_fields(policy))} nor a model argument {list(MODEL_ARGS)}")
         params[key] = value
     if policy == "full":
         if ratios:
@@ -106,16 +130,18 @@ def parse_row(spec: str) -> list[Row]:
     return rows
 
 
+def row_model_args(row: Row, model_args: dict[str, str]) -> dict[str, str]:
+    """The ``--model-args`` that ``row`` takes: every model argument, and the policy fields of its policy."""
+    return {k: v for k, v in model_args.items() if k in MODEL_ARGS or k in policy_fields(row.policy)}
+
+
 def command(row: Row, args: argparse.Namespace) -> list[str]:
-    """The lmms-eval command line of one row."""
+    """The lmms-eval command line of one row (``args.model_args``: the parsed ``--model-args``)."""
     out = Path(args.out) / row.name
-    model_args = {"pretrained": args.pretrained, "policy": row.policy, **row.params,
-                  "sample_log": str(out / "macer_samples.jsonl")}
+    model_args = {"pretrained": args.pretrained, "policy": row.policy, **row_model_args(row, args.model_args),
+                  **row.params, "sample_log": str(out / "macer_samples.jsonl")}
     if row.keep_ratio is not None:
         model_args["keep_ratio"] = row.keep_ratio
-    for extra in args.model_args or []:
-        key, _, value = extra.partition("=")
-        model_args[key] = value
     cmd = [sys.executable, "-m", "lmms_eval", "--model", "macer_qwen2_5_omni",
            "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()),
            "--tasks", ",".join(args.benchmarks), "--batch_size", str(args.batch_size), "--log_samples",
@@ -127,11 +153,14 @@ def command(row: Row, args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def scores(row_dir: Path) -> dict[str, float]:
-    """``{task: score}`` from the newest ``*results.json`` lmms-eval wrote under ``row_dir``."""
-    found = sorted(row_dir.rglob("*results.json"), key=lambda p: p.stat().st_mtime)
+def scores(row_dir: Path, since: float | None = None) -> dict[str, float]:
+    """``{task: score}`` from the newest ``*results.json`` lmms-eval wrote under ``row_dir`` (at or after the time
+    ``since``, so that an earlier run's file in the same folder is not taken for this run's)."""
+    found = sorted((p for p in row_dir.rglob("*results.json") if since is None or p.stat().st_mtime >= since),
+                   key=lambda p: p.stat().st_mtime)
     if not found:
-        raise FileNotFoundError(f"no lmms-eval results under {row_dir}")
+        raise FileNotFoundError(f"no lmms-eval results under {row_dir}" + ("" if since is None else
+                                                                           " from this run"))
     results = json.loads(found[-1].read_text())["results"]
     return {task: float(results[task][metric]) for task, (_, metric) in BENCHMARKS.items() if task in results}
 
@@ -157,21 +186,39 @@ def _cell(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def render(results: list[tuple[Row, dict[str, float], tuple[float, float] | None]], benchmarks: Sequence[str],
-           size: str) -> str:
-    """The markdown table of measured rows, then the paper's rows for ``size`` (``"7B"`` / ``"3B"``)."""
+@dataclass
+class RowResult:
+    """What one row's lmms-eval run gave: its scores by task, Retained A/V, and why it failed (None if it did not;
+    a row with a score for some benchmarks only is failed for the others)."""
+
+    row: Row
+    scores: dict[str, float]
+    retained: tuple[float, float] | None = None
+    error: str | None = None
+
+
+def render(results: Sequence[RowResult], benchmarks: Sequence[str], size: str) -> str:
+    """The markdown table of measured rows (a failed row's missing scores read "failed", the reasons follow the
+    table), then the paper's rows for ``size`` (``"7B"`` / ``"3B"``)."""
     titles = [BENCHMARKS[b][0] for b in benchmarks]
     head = f"| Row | Retained | Retained A/V | {' | '.join(titles)} | Norm. Avg. |"
     lines = ["## Measured (macer_qwen2_5_omni)", "", head, "|" + "---|" * (len(titles) + 4)]
-    full = next((s for r, s, _ in results if r.policy == "full"), None)
-    for row, score, av in results:
+    full = next((r.scores for r in results if r.row.policy == "full"), None)
+    for result in results:
+        row, score, av = result.row, result.scores, result.retained
         norm = None
         if full and all(b in score and full.get(b) for b in benchmarks):
             norm = 100 * sum(score[b] / full[b] for b in benchmarks) / len(benchmarks)
         ratio = "100%" if row.keep_ratio is None else f"{100 * row.keep_ratio:g}%"
         av_text = "-" if av is None else f"{av[0]:.1f} / {av[1]:.1f}"
-        cells = " | ".join(_cell(score.get(b)) for b in benchmarks)
-        lines.append(f"| {row.name} | {ratio} | {av_text} | {cells} | {'-' if norm is None else f'{norm:.1f}%'} |")
+        missing = "failed" if result.error else "-"
+        cells = " | ".join(missing if score.get(b) is None else _cell(score[b]) for b in benchmarks)
+        name = f"{row.name} (failed)" if result.error else row.name
+        lines.append(f"| {name} | {ratio} | {av_text} | {cells} | {'-' if norm is None else f'{norm:.1f}%'} |")
+    failed = [r for r in results if r.error]
+    if failed:
+        lines += ["", "Failed rows (rerun them; lmms-eval's output for each is in the log of this run):", ""]
+        lines += [f"- {r.row.name}: {r.error}" for r in failed]
     lines += ["", f"## Paper (Qwen2.5-Omni-{size}, tab:main / tab:ablation)", "",
               f"| Row | Retained | {' | '.join(titles)} |", "|" + "---|" * (len(titles) + 2)]
     for name, ratio, paper_scores in PAPER[size]:
@@ -180,47 +227,108 @@ def render(results: list[tuple[Row, dict[str, float], tuple[float, float] | None
     return "\n".join(lines) + "\n"
 
 
-def _batch_size(text: str) -> int:
+def run_row(row: Row, args: argparse.Namespace) -> RowResult:
+    """Run one row's lmms-eval process and read what it wrote; a failure is recorded, not raised."""
+    cmd = command(row, args)
+    row_dir = Path(args.out) / row.name
+    start = time.time()
+    code = subprocess.run(cmd).returncode
+    try:
+        got = scores(row_dir, since=start)
+    except FileNotFoundError:
+        got = {}
+    missing = [b for b in args.benchmarks if b not in got]
+    error = None
+    if code:
+        error = f"lmms-eval exited with status {code}"
+    elif missing:
+        error = (f"lmms-eval wrote no score for {missing} under {row_dir} (it logs an error of the model or a task "
+                 "and still exits 0: see its output for this row)")
+    return RowResult(row, got, retained_av(row_dir / "macer_samples.jsonl") if got else None, error)
+
+
+def _lmms_eval_installed() -> bool:
+    return importlib.util.find_spec("lmms_eval") is not None
+
+
+def _positive_int(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return int(text)
 
 
+def _model_args(items: Sequence[str], rows: Sequence[Row]) -> tuple[dict[str, str], list[str]]:
+    """``--model-args`` -> ``{key: value}`` and the notes on rows that do not take a key; ``ValueError`` for a key
+    the table sets itself or that no row takes."""
+    parsed: dict[str, str] = {}
+    notes = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"model arguments are written key=value, got {item!r}")
+        if key in _SET_BY_TABLE:
+            raise ValueError(f"{key} is set by {_SET_BY_TABLE[key]}, not by --model-args")
+        if key not in MODEL_ARGS:
+            skipped = [r.name for r in rows if key not in policy_fields(r.policy)]
+            if len(skipped) == len(rows):
+                raise ValueError(f"{key!r} is neither a model argument {list(MODEL_ARGS)} nor a field of any row's "
+                                 f"policy ({sorted({r.policy for r in rows})})")
+            if skipped:
+                notes.append(f"--model-args {item}: not given to {skipped} (their policy has no field {key})")
+        parsed[key] = value
+    return parsed, notes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m macer.eval.table", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m macer.eval.table", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pretrained", required=True, help="Qwen2.5-Omni checkpoint (folder or hub id)")
     parser.add_argument("--out", required=True, help="folder for the runs and table.md")
     parser.add_argument("--rows", nargs="+", default=["full", "random@0.55", "fastv:layer=2@0.5",
-                                                      "macer@0.45,0.35,0.25"], help="row specs (see above)")
+                                                      "macer@0.45,0.35,0.25"],
+                        help="row specs POLICY[:FIELD=VALUE...][@RATIO[,RATIO...]] (see the description; default: "
+                             "%(default)s)")
     parser.add_argument("--benchmarks", type=lambda s: s.split(","), default=list(BENCHMARKS),
-                        help=f"comma-separated lmms-eval tasks, default {','.join(BENCHMARKS)}")
+                        help=f"comma-separated lmms-eval tasks (default: {','.join(BENCHMARKS)})")
     parser.add_argument("--tasks-dir", help="folder of the prepared avutbench/dailyomni tasks (--include_path)")
-    parser.add_argument("--size", choices=sorted(PAPER), default="7B", help="which paper numbers to print")
-    parser.add_argument("--model-args", nargs="*", help="extra key=value model arguments for every row")
-    parser.add_argument("--limit", type=int, help="questions per benchmark (smoke runs)")
-    parser.add_argument("--batch-size", type=_batch_size, default=1,
-                        help="prompts per generate call (lmms-eval's --batch_size, an integer >= 1; default 1)")
+    parser.add_argument("--size", choices=sorted(PAPER), default="7B",
+                        help="which paper numbers to print (default: %(default)s)")
+    parser.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="model arguments and policy fields for the rows that take them (see the description)")
+    parser.add_argument("--limit", type=_positive_int, help="questions per benchmark (smoke runs)")
+    parser.add_argument("--batch-size", type=_positive_int, default=1,
+                        help="prompts per generate call (lmms-eval's --batch_size, an integer >= 1; "
+                             "default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     unknown = [b for b in args.benchmarks if b not in BENCHMARKS]
     if unknown:
         parser.error(f"--benchmarks: unknown {unknown}; known: {list(BENCHMARKS)}")
-    rows = [row for spec in args.rows for row in parse_row(spec)]
+    try:
+        rows = [row for spec in args.rows for row in parse_row(spec)]
+    except ValueError as exc:
+        parser.error(f"--rows: {exc}")
+    try:
+        args.model_args, notes = _model_args(args.model_args, rows)
+    except ValueError as exc:
+        parser.error(f"--model-args: {exc}")
+    for note in notes:
+        print(note, file=sys.stderr)
+    if not args.dry_run and not _lmms_eval_installed():
+        parser.error("lmms-eval is not installed: pip install --no-deps \"lmms-eval==0.7.3\" after pip install "
+                     "\".[eval]\" (README, Install)")
     results = []
     for row in rows:
-        cmd = command(row, args)
-        print(shlex.join(cmd), flush=True)
-        if args.dry_run:
-            continue
-        subprocess.run(cmd, check=True)
-        row_dir = Path(args.out) / row.name
-        results.append((row, scores(row_dir), retained_av(row_dir / "macer_samples.jsonl")))
+        print(shlex.join(command(row, args)), flush=True)
+        if not args.dry_run:
+            results.append(run_row(row, args))
     if args.dry_run:
         return 0
     table = Path(args.out) / "table.md"
     table.write_text(render(results, args.benchmarks, args.size))
-    print(f"wrote {table}")
-    return 0
+    failed = [r.row.name for r in results if r.error]
+    print(f"wrote {table}" + (f"; {len(failed)} of {len(results)} rows failed: {failed}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
