@@ -9,8 +9,9 @@
 # (GPU_CHECK_BUDGET_S, default 450 s), and a step that would start with too little left is skipped and says so.
 # Order: build, `pytest -m cuda`, the microbenchmarks, the sanitizer, then on the time left the Triton tests on the GPU
 # (`pytest -m "triton and not cuda"`: many kernel compilations), the end-to-end benchmark (7B shapes, 3 rounds) and
-# FlashAttention-2's GPU test and end-to-end run where flash-attn is importable (else skipped with a message), and the
-# batch throughput benchmark (batch 1 / 4 / 8, full vs MACER, issue 11).
+# FlashAttention-2's GPU test and end-to-end run where flash-attn is importable (else skipped with a message), eager
+# decode steps full vs MACER (issue 23 item 5), and the batch throughput benchmark (batch 1 / 4 / 8, full vs MACER,
+# issue 11).
 # Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default 90), GPU_CHECK_BUDGET_S, GPU_CHECK_INSTALL_FLASH_ATTN.
 #
 # Output in OUT_DIR: summary.txt (one line per step: status, exit code, seconds), log.txt (all output), and
@@ -134,6 +135,10 @@ if [[ -f benchmarks/bench_e2e.py ]]; then
 fi
 
 step flash_attention_2 150 flash_attention
+# Decode steps with eager attention (per-layer masks): full vs MACER per token, host-bound on a 3B decoder.
+step bench_e2e_decode_eager 90 "$PY" benchmarks/bench_e2e.py --mode gpu --attn eager --text-shapes 3B --clips paper \
+    --policies macer --keep-ratios 0.25 --reps 3 --warmup 1 --profile-reps 0 --decode-tokens 32 --naive-lengths \
+    --out "$FILES" --name bench_e2e_decode_eager
 
 step bench_batch 120 "$PY" -m benchmarks.bench_batch --mode gpu --batch-sizes 1 4 8 --out "$FILES"
 

@@ -8,11 +8,11 @@ Procedure (the runtime calls this module only for ``B > 1``):
    (``macer.policy.plan_prefill`` on its own row): counts, budget split, question rows, chunk ids, stage layers.
 2. At a readout layer a MACER stage (ANMS scores, top-K / coverage per modality: ``policy._fused``) runs once for
    the whole batch: ``macer_kernels.select_stage`` on the padded batch with the padding labelled ``PAD_LABEL``
-   (outside every softmax, so each sample scores as if alone), each sample's own counts and budgets and its own
-   question rows. The result is the re-packed layout itself: each sample's kept rows right-aligned after ``-1``s.
-   So a stage is a fixed number of launches whatever ``B`` (scoring + one selection on the GPU backends). Other
-   stages (raw scores, joint or random selections, a stage before layer 1) run ``macer.policy.run_stage`` per
-   sample on its own real rows, as a prompt alone.
+   (outside every softmax, so each sample scores as if alone, up to fp32 rounding), each sample's own counts and
+   budgets and its own question rows. The result is the re-packed layout itself: each sample's kept rows
+   right-aligned after ``-1``s. So a stage is a fixed number of launches whatever ``B`` (scoring + one selection on
+   the GPU backends). Other stages (raw scores, joint or random selections, a stage before layer 1) run
+   ``macer.policy.run_stage`` per sample on its own real rows, as a prompt alone.
 3. Before the next layer the batch is re-packed by one ``compact_many`` with the ``[B, W]`` keep (``-1`` slots give
    zero rows): one launch per 8 per-token tensors. The 4-D mask is rebuilt for the new layout (causal over each
    sample's real rows, padded keys masked; a padded query row sees only itself, so no row is fully masked and no NaN
@@ -23,7 +23,7 @@ Procedure (the runtime calls this module only for ``B > 1``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -109,10 +109,14 @@ def layout_mask(valid: torch.Tensor, queries: int, dtype: torch.dtype, boolean: 
     rows = cols[k - queries:]
     causal = cols[None, :] <= rows[:, None]
     allowed = (causal[None] & valid[:, None, :]) | (cols[None, :] == rows[:, None])[None]
-    allowed = allowed[:, None]
+    return mask_values(allowed[:, None], dtype, boolean)
+
+
+def mask_values(allowed: torch.Tensor, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
+    """A boolean "may attend" tensor as the backend's mask: itself (SDPA) or additive (eager: 0 / dtype min)."""
     if boolean:
         return allowed
-    zero = torch.zeros((), dtype=dtype, device=valid.device)
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
@@ -123,6 +127,10 @@ class BatchLayout:
 
     valid: list[torch.Tensor]
     prompt_length: int
+    # (id of a layout, dtype, boolean) -> its prompt columns' mask [B, 1, 1, N_l] for a decode step's queries (they
+    # come after every prompt key: a prompt key is visible iff real); made at the first step, reused by the others.
+    prompt_masks: dict[tuple[int, torch.dtype, bool], torch.Tensor] = field(default_factory=dict)
+    hooked: bool = False  # the runtime registered its layers' decode hooks
 
 
 class BatchPrefill:
@@ -334,6 +342,10 @@ class BatchPrefill:
                                torch.searchsorted(s.layer_rows.get(i, s.full), s.current) + before[b]])
                     for b, (pad, s) in enumerate(zip(self.pads, self.samples, strict=True))])
                 layer = cache.layers[i]
+                # An offloaded cache holds this layer on the CPU: the index goes there (a blocking copy, which also
+                # waits for the offload's pending copies of the layer).
+                if index.device != layer.keys.device:
+                    index = index.to(layer.keys.device)
                 # Cache tensors are [B, H, N, D]: gather along N with the batch at dim 0.
                 layer.keys = gather_tokens(layer.keys.transpose(1, 2), index, 1).transpose(1, 2)
                 layer.values = gather_tokens(layer.values.transpose(1, 2), index, 1).transpose(1, 2)
@@ -361,10 +373,17 @@ def decode_step(layout: BatchLayout, cache: Any, args: tuple, kwargs: dict[str, 
     kwargs["attention_mask"] = torch.cat([first.to(tail.dtype), tail], dim=1)
     shared: dict[int, torch.Tensor] = {}
     out = {}
+    tail_mask = None
     for i, valid in enumerate(layout.valid):
         if valid is first:
             continue
         if id(valid) not in shared:
-            shared[id(valid)] = layout_mask(torch.cat([valid, tail.bool()], dim=1), queries, dtype, boolean)
+            if tail_mask is None:  # the keys after the prompt, the same for every layout (once per step)
+                tail_mask = layout_mask(tail.bool(), queries, dtype, boolean)
+            key = (id(valid), dtype, boolean)
+            if key not in layout.prompt_masks:
+                layout.prompt_masks[key] = mask_values(valid[:, None, None, :], dtype, boolean)
+            prompt = layout.prompt_masks[key].expand(-1, -1, queries, -1)
+            shared[id(valid)] = torch.cat([prompt, tail_mask], dim=-1)
         out[i] = shared[id(valid)]
     return out

@@ -2,7 +2,8 @@
 sequence holds as the stages run (``_Prefill``; a batch's ``macer._batch.BatchPrefill`` holds one per sample).
 
 The prompt's ids, temporal positions and mask come to the host in the prefill's one copy (``_to_host``); the plan's
-tables go to the device in one copy (``_to_device``); nothing is read back afterwards.
+tables go to the device in one copy (``_to_device``); nothing is read back afterwards (Qwen3-Omni's deepstack remap
+reads one count per stage placed before a deepstack level: ``macer.adapters.qwen3_omni``).
 """
 
 from __future__ import annotations
@@ -218,6 +219,10 @@ class _Prefill:
                     if layer_rows is not final:
                         keep = torch.searchsorted(layer_rows, final)
                         layer = cache.layers[i]
+                        # An offloaded cache holds this layer on the CPU: its index goes there (a blocking copy,
+                        # which also waits for the offload's pending copies of the layer).
+                        if keep.device != layer.keys.device:
+                            keep = keep.to(layer.keys.device)
                         layer.keys, layer.values = compact_many([layer.keys, layer.values], keep, [-2, -2])
                 rows = [final] * len(rows)
             entry = (rows, self.plan.facts.length)
