@@ -25,7 +25,8 @@ warm-up rounds:
   ``overhead_ms``, the policy's own work (scoring + selection + compaction, ``compress(..., profile=True)``), split
   by op into ``scoring_ms`` / ``selection_ms`` / ``compaction_ms`` and ``stage_ms`` (the fused
   ``macer_kernels.select_stage``: scores and selections of a readout in one call, which MACER's stages use),
-  with ``overhead_share`` = overhead / full ``prefill_ms``;
+  with ``overhead_share`` = overhead / full ``prefill_ms``; and ``decode_host_us_per_step``, the host time MACER's
+  runtime spends in each decode step (its decoder pre-hook's decode branch and per-layer decode hooks);
 * on a GPU, ``host_syncs`` per prefill: the CUDA runtime calls in which the host waits (``measure.SYNC_EVENTS``),
   counted by ``torch.profiler`` over one ``model(**inputs)`` prefill, and ``extra_host_syncs`` = policy - full;
 * next to the measured ``llm_prefill_ratio`` (policy / full, the median of per-round ratios;
@@ -390,6 +391,8 @@ def _row(method: str, keep_ratio: float, runs: list[Measurement], profiled: list
         "peak_extra_mib": _mib(_median([m.peak_extra_bytes for m in profiled])),
         "kv_cache_mib": last.kv_prefill_bytes / _MIB,
         "overhead_ms": ms([m.overhead_s for m in profiled]) if method != "full" else None,
+        "decode_host_us_per_step": (None if method == "full" else
+                                    _scaled(_median([m.decode_host_s_per_step for m in profiled]), 1e6)),
         "scoring_ms": op_ms(SCORING_OPS), "selection_ms": op_ms(SELECTION_OPS),
         "compaction_ms": op_ms(COMPACTION_OPS), "stage_ms": op_ms(STAGE_OPS),
         "layer_tokens": " ".join(map(str, layer_tokens)),
@@ -408,6 +411,10 @@ def _row(method: str, keep_ratio: float, runs: list[Measurement], profiled: list
     row["cpu_ratio_over_proxy"] = None if cpu is None else cpu / row["token_layer_ratio"]
     row["cpu_within_1.15x"] = None if cpu is None else 1 / 1.15 <= row["cpu_ratio_over_proxy"] <= 1.15
     return row
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else factor * value
 
 
 def _mib(nbytes: float | None) -> float | None:

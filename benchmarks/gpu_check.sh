@@ -135,9 +135,10 @@ if [[ -f benchmarks/bench_e2e.py ]]; then
 fi
 
 step flash_attention_2 150 flash_attention
-# Decode steps with eager attention (per-layer masks): full vs MACER per token, host-bound on a 3B decoder.
+# Decode steps with eager attention (per-layer masks): full vs MACER per token on a 3B decoder, and the host time of
+# MACER's decode-step code (decode_host_us_per_step, from the profiled runs).
 step bench_e2e_decode_eager 90 "$PY" benchmarks/bench_e2e.py --mode gpu --attn eager --text-shapes 3B --clips paper \
-    --policies macer --keep-ratios 0.25 --reps 3 --warmup 1 --profile-reps 0 --decode-tokens 32 --naive-lengths \
+    --policies macer --keep-ratios 0.25 --reps 3 --warmup 1 --profile-reps 2 --decode-tokens 32 --naive-lengths \
     --out "$FILES" --name bench_e2e_decode_eager
 
 step bench_batch 120 "$PY" -m benchmarks.bench_batch --mode gpu --batch-sizes 1 4 8 --out "$FILES"
