@@ -220,3 +220,28 @@ def test_a_2d_decode_mask_over_a_trimmed_prompt():
             out.append(model(inputs_embeds=step, past_key_values=cache, attention_mask=mask,
                              position_ids=position).logits)
     assert torch.equal(out[0], out[1])
+
+
+def test_a_4d_decode_mask_given_by_the_caller():
+    """A decode step given a 4-D mask over layer 0's keys: each layer holding fewer rows gets its own columns of it
+    (compacted once per step and row set). All-visible equals no mask (coverage for the precomputed row positions;
+    this path existed before); hiding the first prompt row (text, kept in every layer) changes the step."""
+    from test_macer_labelled import build_decoder, media_prompt
+
+    model = build_decoder("llama", attn="sdpa", seed=3, num_layers=4)
+    embeds, labels, times, question_end = media_prompt(model, seed=2)
+    adapter = macer.LabelledAdapter(labels, temporal_positions=times, question_end=question_end)
+    config = macer.MacerConfig(keep_ratio=0.3, audio_layer=1, video_layer=2)
+    n = embeds.shape[1]
+    visible = torch.ones(1, 1, 1, n + 1, dtype=torch.bool)
+    hidden = visible.clone()
+    hidden[..., 0] = False
+    out = []
+    with torch.no_grad(), macer.compress(model, config, adapter=adapter) as trace:
+        for mask in (None, visible, hidden):
+            cache = model(inputs_embeds=embeds, use_cache=True).past_key_values
+            out.append(model(inputs_embeds=embeds[:, -1:], past_key_values=cache, attention_mask=mask,
+                             position_ids=torch.tensor([[n]])).logits)
+    assert len(set(trace.cache_lengths)) > 1  # layers hold different rows
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)  # SDPA with a mask: another kernel's rounding
+    assert not torch.allclose(out[0], out[2], rtol=1e-3, atol=1e-4)
