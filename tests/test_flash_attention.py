@@ -1,8 +1,8 @@
 """``macer.compress`` and ``macer.diagnose`` under ``attn_implementation="flash_attention_2"``, through transformers'
 real FlashAttention-2 integration (its lazy import, unpadding and varlen path) with the stand-in kernel of
 ``tests/flash_attn_standin.py`` (the ``flash_attn`` fixture): the same kept sets, logits and ``generate`` output as
-SDPA, keep ratio 1 identical to the model without ``compress``. On a GPU with flash-attn installed the last test
-runs the real kernel."""
+SDPA, keep ratio 1 identical to the model without ``compress``, a left-padded batch through FA2's varlen path. On a
+GPU with flash-attn installed the last test runs the real kernel."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from flash_attn_standin import use_flash_attention_2
 from macer.diagnostics import diagnose
-from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, decoder_parts, macer_config_for
+from macer.testing import SYNTHETIC_TOKENS, batch_inputs, build_thinker, clip_inputs, decoder_parts, macer_config_for
 
 CLIP = {"frames": 4, "grid_hw": (8, 8), "audio_tokens": 80, "seed": 1}  # 16 video + 80 audio tokens
 
@@ -92,18 +92,31 @@ def test_diagnose_under_flash_attention_equals_sdpa(flash_attn):
     assert decoder_parts(flash).decoder.config._attn_implementation == "flash_attention_2"
 
 
-def test_a_padded_batch_is_refused_clearly(flash_attn):
-    """FA2 runs a padded batch through its varlen path outside compress; compress refuses it by name."""
-    _, model = _pair()
-    first, second = clip_inputs(model, **CLIP), clip_inputs(model, **{**CLIP, "audio_tokens": 60})
-    width = first["input_ids"].shape[1]
-    pad = width - second["input_ids"].shape[1]
-    ids = torch.cat([first["input_ids"], torch.cat([torch.zeros(1, pad, dtype=torch.long),
-                                                    second["input_ids"]], dim=1)])
-    mask = (torch.arange(width) >= torch.tensor([[0], [pad]])).long()
-    with pytest.raises(ValueError, match="flash_attention_2 takes batch size 1 under compress"), torch.no_grad(), \
-            macer.compress(model, macer_config_for(model, keep_ratio=0.25, audio_layer=1, video_layer=2)):
-        model(input_ids=ids, attention_mask=mask)
+@pytest.mark.parametrize("trim", [False, True])
+def test_a_padded_batch_runs_the_varlen_path_and_equals_sdpa(flash_attn, monkeypatch, trim):
+    """A left-padded batch under FA2 (refused before): the layers get the layout's 2-D padding mask, which FA2 runs
+    through its varlen path (unpadding each sample), in the prefill after every re-pack and in the decode steps;
+    each sample's kept sets, cache lengths and greedy tokens equal SDPA's batch, and the prefill logits agree to
+    fp32 rounding (SDPA's batch takes a 4-D mask: another kernel)."""
+    calls = _count_calls(flash_attn, monkeypatch)
+    sdpa, flash = _pair()
+    prompts = [clip_inputs(sdpa, **CLIP), clip_inputs(sdpa, **{**CLIP, "audio_tokens": 50, "seed": 2})]
+    batch = batch_inputs(prompts)
+    assert bool((batch["attention_mask"] == 0).any())
+    config = macer_config_for(sdpa, keep_ratio=0.3, audio_layer=1, video_layer=2, trim_early_cache=trim)
+    out = {}
+    for name, model in (("sdpa", sdpa), ("flash", flash)):
+        with torch.no_grad(), macer.compress(model, config) as trace:
+            logits = model(**batch).logits
+            tokens = model.generate(**batch, max_new_tokens=4, do_sample=False,
+                                    suppress_tokens=[SYNTHETIC_TOKENS.im_end])
+        out[name] = ([(s.audio_kept, s.video_kept, s.cache_lengths) for s in trace.samples], logits, tokens)
+    assert out["flash"][0] == out["sdpa"][0]
+    assert all(s[0] and len(s[0]) < 80 for s in out["sdpa"][0])  # audio was pruned in both samples
+    # The last rows (the question's end: real text in every sample) of the re-packed batch.
+    torch.testing.assert_close(out["flash"][1][:, -4:], out["sdpa"][1][:, -4:], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out["flash"][2], out["sdpa"][2])
+    assert calls["flash_attn_varlen_func"] > 0
 
 
 @pytest.mark.cuda
@@ -126,4 +139,24 @@ def test_real_flash_attention_2_on_gpu_matches_sdpa():
             with macer.compress(model, config) as trace:
                 generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
             out[attn] = (trace.layer_tokens, generated.shape)
+    assert out["flash_attention_2"] == out["sdpa"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn 2 installed")
+def test_real_flash_attention_2_runs_a_padded_batch():
+    """The real kernel's varlen path on a left-padded, re-packed batch (bf16): prefill and generate run, and each
+    sample's per-layer lengths are those of SDPA's batch."""
+    models = {attn: build_thinker(num_layers=6, hidden_size=64, attn_implementation=attn, seed=5, device="cuda",
+                                  dtype=torch.bfloat16) for attn in ("sdpa", "flash_attention_2")}
+    prompts = [clip_inputs(models["sdpa"], device="cuda", dtype=torch.bfloat16, **CLIP),
+               clip_inputs(models["sdpa"], device="cuda", dtype=torch.bfloat16, **{**CLIP, "audio_tokens": 50})]
+    batch = batch_inputs(prompts)
+    config = macer_config_for(build_thinker(num_layers=6, hidden_size=64, seed=5), keep_ratio=0.25)
+    out = {}
+    with torch.no_grad():
+        for attn, model in models.items():
+            with macer.compress(model, config) as trace:
+                generated = model.generate(**batch, max_new_tokens=4, do_sample=False)
+            out[attn] = ([s.layer_tokens for s in trace.samples], generated.shape)
     assert out["flash_attention_2"] == out["sdpa"]

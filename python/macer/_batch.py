@@ -138,11 +138,14 @@ class BatchPrefill:
     the batch layout (each sample's left padding in the current, re-packed sequence)."""
 
     def __init__(self, samples: list[_Prefill], pads: list[int], width: int, valid: torch.Tensor, boolean: bool,
-                 tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+                 tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], padding_mask: bool = False):
         self.samples = samples
         self.pads = list(pads)  # left padding of each sample in the current sequence
         self.valid = valid  # [B, width] real rows of the current sequence
         self.boolean = boolean  # the attention backend's mask kind (SDPA: boolean; eager: additive)
+        # FlashAttention takes a 2-D padding mask [B, K] (True = real row; causal is the kernel's, over each sample's
+        # unpadded rows) instead of a 4-D mask.
+        self.padding_mask = padding_mask
         # The whole batch's labels (PAD_LABEL on the padding) and chunk ids by original padded row, each sample's
         # original padding ([B, 1]), and the original row of each current row (-1 on the padding): what a batched
         # stage reads.
@@ -303,7 +306,7 @@ class BatchPrefill:
         tensors = [t if t.shape[d - 1] == b else t.expand(*t.shape[:d - 1], b, *t.shape[d:])
                    for t, d in zip(tensors, dims, strict=True)]
         hidden, inputs = layer_inputs(adapter, names, compact_many(tensors, keep, dims))
-        inputs["attention_mask"] = layout_mask(real, width, hidden.dtype, self.boolean)
+        inputs["attention_mask"] = real if self.padding_mask else layout_mask(real, width, hidden.dtype, self.boolean)
         adapter.on_stage(kwargs, keep, index)
         self.inputs, self.valid, self.pads, self.repacked = inputs, real, pads, True
         if args:
@@ -354,7 +357,7 @@ class BatchPrefill:
 
 
 def decode_step(layout: BatchLayout, cache: Any, args: tuple, kwargs: dict[str, Any], dtype: torch.dtype,
-                boolean: bool) -> dict[int, torch.Tensor]:
+                boolean: bool, padding_mask: bool = False) -> dict[int, torch.Tensor]:
     """Prepare a decode step on a batch-pruned cache: the decoder's 2-D mask (``[B, prompt_length + T]`` from
     ``generate``, or none) is rebuilt for layer 0's layout in ``kwargs``; returns the 4-D mask of every other layer
     whose layout differs from layer 0's (layers sharing a layout share the tensor)."""
@@ -377,6 +380,8 @@ def decode_step(layout: BatchLayout, cache: Any, args: tuple, kwargs: dict[str, 
     for i, valid in enumerate(layout.valid):
         if valid is first:
             continue
+        if id(valid) not in shared and padding_mask:  # FlashAttention: the layout's 2-D padding mask
+            shared[id(valid)] = torch.cat([valid, tail.bool()], dim=1)
         if id(valid) not in shared:
             if tail_mask is None:  # the keys after the prompt, the same for every layout (once per step)
                 tail_mask = layout_mask(tail.bool(), queries, dtype, boolean)

@@ -118,7 +118,8 @@ def _plan_batch(session: _Session, input_ids: torch.Tensor | None, root_kwargs: 
         valid = torch.ones(batch, length, dtype=torch.bool, device=device)
     on_device = _to_device([batch_labels, batch_chunks, torch.tensor(pads)[:, None]], device)
     tables = tuple(t.reshape(batch, -1) for t in on_device)
-    return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager", tables=tables)
+    return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager", tables=tables,
+                        padding_mask=session.base == "flash_attention_2")
 
 
 class _Clock:

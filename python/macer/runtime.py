@@ -227,9 +227,6 @@ class _Session:
         if cache is not None and cache.get_seq_length() > 0:
             return self._begin_decode(cache, args, kwargs)
         if batch != 1:
-            if self.base == "flash_attention_2":
-                raise ValueError(f"macer.compress: a batch of {batch} prompts runs with attn_implementation 'sdpa' or "
-                                 "'eager'; flash_attention_2 takes batch size 1 under compress")
             if not self.adapter.batch_ready:
                 raise ValueError(f"macer.compress: the {type(self.adapter).__name__} adapter does not support a batch "
                                  f"of {batch} prompts yet; run them one at a time")
@@ -291,7 +288,8 @@ class _Session:
     def _begin_decode_batch(self, layout: BatchLayout, cache: Any, args, kwargs):
         """A decode step on a batch-pruned cache: the decoder's 2-D mask follows layer 0's layout, and every layer
         with another layout gets its own 4-D mask (one per layout, shared by its layers)."""
-        masks = decode_step(layout, cache, args, kwargs, self._hidden_dtype(kwargs), self.base != "eager")
+        masks = decode_step(layout, cache, args, kwargs, self._hidden_dtype(kwargs), self.base != "eager",
+                            padding_mask=self.base == "flash_attention_2")
         if masks:
             self.step = lambda index, mask: masks.get(index)
             self._add_decode_hooks(layout)
