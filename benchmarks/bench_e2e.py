@@ -3,6 +3,7 @@ weights.
 
     python -m benchmarks.bench_e2e --mode cpu --threads 1          # CPU: mid-size decoder, the paper's 2.4k clip
     python -m benchmarks.bench_e2e --mode gpu                      # GPU: 7B and 3B text shapes, 2.4k and 16.3k clips
+    python -m benchmarks.bench_e2e --mode gpu --attn flash_attention_2  # the same with FlashAttention-2
     python -m benchmarks.bench_e2e --mode cpu --threads 1 --record # write the committed benchmarks/results/ files
 
 For each synthetic clip (``--clips``: ``paper``, 12 frames -> 864 video + 1460 audio tokens, 2.4k tokens in all;
@@ -24,7 +25,8 @@ warm-up rounds:
   ``overhead_ms``, the policy's own work (scoring + selection + compaction, ``compress(..., profile=True)``), split
   by op into ``scoring_ms`` / ``selection_ms`` / ``compaction_ms`` and ``stage_ms`` (the fused
   ``macer_kernels.select_stage``: scores and selections of a readout in one call, which MACER's stages use),
-  with ``overhead_share`` = overhead / full ``prefill_ms``;
+  with ``overhead_share`` = overhead / full ``prefill_ms``; and ``decode_host_us_per_step``, the host time MACER's
+  runtime spends in each decode step (its decoder pre-hook's decode branch and per-layer decode hooks);
 * on a GPU, ``host_syncs`` per prefill: the CUDA runtime calls in which the host waits (``measure.SYNC_EVENTS``),
   counted by ``torch.profiler`` over one ``model(**inputs)`` prefill, and ``extra_host_syncs`` = policy - full;
 * next to the measured ``llm_prefill_ratio`` (policy / full, the median of per-round ratios;
@@ -50,6 +52,7 @@ PNG of time and memory against the keep ratio.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -78,6 +81,9 @@ CLIPS: dict[str, dict[str, int]] = {
 
 POLICIES = ("macer", "fastv", "random")
 """Policies the benchmark knows, besides the full model; ``--policies`` picks from those the installed ``macer`` has."""
+
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+"""The thinker's attention choices (``--attn``; default sdpa), as ``macer.compress`` accepts them."""
 
 GPU_DEVICE = "cuda"
 """Device of the gpu mode. Only the tests change it (with ``measure.uses_cuda`` and stand-ins for ``torch.cuda``), to
@@ -114,6 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="new tokens per generate, >= 2 (default cpu 8, gpu 32)")
     parser.add_argument("--text-shapes", nargs="+", choices=sorted(REAL_VOCAB), default=["7B", "3B"],
                         help="gpu mode: real text-model shapes to run")
+    parser.add_argument("--attn", choices=ATTENTION, default="sdpa",
+                        help="the thinker's attn_implementation (flash_attention_2: gpu mode, flash-attn installed)")
     parser.add_argument("--num-layers", type=int, default=CPU_SHAPE["num_layers"], help="cpu mode: decoder depth")
     parser.add_argument("--hidden-size", type=int, default=CPU_SHAPE["hidden_size"], help="cpu mode: decoder width")
     parser.add_argument("--num-heads", type=int, default=CPU_SHAPE["num_heads"], help="cpu mode: query heads")
@@ -156,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     naive_rows: list[dict] = []
     for label, shape_kwargs in models:
-        model = _build(shape_kwargs, device, torch.float32 if mode == "cpu" else torch.bfloat16)
+        model = _build(shape_kwargs, device, torch.float32 if mode == "cpu" else torch.bfloat16,
+                       settings["attn_implementation"])
         for clip, clip_kwargs in settings["clips"].items():
             rows += benchmark_model(model, label, settings, clip=clip, log=_log, **clip_kwargs)
         if mode == "gpu" and settings["naive_lengths"]:
@@ -214,6 +223,9 @@ def _settings(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     missing = [p for p in policies if p not in available]
     if missing:
         raise SystemExit(f"--policies {missing} not provided by the installed macer; available: {available}")
+    if args.attn == "flash_attention_2" and (mode != "gpu" or importlib.util.find_spec("flash_attn") is None):
+        raise SystemExit("--attn flash_attention_2 needs --mode gpu and flash-attn 2 installed "
+                         "(pip install flash-attn --no-build-isolation)")
     if (args.frames is None) != (args.audio_tokens is None):
         raise SystemExit("--frames and --audio-tokens go together (they define a custom clip)")
     if args.frames is not None:
@@ -231,21 +243,23 @@ def _settings(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         "naive_lengths": list(args.naive_lengths),
         "num_layers": args.num_layers, "hidden_size": args.hidden_size, "num_heads": args.num_heads,
         "num_kv_heads": args.num_kv_heads, "intermediate_size": args.intermediate_size,
-        "threads": torch.get_num_threads(), "attn_implementation": "sdpa",
+        "threads": torch.get_num_threads(), "attn_implementation": args.attn,
         "dtype": "float32" if mode == "cpu" else "bfloat16",
         "load_average_at_start": list(os.getloadavg()),
     }
 
 
-def _build(shape_kwargs: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A random-weight thinker. On CUDA it is initialised directly on the device (initialising a 7B model on the host
-    takes minutes), in float32 and then cast, so that no initialiser runs in bf16."""
+def _build(shape_kwargs: dict[str, Any], device: torch.device, dtype: torch.dtype,
+           attn: str = "sdpa") -> torch.nn.Module:
+    """A random-weight thinker with attention ``attn``. On CUDA it is initialised directly on the device
+    (initialising a 7B model on the host takes minutes), in float32 and then cast, so that no initialiser runs in
+    bf16."""
     from macer.testing import build_thinker
 
     if not measure.uses_cuda(device):
-        return build_thinker(dtype=dtype, device=device, attn_implementation="sdpa", **shape_kwargs)
+        return build_thinker(dtype=dtype, device=device, attn_implementation=attn, **shape_kwargs)
     with torch.device(device):
-        return build_thinker(dtype=dtype, device=device, attn_implementation="sdpa", **shape_kwargs)
+        return build_thinker(dtype=dtype, device=device, attn_implementation=attn, **shape_kwargs)
 
 
 def _policy(name: str, model: torch.nn.Module, keep_ratio: float, settings: dict[str, Any]) -> Any:
@@ -377,6 +391,8 @@ def _row(method: str, keep_ratio: float, runs: list[Measurement], profiled: list
         "peak_extra_mib": _mib(_median([m.peak_extra_bytes for m in profiled])),
         "kv_cache_mib": last.kv_prefill_bytes / _MIB,
         "overhead_ms": ms([m.overhead_s for m in profiled]) if method != "full" else None,
+        "decode_host_us_per_step": (None if method == "full" else
+                                    _scaled(_median([m.decode_host_s_per_step for m in profiled]), 1e6)),
         "scoring_ms": op_ms(SCORING_OPS), "selection_ms": op_ms(SELECTION_OPS),
         "compaction_ms": op_ms(COMPACTION_OPS), "stage_ms": op_ms(STAGE_OPS),
         "layer_tokens": " ".join(map(str, layer_tokens)),
@@ -395,6 +411,10 @@ def _row(method: str, keep_ratio: float, runs: list[Measurement], profiled: list
     row["cpu_ratio_over_proxy"] = None if cpu is None else cpu / row["token_layer_ratio"]
     row["cpu_within_1.15x"] = None if cpu is None else 1 / 1.15 <= row["cpu_ratio_over_proxy"] <= 1.15
     return row
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else factor * value
 
 
 def _mib(nbytes: float | None) -> float | None:

@@ -9,8 +9,10 @@
 # (GPU_CHECK_BUDGET_S, default 450 s), and a step that would start with too little left is skipped and says so.
 # Order: build, `pytest -m cuda`, the microbenchmarks, the sanitizer, then on the time left the Triton tests on the GPU
 # (`pytest -m "triton and not cuda"`: many kernel compilations), the end-to-end benchmark (7B shapes, 3 rounds) and
-# the batch throughput benchmark (batch 1 / 4 / 8, full vs MACER, issue 11).
-# Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default 90), GPU_CHECK_BUDGET_S.
+# FlashAttention-2's GPU test and end-to-end run where flash-attn is importable (else skipped with a message), eager
+# decode steps full vs MACER (issue 23 item 5), and the batch throughput benchmark (batch 1 / 4 / 8, full vs MACER,
+# issue 11).
+# Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default 90), GPU_CHECK_BUDGET_S, GPU_CHECK_INSTALL_FLASH_ATTN.
 #
 # Output in OUT_DIR: summary.txt (one line per step: status, exit code, seconds), log.txt (all output), and
 # gpu_check.tar.gz (the files/ folder: each step's log, the benchmarks' CSV/JSON, pytest's junit XML). When OUT_DIR
@@ -86,7 +88,26 @@ build() {
 raise SystemExit(0 if s['cuda'] is None else 'the cuda backend is not usable: ' + s['cuda'])"
 }
 
-export -f sanitize environment build
+# FlashAttention-2 (the attention the paper used): its GPU test and the end-to-end benchmark with --attn
+# flash_attention_2, where flash-attn 2 is importable. GPU_CHECK_INSTALL_FLASH_ATTN=1 first tries a pip install of
+# flash-attn 2.8.x (a prebuilt wheel needs registry access; the device image has none, and a source build takes far
+# longer than this check's budget).
+flash_attention() {
+    if [[ ${GPU_CHECK_INSTALL_FLASH_ATTN:-0} == 1 ]] && ! "$PY" -c "import flash_attn" 2>/dev/null; then
+        "$PY" -m pip install -q --retries 0 --timeout 10 --no-build-isolation "flash-attn>=2.8,<2.9" 2>&1 | tail -3
+    fi
+    if ! "$PY" -c "import flash_attn; print('flash-attn', flash_attn.__version__)"; then
+        echo "flash-attn is not importable here: the FlashAttention-2 GPU checks are skipped (CI runs transformers'"
+        echo "FA2 path with the stand-in kernel of tests/flash_attn_standin.py)"
+        return 0
+    fi
+    "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_flash_attention.py \
+        --junitxml="$FILES/pytest_flash_attention.xml" &&
+        "$PY" benchmarks/bench_e2e.py --mode gpu --attn flash_attention_2 --text-shapes 7B --clips paper --reps 3 \
+            --warmup 1 --profile-reps 1 --naive-lengths --out "$FILES" --name bench_e2e_flash_attention_2
+}
+
+export -f sanitize environment build flash_attention
 export PY FILES
 export PATH=$PATH:/usr/local/cuda/bin
 
@@ -112,6 +133,13 @@ if [[ -f benchmarks/bench_e2e.py ]]; then
     step bench_e2e 240 "$PY" benchmarks/bench_e2e.py --mode gpu --text-shapes 7B --reps 3 --warmup 1 \
         --out "$FILES" --name bench_e2e_gpu_check
 fi
+
+step flash_attention_2 150 flash_attention
+# Decode steps with eager attention (per-layer masks): full vs MACER per token on a 3B decoder, and the host time of
+# MACER's decode-step code (decode_host_us_per_step, from the profiled runs).
+step bench_e2e_decode_eager 90 "$PY" benchmarks/bench_e2e.py --mode gpu --attn eager --text-shapes 3B --clips paper \
+    --policies macer --keep-ratios 0.25 --reps 3 --warmup 1 --profile-reps 2 --decode-tokens 32 --naive-lengths \
+    --out "$FILES" --name bench_e2e_decode_eager
 
 step bench_batch 120 "$PY" -m benchmarks.bench_batch --mode gpu --batch-sizes 1 4 8 --out "$FILES"
 

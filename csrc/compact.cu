@@ -89,7 +89,7 @@ void compact_many(const CompactParams& p) {
                                        "the sequence dim, of size B, for a 2-D keep), got " + std::to_string(t.batch));
   }
   if (p.k == 0) return;
-  use_device(p.device, kOp);
+  const DeviceGuard device_guard = use_device(p.device, kOp);
   for (size_t first = 0; first < p.tensors.size(); first += kMaxCompactTensors) {
     gather::Group g{};
     g.count = static_cast<int>(std::min<size_t>(kMaxCompactTensors, p.tensors.size() - first));

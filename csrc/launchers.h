@@ -180,8 +180,20 @@ struct DeviceReport {
   int driver_version;       // 0 if no driver
 };
 DeviceReport device_report();
-// Make `device` current in this module's (static) CUDA runtime, whose current device is separate from torch's.
-void use_device(int device, const char* op);
+// Make `device` current in this module's (static) CUDA runtime for the guard's lifetime; the previous device is
+// current again when it ends. The runtime's current device lives in the thread's driver context, which torch's
+// runtime reads too: a launcher that left it switched would move the caller's later work to another GPU.
+class DeviceGuard {
+ public:
+  DeviceGuard(int device, const char* op);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;  // -1: nothing to restore
+};
+[[nodiscard]] DeviceGuard use_device(int device, const char* op);
 std::vector<int> compiled_archs();  // SASS architectures compiled into this module, e.g. {89, 90}
 int ptx_arch();                     // architecture of the embedded PTX (0 if none)
 

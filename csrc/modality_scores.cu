@@ -201,7 +201,7 @@ void modality_scores(const ModalityScoresParams& p) {
   require(is_int_code(p.modality_dtype) && is_int_code(p.positions_dtype), kOp,
           "modality and query_positions dtype codes must be integer codes");
   if (p.batch == 0 || p.num_keys == 0) return;
-  use_device(p.device, kOp);
+  const DeviceGuard device_guard = use_device(p.device, kOp);
   const int64_t rows = p.q_heads * p.q_len;
   const Workspace w = carve(p.workspace, p.batch, rows, p.num_keys);
   int64_t splits = 0;

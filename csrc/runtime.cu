@@ -32,11 +32,22 @@ DeviceReport device_report() {
   return r;
 }
 
-void use_device(int device, const char* op) {
+DeviceGuard::DeviceGuard(int device, const char* op) {
   int current = -1;
   check_cuda(cudaGetDevice(&current), op, "cudaGetDevice");
-  if (current != device) check_cuda(cudaSetDevice(device), op, "cudaSetDevice");
+  if (current != device) {
+    check_cuda(cudaSetDevice(device), op, "cudaSetDevice");
+    previous_ = current;
+  }
 }
+
+DeviceGuard::~DeviceGuard() {
+  // A destructor cannot throw: switching back to a device that was current a moment ago does not fail in practice,
+  // and a failure would resurface at the caller's next CUDA call.
+  if (previous_ >= 0) cudaSetDevice(previous_);
+}
+
+DeviceGuard use_device(int device, const char* op) { return DeviceGuard(device, op); }
 
 std::vector<int> compiled_archs() { return {MACER_SASS_ARCHS}; }
 

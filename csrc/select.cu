@@ -130,7 +130,7 @@ size_t select_workspace_bytes_no_query(int64_t n) {
 size_t select_workspace_bytes(int64_t n, int device) {
   constexpr const char* kOp = "select_workspace_bytes";
   require(n >= 0 && n <= INT_MAX / 2, kOp, "n must be in [0, " + std::to_string(INT_MAX / 2) + "]");
-  use_device(device, kOp);
+  const DeviceGuard device_guard = use_device(device, kOp);
   const int num = static_cast<int>(std::max<int64_t>(n, 1));
   return select_workspace_bytes_no_query(n) + sort_temp_bytes(kOp, num);
 }
@@ -139,7 +139,7 @@ void topk_indices(const SelectParams& p) {
   constexpr const char* kOp = "topk_indices";
   check_params(kOp, p);
   if (p.k == 0) return;
-  use_device(p.device, kOp);
+  const DeviceGuard device_guard = use_device(p.device, kOp);
   auto stream = static_cast<cudaStream_t>(p.stream);
   Workspace w = carve(p);
   sort_by_score(kOp, p, w, w.vals[1], stream);
@@ -152,7 +152,7 @@ void coverage_select(const SelectParams& p) {
   require(p.coverage_weight >= 0.0, kOp, "coverage_weight must be >= 0");
   require(is_int_code(p.chunk_dtype), kOp, "chunk_ids dtype code must be an integer code");
   if (p.k == 0) return;
-  use_device(p.device, kOp);
+  const DeviceGuard device_guard = use_device(p.device, kOp);
   auto stream = static_cast<cudaStream_t>(p.stream);
   Workspace w = carve(p);
   const unsigned blocks = blocks_for(p.n);

@@ -23,7 +23,7 @@ size_t device_dynamic_limit(int device, const char* op) {
   require(device >= 0 && device < kMaxDevices, op, "device index must be in [0, 63]");
   std::lock_guard<std::mutex> lock(limits_mutex);
   if (dynamic_limit[device] == 0) {
-    use_device(device, op);
+    const DeviceGuard device_guard = use_device(device, op);
     int optin = 0;
     MACER_CUDA_CHECK(op, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     cudaFuncAttributes attr{};
@@ -106,7 +106,7 @@ void select_cta(const SelectCtaParams& params) {
   require(p.n <= limit, op, "n = " + std::to_string(p.n) + " exceeds the one-CTA limit " + std::to_string(limit) +
                                 " of this device (select_cta_max_n)");
   if (p.out_len == 0 && p.nonfinite == nullptr) return;  // nothing to write
-  use_device(p.device, op);
+  const DeviceGuard device_guard = use_device(p.device, op);
   p.key_capacity = p.n;
   cta::select_cta_kernel<<<static_cast<unsigned>(p.batch), cta::kThreads, dynamic_bytes(p.n),
                            static_cast<cudaStream_t>(p.stream)>>>(p);

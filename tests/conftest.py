@@ -164,3 +164,13 @@ def backend(request):
     name, dev = request.param
     with use_backend(name):
         yield name, dev
+
+
+@pytest.fixture
+def flash_attn(monkeypatch):
+    """A stand-in ``flash_attn`` (SDPA inside, ``tests/flash_attn_standin.py``) registered for transformers, so its
+    real FlashAttention-2 integration runs on CPU; removed again (``sys.modules``, transformers' cache of the loaded
+    implementation) when the test ends. Yields the module; its functions can be wrapped to count calls."""
+    import flash_attn_standin
+
+    yield flash_attn_standin.install(monkeypatch)

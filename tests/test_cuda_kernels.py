@@ -487,3 +487,26 @@ def test_custom_ops_match_the_backend_and_compile():
     compiled = torch.compile(readout, fullgraph=True)
     for a, b in zip(compiled(query, key, modality, qpos, chunks, hidden), (s, keep, out)):
         assert torch.equal(a, b)
+
+
+def test_ops_on_another_gpu_leave_the_current_device_alone():
+    """Guards issue 23 item 4: every launcher made its tensors' device current in the extension's CUDA runtime and
+    left it so; the thread's driver context is shared with torch, whose later work then went to that GPU. Each op on
+    cuda:0 tensors with cuda:1 current must leave cuda:1 current."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    query, key, modality, qpos = _scores_case(1, 4, 2, 2, 64, 300, torch.float32)
+    scores = torch.rand(300, device=DEV)
+    chunks = torch.randint(0, 5, (300,), device=DEV)
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(1)
+    try:
+        for name, run in [("modality_scores", lambda: mk.modality_scores(query, key, modality, qpos)),
+                          ("topk_indices", lambda: mk.topk_indices(scores, 20)),
+                          ("coverage_select", lambda: mk.coverage_select(scores, chunks, 20, coverage_weight=0.5)),
+                          ("compact", lambda: mk.compact(key, torch.arange(0, 300, 7, device=DEV), dim=2))]:
+            run()
+            assert torch.cuda.current_device() == 1, name
+            assert torch.empty(1, device="cuda").device.index == 1, name
+    finally:
+        torch.cuda.set_device(previous)

@@ -351,7 +351,7 @@ def test_full_model_generate_points_to_thinker_generate():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_decode_steps_run_without_prefill_hooks_or_the_attention_wrapper(attn):
     """Layer hooks and the attention wrapper exist only during a prefill; SDPA decode steps get no MACER hook at
-    all, eager ones only the per-step mask hooks on layers whose cache differs from layer 0's."""
+    all, eager ones only the mask hooks on layers whose cache differs from layer 0's (registered at the first step)."""
     model = _thinker(attn)
     inputs = clip_inputs(model, **CLIP)
     decoder, seen = _decoder(model), []

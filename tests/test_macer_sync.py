@@ -2,9 +2,11 @@
 
 On a CPU machine nothing synchronises, so the test counts the *patterns* that do on a GPU: every call of
 ``Tensor.item / tolist / numpy / cpu / nonzero / __bool__ / __int__ / __float__ / __index__`` (and ``torch.nonzero``,
-``torch.equal``, ``torch.allclose``, ``.to("cpu")``) made by the model layer (``macer.*``; torch's own Python helpers
-called from it count too) while the runtime is inside a readout, a layer pre-hook, the prefill's end or a decode
-step. The host plan at the start of a prefill is outside that window: it is the prefill's one device read.
+``torch.equal``, ``torch.allclose``, ``.to("cpu")``, and the aten ops whose output size is read back: ``nonzero``,
+``masked_select`` and indexing with a boolean tensor, ``t[mask]``) made by the model layer (``macer.*``; torch's own
+Python helpers called from it count too) while the runtime is inside a readout, a layer pre-hook, the prefill's end,
+a decode step or Qwen3-Omni's deepstack remap. The host plan at the start of a prefill is outside that window: it is
+the prefill's one device read.
 The ops' own argument checks (``macer_kernels``) are outside this test: the GPU hot-path issue (#9) makes them
 sync-free and tests them there. The one read the prefill's end makes on purpose, of every stage's non-finite flags
 (``macer._prefill.raise_if_nonfinite``), is counted apart: at most one per prefill.
@@ -20,7 +22,9 @@ import pytest
 import torch
 from macer import _prefill as prefill_module
 from macer import runtime
+from macer.adapters.qwen3_omni import Qwen3OmniAdapter
 from macer.testing import build_thinker, clip_inputs, macer_config_for
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CLIP = {"frames": 4, "grid_hw": (8, 8), "audio_tokens": 60, "seed": 1}
 _METHODS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
@@ -81,18 +85,35 @@ def count_syncs(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "to", to)
 
+    class SizeReads(TorchDispatchMode):
+        """Ops whose output size is data-dependent (a boolean index's ``nonzero`` included: ``t[mask]``)."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            reads = name in ("nonzero", "masked_select")
+            if name in ("index", "index_put", "index_put_") and len(args) > 1:
+                reads = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+                name += "(bool)"
+            if reads:
+                where = _caller_is_model_layer()
+                if where is not None:
+                    found.append((f"aten.{name}", where))
+            return func(*args, **(kwargs or {}))
+
     def hot(original):
         def wrapped(*args, **kwargs):
             window[0] += 1
             try:
-                return original(*args, **kwargs)
+                with SizeReads() if window[0] == 1 else contextlib.nullcontext():
+                    return original(*args, **kwargs)
             finally:
                 window[0] -= 1
 
         return wrapped
 
-    for name in ("readout", "_prefill_layer", "_end", "_begin_decode"):
+    for name in ("readout", "_prefill_layer", "_end", "_begin_decode", "_decode_layer"):
         monkeypatch.setattr(runtime._Session, name, hot(getattr(runtime._Session, name)))
+    monkeypatch.setattr(Qwen3OmniAdapter, "deepstack", hot(Qwen3OmniAdapter.deepstack))
     check = runtime.raise_if_nonfinite
 
     def flag_read(entries):
@@ -195,3 +216,20 @@ def test_no_host_sync_in_a_batch(models, monkeypatch, attn, policy):
     assert all(s.pruned for s in trace.samples) and len(reads) == 1
     assert found == [], f"host synchronisations in the batch hot path ({policy}, {attn}): {found}"
     assert len([n for n in found.flag_reads if n]) == (0 if policy == "random" else 1)
+
+
+@pytest.mark.parametrize(("audio_layer", "video_layer", "reads"), [(1, 2, 2), (2, 2, 1), (4, 4, 0)])
+def test_qwen3_deepstack_reads_once_per_stage_before_a_deepstack_level(monkeypatch, audio_layer, video_layer, reads):
+    """Issue 23 item 6: Qwen3-Omni's deepstack remap selects the kept visual rows with a boolean mask, which reads
+    its count back: once per stage placed before a deepstack level (after layers 1-3), none for later stages; the
+    docs say so. The detector saw nothing of it before it counted boolean indexing and the remap's window."""
+    from macer.testing_qwen3 import build_qwen3_thinker, qwen3_clip_inputs
+
+    model = build_qwen3_thinker(num_layers=5, hidden_size=64, attn_implementation="sdpa", seed=5)
+    inputs = qwen3_clip_inputs(model, frames=4, grid_hw=(8, 8), seconds=4.0, seed=1)
+    config = macer_config_for(model, keep_ratio=0.3, audio_layer=audio_layer, video_layer=video_layer)
+    with count_syncs(monkeypatch) as found, torch.no_grad(), macer.compress(model, config) as trace:
+        model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert trace.history[0].layer_tokens[-1] < inputs["input_ids"].shape[1]
+    assert [name for name, _ in found] == ["aten.index(bool)"] * reads, found
+    assert all(where.startswith("macer.adapters.qwen3_omni:") for _, where in found), found

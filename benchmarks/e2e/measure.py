@@ -125,6 +125,49 @@ def _timed_ops(clock: _Clock) -> Iterator[dict[str, list]]:
             setattr(module, name, fn)
 
 
+@contextlib.contextmanager
+def _timed_decode() -> Iterator[list[float]]:
+    """Host seconds MACER's runtime spends in decode steps while inside the block: the decoder pre-hook's decode branch,
+    the per-layer decode hooks, and (in versions that had it) the removal of per-step hooks. Whatever of these the
+    installed ``macer.runtime`` has is wrapped, so one harness measures an older runtime too. Host time (perf_counter):
+    what a decode step costs the CPU before its kernels are queued."""
+    from macer import runtime
+
+    session = runtime._Session
+    spent: list[float] = []
+    depth = [0]
+
+    def timed(fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            if depth[0]:
+                return fn(*args, **kwargs)
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - start)
+                depth[0] -= 1
+
+        return wrapped
+
+    def timed_hooks(make: Callable) -> Callable:
+        def wrapped(self, index):
+            return timed(make(self, index))
+
+        return wrapped
+
+    patched = [(name, getattr(session, name)) for name in ("_begin_decode", "_close_step", "_decode_hook")
+               if hasattr(session, name)]
+    for name, fn in patched:
+        setattr(session, name, timed_hooks(fn) if name == "_decode_hook" else timed(fn))
+    try:
+        yield spent
+    finally:
+        for name, fn in patched:
+            setattr(session, name, fn)
+
+
 def _malloc_trim() -> None:
     """Hand freed heap memory back to the OS (glibc), so the RSS before a run is not inflated by the last one."""
     with contextlib.suppress(OSError, AttributeError):
@@ -220,6 +263,7 @@ class Measurement:
     op_seconds: dict[str, float] = field(default_factory=dict)
     trace: Any = None
     overhead_s: float | None = None
+    decode_host_s_per_step: float | None = None
 
 
 def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], policy: Any, decode_tokens: int, *,
@@ -243,8 +287,9 @@ def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], policy: Any
              else contextlib.nullcontext())
     op_timer = _timed_ops(clock) if profile else contextlib.nullcontext({})
     memory_meter = _peak_memory(device) if profile else contextlib.nullcontext({"peak_extra": None})
+    decode_timer = _timed_decode() if profile and policy is not None else contextlib.nullcontext(None)
     with torch.no_grad(), memory_meter as memory, _module_calls(modules, clock) as calls, \
-            op_timer as ops, patch as trace:
+            op_timer as ops, decode_timer as decode_spent, patch as trace:
         if uses_cuda(device):
             torch.cuda.synchronize(device)
         start = (time.perf_counter(), time.process_time())
@@ -275,6 +320,7 @@ def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], policy: Any
         op_seconds=op_seconds,
         trace=trace if policy is not None else None,
         overhead_s=trace.last.overhead_s if profile and policy is not None else None,
+        decode_host_s_per_step=None if decode_spent is None else sum(decode_spent) / steps,
     )
 
 

@@ -3,6 +3,10 @@
 While a prefill runs, the function hands the question rows' queries and the layer's keys of every readout layer to
 the session that registered the module (``ACTIVE``); then it calls the user's attention implementation unchanged. A
 name ``macer_<base>`` is registered once per base implementation and removed when its last session ends.
+
+The user's function runs with ``module.config._attn_implementation`` reading ``<base>`` again (``call_as``): some
+implementations read that name inside the call (transformers' FlashAttention-2 passes it to the import of its
+kernels, which knows ``flash_attention_2`` but not ``macer_flash_attention_2``).
 """
 
 from __future__ import annotations
@@ -34,10 +38,25 @@ def _make_attention(base: str):
                 type(module), inspect.getmodule(type(module)).eager_attention_forward)
         else:
             fn = ALL_ATTENTION_FUNCTIONS[base]
-        return fn(module, query, key, value, attention_mask, **kwargs)
+        return call_as(base, fn, module, query, key, value, attention_mask, **kwargs)
 
     macer_attention.__name__ = f"{_PREFIX}{base}"
     return macer_attention
+
+
+def call_as(name: str, fn: Callable, module: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(module, *args, **kwargs)`` with ``module.config._attn_implementation`` set to ``name`` for the call (and
+    back to the wrapper's name after it, also on an exception): the wrapped function sees the name it was registered
+    under, as without ``macer``."""
+    config = getattr(module, "config", None)
+    renamed = getattr(config, "_attn_implementation", name)
+    if renamed == name:
+        return fn(module, *args, **kwargs)
+    config._attn_implementation = name
+    try:
+        return fn(module, *args, **kwargs)
+    finally:
+        config._attn_implementation = renamed
 
 
 def register_names(base: str) -> str:

@@ -8,11 +8,11 @@ Procedure (the runtime calls this module only for ``B > 1``):
    (``macer.policy.plan_prefill`` on its own row): counts, budget split, question rows, chunk ids, stage layers.
 2. At a readout layer a MACER stage (ANMS scores, top-K / coverage per modality: ``policy._fused``) runs once for
    the whole batch: ``macer_kernels.select_stage`` on the padded batch with the padding labelled ``PAD_LABEL``
-   (outside every softmax, so each sample scores as if alone), each sample's own counts and budgets and its own
-   question rows. The result is the re-packed layout itself: each sample's kept rows right-aligned after ``-1``s.
-   So a stage is a fixed number of launches whatever ``B`` (scoring + one selection on the GPU backends). Other
-   stages (raw scores, joint or random selections, a stage before layer 1) run ``macer.policy.run_stage`` per
-   sample on its own real rows, as a prompt alone.
+   (outside every softmax, so each sample scores as if alone, up to fp32 rounding), each sample's own counts and
+   budgets and its own question rows. The result is the re-packed layout itself: each sample's kept rows
+   right-aligned after ``-1``s. So a stage is a fixed number of launches whatever ``B`` (scoring + one selection on
+   the GPU backends). Other stages (raw scores, joint or random selections, a stage before layer 1) run
+   ``macer.policy.run_stage`` per sample on its own real rows, as a prompt alone.
 3. Before the next layer the batch is re-packed by one ``compact_many`` with the ``[B, W]`` keep (``-1`` slots give
    zero rows): one launch per 8 per-token tensors. The 4-D mask is rebuilt for the new layout (causal over each
    sample's real rows, padded keys masked; a padded query row sees only itself, so no row is fully masked and no NaN
@@ -23,7 +23,7 @@ Procedure (the runtime calls this module only for ``B > 1``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -134,9 +134,14 @@ def layout_mask(valid: torch.Tensor, queries: int, dtype: torch.dtype, boolean: 
     allowed = (causal[None] & valid[:, None, :]) | (cols[None, :] == rows[:, None])[None]
     allowed = allowed[:, None]
     check_no_masked_row(allowed)
+    return mask_values(allowed, dtype, boolean)
+
+
+def mask_values(allowed: torch.Tensor, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
+    """A boolean "may attend" tensor as the backend's mask: itself (SDPA) or additive (eager: 0 / dtype min)."""
     if boolean:
         return allowed
-    zero = torch.zeros((), dtype=dtype, device=valid.device)
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
@@ -147,6 +152,10 @@ class BatchLayout:
 
     valid: list[torch.Tensor]
     prompt_length: int
+    # (id of a layout, dtype, boolean) -> its prompt columns' mask [B, 1, 1, N_l] for a decode step's queries (they
+    # come after every prompt key: a prompt key is visible iff real); made at the first step, reused by the others.
+    prompt_masks: dict[tuple[int, torch.dtype, bool], torch.Tensor] = field(default_factory=dict)
+    hooked: bool = False  # the runtime registered its layers' decode hooks
 
 
 class BatchPrefill:
@@ -154,11 +163,14 @@ class BatchPrefill:
     the batch layout (each sample's left padding in the current, re-packed sequence)."""
 
     def __init__(self, samples: list[_Prefill], pads: list[int], width: int, valid: torch.Tensor, boolean: bool,
-                 tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+                 tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], padding_mask: bool = False):
         self.samples = samples
         self.pads = list(pads)  # left padding of each sample in the current sequence
         self.valid = valid  # [B, width] real rows of the current sequence
         self.boolean = boolean  # the attention backend's mask kind (SDPA: boolean; eager: additive)
+        # FlashAttention takes a 2-D padding mask [B, K] (True = real row; causal is the kernel's, over each sample's
+        # unpadded rows) instead of a 4-D mask.
+        self.padding_mask = padding_mask
         # The whole batch's labels (PAD_LABEL on the padding) and chunk ids by original padded row, each sample's
         # original padding ([B, 1]), and the original row of each current row (-1 on the padding): what a batched
         # stage reads.
@@ -327,7 +339,7 @@ class BatchPrefill:
         tensors = [t if t.shape[d - 1] == b else t.expand(*t.shape[:d - 1], b, *t.shape[d:])
                    for t, d in zip(tensors, dims, strict=True)]
         hidden, inputs = layer_inputs(adapter, names, compact_many(tensors, keep, dims))
-        inputs["attention_mask"] = layout_mask(real, width, hidden.dtype, self.boolean)
+        inputs["attention_mask"] = real if self.padding_mask else layout_mask(real, width, hidden.dtype, self.boolean)
         adapter.on_stage(kwargs, keep, index)
         self.inputs, self.valid, self.pads, self.repacked = inputs, real, pads, True
         if args:
@@ -366,6 +378,10 @@ class BatchPrefill:
                                torch.searchsorted(s.layer_rows.get(i, s.full), s.current) + before[b]])
                     for b, (pad, s) in enumerate(zip(self.pads, self.samples, strict=True))])
                 layer = cache.layers[i]
+                # An offloaded cache holds this layer on the CPU: the index goes there (a blocking copy, which also
+                # waits for the offload's pending copies of the layer).
+                if index.device != layer.keys.device:
+                    index = index.to(layer.keys.device)
                 # Cache tensors are [B, H, N, D]: gather along N with the batch at dim 0.
                 layer.keys = gather_tokens(layer.keys.transpose(1, 2), index, 1).transpose(1, 2)
                 layer.values = gather_tokens(layer.values.transpose(1, 2), index, 1).transpose(1, 2)
@@ -374,7 +390,7 @@ class BatchPrefill:
 
 
 def decode_step(layout: BatchLayout, cache: Any, args: tuple, kwargs: dict[str, Any], dtype: torch.dtype,
-                boolean: bool) -> dict[int, torch.Tensor]:
+                boolean: bool, padding_mask: bool = False) -> dict[int, torch.Tensor]:
     """Prepare a decode step on a batch-pruned cache: the decoder's 2-D mask (``[B, prompt_length + T]`` from
     ``generate``, or none) is rebuilt for layer 0's layout in ``kwargs``; returns the 4-D mask of every other layer
     whose layout differs from layer 0's (layers sharing a layout share the tensor)."""
@@ -393,10 +409,19 @@ def decode_step(layout: BatchLayout, cache: Any, args: tuple, kwargs: dict[str, 
     kwargs["attention_mask"] = torch.cat([first.to(tail.dtype), tail], dim=1)
     shared: dict[int, torch.Tensor] = {}
     out = {}
+    tail_mask = None
     for i, valid in enumerate(layout.valid):
         if valid is first:
             continue
+        if id(valid) not in shared and padding_mask:  # FlashAttention: the layout's 2-D padding mask
+            shared[id(valid)] = torch.cat([valid, tail.bool()], dim=1)
         if id(valid) not in shared:
-            shared[id(valid)] = layout_mask(torch.cat([valid, tail.bool()], dim=1), queries, dtype, boolean)
+            if tail_mask is None:  # the keys after the prompt, the same for every layout (once per step)
+                tail_mask = layout_mask(tail.bool(), queries, dtype, boolean)
+            key = (id(valid), dtype, boolean)
+            if key not in layout.prompt_masks:
+                layout.prompt_masks[key] = mask_values(valid[:, None, None, :], dtype, boolean)
+            prompt = layout.prompt_masks[key].expand(-1, -1, queries, -1)
+            shared[id(valid)] = torch.cat([prompt, tail_mask], dim=-1)
         out[i] = shared[id(valid)]
     return out

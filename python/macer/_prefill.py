@@ -2,7 +2,8 @@
 sequence holds as the stages run (``_Prefill``; a batch's ``macer._batch.BatchPrefill`` holds one per sample).
 
 The prompt's ids, temporal positions and mask come to the host in the prefill's one copy (``_to_host``); the plan's
-tables go to the device in one copy (``_to_device``); nothing is read back afterwards.
+tables go to the device in one copy (``_to_device``); nothing is read back afterwards (Qwen3-Omni's deepstack remap
+reads one count per stage placed before a deepstack level: ``macer.adapters.qwen3_omni``).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def _plan_batch(session: _Session, input_ids: torch.Tensor | None, root_kwargs: 
         valid = torch.ones(batch, length, dtype=torch.bool, device=device)
     on_device = _to_device([batch_labels, batch_chunks, torch.tensor(pads)[:, None]], device)
     tables = tuple(t.reshape(batch, -1) for t in on_device)
-    return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager", tables=tables)
+    return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager", tables=tables,
+                        padding_mask=session.base == "flash_attention_2")
 
 
 def raise_if_nonfinite(entries: list[tuple[int, list[int | None], torch.Tensor]]) -> None:
@@ -247,6 +249,10 @@ class _Prefill:
                     if layer_rows is not final:
                         keep = torch.searchsorted(layer_rows, final)
                         layer = cache.layers[i]
+                        # An offloaded cache holds this layer on the CPU: its index goes there (a blocking copy,
+                        # which also waits for the offload's pending copies of the layer).
+                        if keep.device != layer.keys.device:
+                            keep = keep.to(layer.keys.device)
                         layer.keys, layer.values = compact_many([layer.keys, layer.values], keep, [-2, -2])
                 rows = [final] * len(rows)
             entry = (rows, self.plan.facts.length)

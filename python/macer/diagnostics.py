@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer._attention import register_refcounted, unregister_names
+from macer._attention import call_as, register_refcounted, unregister_names
 from macer.adapters import AUDIO, TEXT, VISUAL, get_adapter
 from macer.config import MacerConfig
 from macer.policy import PromptFacts, question_rows, score
@@ -228,8 +228,8 @@ def _tap_attention(inner: str) -> Callable:
         if callback is not None:
             callback(module, query, key, kwargs)
         default = inspect.getmodule(type(module)).eager_attention_forward
-        return ALL_ATTENTION_FUNCTIONS.get_interface(inner, default)(module, query, key, value, attention_mask,
-                                                                      **kwargs)
+        return call_as(inner, ALL_ATTENTION_FUNCTIONS.get_interface(inner, default), module, query, key, value,
+                       attention_mask, **kwargs)
 
     macer_diag_attention.__name__ = f"{_TAP_PREFIX}{inner}"
     return macer_diag_attention

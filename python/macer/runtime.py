@@ -21,8 +21,9 @@ Model-independent; an adapter (``macer.adapters``) says where the decoder is and
    leaves a device flag "a ranked token's score was not finite" (NaN/inf attention); the prefill's end reads them
    all in one copy and raises an error naming the layer and the sample if one is set (``raise_if_nonfinite``).
 5. Decoding: ``generate`` passes explicit positions, so only the mask needs care: a mask tensor sized against
-   layer 0's cache is compacted along keys to each layer's own cache rows (hooks installed for that step only, and
-   only when the step's mask is materialised: eager attention, or a 4-D mask given by the caller).
+   layer 0's cache gives each layer the columns of its own cache rows (only when the step's mask is materialised:
+   eager attention, or a 4-D mask given by the caller). What is fixed is computed at the prefill's end, the layer
+   hooks are registered once, and a step's masks are views of the step's own (``_Decode``).
 
 A batch of ``B > 1`` left-padded prompts is planned per sample, runs each MACER stage once for the whole batch and
 re-packs the batch after every stage (``macer._batch``). The state of one prefill (plan, device tables, current
@@ -32,8 +33,9 @@ rows) is ``macer._prefill``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -109,6 +111,7 @@ def _session(model: nn.Module, config: Policy, *, profile: bool, adapter: Adapte
                         f"{type(adapter).__name__}")
     parts = adapter.parts(model)
     config.check_depth(len(parts.layers))
+    _check_one_device(parts)
     if any(id(module) in ACTIVE for layer in parts.layers for module in layer.modules()):
         raise ValueError("macer.compress: this model is already inside a macer.compress context")
     base = parts.attn_config._attn_implementation
@@ -126,6 +129,20 @@ def _session(model: nn.Module, config: Policy, *, profile: bool, adapter: Adapte
         yield session.trace
     finally:
         session.uninstall()
+
+
+def _check_one_device(parts: DecoderParts) -> None:
+    """A decoder split over several devices (``device_map`` over GPUs, CPU or disk offload: parameters on ``meta``)
+    is refused: the prefill's tables live on the embeddings' device and a stage's rows would index another device's
+    tensors."""
+    embeddings = getattr(parts.decoder, "get_input_embeddings", lambda: None)()
+    modules = [m for m in (embeddings, *parts.layers) if isinstance(m, nn.Module)]
+    devices = {p.device for m in modules for p in itertools.islice(m.parameters(), 1)}
+    if len(devices) > 1:
+        raise ValueError(f"macer.compress: the decoder's embeddings and layers are on several devices "
+                         f"({', '.join(sorted(map(str, devices)))}): a model split by device_map (several GPUs, or CPU "
+                         "/ disk offload) is not supported; load the model on one device (device_map={'': 'cuda:0'} "
+                         "or model.to(device))")
 
 
 def _end_of_turn(model: nn.Module, adapter: Adapter, policy: Policy) -> int | None:
@@ -152,16 +169,17 @@ class _Session:
         self.clock = _Clock(profile)
         self.trace = Trace()
         self.handles: list[Any] = []
-        self.step_handles: list[Any] = []
+        # Decode-step hooks, registered once per layer that needs its own mask (at the first decode step that needs
+        # them) and kept until the context ends; they act only while ``self.step`` (this step's rule) is set.
+        self.decode_hooks: dict[int, Any] = {}
+        self.step: Callable[[int, Any], torch.Tensor | None] | None = None
         self.name: str | None = None
         self.guarded: list[tuple[Any, str, Any]] = []
         self.prompt_ids: torch.Tensor | None = None
         self.root_kwargs: dict[str, Any] = {}
         self.state: _Prefill | BatchPrefill | None = None
-        # cache object -> (prompt rows held by each layer, prompt length): decode sizes masks per layer from them
+        # cache object -> what its decode steps need (``_Decode`` for a prompt, ``BatchLayout`` for a batch)
         self.caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.decode_rows: list[torch.Tensor] | None = None
-        self.decode_masks: dict[tuple[int, int], torch.Tensor] = {}
 
     # ---------------------------------------------------------------- install / uninstall
     def install(self) -> None:
@@ -185,10 +203,11 @@ class _Session:
 
     def uninstall(self) -> None:
         self._close_prefill()
-        self._close_step()
-        for handle in self.handles:
+        self.step = None
+        for handle in [*self.handles, *self.decode_hooks.values()]:
             handle.remove()
         self.handles.clear()
+        self.decode_hooks.clear()
         for obj, attr, value in reversed(self.guarded):
             if value is _MISSING:
                 obj.__dict__.pop(attr, None)
@@ -211,11 +230,6 @@ class _Session:
             self.state = None
         self.parts.attn_config._attn_implementation = self.base
 
-    def _close_step(self) -> None:
-        for handle in self.step_handles:
-            handle.remove()
-        self.step_handles.clear()
-
     # ---------------------------------------------------------------- context-long hooks
     def _outer_hook(self, module, args, kwargs):
         if kwargs.get("labels") is not None:
@@ -231,9 +245,7 @@ class _Session:
         input_ids, self.prompt_ids = self.prompt_ids, None
         root_kwargs, self.root_kwargs = self.root_kwargs, {}
         self._close_prefill()
-        self._close_step()
-        self.decode_rows = None
-        self.decode_masks.clear()
+        self.step = None
         embeds = kwargs.get("inputs_embeds")
         tokens = embeds if embeds is not None else kwargs.get("input_ids", args[0] if args else None)
         batch, length, device = tokens.shape[0], tokens.shape[1], tokens.device
@@ -241,9 +253,6 @@ class _Session:
         if cache is not None and cache.get_seq_length() > 0:
             return self._begin_decode(cache, args, kwargs)
         if batch != 1:
-            if self.base == "flash_attention_2":
-                raise ValueError(f"macer.compress: a batch of {batch} prompts runs with attn_implementation 'sdpa' or "
-                                 "'eager'; flash_attention_2 takes batch size 1 under compress")
             if not self.adapter.batch_ready:
                 raise ValueError(f"macer.compress: the {type(self.adapter).__name__} adapter does not support a batch "
                                  f"of {batch} prompts yet; run them one at a time")
@@ -278,44 +287,53 @@ class _Session:
         return None
 
     def _begin_decode(self, cache, args, kwargs):
+        """A decode step: the decoder's mask and each layer's follow the rows its cache holds. Everything fixed was
+        computed at the prefill's end (``_Decode``, ``BatchLayout``); the layers' hooks are registered once."""
         entry = self.caches.get(cache)
         if entry is None:
             return None  # a cache this session did not prune: every layer holds the same rows, nothing to do
         if isinstance(entry, BatchLayout):
             return self._begin_decode_batch(entry, cache, args, kwargs)
-        rows, prompt_len = entry
         mask = kwargs.get("attention_mask")
         changed = False
-        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and rows[0].numel() != prompt_len:
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and entry.kept != entry.prompt_length:
             # Layer 0 holds only the kept prompt rows (trim_early_cache, RandomConfig): a 2-D mask over the original
-            # prompt must lose the dropped columns to line up with it.
-            tail = torch.arange(prompt_len, mask.shape[-1], device=mask.device)
-            kwargs["attention_mask"] = compact(mask, torch.cat([rows[0].to(mask.device), tail]), dim=-1)
+            # prompt must lose the dropped columns to line up with it. A prompt alone has no padding (refused at the
+            # prefill), so its prompt columns are all ones and dropping the first ones is that compaction (a view).
+            kwargs["attention_mask"] = mask[:, entry.prompt_length - entry.kept:]
             changed = True
         # Only a materialised mask (eager attention, or a 4-D mask / mask dict given by the caller or generate)
-        # needs per-layer columns; SDPA and FlashAttention build None for a batch-1 decode step without padding.
-        if self.base == "eager" or isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.ndim == 4):
-            self.decode_rows = rows
-            for i, layer in enumerate(self.parts.layers):
-                if rows[i] is not rows[0]:
-                    self.step_handles.append(layer.register_forward_pre_hook(self._decode_hook(i), with_kwargs=True))
+        # needs per-layer columns; SDPA and FlashAttention build None for a batch-1 step without padding.
+        given = isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.ndim == 4)
+        if entry.cut and (self.base == "eager" or given):
+            entry.compacted.clear()  # the last step's masks (their ids may be reused)
+            self.step = entry.caller_mask if given else entry.built_mask
+            self._add_decode_hooks(entry)
         return (args, kwargs) if changed else None
 
     def _begin_decode_batch(self, layout: BatchLayout, cache: Any, args, kwargs):
         """A decode step on a batch-pruned cache: the decoder's 2-D mask follows layer 0's layout, and every layer
-        with another layout gets its own 4-D mask (hooks for this step only)."""
-        dtype = next(self.parts.layers[0].parameters()).dtype
-        masks = decode_step(layout, cache, args, kwargs, dtype, self.base != "eager")
-        for i, layer in enumerate(self.parts.layers):
-            if i in masks:
-                self.step_handles.append(layer.register_forward_pre_hook(_set_mask(masks[i]), with_kwargs=True))
+        with another layout gets its own 4-D mask (one per layout, shared by its layers)."""
+        masks = decode_step(layout, cache, args, kwargs, self._hidden_dtype(kwargs), self.base != "eager",
+                            padding_mask=self.base == "flash_attention_2")
+        if masks:
+            self.step = lambda index, mask: masks.get(index)
+            self._add_decode_hooks(layout)
         return args, kwargs
+
+    def _hidden_dtype(self, kwargs: dict[str, Any]) -> torch.dtype:
+        """The dtype of the hidden states entering the layers (an additive mask's dtype): the embeddings', not a
+        parameter's (a quantised layer's first parameter is an integer tensor)."""
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is not None:
+            return embeds.dtype
+        return self.parts.decoder.get_input_embeddings().weight.dtype
 
     def _end(self, module, args, kwargs, output):
         """Decoder post-hook: finish a prefill (cache bookkeeping, optional trimming, trace record)."""
         state = self.state
         self._close_prefill()
-        self._close_step()
+        self.step = None
         if state is None:
             return None
         cache = getattr(output, "past_key_values", None)
@@ -324,7 +342,7 @@ class _Session:
         raise_if_nonfinite(state.nonfinite_flags())
         entry = state.finish(cache, self.policy.trim_early_cache, len(self.parts.layers))
         if cache is not None and entry is not None:
-            self.caches[cache] = entry
+            self.caches[cache] = entry if isinstance(entry, BatchLayout) else _Decode(*entry)
         records = state.records(cache is not None, entry)
         state.overhead += self.clock.tock(start)
         for record in records:
@@ -372,30 +390,77 @@ class _Session:
         return args, kwargs
 
     # ---------------------------------------------------------------- decode
+    def _add_decode_hooks(self, entry: _Decode | BatchLayout) -> None:
+        """At the first decode step of a cache that needs per-layer masks: register the decode hook of every layer
+        whose cache rows differ from layer 0's (once per layer for the whole context; a decode step that needs no
+        per-layer mask, e.g. SDPA's, never registers any)."""
+        if entry.hooked:
+            return
+        if isinstance(entry, BatchLayout):
+            layers = [i for i, valid in enumerate(entry.valid) if valid is not entry.valid[0]]
+        else:
+            layers = list(entry.cut)
+        for i in layers:
+            if i not in self.decode_hooks:
+                self.decode_hooks[i] = self.parts.layers[i].register_forward_pre_hook(self._decode_hook(i),
+                                                                                     with_kwargs=True)
+        entry.hooked = True
+
     def _decode_hook(self, index: int):
         def hook(module, args, kwargs):
-            mask = kwargs.get("attention_mask")
-            rows = self.decode_rows
-            if not isinstance(mask, torch.Tensor) or rows is None:
-                return None
-            key = (id(rows[index]), id(mask))
-            if key not in self.decode_masks:
-                base = rows[0].to(mask.device)
-                own = torch.searchsorted(base, rows[index].to(mask.device))
-                tail = torch.arange(base.numel(), mask.shape[-1], device=mask.device)
-                self.decode_masks[key] = compact(mask, torch.cat([own, tail]), dim=-1)
-            kwargs["attention_mask"] = self.decode_masks[key]
-            return args, kwargs
+            return None if self.step is None else self._decode_layer(index, args, kwargs)
 
         return hook
 
-
-def _set_mask(mask: torch.Tensor):
-    def hook(module, args, kwargs):
+    def _decode_layer(self, index: int, args: tuple, kwargs: dict[str, Any]):
+        """Before ``layers[index]`` in a decode step: its own mask, if this step's rule gives one."""
+        mask = self.step(index, kwargs.get("attention_mask"))
+        if mask is None:
+            return None
         kwargs["attention_mask"] = mask
         return args, kwargs
 
-    return hook
+
+class _Decode:
+    """What a decode step on a pruned prompt's cache needs, computed once at the prefill's end: the prompt length,
+    the prompt rows layer 0 holds, and for every layer holding fewer (``cut``: how many) where its rows lie among
+    layer 0's (``own``; layers sharing rows share the tensor)."""
+
+    def __init__(self, rows: list[torch.Tensor], prompt_length: int):
+        self.prompt_length, self.kept = prompt_length, rows[0].numel()
+        self.cut: dict[int, int] = {}
+        self.own: dict[int, torch.Tensor] = {}
+        positions: dict[int, torch.Tensor] = {}
+        for i, layer_rows in enumerate(rows):
+            if layer_rows is rows[0]:
+                continue
+            if id(layer_rows) not in positions:
+                positions[id(layer_rows)] = torch.searchsorted(rows[0], layer_rows)
+            self.cut[i] = self.kept - layer_rows.numel()
+            self.own[i] = positions[id(layer_rows)]
+        self.compacted: dict[tuple[int, int], torch.Tensor] = {}
+        self.hooked = False  # its layers' decode hooks are registered
+
+    def built_mask(self, index: int, mask: Any) -> torch.Tensor | None:
+        """Layer ``index``'s mask from one transformers built over layer 0's rows from the step's 2-D mask: the
+        prompt has no padding, so every prompt column is visible to the step's queries and the layer's columns are
+        the last ones (a view; no work per step)."""
+        cut = self.cut.get(index)
+        if cut is None or not isinstance(mask, torch.Tensor):
+            return None
+        return mask[..., cut:]
+
+    def caller_mask(self, index: int, mask: Any) -> torch.Tensor | None:
+        """Layer ``index``'s columns of a 4-D mask the caller gave (its prompt columns may differ): compacted, once
+        per mask and row set in a step."""
+        own = self.own.get(index)
+        if own is None or not isinstance(mask, torch.Tensor):
+            return None
+        key = (id(own), id(mask))
+        if key not in self.compacted:
+            tail = torch.arange(self.kept, mask.shape[-1], device=mask.device)
+            self.compacted[key] = compact(mask, torch.cat([own.to(mask.device), tail]), dim=-1)
+        return self.compacted[key]
 
 
 _MISSING = object()

@@ -118,23 +118,31 @@ class Qwen3OmniAdapter(QwenOmniAdapter):
         original = decoder._deepstack_process
 
         def deepstack(hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor):
-            rows = self._rows
-            if rows is None or visual_pos_masks is not self._mask:
-                return original(hidden_states, visual_pos_masks, visual_embeds)  # no stage before this level
-            if tuple(rows.shape) != tuple(hidden_states.shape[:2]):
-                raise RuntimeError(f"macer: Qwen3-Omni's deepstack got {tuple(hidden_states.shape[:2])} rows after "
-                                   f"stages that kept {tuple(rows.shape)} (please report this)")
-            if self._remap is None or self._remap[0] is not rows:
-                # Once per stage (the deepstack levels after it reuse it): the mask at the rows present ([B, W],
-                # False on padding) and, for the visual rows among them, their index into the embeddings, whose rows
-                # follow the mask's True entries in batch-major order (rank = flat cumsum - 1). The boolean
-                # selection reads a count back, as transformers' own h[mask] does in every level.
-                mask = visual_pos_masks.to(rows.device)
-                present = rows.clamp(min=0)
-                kept = mask.gather(1, present) & (rows >= 0)
-                rank = (mask.reshape(-1).cumsum(0) - 1).view(mask.shape)
-                self._remap = (rows, kept, rank.gather(1, present)[kept])
-            _, kept, index = self._remap
-            return original(hidden_states, kept, visual_embeds.index_select(0, index.to(visual_embeds.device)))
+            return self.deepstack(original, hidden_states, visual_pos_masks, visual_embeds)
 
         return [(decoder, "_deepstack_process", deepstack)]
+
+    def deepstack(self, original: Any, hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor,
+                  visual_embeds: torch.Tensor) -> torch.Tensor:
+        """The decoder's ``_deepstack_process`` (``original``) on the rows still present after the stages."""
+        rows = self._rows
+        if rows is None or visual_pos_masks is not self._mask:
+            return original(hidden_states, visual_pos_masks, visual_embeds)  # no stage before this level
+        if tuple(rows.shape) != tuple(hidden_states.shape[:2]):
+            raise RuntimeError(f"macer: Qwen3-Omni's deepstack got {tuple(hidden_states.shape[:2])} rows after "
+                               f"stages that kept {tuple(rows.shape)} (please report this)")
+        if self._remap is None or self._remap[0] is not rows:
+            # Once per stage (the deepstack levels after it reuse it): the mask at the rows present ([B, W],
+            # False on padding) and, for the visual rows among them, their index into the embeddings, whose rows
+            # follow the mask's True entries in batch-major order (rank = flat cumsum - 1). The boolean selection
+            # reads its count back from the device (one host synchronisation per stage placed before a deepstack
+            # level, counted by tests/test_macer_sync.py), as transformers' own h[mask] does in every level.
+            mask = visual_pos_masks if visual_pos_masks.device == rows.device else visual_pos_masks.to(rows.device)
+            present = rows.clamp(min=0)
+            kept = mask.gather(1, present) & (rows >= 0)
+            rank = (mask.reshape(-1).cumsum(0) - 1).view(mask.shape)
+            self._remap = (rows, kept, rank.gather(1, present)[kept])
+        _, kept, index = self._remap
+        if index.device != visual_embeds.device:
+            index = index.to(visual_embeds.device)
+        return original(hidden_states, kept, visual_embeds.index_select(0, index))
