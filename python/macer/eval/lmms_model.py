@@ -92,9 +92,6 @@ class MacerQwen2_5Omni(lmms):
         if max_batch_size is not None:
             raise ValueError(f"macer_qwen2_5_omni: max_batch_size={max_batch_size!r} bounds lmms-eval's "
                              "--batch_size auto, which this model does not support; give --batch_size N only")
-        if self._batch_size > 1 and attn_implementation == "flash_attention_2":
-            raise ValueError(f"macer_qwen2_5_omni: batch_size={self._batch_size} needs attn_implementation 'sdpa' "
-                             "or 'eager' (macer.compress runs flash_attention_2 at batch size 1 only)")
         if video_frontend not in VIDEO_FRONTENDS:
             raise ValueError(f"video_frontend must be one of {VIDEO_FRONTENDS}, got {video_frontend!r}")
         if not isinstance(max_pixels, int) or max_pixels < 56 * 56:
