@@ -365,3 +365,18 @@ def test_decode_steps_run_without_prefill_hooks_or_the_attention_wrapper(attn):
     assert seen[0] == (f"macer_{attn}", [0] * first + [1] * (6 - first))
     changed = [0 if n == trace.cache_lengths[0] else 1 for n in trace.cache_lengths]
     assert seen[1:] == [(attn, [0] * 6 if attn == "sdpa" else changed)] * 2
+
+
+def test_cache_is_read_under_either_argument_name():
+    """transformers 5.24's generate passes the KV cache as ``cache=`` instead of ``past_key_values=``; the runtime read
+    only the old name, so on 5.24 every decode step looked like a new prompt and nothing was pruned (found by the
+    eval install test). CI pins 5.23, so the name lookup itself is checked here (the model tests passed on 5.24.0
+    with it, run by hand)."""
+    from macer.runtime import cache_argument
+
+    new, old = object(), object()
+    assert cache_argument({"cache": new}) is new
+    assert cache_argument({"past_key_values": old}) is old
+    assert cache_argument({"cache": new, "past_key_values": old}) is new
+    assert cache_argument({"cache": None, "past_key_values": old}) is old
+    assert cache_argument({}) is None

@@ -158,6 +158,14 @@ def _end_of_turn(model: nn.Module, adapter: Adapter, policy: Policy) -> int | No
     return eot
 
 
+def cache_argument(kwargs: dict[str, Any]) -> Any:
+    """The KV cache a decoder call received: ``cache=`` (transformers >= 5.24, whose ``generate`` passes it by that
+    name) or ``past_key_values=`` (earlier releases). Reading only the old name made every decode step on 5.24 look
+    like a new prompt, so nothing was pruned."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
+
+
 class _Session:
     """One ``compress`` context: the hooks that live for the whole context, the prefill bracket, and the rows each
     cached layer holds (for decoding)."""
@@ -249,7 +257,7 @@ class _Session:
         embeds = kwargs.get("inputs_embeds")
         tokens = embeds if embeds is not None else kwargs.get("input_ids", args[0] if args else None)
         batch, length, device = tokens.shape[0], tokens.shape[1], tokens.device
-        cache = kwargs.get("past_key_values")
+        cache = cache_argument(kwargs)
         if cache is not None and cache.get_seq_length() > 0:
             return self._begin_decode(cache, args, kwargs)
         if batch != 1:
@@ -336,8 +344,9 @@ class _Session:
         self.step = None
         if state is None:
             return None
-        cache = getattr(output, "past_key_values", None)
-        cache = kwargs.get("past_key_values") if cache is None else cache
+        cache = getattr(output, "cache", None)
+        cache = getattr(output, "past_key_values", None) if cache is None else cache
+        cache = cache_argument(kwargs) if cache is None else cache
         start = self.clock.tick()
         raise_if_nonfinite(state.nonfinite_flags())
         entry = state.finish(cache, self.policy.trim_early_cache, len(self.parts.layers))
