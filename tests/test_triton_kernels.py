@@ -631,9 +631,9 @@ def _compile_for_gpu_targets() -> None:
     blocks = {"BLOCK_I": 64, "BLOCK_J": 64}
     value = compile_one(sel._coverage_value_kernel, {"s_ptr": "*fp64", "c_ptr": "*i64", "v_ptr": "*fp64",
                                                      "n": "i32", "weight_ptr": "*fp64"},
-                        {"CMP": tl.float64, **blocks}, 90)
+                        {"WIDE": True, **blocks}, 90)
     compile_one(sel._coverage_position_kernel, {"s_ptr": "*bf16", "v_ptr": "*fp64", "pos_ptr": "*i32", "n": "i32"},
-                {"CMP": tl.float32, **blocks}, 90)
+                {"WIDE": False, **blocks}, 90)
     compile_one(sel._write_picks_kernel, {"pos_ptr": "*i32", "out_ptr": "*i64", "n": "i32", "k": "i32"}, blocks, 90)
     compile_one(sel._pack_topk_keys_kernel, {"s_ptr": "*fp16", "key_ptr": "*i64", "n": "i32"}, {"BLOCK": 1024}, 90)
     ordered = compile_one(sel._coverage_sorted_kernel, {"order_ptr": "*i64", "s_ptr": "*fp32", "c_ptr": "*i32",
@@ -645,7 +645,7 @@ def _compile_for_gpu_targets() -> None:
     # The stage kernel: a top-K and a coverage modality over fp32 scores, and the single top-k op over fp64 scores.
     stage_types = {"s_ptr": "*fp32", "lab_ptr": "*i64", "c_ptr": "*i64", "w_ptr": "*fp64", "keeps_ptr": "*i32",
                    "out_ptr": "*i64",
-                   "list_ptr": "*i32", "v_ptr": "*fp64", "flag_ptr": "*i8",
+                   "list_ptr": "*i32", "v_ptr": "*fp64", "flag_ptr": "*i8", "nonfinite_ptr": "*i1",
                    **dict.fromkeys(("N", "OUT_LEN", "stride_sb", "stride_lb", "stride_cb",
                                     *(f"K{m}" for m in range(8))), "i32"),
                    **dict.fromkeys(("stride_sn", "stride_ln", "stride_cn"), "constexpr")}
@@ -653,10 +653,10 @@ def _compile_for_gpu_targets() -> None:
                    "stride_sn": 1, "stride_ln": 1, "stride_cn": 1}
     staged = compile_one(st._stage_select_kernel, stage_types,
                          {**stage_shape, "NUM_MODS": 2, "LABELS": 1 | 2 << 4, "COVER": 2, "LABELLED": True,
-                          "PER_SAMPLE": True, "CMP": tl.float32, "WIDE": False}, 90, num_warps=8)
+                          "PER_SAMPLE": True, "NONFINITE": True, "WIDE": False}, 90, num_warps=8)
     compile_one(st._stage_select_kernel, {**stage_types, "s_ptr": "*fp64"},
                 {**stage_shape, "NUM_MODS": 1, "LABELS": 1, "COVER": 0, "LABELLED": False, "PER_SAMPLE": False,
-                 "CMP": tl.float64, "WIDE": True}, 90, num_warps=8)
+                 "NONFINITE": False, "WIDE": True}, 90, num_warps=8)
     assert staged.metadata.shared <= 99 * 1024
     # Compaction: four tensors of four dtypes in one launch (a stage's hidden states, cos, sin, position ids).
     slot_types = {}
