@@ -51,7 +51,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in text or not action.option_strings:
+        default = action.default
+        if default is None or default is False or default == argparse.SUPPRESS or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)"
 
@@ -76,8 +77,8 @@ def even_frames(text: str) -> int:
     except argparse.ArgumentTypeError:
         value = None
     if value is None or value % 2:
-        raise argparse.ArgumentTypeError(f"must be an even integer in [{lo}, {hi}] (Qwen2.5-Omni groups 2 frames), "
-                                         f"got {text if value is None else value}")
+        raise argparse.ArgumentTypeError(f"must be an even integer in [{lo}, {hi}], got "
+                                         f"{text if value is None else value} (Qwen2.5-Omni groups 2 frames)")
     return value
 
 

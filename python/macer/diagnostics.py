@@ -474,6 +474,7 @@ def _plot(report: DiagnosticReport, out: Path) -> list[Path]:
     axes[0].plot(layers, [c[0] for c in report.q_centroid_cosine], "o-", label="cos(q, c_a)")
     axes[0].plot(layers, [c[1] for c in report.q_centroid_cosine], "s-", label="cos(q, c_v)")
     axes[0].set_xlabel("decoder layer")
+    axes[0].set_ylabel("cosine similarity (mean over heads)")
     axes[0].set_title("question query vs modality key centroids", fontsize=9)
     axes[0].legend(fontsize=8)
     for name, marker in (("audio", "o-"), ("video", "s-")):
