@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from figure_checks import texts_outside
 from macer.cli import main
 
 TINY = ["--layers", "6", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--frames", "4", "--audio-tokens", "100",
@@ -418,21 +419,6 @@ def test_help_has_descriptions_and_defaults(capsys):
 # ------------------------------------------------------------------------------------------------------------------
 # What the user sees: the stage lines and macer_kept_tokens.png (issue 21, item 11)
 # ------------------------------------------------------------------------------------------------------------------
-
-def texts_outside(fig) -> list[str]:
-    """The texts of ``fig`` that reach past its edges (a clipped title or label)."""
-    from matplotlib.text import Text
-
-    fig.canvas.draw()
-    renderer, box = fig.canvas.get_renderer(), fig.bbox
-    outside = []
-    for text in fig.findobj(Text):
-        if text.get_visible() and text.get_text().strip():
-            ext = text.get_window_extent(renderer)
-            if ext.x0 < box.x0 - 1 or ext.x1 > box.x1 + 1 or ext.y0 < box.y0 - 1 or ext.y1 > box.y1 + 1:
-                outside.append(text.get_text())
-    return outside
-
 
 def test_a_stage_that_drops_nothing_is_not_called_pruned(capsys):
     """``--frames 2`` printed "after layer 5 (video pruned): ... video 144/144" though the budget kept every video
