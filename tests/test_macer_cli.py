@@ -219,17 +219,21 @@ def test_timings_report_spread_and_a_busy_machine(monkeypatch, capsys, load, spr
     assert f"full 1.00 / 1.01 / {spread:.2f} s, MACER 0.50 / 0.50 / 0.50 s (median x2.02)" in text
     assert "(median x2.25); ideal x2.50 (decoder FLOPs ratio 0.400, token-layer proxy 0.750)" in text
     assert expected in text, text
-    assert "timing noise" not in text  # both speedups are below the ideal
+    assert "timing noise" not in text and "above the FLOPs ideal" not in text  # both are below the ideal
 
 
 @pytest.mark.parametrize(("flops_ratio", "expected"), [
-    (0.75, "timing noise: the measured speedup x2.02 (prefill) and x2.25 (decoder) is above the ideal x1.33"),
-    (0.47, "timing noise: the measured speedup x2.25 (decoder) is above the ideal x2.13"),
+    (0.75, "timing noise: the measured speedup x2.02 (prefill) and x2.25 (decoder) is more than 25% above the ideal "
+           "x1.33, which pruning cannot give"),
+    (0.6, "timing noise: the measured speedup x2.25 (decoder) is more than 25% above the ideal x1.67"),
+    (0.47, "above the FLOPs ideal: the measured speedup x2.25 (decoder) exceeds the ideal x2.13 by less than 25%: a "
+           "shorter sequence can run faster per FLOP (caches), or it is noise"),
     (0.40, None),
 ])
 def test_a_speedup_above_the_ideal_is_called_noise(capsys, flops_ratio, expected):
     """``macer demo --repeats 1`` on a loaded machine printed x7.0 against an ideal of x1.6 without a word: a
-    speedup above the decoder-FLOPs ideal cannot come from pruning and is flagged as timing noise."""
+    speedup well above the decoder-FLOPs ideal cannot come from pruning and is flagged as timing noise; a little
+    above it is said to be cache effects or noise."""
     from types import SimpleNamespace
 
     from macer.cli import _print_times
@@ -238,9 +242,9 @@ def test_a_speedup_above_the_ideal_is_called_noise(capsys, flops_ratio, expected
     _print_times(times, SimpleNamespace(layer_tokens=[100, 100, 50, 50], overhead_s=0.01), 100, 0.1, flops_ratio)
     text = capsys.readouterr().out
     if expected is None:
-        assert "timing noise" not in text, text
+        assert "timing noise" not in text and "above the FLOPs ideal" not in text, text
     else:
-        assert expected + ", which pruning alone cannot give" in text, text
+        assert expected in text, text
 
 
 # ------------------------------------------------------------------------------------------------------------------

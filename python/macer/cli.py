@@ -92,6 +92,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     return parser, commands
 
 
+CACHE_SLACK = 1.25
+"""How far above the decoder-FLOPs ideal a measured speedup may be before the demo calls it timing noise."""
+
 BENCH_MOVED = ("macer bench: the end-to-end benchmark is no longer part of the installed package; from a clone of the "
                "repository run `python -m benchmarks.bench_e2e` (results in out/bench/; --record writes the committed "
                "benchmarks/results/)")
@@ -246,11 +249,18 @@ def _print_times(times: dict[str, list[float]], record, n: int, load_before: flo
     else:
         print(f"machine quiet: load average {load} on {cores} cores before the demo started, runs within "
               f"{100 * worst:.0f}% of each other")
-    above = [f"x{ratio:.2f} ({what})" for what, ratio in (("prefill", f_all / m_all), ("decoder", f_llm / m_llm))
-             if ratio * flops_ratio > 1]
+    # Fewer FLOPs bound the speedup; a shorter sequence can also run faster per FLOP (it fits the CPU's caches:
+    # x1.61 against an ideal of x1.38 on an idle 2-core VM, video only), so up to CACHE_SLACK above is not called noise.
+    ratios = (("prefill", f_all / m_all), ("decoder", f_llm / m_llm))
+    noise = [f"x{ratio:.2f} ({what})" for what, ratio in ratios if ratio * flops_ratio > CACHE_SLACK]
+    above = [f"x{ratio:.2f} ({what})" for what, ratio in ratios if 1 < ratio * flops_ratio <= CACHE_SLACK]
+    ideal = f"the ideal x{1 / flops_ratio:.2f}"
+    if noise:
+        print(f"timing noise: the measured speedup {' and '.join(noise)} is more than {CACHE_SLACK - 1:.0%} above "
+              f"{ideal}, which pruning cannot give; rerun on a quiet machine or with more --repeats")
     if above:
-        print(f"timing noise: the measured speedup {' and '.join(above)} is above the ideal x{1 / flops_ratio:.2f}, "
-              "which pruning alone cannot give; rerun on a quiet machine or with more --repeats")
+        print(f"above the FLOPs ideal: the measured speedup {' and '.join(above)} exceeds {ideal} by less than "
+              f"{CACHE_SLACK - 1:.0%}: a shorter sequence can run faster per FLOP (caches), or it is noise")
 
 
 class _LLMTimer:
