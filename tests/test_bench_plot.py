@@ -19,6 +19,8 @@ def test_benchmark_plot_titles_fit_the_figure(name, tmp_path):
     right edge (its third title line was clipped); it is wrapped to the column."""
     data = json.loads((Path(common.RESULTS_DIR) / f"{name}.json").read_text())
     with kept_figures() as figures:
-        output.plot(data["rows"], tmp_path / f"{name}.png", title=data["meta"]["machine"]["device"])
+        device = data["meta"]["machine"]["device"]
+        output.plot(data["rows"], tmp_path / f"{name}.png", title=device)
         assert len(figures) == 1
         assert texts_outside(figures[0]) == []
+        assert figures[0].get_suptitle() == device

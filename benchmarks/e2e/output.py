@@ -97,8 +97,8 @@ def plot(rows: list[dict], path: Path, title: str = "") -> Path:
             axes[2][col].axhline(full["peak_extra_mib"], color="grey", ls=":", label="full peak above weights")
         decode = ", ".join(f"{r['method']}@{r['keep_ratio']:g} {r[decode_key]:.1f}" for r in mine)
         # Wrapped to the column's width: one line of every policy's decode time ran past the figure's edge.
-        title = textwrap.fill(f"{decode_key}: {decode}", width=80, break_long_words=False)
-        axes[0][col].set_title(f"{label}, {clip} clip ({full['tokens']} tokens)\n{title}", fontsize=8)
+        decode_line = textwrap.fill(f"{decode_key}: {decode}", width=80, break_long_words=False)
+        axes[0][col].set_title(f"{label}, {clip} clip ({full['tokens']} tokens)\n{decode_line}", fontsize=8)
         for row_index, _, unit in panels:
             axes[row_index][col].set_ylabel(unit)
             axes[row_index][col].legend(fontsize=6)
