@@ -315,3 +315,54 @@ def test_trace_cost_of_a_real_staged_prefill():
     rc = cost.trace_cost(trace, model)
     assert rc.multimodal_tokens == last.n_audio + last.n_video and rc.prune_layer == 3
     assert rc == cost.run_cost(expected, model, last.n_audio + last.n_video)
+
+
+_UNITS = {"FLOP": 1, "kFLOP": 1e3, "MFLOP": 1e6, "GFLOP": 1e9, "TFLOP": 1e12, "PFLOP": 1e15,
+          "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def _summary_numbers(summary: str) -> dict[str, tuple[float, float]]:
+    """The FLOPs and KV-cache lines of ``RunCost.summary()`` read back as ``(MACER, full)`` in FLOP and bytes."""
+    flops = re.search(r"FLOPs (\S+) (\w+) vs (\S+) (\w+) full", summary)
+    kv = re.search(r"KV cache after prefill \(.*\): (\S+) (\w+) vs (\S+) (\w+) full", summary)
+    return {name: (float(m[1]) * _UNITS[m[2]], float(m[3]) * _UNITS[m[4]]) for name, m in (("flops", flops),
+                                                                                          ("kv", kv))}
+
+
+@pytest.mark.parametrize("shape", [cost.DecoderShape(16, 32, 2, 2, 1, 8), cost.DecoderShape(64, 128, 3, 4, 2, 16),
+                                   SHAPE_7B])
+def test_summary_prints_units_that_fit_the_model(shape):
+    """``summary()`` printed "0.000 TFLOP vs 0.000" for small models: both FLOP counts and both KV sizes are now
+    printed in one unit that fits them, to three significant digits, and read back to the exact values."""
+    tokens = [40] + [25] * (shape.num_layers - 1)
+    rc = cost.run_cost(tokens, shape, 30, kv_dtype_bytes=2)
+    numbers = _summary_numbers(rc.summary())
+    assert "0.000" not in rc.summary()
+    exact_values = (rc.flops.total, rc.full_flops.total, *rc.kv_cache_bytes())
+    for got, exact in zip(numbers["flops"] + numbers["kv"], exact_values, strict=True):
+        assert got == pytest.approx(exact, rel=5e-3), rc.summary()
+    assert 1 <= float(re.search(r"vs (\S+) \w+ full =", rc.summary())[1]) < 1000
+
+
+def test_summary_uses_the_models_kv_element_size():
+    """``summary()`` assumed 2-byte KV elements, half the real cache of a float32 model: ``trace_cost`` of a float32
+    model reports the bytes of the cache the prefill really left."""
+    from macer import compress
+    from macer.testing import build_thinker, clip_inputs, macer_config_for
+
+    model = build_thinker(num_layers=3, hidden_size=32, num_heads=2, num_kv_heads=1)
+    inputs = clip_inputs(model, frames=2, grid_hw=(8, 8), audio_tokens=40)
+    config = macer_config_for(model, keep_ratio=0.5, audio_layer=1, video_layer=2)
+    with torch.no_grad(), compress(model, config) as trace:
+        out = model(**inputs, use_cache=True)
+    real = sum(t.numel() * t.element_size() for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
+    rc = cost.trace_cost(trace, model)
+    assert rc.kv_dtype_bytes == 4 and rc.kv_cache_bytes()[0] == real
+    assert "KV cache after prefill (4-byte elements)" in rc.summary()
+    assert _summary_numbers(rc.summary())["kv"][0] == pytest.approx(real, rel=5e-3)
+    # An explicit size wins; a bare DecoderShape names its assumption.
+    assert cost.trace_cost(trace, model, kv_dtype_bytes=2).kv_cache_bytes()[0] == real // 2
+    shape = cost.run_cost(trace.layer_tokens, cost.DecoderShape.from_config(model), 40 + 16)
+    assert shape.kv_dtype_bytes is None and "2-byte elements assumed" in shape.summary()
+    with pytest.raises(ValueError, match="kv_dtype_bytes must be an integer >= 1, got 0"):
+        cost.trace_cost(trace, model, kv_dtype_bytes=0)

@@ -362,11 +362,12 @@ def test_macer_diagnose_command_writes_the_report(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--model", "/nonexistent", "--video", "v.mp4", "--question", "q"], "not a local checkpoint directory"),
+        (["--model", "/nonexistent", "--video", "v.mp4", "--question", "q"], "the local path does not exist"),
         (["--model", "/tmp"], "--model, --video and --question go together"),
-        (["--frames", "0"], "needs --frames even >= 2"),
-        (["--layers", "4", "--audio-layer", "4"], "audio_layer must be in"),
-        (["--keep-ratio", "0"], r"--keep-ratio must be in \(0, 1\]"),
+        (["--frames", "0"], r"--frames 0: macer diagnose compares audio with video, so the clip needs both"),
+        (["--layers", "4", "--audio-layer", "4"], r"--audio-layer 4 and --video-layer \(default 5, the paper's 7B "
+                                                  r"layer\) must be in \[1, 3\] for --layers 4"),
+        (["--keep-ratio", "0"], r"argument --keep-ratio: must be a number in \(0, 1\], got 0"),
     ],
 )
 def test_macer_diagnose_argument_errors(args, message, capsys):
@@ -384,3 +385,23 @@ def test_inside_compress_is_refused():
     config = macer_config_for(model, keep_ratio=0.5, audio_layer=1, video_layer=2)
     with macer.compress(model, config), pytest.raises(RuntimeError, match=r"call diagnose outside macer\.compress"):
         diagnose(model, inputs, config, policies={})
+
+
+def test_diagnostics_png_labels_every_axis(tmp_path):
+    """The left panel of diagnostics.png (the centroid cosines) had no y label; every panel now names its y axis and
+    no text of either figure reaches past its edges."""
+    from figure_checks import kept_figures, texts_outside
+    from macer.diagnostics import DiagnosticReport
+
+    sweep = {"chosen_layer": 1, "budget": 2, "kept": [3, 4], "overlap": [1.0, 0.5]}
+    report = DiagnosticReport(
+        num_layers=2, prompt_length=20, n_audio=6, n_video=8, query_positions=[16, 17], mass=[(0.2, 0.3)] * 2,
+        log_mass_ratio=[0.1, -0.2], q_centroid_cosine=[(0.1, 0.2), (0.3, -0.1)],
+        readout_sweep={"audio": sweep, "video": sweep}, temporal_gini={"full": {"audio": 0.0, "video": 0.1}},
+        policy_log_mass_ratio={"full": [0.1, -0.2]})
+    with kept_figures() as figures:
+        report.save(tmp_path)
+        assert len(figures) == 2
+        for fig in figures:
+            assert all(ax.get_ylabel() for ax in fig.axes), [ax.get_title() for ax in fig.axes if not ax.get_ylabel()]
+            assert texts_outside(fig) == []

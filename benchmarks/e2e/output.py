@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,9 @@ def plot(rows: list[dict], path: Path, title: str = "") -> Path:
         if full["peak_extra_mib"] is not None:
             axes[2][col].axhline(full["peak_extra_mib"], color="grey", ls=":", label="full peak above weights")
         decode = ", ".join(f"{r['method']}@{r['keep_ratio']:g} {r[decode_key]:.1f}" for r in mine)
-        axes[0][col].set_title(f"{label}, {clip} clip ({full['tokens']} tokens)\n{decode_key}: {decode}", fontsize=8)
+        # Wrapped to the column's width: one line of every policy's decode time ran past the figure's edge.
+        decode_line = textwrap.fill(f"{decode_key}: {decode}", width=80, break_long_words=False)
+        axes[0][col].set_title(f"{label}, {clip} clip ({full['tokens']} tokens)\n{decode_line}", fontsize=8)
         for row_index, _, unit in panels:
             axes[row_index][col].set_ylabel(unit)
             axes[row_index][col].legend(fontsize=6)

@@ -25,6 +25,8 @@ from fractions import Fraction
 from itertools import pairwise
 from typing import Any
 
+import torch
+
 from macer._checks import check_count, check_real
 from macer_kernels import decimal_fraction
 
@@ -385,33 +387,70 @@ class RunCost:
     attention_share: float
     """eta of the full prefill of this prompt."""
     shape: DecoderShape
+    kv_dtype_bytes: int | None = None
+    """Bytes per element of the KV cache (the model's dtype: 4 for float32, 2 for bfloat16); None when the model or
+    config did not say, and 2 (bfloat16, the paper's) is assumed."""
 
     @property
     def flops_ratio(self) -> float:
         return self.flops.total / self.full_flops.total
 
-    def kv_cache_bytes(self, dtype_bytes: int = 2) -> tuple[int, int]:
-        """``(MACER, full)`` KV-cache bytes right after prefill."""
-        return (kv_cache_bytes(self.layer_tokens, self.shape, dtype_bytes),
-                kv_cache_bytes([self.full_tokens] * self.shape.num_layers, self.shape, dtype_bytes))
+    def kv_cache_bytes(self, dtype_bytes: int | None = None) -> tuple[int, int]:
+        """``(MACER, full)`` KV-cache bytes right after prefill, at ``dtype_bytes`` per element (default: the run's
+        ``kv_dtype_bytes``, else 2)."""
+        size = dtype_bytes or self.kv_dtype_bytes or 2
+        return (kv_cache_bytes(self.layer_tokens, self.shape, size),
+                kv_cache_bytes([self.full_tokens] * self.shape.num_layers, self.shape, size))
 
     def summary(self) -> str:
-        """A few lines a user can print after a run."""
+        """A few lines a user can print after a run, in units that fit the model's size."""
         macer_kv, full_kv = self.kv_cache_bytes()
+        dtype = (f"{self.kv_dtype_bytes}-byte elements" if self.kv_dtype_bytes else
+                 "2-byte elements assumed: the model's dtype is unknown, pass kv_dtype_bytes")
         return "\n".join([
             f"tokens per layer: {list(self.layer_tokens)} (full: {self.full_tokens})",
             f"multimodal tokens kept: {self.kept_multimodal} / {self.multimodal_tokens} in the last "
             f"{self.shape.num_layers - self.prune_layer} of {self.shape.num_layers} layers",
             f"token-layer ratio {self.token_layer_ratio:.1%} (multimodal only {self.multimodal_token_layer_ratio:.1%},"
             f" paper proxy {self.paper_proxy:.1%})",
-            f"decoder prefill FLOPs {self.flops.total / 1e12:.3f} TFLOP vs {self.full_flops.total / 1e12:.3f} "
-            f"full = {self.flops_ratio:.1%} (attention share of full eta = {self.attention_share:.3f})",
-            f"KV cache after prefill (2-byte dtype): {macer_kv / 2**20:.1f} MiB vs {full_kv / 2**20:.1f} MiB full",
+            f"decoder prefill FLOPs {_scaled(self.flops.total, self.full_flops.total, 1000, _FLOP_UNITS)} vs "
+            f"{_scaled(self.full_flops.total, self.full_flops.total, 1000, _FLOP_UNITS)} full = {self.flops_ratio:.1%} "
+            f"(attention share of full eta = {self.attention_share:.3f})",
+            f"KV cache after prefill ({dtype}): {_scaled(macer_kv, full_kv, 1024, _BYTE_UNITS)} vs "
+            f"{_scaled(full_kv, full_kv, 1024, _BYTE_UNITS)} full",
         ])
 
 
+_FLOP_UNITS = ("FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP")
+_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def _scaled(value: float, reference: float, step: int, units: Sequence[str]) -> str:
+    """``value`` in the largest unit in which ``reference`` is at least 1 (both numbers of a comparison in one unit),
+    to 3 significant digits."""
+    power = 0
+    while power + 1 < len(units) and abs(reference) >= step ** (power + 1):
+        power += 1
+    return f"{value / step**power:.3g} {units[power]}"
+
+
+def _kv_element_size(model_or_config: Any) -> int | None:
+    """Bytes per element of the KV cache a model writes: its first floating parameter's (the k/v projections compute
+    in the weights' dtype); for a config, its ``dtype`` (or the thinker's or text config's); None if neither says."""
+    if isinstance(model_or_config, torch.nn.Module):
+        return next((p.element_size() for p in model_or_config.parameters() if p.is_floating_point()), None)
+    top = model_or_config
+    for config in (top, getattr(top, "thinker_config", None), getattr(top, "text_config", None)):
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        if isinstance(dtype, torch.dtype):
+            return dtype.itemsize
+    return None
+
+
 def run_cost(layer_tokens: Sequence[int], model_or_config: Any, multimodal_tokens: int,
-             prompt_length: int | None = None) -> RunCost:
+             prompt_length: int | None = None, kv_dtype_bytes: int | None = None) -> RunCost:
     """Exact cost of a prefill whose layer ``i`` saw ``layer_tokens[i]`` tokens, against the full prefill.
 
     Args:
@@ -420,9 +459,15 @@ def run_cost(layer_tokens: Sequence[int], model_or_config: Any, multimodal_token
         multimodal_tokens: n_a + n_v of the prompt, in ``[N - layer_tokens[-1], N]``.
         prompt_length: N; default ``layer_tokens[0]`` (right for MACER and FastV, which never prune before layer 1
             has run; a policy that prunes before the decoder, ``RandomConfig``, must pass it).
+        kv_dtype_bytes: bytes per KV-cache element; default the model's dtype (its parameters', or a config's
+            ``dtype``), unknown for a ``DecoderShape`` (then 2 is assumed and ``summary`` says so).
     """
     shape = model_or_config if isinstance(model_or_config, DecoderShape) else DecoderShape.from_config(model_or_config)
     tokens = _layer_tokens(layer_tokens, shape)
+    if kv_dtype_bytes is None:
+        kv_dtype_bytes = None if isinstance(model_or_config, DecoderShape) else _kv_element_size(model_or_config)
+    elif check_count("kv_dtype_bytes", kv_dtype_bytes) < 1:
+        raise ValueError(f"kv_dtype_bytes must be an integer >= 1, got {kv_dtype_bytes}")
     if any(b > a for a, b in pairwise(tokens)):
         raise ValueError(f"layer_tokens must be non-increasing (tokens are only ever dropped), got {tokens}")
     n = tokens[0] if prompt_length is None else check_count("prompt_length", prompt_length)
@@ -447,12 +492,14 @@ def run_cost(layer_tokens: Sequence[int], model_or_config: Any, multimodal_token
         layer_tokens=tuple(tokens), full_tokens=n, multimodal_tokens=n_mm, kept_multimodal=n_mm - dropped,
         prune_layer=prune_layer, token_layer_ratio=token_layers / (n * num_layers) if n else 1.0,
         multimodal_token_layer_ratio=mm_ratio, paper_proxy=proxy, flops=decoder_flops(tokens, shape),
-        full_flops=full, attention_share=full.attention / full.total if full.total else 0.0, shape=shape)
+        full_flops=full, attention_share=full.attention / full.total if full.total else 0.0, shape=shape,
+        kv_dtype_bytes=kv_dtype_bytes)
 
 
-def trace_cost(trace: Any, model_or_config: Any) -> RunCost:
+def trace_cost(trace: Any, model_or_config: Any, kv_dtype_bytes: int | None = None) -> RunCost:
     """``run_cost`` of the last prefill recorded by ``macer.compress``: reads ``trace.layer_tokens`` and
-    ``trace.budget`` (the multimodal count is ``N - layer_tokens[-1] + budget.total``).
+    ``trace.budget`` (the multimodal count is ``N - layer_tokens[-1] + budget.total``); the KV element size is the
+    model's dtype's unless ``kv_dtype_bytes`` is given.
 
     Example::
 
@@ -468,5 +515,5 @@ def trace_cost(trace: Any, model_or_config: Any) -> RunCost:
     tokens = list(layer_tokens)
     last = getattr(trace, "last", None)
     if last is not None:  # the record knows the prompt (also for a policy that prunes before layer 1)
-        return run_cost(tokens, model_or_config, last.n_audio + last.n_video, last.prompt_length)
-    return run_cost(tokens, model_or_config, tokens[0] - tokens[-1] + int(budget.total))
+        return run_cost(tokens, model_or_config, last.n_audio + last.n_video, last.prompt_length, kv_dtype_bytes)
+    return run_cost(tokens, model_or_config, tokens[0] - tokens[-1] + int(budget.total), None, kv_dtype_bytes)

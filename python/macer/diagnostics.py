@@ -474,6 +474,7 @@ def _plot(report: DiagnosticReport, out: Path) -> list[Path]:
     axes[0].plot(layers, [c[0] for c in report.q_centroid_cosine], "o-", label="cos(q, c_a)")
     axes[0].plot(layers, [c[1] for c in report.q_centroid_cosine], "s-", label="cos(q, c_v)")
     axes[0].set_xlabel("decoder layer")
+    axes[0].set_ylabel("cosine similarity (mean over heads)")
     axes[0].set_title("question query vs modality key centroids", fontsize=9)
     axes[0].legend(fontsize=8)
     for name, marker in (("audio", "o-"), ("video", "s-")):
@@ -506,59 +507,24 @@ def _plot(report: DiagnosticReport, out: Path) -> list[Path]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``macer diagnose``: the diagnostics of one prompt as JSON + PNG figures, on a random thinker built in code (a
-    synthetic clip at the paper's token counts) or a local Qwen2.5-Omni checkpoint with a video and a question."""
-    import argparse
+def command(args: Any, checkpoint: bool) -> int:
+    """``macer diagnose`` with its arguments parsed and checked (``macer.cli``): the diagnostics of one prompt as
+    JSON + PNG figures, on a random thinker built in code (a synthetic clip) or, with ``checkpoint``, a local
+    Qwen2.5-Omni checkpoint with a video and a question."""
+    from macer import _cli_args as flags
 
-    parser = argparse.ArgumentParser(prog="macer diagnose", description=main.__doc__.split(":", 1)[0])
-    parser.add_argument("--keep-ratio", type=float, default=0.25, help="rho of the policies and the sweep's budget")
-    parser.add_argument("--audio-layer", type=int, default=None, help="l_a (default: the paper's value, 3 for 7B)")
-    parser.add_argument("--video-layer", type=int, default=None, help="l_v (default: the paper's value, 5 for 7B)")
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the random model")
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the random model")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads of the random model")
-    parser.add_argument("--kv-heads", type=int, default=2, help="KV heads of the random model")
-    parser.add_argument("--frames", type=int, default=12, help="video frames of the synthetic clip (even, >= 2)")
-    parser.add_argument("--audio-tokens", type=int, default=1460, help="audio tokens of the synthetic clip (>= 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random model and clip")
-    parser.add_argument("--model", help="path of a local Qwen2.5-Omni (thinker) checkpoint directory")
-    parser.add_argument("--video", help="video file for --model (its audio track is used)")
-    parser.add_argument("--question", help="question about the video for --model")
-    parser.add_argument("--fps", type=float, default=2.0, help="video sampling fps for --model")
-    parser.add_argument("--out", default="out/diagnose", help="folder of diagnostics.json and the PNG figures")
-    parser.add_argument("--no-plot", action="store_true", help="write the JSON only")
-    args = parser.parse_args(argv)
-    if not 0 < args.keep_ratio <= 1:
-        parser.error(f"--keep-ratio must be in (0, 1], got {args.keep_ratio}")
-    layers = {k: v for k, v in (("audio_layer", args.audio_layer), ("video_layer", args.video_layer)) if v}
-    if args.model or args.video or args.question:
-        if not (args.model and args.video and args.question):
-            parser.error("--model, --video and --question go together")
-        if not Path(args.model).is_dir():
-            parser.error(f"--model {args.model}: not a local checkpoint directory (nothing is downloaded)")
-        if not Path(args.video).is_file():
-            parser.error(f"--video {args.video}: no such file")
+    if checkpoint:
+        layers = {k: v for k, v in (("audio_layer", args.audio_layer), ("video_layer", args.video_layer))
+                  if v is not None}
         model, inputs, config = _checkpoint_case(args, layers)
     else:
-        if args.frames < 2 or args.frames % 2 or args.audio_tokens < 1:
-            parser.error("the synthetic clip needs --frames even >= 2 and --audio-tokens >= 1 (both modalities)")
-        if args.layers < 2 or args.hidden % args.heads or args.heads % args.kv_heads or (args.hidden // args.heads) % 2:
-            parser.error("--layers must be >= 2, --heads must divide --hidden into an even head size and "
-                         "--kv-heads must divide --heads")
         from macer.testing import build_thinker, clip_inputs, macer_config_for
 
         torch.manual_seed(args.seed)
         model = build_thinker(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                               num_kv_heads=args.kv_heads, intermediate_size=3 * args.hidden)
         inputs = clip_inputs(model, frames=args.frames, audio_tokens=args.audio_tokens, seed=args.seed)
-        layers.setdefault("audio_layer", min(3, args.layers - 1))
-        layers.setdefault("video_layer", min(5, args.layers - 1))
-        try:
-            config = macer_config_for(model, keep_ratio=args.keep_ratio, **layers)
-            config.check_depth(args.layers)
-        except ValueError as exc:
-            parser.error(str(exc))
+        config = macer_config_for(model, keep_ratio=args.keep_ratio, **flags.readout_layers(args))
     report = diagnose(model, inputs, config)
     print(f"prompt {report.prompt_length} tokens: {report.n_audio} audio, {report.n_video} video; question rows "
           f"{report.query_positions}; {config}")
