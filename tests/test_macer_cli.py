@@ -226,8 +226,9 @@ def test_timings_report_spread_and_a_busy_machine(monkeypatch, capsys, load, spr
     (0.75, "timing noise: the measured speedup x2.02 (prefill) and x2.25 (decoder) is more than 25% above the ideal "
            "x1.33, which pruning cannot give"),
     (0.6, "timing noise: the measured speedup x2.25 (decoder) is more than 25% above the ideal x1.67"),
-    (0.47, "above the FLOPs ideal: the measured speedup x2.25 (decoder) exceeds the ideal x2.13 by less than 25%: a "
+    (0.47, "above the FLOPs ideal: the measured speedup x2.25 (decoder) exceeds the ideal x2.13 by 5% to 25%: a "
            "shorter sequence can run faster per FLOP (caches), or it is noise"),
+    (0.45, None),  # x2.25 against x2.22: within 5 %, the ideal as far as timed runs tell (printed x1.81 vs x1.81)
     (0.40, None),
 ])
 def test_a_speedup_above_the_ideal_is_called_noise(capsys, flops_ratio, expected):

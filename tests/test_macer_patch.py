@@ -380,3 +380,9 @@ def test_cache_is_read_under_either_argument_name():
     assert cache_argument({"cache": new, "past_key_values": old}) is new
     assert cache_argument({"cache": None, "past_key_values": old}) is old
     assert cache_argument({}) is None
+    from types import SimpleNamespace
+
+    from macer.runtime import output_cache
+
+    assert output_cache(SimpleNamespace(cache=new, past_key_values=None)) is new
+    assert output_cache(SimpleNamespace(past_key_values=old)) is old

@@ -535,7 +535,6 @@ def _compile_for_gpu_targets() -> None:
     sm_89, whose shared memory is smallest) with Triton's bundled ptxas. Runs in a subprocess without the
     interpreter; needs no GPU. Prints one line per kernel and fails on the first error."""
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

@@ -94,6 +94,8 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
 
 CACHE_SLACK = 1.25
 """How far above the decoder-FLOPs ideal a measured speedup may be before the demo calls it timing noise."""
+ROUNDING_SLACK = 1.05
+"""A measured speedup within 5 % of the ideal is the ideal, as far as a few timed runs can tell: nothing is said."""
 
 BENCH_MOVED = ("macer bench: the end-to-end benchmark is no longer part of the installed package; from a clone of the "
                "repository run `python -m benchmarks.bench_e2e` (results in out/bench/; --record writes the committed "
@@ -133,6 +135,7 @@ def _demo_random(args: argparse.Namespace) -> int:
     import macer
     from macer.adapters import get_adapter
     from macer.cost import run_cost
+    from macer.runtime import output_cache
     from macer.testing import build_thinker, clip_inputs, macer_config_for
 
     load_before = _load_average()  # before this process adds its own load
@@ -189,7 +192,7 @@ def _demo_random(args: argparse.Namespace) -> int:
         print(f"budget (split_budget): K_mm={budget.total}  K_a={budget.audio}  K_v={budget.video}")
         _print_stages(record)
         print(f"tokens per layer (1..{len(record.layer_tokens)}): {record.layer_tokens}")
-        _print_caches(full.past_key_values, pruned.past_key_values)
+        _print_caches(output_cache(full), output_cache(pruned))
         flops_ratio = run_cost(record.layer_tokens, model, record.n_audio + record.n_video, n).flops_ratio
         _print_times(times, record, n, load_before, flops_ratio)
 
@@ -253,14 +256,16 @@ def _print_times(times: dict[str, list[float]], record, n: int, load_before: flo
     # x1.61 against an ideal of x1.38 on an idle 2-core VM, video only), so up to CACHE_SLACK above is not called noise.
     ratios = (("prefill", f_all / m_all), ("decoder", f_llm / m_llm))
     noise = [f"x{ratio:.2f} ({what})" for what, ratio in ratios if ratio * flops_ratio > CACHE_SLACK]
-    above = [f"x{ratio:.2f} ({what})" for what, ratio in ratios if 1 < ratio * flops_ratio <= CACHE_SLACK]
+    above = [f"x{ratio:.2f} ({what})" for what, ratio in ratios
+             if ROUNDING_SLACK < ratio * flops_ratio <= CACHE_SLACK]
     ideal = f"the ideal x{1 / flops_ratio:.2f}"
     if noise:
         print(f"timing noise: the measured speedup {' and '.join(noise)} is more than {CACHE_SLACK - 1:.0%} above "
               f"{ideal}, which pruning cannot give; rerun on a quiet machine or with more --repeats")
     if above:
-        print(f"above the FLOPs ideal: the measured speedup {' and '.join(above)} exceeds {ideal} by less than "
-              f"{CACHE_SLACK - 1:.0%}: a shorter sequence can run faster per FLOP (caches), or it is noise")
+        print(f"above the FLOPs ideal: the measured speedup {' and '.join(above)} exceeds {ideal} by "
+              f"{ROUNDING_SLACK - 1:.0%} to {CACHE_SLACK - 1:.0%}: a shorter sequence can run faster per FLOP "
+              "(caches), or it is noise")
 
 
 class _LLMTimer:

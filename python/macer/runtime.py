@@ -166,6 +166,12 @@ def cache_argument(kwargs: dict[str, Any]) -> Any:
     return kwargs.get("past_key_values") if cache is None else cache
 
 
+def output_cache(output: Any) -> Any:
+    """The KV cache a model output carries: ``output.cache`` (transformers >= 5.24) or ``output.past_key_values``."""
+    cache = getattr(output, "cache", None)
+    return getattr(output, "past_key_values", None) if cache is None else cache
+
+
 class _Session:
     """One ``compress`` context: the hooks that live for the whole context, the prefill bracket, and the rows each
     cached layer holds (for decoding)."""
@@ -344,8 +350,7 @@ class _Session:
         self.step = None
         if state is None:
             return None
-        cache = getattr(output, "cache", None)
-        cache = getattr(output, "past_key_values", None) if cache is None else cache
+        cache = output_cache(output)
         cache = cache_argument(kwargs) if cache is None else cache
         start = self.clock.tick()
         raise_if_nonfinite(state.nonfinite_flags())
