@@ -46,6 +46,21 @@ def _culprit() -> str | None:
     return None
 
 
+def model_layer_caller(skip: str) -> str | None:
+    """``module:line`` of the first frame outside torch and module ``skip`` (the calling test's ``__name__``) that
+    called the patched read which calls this, if it belongs to the model layer (``macer``, not ``macer_kernels``).
+    Used by the tests that count the model layer's host reads instead of refusing them (test_macer_sync, the vLLM
+    conformance test)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("torch") or name == skip:
+            frame = frame.f_back
+            continue
+        return f"{name}:{frame.f_lineno}" if name == "macer" or name.startswith("macer.") else None
+    return None
+
+
 def _is_cpu(device) -> bool:
     return isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu"
 

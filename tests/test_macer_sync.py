@@ -15,7 +15,6 @@ sync-free and tests them there. The one read the prefill's end makes on purpose,
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import macer
 import pytest
@@ -24,25 +23,12 @@ from macer import _prefill as prefill_module
 from macer import runtime
 from macer.adapters.qwen3_omni import Qwen3OmniAdapter
 from macer.testing import build_thinker, clip_inputs, macer_config_for
+from sync_guard import model_layer_caller
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CLIP = {"frames": 4, "grid_hw": (8, 8), "audio_tokens": 60, "seed": 1}
 _METHODS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 _FUNCTIONS = ("nonzero", "equal", "allclose")
-
-
-def _caller_is_model_layer() -> str | None:
-    """The first frame outside torch and this file: ``file:line`` if it belongs to ``macer`` (not macer_kernels)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if name.startswith("torch") or name == __name__:
-            frame = frame.f_back
-            continue
-        if name == "macer" or name.startswith("macer."):
-            return f"{name}:{frame.f_lineno}"
-        return None
-    return None
 
 
 class SyncLog(list):
@@ -62,7 +48,7 @@ def count_syncs(monkeypatch):
     def spy(name, original):
         def wrapped(*args, **kwargs):
             if window[0]:
-                where = _caller_is_model_layer()
+                where = model_layer_caller(__name__)
                 if where is not None:
                     found.append((name, where))
             return original(*args, **kwargs)
@@ -78,7 +64,7 @@ def count_syncs(monkeypatch):
     def to(self, *args, **kwargs):
         target = kwargs.get("device", args[0] if args else None)
         if window[0] and str(target) == "cpu":
-            where = _caller_is_model_layer()
+            where = model_layer_caller(__name__)
             if where is not None:
                 found.append(("Tensor.to(cpu)", where))
         return original_to(self, *args, **kwargs)
@@ -95,7 +81,7 @@ def count_syncs(monkeypatch):
                 reads = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
                 name += "(bool)"
             if reads:
-                where = _caller_is_model_layer()
+                where = model_layer_caller(__name__)
                 if where is not None:
                     found.append((f"aten.{name}", where))
             return func(*args, **(kwargs or {}))

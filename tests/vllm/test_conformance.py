@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ import vllm  # noqa: E402
 from macer.vllm import records  # noqa: E402
 from macer.vllm.settings import policy_from_settings  # noqa: E402
 from macer.vllm.testing import ARCHITECTURE, MACER_SETTINGS, clip_prompt, label_ids, write_checkpoint  # noqa: E402
+from sync_guard import model_layer_caller  # noqa: E402
 
 STEPS = 16
 LAYERS = {"audio_layer": 2, "video_layer": 4}  # of 6: stages at two depths, each followed by compacted layers
@@ -265,18 +265,6 @@ def test_mrope_positions_are_gathered_and_read_by_their_temporal_row(engine, pro
 _READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 
 
-def _model_layer_caller() -> str | None:
-    """``module:line`` of the first frame outside torch and this file, if it is the model layer (``macer.*``)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if name.startswith("torch") or name == __name__:
-            frame = frame.f_back
-            continue
-        return f"{name}:{frame.f_lineno}" if name == "macer" or name.startswith("macer.") else None
-    return None
-
-
 def test_no_host_reads_in_stages_or_decode_steps(engine, prompt, checkpoint, monkeypatch):
     """Guards the hot-path rule inside the engine: the staged layers of a prefill (readouts, selections, compaction,
     rebuilt metadata) and every decode step read no tensor back on the host from macer's code (a GPU synchronisation
@@ -290,7 +278,7 @@ def test_no_host_reads_in_stages_or_decode_steps(engine, prompt, checkpoint, mon
     def spy(name, original):
         def wrapped(*args, **kwargs):
             if window[0]:
-                where = _model_layer_caller()
+                where = model_layer_caller(__name__)
                 if where is not None:
                     found.append(f"{name} at {where}")
             return original(*args, **kwargs)
