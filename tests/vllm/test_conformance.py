@@ -302,3 +302,49 @@ def test_no_host_reads_in_stages_or_decode_steps(engine, prompt, checkpoint, mon
     _engine_run(engine, prompt)
     assert model.macer.state.prefill.plan.layer_tokens[-1] < len(prompt)
     assert found == []
+
+
+def test_a_prompt_the_plan_refuses_is_served_unpruned_and_the_engine_goes_on(engine, hf_model, prompt, checkpoint):
+    """A prompt whose question rows cannot be found after the media (here its closing end-of-turn token is missing)
+    raised inside the forward and stopped the whole engine. It is now served without pruning, exactly as vLLM's own
+    model would (the tokens of transformers without compress), with a WARNING record saying why; the next prompt is
+    pruned as usual."""
+    _, model, _ = engine
+    model.macer.use_policy(_policy("macer", 0.25, checkpoint))
+    broken = list(prompt)
+    broken[len(broken) - 5] = 17  # the <|im_end|> after the question becomes a text token
+    records.clear()
+    served = _engine_run(engine, broken)
+    note = records.last().note
+    assert note is not None and note.startswith("served without pruning: macer.compress: the question rows"), note
+    assert records.last().layer_tokens == (len(broken),) * len(model.macer.layers) and records.last().budget is None
+    with torch.no_grad():
+        want = hf_model.generate(torch.tensor([broken]), max_new_tokens=STEPS, do_sample=False)
+    assert served["tokens"] == want[0, len(broken):].tolist()
+    _engine_run(engine, prompt)
+    assert records.last().note is None and records.last().layer_tokens[-1] < len(prompt)
+
+
+def test_nonfinite_scores_are_recorded_as_a_warning_and_the_engine_goes_on(engine, prompt, checkpoint):
+    """The transformers runtime raises on a stage's non-finite scores; inside the engine that would stop every
+    request, so the request goes on and its record (a WARNING line) names the readout layer and the cause. NaN in
+    the first layer's output (as from broken weights; the CPU backend holds its weights packed, out of reach) makes
+    the second layer's queries and keys NaN, so the audio stage (reading layer 2) flags."""
+    _, model, _ = engine
+    model.macer.use_policy(_policy("macer", 0.25, checkpoint))
+
+    def poison(module, args, output):
+        hidden, residual = output
+        return hidden + float("nan"), residual
+
+    handle = model.macer.layers[0].register_forward_hook(poison)
+    try:
+        records.clear()
+        _engine_run(engine, prompt)
+    finally:
+        handle.remove()
+    note = records.last().note
+    assert note is not None and note.startswith("the attention scores of the stage reading layer 2 are not finite"), \
+        note
+    after = _engine_run(engine, prompt)  # the engine still serves (what the next request computes: docs/serving.md)
+    assert len(after["tokens"]) == STEPS and records.last().index == 2

@@ -179,7 +179,13 @@ class StagedDecoder:
         ids, temporal = _to_host(input_ids[:n], temporal_row(positions)[:n])  # the prefill's one device read
         facts = PromptFacts(labels=self.prompt.labels(ids).long(), temporal=temporal, input_ids=ids,
                             end_of_turn_token_id=self.end_of_turn, num_layers=len(self.layers))
-        plan = plan_prefill(self.policy, facts)
+        try:
+            plan = plan_prefill(self.policy, facts)
+        except ValueError as refusal:
+            # The prompt does not fit the policy (e.g. no end-of-turn token, question rows not after the media). An
+            # error here would stop the engine, not just this request: serve it unpruned, said in a WARNING record.
+            self._record_unpruned(facts, f"served without pruning: {refusal}")
+            return self._layers(hidden, positions)
         prefill = _Prefill(plan, hidden.device, None)
         slots = torch.empty(self.vllm_config.model_config.max_model_len, dtype=first.slot_mapping.dtype,
                             device=first.slot_mapping.device)
@@ -308,13 +314,42 @@ class StagedDecoder:
         from macer.vllm import records
 
         plan = state.prefill.plan
-        facts = plan.facts
-        prompt = {"audio": facts.count(AUDIO), "video": facts.count(VISUAL)}
-        prompt["text"] = facts.length - prompt["audio"] - prompt["video"]
         # The V1 runner does not tell the model which request a step serves: request_id stays None (one request
         # at a time, so records come in the order the prefills ran).
         records.record(None, plan.budget, kept_counts(state.prefill), list(plan.layer_tokens),
-                       policy=self.policy.name, prompt_counts=prompt)
+                       policy=self.policy.name, prompt_counts=prompt_counts(plan.facts),
+                       note=nonfinite_note(state.prefill))
+
+    def _record_unpruned(self, facts: PromptFacts, note: str) -> None:
+        from macer.vllm import records
+
+        counts = prompt_counts(facts)
+        records.record(None, None, {"audio": counts["audio"], "video": counts["video"]},
+                       [facts.length] * len(self.layers), policy=self.policy.name, prompt_counts=counts, note=note)
+
+
+def prompt_counts(facts: PromptFacts) -> dict[str, int]:
+    """``{"audio": n_a, "video": n_v, "text": n_t}`` of a prompt."""
+    counts = {"audio": facts.count(AUDIO), "video": facts.count(VISUAL)}
+    counts["text"] = facts.length - counts["audio"] - counts["video"]
+    return counts
+
+
+def nonfinite_note(prefill: _Prefill) -> str | None:
+    """The record's note when a stage ranked non-finite scores (``run_stage``'s device flags, read in one copy after
+    the prefill's last layer, as the transformers runtime reads them). The transformers runtime raises there; inside
+    the engine an error would stop every request, so the request goes on and its record is a WARNING that names the
+    layer: its selection is the non-finite rule's (NaN ranks last), not a ranking by attention."""
+    entries = prefill.nonfinite_flags()
+    if not entries:
+        return None
+    flags = torch.cat([flag.reshape(-1) for _, _, flag in entries]).tolist()
+    layers = [layer for (layer, _, _), bad in zip(entries, flags, strict=True) if bad]
+    if not layers:
+        return None
+    return (f"the attention scores of the stage reading layer {layers[0]} are not finite (NaN or inf in that layer's "
+            "queries or keys: its weights or the hidden states entering it); the stage kept tokens by the non-finite "
+            "rule, not by attention, and the outputs are likely NaN too")
 
 
 def kept_counts(prefill: _Prefill) -> dict[str, int]:

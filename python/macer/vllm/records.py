@@ -42,6 +42,8 @@ class RequestRecord:
         prompt: ``{"audio": n_a, "video": n_v, "text": n_t}`` token counts of the prompt.
         kept: ``{"audio": k_a, "video": k_v}`` tokens kept after the last stage.
         layer_tokens: sequence length entering each decoder layer (length = decoder depth).
+        note: what went wrong for this request, if anything (a prompt the plan refused, served unpruned; non-finite
+            attention scores at a stage); the log line is then a WARNING.
     """
 
     index: int
@@ -51,6 +53,7 @@ class RequestRecord:
     prompt: Mapping[str, int]
     kept: Mapping[str, int]
     layer_tokens: tuple[int, ...]
+    note: str | None = None
 
     def line(self) -> str:
         """The INFO log line of this record."""
@@ -59,7 +62,7 @@ class RequestRecord:
         kept = " ".join(f"{m} {self.kept.get(m, 0)}/{self.prompt.get(m, 0)}" for m in ("audio", "video"))
         request = f" request {self.request_id}" if self.request_id is not None else ""
         return (f"macer: prefill {self.index}{request} policy={self.policy} budget={budget} kept {kept} "
-                f"layers {format_layers(self.layer_tokens)}")
+                f"layers {format_layers(self.layer_tokens)}" + (f" NOTE: {self.note}" if self.note else ""))
 
 
 RECORDS: deque[RequestRecord] = deque(maxlen=MAX_RECORDS)
@@ -75,9 +78,9 @@ def format_layers(layer_tokens: Sequence[int]) -> str:
 
 
 def record(request_id: str | None, budget: Budget | None, kept_counts: Mapping[str, int],
-           layer_tokens: Sequence[int], *, policy: str = "", prompt_counts: Mapping[str, int] | None = None
-           ) -> RequestRecord:
-    """Store and log (INFO) one request's record; returns it.
+           layer_tokens: Sequence[int], *, policy: str = "", prompt_counts: Mapping[str, int] | None = None,
+           note: str | None = None) -> RequestRecord:
+    """Store and log (INFO; WARNING with a ``note``) one request's record; returns it.
 
     Args:
         request_id: vLLM's request id, or None.
@@ -86,12 +89,14 @@ def record(request_id: str | None, budget: Budget | None, kept_counts: Mapping[s
         layer_tokens: the plan's sequence length entering each decoder layer.
         policy: the policy's name.
         prompt_counts: ``{"audio": n_a, "video": n_v, "text": n_t}`` of the prompt.
+        note: what went wrong for this request (``RequestRecord.note``).
     """
     _COUNT[0] += 1
     entry = RequestRecord(_COUNT[0], request_id, policy, budget, dict(prompt_counts or {}),
-                          {k: int(v) for k, v in kept_counts.items()}, tuple(int(n) for n in layer_tokens))
+                          {k: int(v) for k, v in kept_counts.items()}, tuple(int(n) for n in layer_tokens),
+                          note)
     RECORDS.append(entry)
-    logger.info("%s", entry.line())
+    logger.log(logging.WARNING if note else logging.INFO, "%s", entry.line())
     return entry
 
 
