@@ -348,3 +348,26 @@ def test_hybrid_mamba_decoder_is_refused():
     with pytest.raises(ValueError, match=r"cannot find a decoder in NemotronHForCausalLM"), \
             macer.compress(model, _config(), adapter=adapter):
         pass
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_decode_step_of_several_tokens_equals_one_token_steps(attn):
+    """A step of several tokens on a pruned prompt's cache (a second chat turn, assisted generation): SDPA then
+    builds a 4-D mask over layer 0's rows, which the compacted layers did not get cut to their own rows (a size
+    mismatch error, found in review). Its logits equal the same tokens fed one step at a time (on a second prefill
+    of the same prompt: the session knows each cache it pruned, not a copy of one)."""
+    model = build_decoder("qwen2", attn=attn)
+    embeds, labels, times, question_end = media_prompt(model, seed=2)
+    n = embeds.shape[1]
+    adapter = macer.LabelledAdapter(labels, temporal_positions=times, question_end=question_end)
+    new = torch.tensor([[20, 21, 22]])
+    with torch.no_grad(), macer.compress(model, _config(), adapter=adapter) as trace:
+        cache = model(inputs_embeds=embeds, use_cache=True).past_key_values
+        assert len(set(trace.last.cache_lengths)) > 1  # the layers hold different rows
+        together = model(input_ids=new, past_key_values=cache, attention_mask=torch.ones(1, n + 3, dtype=torch.long),
+                         use_cache=True).logits
+        single = model(inputs_embeds=embeds, use_cache=True).past_key_values
+        steps = [model(input_ids=new[:, i:i + 1], past_key_values=single,
+                       attention_mask=torch.ones(1, n + i + 1, dtype=torch.long), use_cache=True).logits
+                 for i in range(3)]
+    torch.testing.assert_close(together, torch.cat(steps, dim=1), rtol=1e-4, atol=1e-4)

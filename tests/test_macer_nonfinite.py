@@ -120,3 +120,35 @@ def test_the_error_names_the_earliest_stage():
         raise_if_nonfinite(entries)
     raise_if_nonfinite([(2, [None], t), (1, [0], f)])  # a sample the stage did not select for is not an error
     raise_if_nonfinite([])
+
+
+def test_a_batch_reports_what_each_prompt_alone_reports(model):
+    """Sample 1 has 2 audio tokens, inside its audio budget: alone, its audio stage drops nothing and does no device
+    work, so NaN rows are first reported at its video stage (layer 3). In a batch its audio stage runs inside the
+    batch's one select_stage (sample 0 drops audio there); its flag was counted too, so the batch named layer 1
+    (found in review). Now the batch names the layer the prompt alone names."""
+    make, _ = POLICIES["macer"]
+    prompts = [clip_inputs(model, frames=0, audio_tokens=50, use_audio_in_video=False, seed=2),
+               clip_inputs(model, **{**CLIP, "audio_tokens": 2}, use_audio_in_video=False)]
+    embed = decoder_parts(model).decoder.embed_tokens
+
+    def run(inputs, sample):
+        first = int(torch.argmax(inputs["attention_mask"][sample]))
+
+        def poison(module, args, output):
+            output = output.clone()
+            output[sample, first:] = float("nan")
+            return output
+
+        handle = embed.register_forward_hook(poison)
+        try:
+            with pytest.raises(RuntimeError) as error, torch.no_grad(), macer.compress(model, make()):
+                model(**inputs)
+        finally:
+            handle.remove()
+        return str(error.value)
+
+    alone = run(prompts[1], 0)
+    assert "stage reading layer 3 are not finite for sample 0" in alone, alone
+    batched = run(batch_inputs(prompts), 1)
+    assert "stage reading layer 3 are not finite for sample 1" in batched, batched

@@ -271,7 +271,10 @@ class BatchPrefill:
         if planned is None:
             return False
         mods, rows = planned
-        selected = [b if sample.stage_at(layer) is not None else None for b, sample in enumerate(self.samples)]
+        # The samples whose flags count: those whose own stage drops tokens here (a prompt alone runs no device work
+        # for a stage that keeps everything, so it has no flag to raise on).
+        selected = [b if (st := sample.stage_at(layer)) is not None and st.tokens_after != st.tokens_before else None
+                    for b, sample in enumerate(self.samples)]
         for sample in self.samples:
             if sample.stage_at(layer) is not None:
                 sample.next += 1

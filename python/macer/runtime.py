@@ -265,7 +265,7 @@ class _Session:
         batch, length, device = tokens.shape[0], tokens.shape[1], tokens.device
         cache = cache_argument(kwargs)
         if cache is not None and cache.get_seq_length() > 0:
-            return self._begin_decode(cache, args, kwargs)
+            return self._begin_decode(cache, length, args, kwargs)
         if batch != 1:
             if not self.adapter.batch_ready:
                 raise ValueError(f"macer.compress: the {type(self.adapter).__name__} adapter does not support a batch "
@@ -300,7 +300,7 @@ class _Session:
         state.overhead += self.clock.tock(start)
         return None
 
-    def _begin_decode(self, cache, args, kwargs):
+    def _begin_decode(self, cache, length: int, args, kwargs):
         """A decode step: the decoder's mask and each layer's follow the rows its cache holds. Everything fixed was
         computed at the prefill's end (``_Decode``, ``BatchLayout``); the layers' hooks are registered once."""
         entry = self.caches.get(cache)
@@ -317,9 +317,12 @@ class _Session:
             kwargs["attention_mask"] = mask[:, entry.prompt_length - entry.kept:]
             changed = True
         # Only a materialised mask (eager attention, or a 4-D mask / mask dict given by the caller or generate)
-        # needs per-layer columns; SDPA and FlashAttention build None for a batch-1 step without padding.
+        # needs per-layer columns. SDPA builds None for a one-token step of a prompt alone, but a 4-D mask over
+        # layer 0's rows for a step of several tokens (a second chat turn on the cache, assisted generation);
+        # FlashAttention builds none (its causal alignment is bottom-right, right for every layer's rows).
         given = isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.ndim == 4)
-        if entry.cut and (self.base == "eager" or given):
+        built = self.base == "eager" or (length > 1 and self.base != "flash_attention_2")
+        if entry.cut and (built or given):
             entry.compacted.clear()  # the last step's masks (their ids may be reused)
             self.step = entry.caller_mask if given else entry.built_mask
             self._add_decode_hooks(entry)
