@@ -122,12 +122,13 @@ def _plan_batch(session: _Session, input_ids: torch.Tensor | None, root_kwargs: 
                         padding_mask=session.base == "flash_attention_2")
 
 
-def raise_if_nonfinite(entries: list[tuple[int, list[int | None], torch.Tensor]]) -> None:
-    """Raise if a stage ranked non-finite scores. ``entries``: per stage ``(layer, samples, flags)``, ``flags[i]``
-    the device flag of batch index ``samples[i]`` (None: a sample the stage did not select for). All flags come to
-    the host in one copy: the prefill's only device read after the plan's, made once the decoder has run."""
+def nonfinite_hits(entries: list[tuple[int, list[int | None], torch.Tensor]]) -> list[tuple[int, int]]:
+    """``(layer, batch index)`` of every flagged sample, sorted. ``entries``: per stage ``(layer, samples, flags)``,
+    ``flags[i]`` the device flag of batch index ``samples[i]`` (None: a sample the stage did not select for). All
+    flags come to the host in one copy: the prefill's only device read after the plan's, made once the decoder has
+    run."""
     if not entries:
-        return
+        return []
     flat = torch.cat([flags.reshape(-1) for _, _, flags in entries]).tolist()
     hits, i = [], 0
     for layer, samples, _ in entries:
@@ -135,8 +136,14 @@ def raise_if_nonfinite(entries: list[tuple[int, list[int | None], torch.Tensor]]
             if flat[i] and b is not None:
                 hits.append((layer, b))
             i += 1
+    return sorted(hits)
+
+
+def raise_if_nonfinite(entries: list[tuple[int, list[int | None], torch.Tensor]]) -> None:
+    """Raise if a stage ranked non-finite scores (``entries`` as in ``nonfinite_hits``), naming the earliest."""
+    hits = nonfinite_hits(entries)
     if hits:
-        layer, b = min(hits)
+        layer, b = hits[0]
         raise RuntimeError(
             f"macer.compress: the attention scores of the stage reading layer {layer} are not finite for sample {b} "
             f"(batch index): NaN or inf in that layer's queries or keys, i.e. in the weights of layer {layer} "

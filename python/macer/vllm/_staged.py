@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer._prefill import _Prefill, _to_host
+from macer._prefill import _Prefill, _to_host, nonfinite_hits
 from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Policy, PromptFacts, plan_prefill
 
 __all__ = ["PromptLabels", "RequestState", "StagedDecoder", "check_policy", "kept_counts", "omni_prompt_labels",
@@ -340,14 +340,10 @@ def nonfinite_note(prefill: _Prefill) -> str | None:
     the prefill's last layer, as the transformers runtime reads them). The transformers runtime raises there; inside
     the engine an error would stop every request, so the request goes on and its record is a WARNING that names the
     layer: its selection is the non-finite rule's (NaN ranks last), not a ranking by attention."""
-    entries = prefill.nonfinite_flags()
-    if not entries:
+    hits = nonfinite_hits(prefill.nonfinite_flags())
+    if not hits:
         return None
-    flags = torch.cat([flag.reshape(-1) for _, _, flag in entries]).tolist()
-    layers = [layer for (layer, _, _), bad in zip(entries, flags, strict=True) if bad]
-    if not layers:
-        return None
-    return (f"the attention scores of the stage reading layer {layers[0]} are not finite (NaN or inf in that layer's "
+    return (f"the attention scores of the stage reading layer {hits[0][0]} are not finite (NaN or inf in that layer's "
             "queries or keys: its weights or the hidden states entering it); the stage kept tokens by the non-finite "
             "rule, not by attention, and the outputs are likely NaN too")
 
