@@ -61,6 +61,24 @@ def model_layer_caller(skip: str) -> str | None:
     return None
 
 
+READ_METHODS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+"""The ``torch.Tensor`` methods that the model-layer read counters patch."""
+
+
+def counting(name: str, original, window: list[int], found: list, skip: str):
+    """``original`` wrapped to append ``(name, model_layer_caller(skip))`` to ``found`` for each call the model
+    layer makes while ``window[0]`` is non-zero (a hot window the test opens around the code it checks)."""
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        if window[0]:
+            where = model_layer_caller(skip)
+            if where is not None:
+                found.append((name, where))
+        return original(*args, **kwargs)
+
+    return wrapped
+
+
 def _is_cpu(device) -> bool:
     return isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu"
 

@@ -23,11 +23,10 @@ from macer import _prefill as prefill_module
 from macer import runtime
 from macer.adapters.qwen3_omni import Qwen3OmniAdapter
 from macer.testing import build_thinker, clip_inputs, macer_config_for
-from sync_guard import model_layer_caller
+from sync_guard import READ_METHODS, counting, model_layer_caller
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CLIP = {"frames": 4, "grid_hw": (8, 8), "audio_tokens": 60, "seed": 1}
-_METHODS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 _FUNCTIONS = ("nonzero", "equal", "allclose")
 
 
@@ -45,20 +44,11 @@ def count_syncs(monkeypatch):
     found.flag_reads = []
     window = [0]
 
-    def spy(name, original):
-        def wrapped(*args, **kwargs):
-            if window[0]:
-                where = model_layer_caller(__name__)
-                if where is not None:
-                    found.append((name, where))
-            return original(*args, **kwargs)
-
-        return wrapped
-
-    for name in _METHODS:
-        monkeypatch.setattr(torch.Tensor, name, spy(f"Tensor.{name}", getattr(torch.Tensor, name)))
+    for name in READ_METHODS:
+        monkeypatch.setattr(torch.Tensor, name,
+                            counting(f"Tensor.{name}", getattr(torch.Tensor, name), window, found, __name__))
     for name in _FUNCTIONS:
-        monkeypatch.setattr(torch, name, spy(f"torch.{name}", getattr(torch, name)))
+        monkeypatch.setattr(torch, name, counting(f"torch.{name}", getattr(torch, name), window, found, __name__))
     original_to = torch.Tensor.to
 
     def to(self, *args, **kwargs):

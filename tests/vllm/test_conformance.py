@@ -30,7 +30,7 @@ import vllm  # noqa: E402
 from macer.vllm import records  # noqa: E402
 from macer.vllm.settings import policy_from_settings  # noqa: E402
 from macer.vllm.testing import ARCHITECTURE, MACER_SETTINGS, clip_prompt, label_ids, write_checkpoint  # noqa: E402
-from sync_guard import model_layer_caller  # noqa: E402
+from sync_guard import READ_METHODS, counting  # noqa: E402
 
 STEPS = 16
 LAYERS = {"audio_layer": 2, "video_layer": 4}  # of 6: stages at two depths, each followed by compacted layers
@@ -262,7 +262,6 @@ def test_mrope_positions_are_gathered_and_read_by_their_temporal_row(engine, pro
     assert torch.equal(mrope["logits"], plain["logits"]) and mrope["tokens"] == plain["tokens"]
 
 
-_READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 
 
 def test_no_host_reads_in_stages_or_decode_steps(engine, prompt, checkpoint, monkeypatch):
@@ -272,18 +271,8 @@ def test_no_host_reads_in_stages_or_decode_steps(engine, prompt, checkpoint, mon
     would are counted."""
     _, model, _ = engine
     model.macer.use_policy(_policy("macer", 0.25, checkpoint))
-    found: list[str] = []
+    found: list[tuple[str, str]] = []
     window = [0]
-
-    def spy(name, original):
-        def wrapped(*args, **kwargs):
-            if window[0]:
-                where = model_layer_caller(__name__)
-                if where is not None:
-                    found.append(f"{name} at {where}")
-            return original(*args, **kwargs)
-
-        return wrapped
 
     def windowed(method):
         def wrapped(*args, **kwargs):
@@ -295,8 +284,9 @@ def test_no_host_reads_in_stages_or_decode_steps(engine, prompt, checkpoint, mon
 
         return wrapped
 
-    for name in _READS:
-        monkeypatch.setattr(torch.Tensor, name, spy(f"Tensor.{name}", getattr(torch.Tensor, name)))
+    for name in READ_METHODS:
+        monkeypatch.setattr(torch.Tensor, name,
+                            counting(f"Tensor.{name}", getattr(torch.Tensor, name), window, found, __name__))
     monkeypatch.setattr(model.macer, "_staged_layers", windowed(model.macer._staged_layers))
     monkeypatch.setattr(model.macer, "_decode", windowed(model.macer._decode))
     _engine_run(engine, prompt)
