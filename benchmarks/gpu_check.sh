@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# The GPU check of issue 9 in one command: build the CUDA extension, run the GPU tests, the three microbenchmarks,
-# compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over every op, and the end-to-end benchmark.
+# The GPU check in one command: build the CUDA extension, run the GPU tests, compute-sanitizer (memcheck, racecheck,
+# initcheck, synccheck) over every op, the three microbenchmarks, the end-to-end benchmark and Nsight Compute.
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]     # OUT_DIR default: $OUT if set (a lent device machine), else
 #                                         # benchmarks/results/gpu_check
 #
-# Sized to finish in under 8 minutes on an H100: every step has a time limit, all of them share one budget
-# (GPU_CHECK_BUDGET_S, default 450 s), and a step that would start with too little left is skipped and says so.
-# Order: build, `pytest -m cuda`, the microbenchmarks, the sanitizer, then on the time left the Triton tests on the GPU
-# (`pytest -m "triton and not cuda"`: many kernel compilations), the end-to-end benchmark (7B shapes, 3 rounds) and
-# FlashAttention-2's GPU test and end-to-end run where flash-attn is importable (else skipped with a message), eager
-# decode steps full vs MACER (issue 23 item 5), and the batch throughput benchmark (batch 1 / 4 / 8, full vs MACER,
-# issue 11).
+# Sized for a 15-minute device lease (a machine's start takes 1-2 of them, and a rerun after fixes needs 4 more):
+# every step has a time limit, all of them share one budget (GPU_CHECK_BUDGET_S, default 420 s), and a step that
+# would start with too little left is skipped and says so. Order: build; then the correctness steps side by side
+# (`pytest -m cuda`, the sanitizer runs, the Triton tests on the GPU: none is timed, and the sanitizers are mostly
+# host work); then the timed steps one at a time: the microbenchmarks, the end-to-end benchmark (7B text shape, the
+# 2.4k and 16.3k clips, full vs MACER at rho = 0.25), Nsight Compute's Speed Of Light over each hot-path kernel
+# (benchmarks/ncu_hot_path.py), FlashAttention-2's GPU test and end-to-end run where flash-attn is importable (else
+# skipped with a message), eager decode steps full vs MACER (issue 23 item 5), and the batch throughput benchmark
+# (batch 1 / 4 / 8, full vs MACER, issue 11).
 # Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default 90), GPU_CHECK_BUDGET_S, GPU_CHECK_INSTALL_FLASH_ATTN.
 #
 # Output in OUT_DIR: summary.txt (one line per step: status, exit code, seconds), log.txt (all output), and
@@ -28,7 +30,8 @@ FILES=$OUT_DIR/files
 SUMMARY=$OUT_DIR/summary.txt
 LOG=$OUT_DIR/log.txt
 PY=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET_S:-450}
+BUDGET=${GPU_CHECK_BUDGET_S:-420}
+DEFER_LOG=0
 START=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT:$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 export MACER_CUDA_ARCHS=${MACER_CUDA_ARCHS:-90}
@@ -46,12 +49,16 @@ step() {
         printf '%-26s skipped (%ds of the %ds budget left)\n' "$name" "$left" "$BUDGET" | tee -a "$SUMMARY"
         return 0
     fi
-    printf '\n=== %s (limit %ds, at %ds)\n' "$name" "$limit" "$(($(date +%s) - START))" | tee -a "$LOG"
+    if ((DEFER_LOG)); then
+        printf '\n=== %s (limit %ds, at %ds)\n' "$name" "$limit" "$(($(date +%s) - START))"
+    else
+        printf '\n=== %s (limit %ds, at %ds)\n' "$name" "$limit" "$(($(date +%s) - START))" | tee -a "$LOG"
+    fi
     local t0=$(date +%s) rc
     # bash -c: COMMAND may be one of the functions below (exported), which timeout alone cannot run.
     timeout --signal=INT --kill-after=15 "$limit" bash -c '"$@"' step "$@" >"$FILES/$name.log" 2>&1
     rc=$?
-    cat "$FILES/$name.log" >>"$LOG"
+    ((DEFER_LOG)) || cat "$FILES/$name.log" >>"$LOG"
     local status=ok
     ((rc == 124 || rc == 137)) && status=TIMEOUT
     ((rc != 0 && rc != 124 && rc != 137)) && status=FAILED
@@ -109,37 +116,57 @@ flash_attention() {
 
 export -f sanitize environment build flash_attention
 export PY FILES
-export PATH=$PATH:/usr/local/cuda/bin
+export PATH=$PATH:/usr/local/cuda/bin$(for d in /opt/nvidia/nsight-compute/*/; do [[ -x $d/ncu ]] && printf ":%s" "${d%/}"; done)
 
 step environment 30 environment
 step build 240 build
-step pytest_cuda 180 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider --junitxml="$FILES/pytest_cuda.xml"
+
+# Correctness, in parallel: nothing here is timed, and the sanitizers are mostly host work (16 cores on the device
+# machine), so the group takes about as long as its slowest member instead of the sum (the serial order of the last
+# sizing would not reach the timings inside a 15-minute device lease). Each step's output goes to files/NAME.log and
+# is appended to log.txt in this order once the group ends.
+DEFER_LOG=1
+step pytest_cuda 200 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider --junitxml="$FILES/pytest_cuda.xml" &
+(
+    step sanitize_warmup 90 "$PY" -m benchmarks.sanitize_ops
+    for tool in memcheck racecheck initcheck synccheck; do
+        step "sanitize_$tool" 150 sanitize "$tool" -m benchmarks.sanitize_ops &
+    done
+    # The scoring kernels on splits of several tiles, two row tiles and PAD keys (the op driver's shapes give one
+    # tile per split): the same tools over that test's small case.
+    for tool in memcheck racecheck initcheck; do
+        step "sanitize_scores_$tool" 120 sanitize "$tool" -m pytest -m cuda -q -p no:cacheprovider \
+            tests/test_cuda_scores_emulation.py -k sanitizer &
+    done
+    wait
+) &
+step pytest_triton 200 "$PY" -m pytest -m "triton and not cuda" -q -rfEs -p no:cacheprovider \
+    --junitxml="$FILES/pytest_triton.xml" &
+wait
+DEFER_LOG=0
+for name in pytest_cuda sanitize_warmup sanitize_memcheck sanitize_racecheck sanitize_initcheck sanitize_synccheck \
+    sanitize_scores_memcheck sanitize_scores_racecheck sanitize_scores_initcheck pytest_triton; do
+    [[ -f $FILES/$name.log ]] && { printf '\n=== %s\n' "$name"; cat "$FILES/$name.log"; } >>"$LOG"
+done
+
+# Timings, one at a time on an otherwise idle GPU.
 step bench_modality_scores 100 "$PY" -m benchmarks.bench_modality_scores --out "$FILES"
 step bench_select 100 "$PY" -m benchmarks.bench_select --out "$FILES"
 step bench_readout 60 "$PY" -m benchmarks.bench_readout --overhead --out "$FILES"
-step sanitize_warmup 90 "$PY" -m benchmarks.sanitize_ops
-for tool in memcheck racecheck initcheck synccheck; do
-    step "sanitize_$tool" 90 sanitize "$tool" -m benchmarks.sanitize_ops
-done
-# The scoring kernels on splits of several tiles, two row tiles and PAD keys (the op driver's shapes give one tile
-# per split): the same tools over that test's small case.
-for tool in memcheck racecheck initcheck; do
-    step "sanitize_scores_$tool" 60 sanitize "$tool" -m pytest -m cuda -q -p no:cacheprovider \
-        tests/test_cuda_scores_emulation.py -k sanitizer
-done
-step pytest_triton 150 "$PY" -m pytest -m "triton and not cuda" -q -rfEs -p no:cacheprovider \
-    --junitxml="$FILES/pytest_triton.xml"
-if [[ -f benchmarks/bench_e2e.py ]]; then
-    step bench_e2e 240 "$PY" benchmarks/bench_e2e.py --mode gpu --text-shapes 7B --reps 3 --warmup 1 \
-        --out "$FILES" --name bench_e2e_gpu_check
-fi
-
+# The 7B text shape on the paper's 2.4k clip and the 16.3k clip, full vs MACER at rho = 0.25 (the targets' point):
+# prefill and decoder time, MACER's own work (profiled run), host synchronisations, decode per token, KV cache.
+step bench_e2e 150 "$PY" benchmarks/bench_e2e.py --mode gpu --text-shapes 7B --clips paper long --policies macer \
+    --keep-ratios 0.25 --reps 3 --warmup 1 --profile-reps 1 --naive-lengths --no-plot --out "$FILES" \
+    --name bench_e2e_gpu_check
+# Nsight Compute's Speed Of Light over one call of each hot-path kernel (the profile behind "what limits it").
+step ncu_hot_path 60 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis "$PY" -m benchmarks.ncu_hot_path
 step flash_attention_2 150 flash_attention
 # Decode steps with eager attention (per-layer masks): full vs MACER per token on a 3B decoder, and the host time of
 # MACER's decode-step code (decode_host_us_per_step, from the profiled runs).
 step bench_e2e_decode_eager 90 "$PY" benchmarks/bench_e2e.py --mode gpu --attn eager --text-shapes 3B --clips paper \
     --policies macer --keep-ratios 0.25 --reps 3 --warmup 1 --profile-reps 2 --decode-tokens 32 --naive-lengths \
-    --out "$FILES" --name bench_e2e_decode_eager
+    --no-plot --out "$FILES" --name bench_e2e_decode_eager
 
 step bench_batch 120 "$PY" -m benchmarks.bench_batch --mode gpu --batch-sizes 1 4 8 --out "$FILES"
 

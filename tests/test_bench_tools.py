@@ -82,3 +82,13 @@ def test_sanitizer_driver_runs_every_case_and_reports_a_mismatch(capsys, monkeyp
     monkeypatch.setattr(sanitize_ops, "_equal", lambda got, want: False)
     assert sanitize_ops.main(["--backends", "torch", "--device", "cpu"]) == 1
     assert "sanitize MISMATCH torch: modality_scores" in capsys.readouterr().out
+
+
+def test_ncu_driver_runs_every_hot_path_call_on_cpu(capsys):
+    """benchmarks/ncu_hot_path.py (what gpu_check.sh profiles with Nsight Compute), on CPU with the PyTorch backend:
+    every call's inputs are valid for the public ops, and each profiled call is named."""
+    from benchmarks import ncu_hot_path
+
+    ncu_hot_path.main(["--device", "cpu"])
+    out = capsys.readouterr().out
+    assert out.count("profiled:") == 6 and "ncu_hot_path done: torch 6 calls" in out
