@@ -14,7 +14,9 @@
 # (benchmarks/ncu_hot_path.py), FlashAttention-2's GPU test and end-to-end run where flash-attn is importable (else
 # skipped with a message), eager decode steps full vs MACER (issue 23 item 5), and the batch throughput benchmark
 # (batch 1 / 4 / 8, full vs MACER, issue 11).
-# Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default 90), GPU_CHECK_BUDGET_S, GPU_CHECK_INSTALL_FLASH_ATTN.
+# Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default 90), GPU_CHECK_BUDGET_S, GPU_CHECK_INSTALL_FLASH_ATTN,
+# GPU_CHECK_STEPS (step names to run, default all: a rerun after fixes runs only what they touch) and
+# GPU_CHECK_TESTS (test paths for the two pytest steps, default all).
 #
 # Output in OUT_DIR: summary.txt (one line per step: status, exit code, seconds), log.txt (all output), and
 # gpu_check.tar.gz (the files/ folder: each step's log, the benchmarks' CSV/JSON, pytest's junit XML). When OUT_DIR
@@ -43,6 +45,10 @@ export MACER_CUDA_ARCHS=${MACER_CUDA_ARCHS:-90}
 step() {
     local name=$1 limit=$2
     shift 2
+    if [[ -n ${GPU_CHECK_STEPS:-} && " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+        printf '%-26s not selected (GPU_CHECK_STEPS)\n' "$name" >>"$SUMMARY"
+        return 0
+    fi
     local left=$((BUDGET - ($(date +%s) - START)))
     ((limit > left)) && limit=$left
     if ((limit < 20)); then
@@ -126,7 +132,10 @@ step build 240 build
 # sizing would not reach the timings inside a 15-minute device lease). Each step's output goes to files/NAME.log and
 # is appended to log.txt in this order once the group ends.
 DEFER_LOG=1
-step pytest_cuda 200 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider --junitxml="$FILES/pytest_cuda.xml" &
+# GPU_CHECK_TESTS (test paths, default all) narrows both pytest steps, e.g. to the files of a fix on a rerun.
+read -r -a TESTS <<<"${GPU_CHECK_TESTS:-}"
+step pytest_cuda 200 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider --junitxml="$FILES/pytest_cuda.xml" \
+    "${TESTS[@]}" &
 (
     step sanitize_warmup 90 "$PY" -m benchmarks.sanitize_ops
     for tool in memcheck racecheck initcheck synccheck; do
@@ -140,8 +149,11 @@ step pytest_cuda 200 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider --juni
     done
     wait
 ) &
+# The offline sm_89/sm_90 compile test is left to CI's CPU run: it needs no GPU, and beside the sanitizers it took
+# longer than the step's limit (H200, 2026-11-27).
 step pytest_triton 200 "$PY" -m pytest -m "triton and not cuda" -q -rfEs -p no:cacheprovider \
-    --junitxml="$FILES/pytest_triton.xml" &
+    --deselect tests/test_triton_kernels.py::test_kernels_compile_for_sm90_and_sm89 \
+    --junitxml="$FILES/pytest_triton.xml" "${TESTS[@]}" &
 wait
 DEFER_LOG=0
 for name in pytest_cuda sanitize_warmup sanitize_memcheck sanitize_racecheck sanitize_initcheck sanitize_synccheck \
@@ -159,8 +171,11 @@ step bench_e2e 150 "$PY" benchmarks/bench_e2e.py --mode gpu --text-shapes 7B --c
     --keep-ratios 0.25 --reps 3 --warmup 1 --profile-reps 1 --naive-lengths --no-plot --out "$FILES" \
     --name bench_e2e_gpu_check
 # Nsight Compute's Speed Of Light over one call of each hot-path kernel (the profile behind "what limits it").
-step ncu_hot_path 60 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
-    --section MemoryWorkloadAnalysis "$PY" -m benchmarks.ncu_hot_path
+step ncu_hot_path 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+    "$PY" -m benchmarks.ncu_hot_path
+# Host time of one readout (fused stage and per-op), by host operator (torch.profiler).
+step host_profile 60 "$PY" -m benchmarks.host_profile
 step flash_attention_2 150 flash_attention
 # Decode steps with eager attention (per-layer masks): full vs MACER per token on a 3B decoder, and the host time of
 # MACER's decode-step code (decode_host_us_per_step, from the profiled runs).

@@ -92,3 +92,14 @@ def test_ncu_driver_runs_every_hot_path_call_on_cpu(capsys):
     ncu_hot_path.main(["--device", "cpu"])
     out = capsys.readouterr().out
     assert out.count("profiled:") == 6 and "ncu_hot_path done: torch 6 calls" in out
+
+
+def test_host_profile_driver_runs_both_readouts_on_cpu(capsys):
+    """benchmarks/host_profile.py (gpu_check.sh's host-time profile of one readout), on CPU with the PyTorch backend:
+    the fused stage and the per-op readout keep the same rows, and each gets its profiler table."""
+    from benchmarks import host_profile
+
+    host_profile.main(["--device", "cpu", "--rows", "3"])
+    out = capsys.readouterr().out
+    assert out.count("same kept rows as the first: True") == 2 and out.count("Self CPU time total") == 2
+    assert "host_profile done: 2 readouts" in out

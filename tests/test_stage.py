@@ -9,7 +9,7 @@ import pytest
 import torch
 from score_inputs import rel_err
 
-from macer_kernels import MAX_MODALITIES, StageModality, modality_scores, select_stage, use_backend
+from macer_kernels import MAX_MODALITIES, StageModality, modality_scores, select_stage, use_backend, validation
 from macer_kernels.reference import stage_ref, stage_select_ref
 
 Mod = StageModality
@@ -210,7 +210,10 @@ def test_cuda_stage_no_sync_few_launches_and_graph_capture(backend):
     mods = [Mod(1, 100, 30), Mod(2, 150, 40, coverage_weight=0.5)]
 
     def call():
-        return select_stage(q, k, labels, mods, chunk_ids=chunks)
+        # Validation off, as in serving: conftest runs cuda-marked tests in validation mode, whose value checks read
+        # back to the host by design (one synchronisation per call) and cannot run inside a graph capture.
+        with validation(False):
+            return select_stage(q, k, labels, mods, chunk_ids=chunks)
 
     call()  # warm-up: compiles, fills the caches
     torch.cuda.synchronize()
@@ -346,10 +349,15 @@ def test_triton_paths_read_nothing_back_to_the_host(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, method, guarded)
     monkeypatch.setattr(stage, "values_checked", lambda t: False)
+    from conftest import HAS_GPU
+
+    # The interpreter on CPU tensors; on a GPU machine the compiled kernels on CUDA tensors (there the interpreter is
+    # off and the Triton backend refuses CPU tensors).
+    device = "cuda" if HAS_GPU else "cpu"
     seed = _fresh_seed()
-    q, k, labels, chunks = stage_inputs(seed, 2, 40, {1: 10, 2: 20})
-    scores = torch.rand(300, generator=torch.Generator().manual_seed(seed))
-    with use_backend("triton"):
+    q, k, labels, chunks = stage_inputs(seed, 2, 40, {1: 10, 2: 20}, device=device)
+    scores = torch.rand(300, generator=torch.Generator().manual_seed(seed)).to(device)
+    with use_backend("triton"), validation(False):
         keep = select_stage(q, k, labels, [Mod(1, 10, 3), Mod(2, 20, 5, coverage_weight=0.5)], chunk_ids=chunks)
         compact_many_triton([k.transpose(1, 2), chunks], keep[0], [1, 1])
         topk_indices_triton(scores, 40)

@@ -469,6 +469,41 @@ def _run_without_interpreter(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
 
+_COMBINE_PTX_CHECK = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from macer_kernels.triton import modality_scores as ms
+
+sig = {"max_ptr": "*fp32", "sum_ptr": "*fp32", "rowmax_ptr": "*fp32", "weight_ptr": "*fp32", "T": "i32",
+       "eps": "fp32", "inv_rows": "fp32", "NUM_M": "constexpr", "M_PAD": "constexpr", "BLOCK_T": "constexpr"}
+for fusion in ("launch", True):
+    options = dict(ms.COMBINE_OPTIONS) if fusion == "launch" else {**ms.COMBINE_OPTIONS, "enable_fp_fusion": True}
+    for num_m, block_t in ((2, 64), (8, 1024)):
+        src = ASTSource(fn=ms._combine_kernel, signature=sig,
+                        constexprs={"NUM_M": num_m, "M_PAD": triton.next_power_of_2(num_m + 1), "BLOCK_T": block_t})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        shuffled = set(re.findall(r"shfl\\.sync\\.bfly\\.b32\\s+(%r\\d+)", ptx))
+        fused = [line for line in ptx.splitlines() if "fma" in line
+                 and shuffled & set(re.findall(r"%r\\d+", line.split(",", 1)[-1]))]
+        print(fusion, num_m, block_t, len(shuffled), len(fused))
+"""
+
+
+def test_triton_combine_sums_lanes_without_fma_on_shuffled_values():
+    """The combine's cross-lane sums, compiled offline for sm_90 with the launch's options (``COMBINE_OPTIONS``):
+    no ``fma`` takes a value from a butterfly shuffle, so every lane of a reduction group holds the same bits
+    (racecheck on an H200, 2026-11-27, reported the fused version's lanes writing different values to one shared
+    slot). The same kernel with FP fusion on is the control: there the fused shuffle-adds appear."""
+    result = _run_without_interpreter(_COMBINE_PTX_CHECK)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert len(rows) == 4, result.stdout
+    assert all(int(shuffled) > 0 for *_, shuffled, _ in rows), result.stdout  # the sums do go across lanes
+    assert all(int(fused) == 0 for fusion, *_, fused in rows if fusion == "launch"), result.stdout
+    assert any(int(fused) > 0 for fusion, *_, fused in rows if fusion == "True"), result.stdout
+
+
 def test_forcing_triton_on_cpu_without_the_interpreter_raises_a_clear_error():
     # Without TRITON_INTERPRET: on a machine without a GPU the backend reports itself unavailable; with a GPU it
     # refuses CPU tensors. Both errors say how to run it on CPU.

@@ -69,6 +69,15 @@ COMBINE_BLOCK_T = 1024
 (N above 32k fp32 / 131k bf16 keys at 32 / 128 keys per tile) the loops take several steps; the tests set it small
 to run those steps in the interpreter."""
 
+COMBINE_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
+"""Compile options of the combine (phase 2). Without FP fusion: with it, the first step of each cross-lane sum (the
+butterfly of ``tl.sum(sums * factor, axis=1)``) becomes ``fma(own sum, own factor, partner's rounded product)``, so
+the lanes that share one result compute it in different orders, get values an ulp apart, and all store their own to
+the same shared-memory slot: compute-sanitizer's racecheck reported those writes as hazards (H200, 2026-11-27; the
+Triton issue is triton-lang/triton#7264). Unfused, each butterfly step is a plain commutative add, every lane of a
+group holds the same bits, and which lane's store lands cannot change the result. The offline compile test
+(``tests/test_triton_kernels.py``) checks that no ``fma`` takes a shuffled value."""
+
 _LOG2E = 1.4426950408889634
 _INTERPRETED = bool(triton.knobs.runtime.interpret)
 
@@ -406,7 +415,7 @@ def modality_scores_triton(query: torch.Tensor, key: torch.Tensor, modality: tor
     )
     _combine_kernel[(total_rows,)](
         tile_max, tile_sums, row_max, weight, tiles, eps, 1.0 / (lq * hq),
-        NUM_M=num_m, M_PAD=m_pad, BLOCK_T=min(COMBINE_BLOCK_T, triton.next_power_of_2(tiles)), num_warps=4,
+        NUM_M=num_m, M_PAD=m_pad, BLOCK_T=min(COMBINE_BLOCK_T, triton.next_power_of_2(tiles)), **COMBINE_OPTIONS,
     )
     block_n3 = _block_n_scores(d, 2 * sms, n, b, dot_fp32)
     _scores_kernel[(b, triton.cdiv(n, block_n3))](
