@@ -266,8 +266,8 @@ def test_samples_with_different_stage_rules_at_one_layer():
     equals each prompt alone (found in review: it raised a chunk-id error)."""
     import dataclasses
 
-    from macer.config import MacerConfig
-    from macer.policy import AUDIO, VISUAL, Selection, StageSpec
+    from macer.core.config import MacerConfig
+    from macer.core.policy import AUDIO, VISUAL, Selection, StageSpec
 
     @dataclasses.dataclass(frozen=True)
     class PerPrompt(MacerConfig):

@@ -135,7 +135,7 @@ def test_no_host_sync_in_stages_compacted_layers_and_decode(models, monkeypatch,
 
 def test_the_counter_sees_a_sync_added_to_a_stage(models, monkeypatch):
     """The detector is not vacuous: a ``.item()`` put into the stage's device work is caught."""
-    from macer import policy as policy_module
+    from macer.core import stage as policy_module
 
     original = policy_module.select_stage
 
@@ -150,21 +150,21 @@ def test_the_counter_sees_a_sync_added_to_a_stage(models, monkeypatch):
     with count_syncs(monkeypatch) as found, torch.no_grad(), macer.compress(model, POLICIES["macer"](model)):
         model(**clip_inputs(model, **CLIP))
     assert found and {name for name, _ in found} <= {"Tensor.item", "Tensor.__int__"}
-    assert all(where.startswith("macer.policy:") for _, where in found), found
+    assert all(where.startswith("macer.core.stage:") for _, where in found), found
 
 
 def test_one_host_read_per_prefill_and_none_for_cpu_inputs(models, monkeypatch):
     """The plan brings ids, temporal row and mask to the host in one ``_to_host`` call per prefill; tensors already
     on the CPU are passed through without a copy."""
     calls = []
-    original = prefill_module._to_host
+    original = prefill_module.to_host
 
     def spy(*tensors):
         out = original(*tensors)
         calls.append(all(o is t for o, t in zip(out, tensors, strict=True)))
         return out
 
-    monkeypatch.setattr(prefill_module, "_to_host", spy)
+    monkeypatch.setattr(prefill_module, "to_host", spy)
     model = models["eager"]
     inputs = clip_inputs(model, **CLIP)
     with torch.no_grad(), macer.compress(model, POLICIES["macer"](model)) as trace:
@@ -184,8 +184,8 @@ def test_no_host_sync_in_a_batch(models, monkeypatch, attn, policy):
     batch = batch_inputs([clip_inputs(model, frames=0, audio_tokens=50, use_audio_in_video=False, seed=2),
                           clip_inputs(model, **CLIP, use_audio_in_video=False)])
     reads = []
-    original = prefill_module._to_host
-    monkeypatch.setattr(prefill_module, "_to_host", lambda *t: reads.append(len(t)) or original(*t))
+    original = prefill_module.to_host
+    monkeypatch.setattr(prefill_module, "to_host", lambda *t: reads.append(len(t)) or original(*t))
     with count_syncs(monkeypatch) as found, torch.no_grad(), \
             macer.compress(model, POLICIES[policy](model)) as trace:
         model.generate(**batch, max_new_tokens=3, do_sample=False)

@@ -26,10 +26,10 @@ from macer.adapters import (
     label_rows,
     supported_model_types,
 )
-from macer.config import PAPER_DEFAULTS, MacerConfig, paper_defaults
+from macer.core.config import PAPER_DEFAULTS, MacerConfig, paper_defaults
+from macer.core.policies import ABLATIONS, POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
+from macer.core.policy import Policy
 from macer.diagnostics import DiagnosticReport, diagnose  # noqa: F401  (re-exported: macer.diagnose)
-from macer.policies import ABLATIONS, POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
-from macer.policy import Policy
 from macer.runtime import SUPPORTED_ATTENTION, compress
 from macer.trace import PrefillRecord, Stage, Trace
 

@@ -28,20 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from macer.policy import _fused
+from macer.core.stage import fused
+from macer.core.transfer import upload
 from macer_kernels import PAD_LABEL, StageModality, compact_many, select_stage, validation_enabled
 
 if TYPE_CHECKING:
     from macer._prefill import _Prefill
     from macer.trace import PrefillRecord
-
-
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host table to ``device`` without waiting for it (from pinned memory on a GPU: a copy from pageable
-    memory may synchronise)."""
-    if device.type == "cpu":
-        return t
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 def check_left_padding(mask: torch.Tensor) -> list[int]:
@@ -235,7 +228,7 @@ class BatchPrefill:
         (not fused, different selectors or question lengths, or a count the host does not know)."""
         stages = [s.stage_at(layer) for s in self.samples]
         present = [st for st in stages if st is not None]
-        if not all(_fused(st) for st in present):
+        if not all(fused(st) for st in present):
             return None
         rules = {(sel.modalities[0], sel.rule, sel.coverage_weight, sel.num_chunks)
                  for st in present for sel in st.spec.selections}

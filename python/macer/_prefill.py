@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from macer._batch import BatchPrefill, check_left_padding, layer_inputs, token_tensors, upload
+from macer._batch import BatchPrefill, check_left_padding, layer_inputs, token_tensors
 from macer.adapters import Adapter
-from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Plan, PromptFacts, plan_prefill, run_stage
+from macer.core.policy import AUDIO, MODALITY_NAMES, VISUAL, Plan, PromptFacts, plan_prefill
+from macer.core.prefill import PrefillState, nonfinite_hits
+from macer.core.transfer import to_device, to_host
 from macer.trace import PrefillRecord, Stage
 from macer_kernels import PAD_LABEL, compact, compact_many
 
@@ -23,38 +25,12 @@ if TYPE_CHECKING:
     from macer.runtime import _Session
 
 
-def _to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Bring 1-D tensors to the CPU in one device-to-host copy (none for tensors already there)."""
-    remote = [t for t in tensors if t is not None and t.device.type != "cpu"]
-    if not remote:
-        return list(tensors)
-    dtype = torch.float64 if any(t.is_floating_point() for t in remote) else torch.int64
-    packed = torch.cat([t.reshape(-1).to(dtype) for t in remote]).cpu()  # the prefill's one device read
-    out, offset = [], 0
-    for t in tensors:
-        if t is None or t.device.type == "cpu":
-            out.append(t)
-            continue
-        piece = packed[offset: offset + t.numel()]
-        out.append(piece if t.is_floating_point() else piece.long())
-        offset += t.numel()
-    return out
-
-
-def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Upload the plan's int64 tables in one host-to-device copy (asynchronous from pinned memory)."""
-    if device.type == "cpu" or not tensors:
-        return tensors
-    packed = upload(torch.cat([t.reshape(-1).long() for t in tensors]), device)
-    return list(torch.split(packed, [t.numel() for t in tensors]))
-
-
 def _plan(session: _Session, input_ids: torch.Tensor | None, kwargs: dict[str, Any], mask: torch.Tensor | None,
           length: int) -> tuple[Plan, PrefillRecord]:
     """The host plan of a prefill and its trace record: the prompt's ids, temporal row and mask come to the host in
     one copy, everything else is computed there."""
     temporal = session.adapter.temporal_positions(kwargs, length)
-    ids, temporal, mask = _to_host(None if input_ids is None else input_ids[0],
+    ids, temporal, mask = to_host(None if input_ids is None else input_ids[0],
                                    None if temporal is None else temporal[0],
                                    mask[0] if isinstance(mask, torch.Tensor) else None)
     if mask is not None and not bool(mask.bool().all()):
@@ -90,7 +66,7 @@ def _plan_batch(session: _Session, input_ids: torch.Tensor | None, root_kwargs: 
     temporal = session.adapter.temporal_positions(kwargs, length)
     if temporal is not None and temporal.shape[0] != batch:
         temporal = temporal.expand(batch, length)
-    ids, temporal, host_mask = _to_host(input_ids, temporal, mask if isinstance(mask, torch.Tensor) else None)
+    ids, temporal, host_mask = to_host(input_ids, temporal, mask if isinstance(mask, torch.Tensor) else None)
     ids = None if ids is None else ids.reshape(batch, length)
     temporal = None if temporal is None else temporal.reshape(batch, length)
     pads = [0] * batch if host_mask is None else check_left_padding(host_mask.reshape(batch, length))
@@ -116,27 +92,10 @@ def _plan_batch(session: _Session, input_ids: torch.Tensor | None, root_kwargs: 
         valid = mask.bool()
     else:
         valid = torch.ones(batch, length, dtype=torch.bool, device=device)
-    on_device = _to_device([batch_labels, batch_chunks, torch.tensor(pads)[:, None]], device)
+    on_device = to_device([batch_labels, batch_chunks, torch.tensor(pads)[:, None]], device)
     tables = tuple(t.reshape(batch, -1) for t in on_device)
     return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager", tables=tables,
                         padding_mask=session.base == "flash_attention_2")
-
-
-def nonfinite_hits(entries: list[tuple[int, list[int | None], torch.Tensor]]) -> list[tuple[int, int]]:
-    """``(layer, batch index)`` of every flagged sample, sorted. ``entries``: per stage ``(layer, samples, flags)``,
-    ``flags[i]`` the device flag of batch index ``samples[i]`` (None: a sample the stage did not select for). All
-    flags come to the host in one copy: the prefill's only device read after the plan's, made once the decoder has
-    run."""
-    if not entries:
-        return []
-    flat = torch.cat([flags.reshape(-1) for _, _, flags in entries]).tolist()
-    hits, i = [], 0
-    for layer, samples, _ in entries:
-        for b in samples:
-            if flat[i] and b is not None:
-                hits.append((layer, b))
-            i += 1
-    return sorted(hits)
 
 
 def raise_if_nonfinite(entries: list[tuple[int, list[int | None], torch.Tensor]]) -> None:
@@ -171,78 +130,16 @@ class _Clock:
         return time.perf_counter() - start
 
 
-class _Prefill:
-    """One prefill pass through the decoder: its host plan, device tables and the rows currently in the sequence."""
+class _Prefill(PrefillState):
+    """One prompt's prefill inside a transformers decoder: the engine-independent state (``PrefillState``), its trace
+    record, the compacted layer kwargs and the hooks of this prefill."""
 
     def __init__(self, plan: Plan, device: torch.device, record: PrefillRecord):
-        self.plan, self.record = plan, record
-        n = plan.facts.length
-        host = [plan.facts.labels, *(stage.query for stage in plan.stages)]
-        host += [pick for stage in plan.stages for pick in stage.picks if pick is not None]
-        host += [plan.chunks] if plan.chunks is not None else []
-        tables = iter(_to_device(host, device))
-        self.labels = next(tables)
-        self.queries = [next(tables) for _ in plan.stages]
-        self.picks = [tuple(next(tables) if p is not None else None for p in stage.picks) for stage in plan.stages]
-        self.chunks = next(tables) if plan.chunks is not None else None
-        self.full = torch.arange(n, device=device)
-        self.current = self.full
-        # Host numbers a batched stage needs, read from the host plan now (nothing is read in the layers).
-        self.question_rows = [stage.query.tolist() for stage in plan.stages]
-        labels = {AUDIO, VISUAL} | {m for stage in plan.stages for sel in stage.spec.selections for m in sel.modalities}
-        self.counts = {m: plan.facts.count(m) for m in labels}
-        self.next = 0  # index of the next stage to run
-        self.pending: torch.Tensor | None = None  # rows of the current sequence to keep, applied at the next layer
+        super().__init__(plan, device)
+        self.record = record
         self.inputs: dict[str, Any] = {}  # compacted per-token layer kwargs after the last applied stage
-        self.layer_rows: dict[int, torch.Tensor] = {}  # rows present at each hooked layer (= its cache rows)
         self.handles: list[Any] = []
         self.overhead = 0.0
-        self.nonfinite: list[tuple[int, list[int | None], torch.Tensor]] = []  # raise_if_nonfinite's entries
-
-    @property
-    def layer_tokens(self) -> list[int]:
-        return self.plan.layer_tokens
-
-    def has_pending(self) -> bool:
-        return self.pending is not None
-
-    def enter(self, index: int) -> None:
-        """``layers[index]`` runs on the current rows (they become its cache rows)."""
-        self.layer_rows[index] = self.current
-
-    def stage_at(self, layer: int):
-        """The next stage if it reads (or, at 0, applies before) decoder layer index ``layer``."""
-        if self.next < len(self.plan.stages) and self.plan.stages[self.next].spec.layer == layer:
-            return self.plan.stages[self.next]
-        return None
-
-    def label_count(self, label: int) -> int | None:
-        """Tokens of ``label`` in the current rows, from the plan (None after a joint selection over it: its share
-        of the joint budget is data-dependent)."""
-        count = self.counts[label]
-        for stage in self.plan.stages[: self.next]:
-            for sel in stage.spec.selections:
-                if label in sel.modalities:
-                    if len(sel.modalities) > 1:
-                        return None
-                    count = sel.k if stage.tokens_after != stage.tokens_before else count
-        return count
-
-    def run(self, query: torch.Tensor | None, key: torch.Tensor | None, scale: float | None, eps: float,
-            layer: int | None = None) -> None:
-        """The next stage on the current rows (``layer`` is the batch's argument; one prompt has one next stage)."""
-        stage, i = self.plan.stages[self.next], self.next
-        self.next += 1
-        if stage.tokens_after == stage.tokens_before:
-            return  # the plan says nothing is dropped (keep ratio 1): no device work
-        self.pending, flag = run_stage(stage, query, key, self.current, self.labels, self.chunks, self.queries[i],
-                                       self.picks[i], scale=scale, eps=eps)
-        if flag is not None:
-            self.nonfinite.append((stage.spec.layer, [0], flag))
-
-    def nonfinite_flags(self) -> list[tuple[int, list[int | None], torch.Tensor]]:
-        """The stages' non-finite flags (``raise_if_nonfinite``); a prompt alone is sample 0."""
-        return self.nonfinite
 
     def finish(self, cache: Any, trim: bool, num_layers: int) -> tuple[list[torch.Tensor], int] | None:
         """After the prefill: trim earlier layers' caches to the final rows if asked; returns what a decode step

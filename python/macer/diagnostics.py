@@ -48,8 +48,9 @@ from torch import nn
 
 from macer._attention import call_as, register_refcounted, unregister_names
 from macer.adapters import AUDIO, TEXT, VISUAL, get_adapter
-from macer.config import MacerConfig
-from macer.policy import PromptFacts, question_rows, score
+from macer.core.config import MacerConfig
+from macer.core.policy import PromptFacts, question_rows
+from macer.core.stage import score
 from macer_kernels import coverage_select, temporal_chunks, topk_indices
 
 __all__ = ["DiagnosticReport", "default_policies", "diagnose", "gini"]
@@ -113,8 +114,8 @@ def default_policies(config: MacerConfig, num_layers: int) -> dict[str, Any]:
     ``shared_topk`` (one joint top-K read at ``video_layer``, the ablation), ``fastv`` (the prompt's last row, after
     layer ``macer.cost.FASTV_PRUNE_LAYER`` = 5 as ``tab:main`` charges it, or the last prunable layer of a shallower
     decoder) and ``random`` (seed 0)."""
+    from macer.core.policies import FastVConfig, RandomConfig
     from macer.cost import FASTV_PRUNE_LAYER
-    from macer.policies import FastVConfig, RandomConfig
 
     question = {"query_tokens": config.query_tokens, "end_of_turn_token_id": config.end_of_turn_token_id,
                 "question_span": config.question_span}

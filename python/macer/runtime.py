@@ -44,8 +44,9 @@ from torch import nn
 from macer._attention import ACTIVE, register_names, unregister_names
 from macer._batch import BatchLayout, BatchPrefill, decode_step
 from macer._prefill import _Clock, _plan, _plan_batch, _Prefill, raise_if_nonfinite
-from macer.adapters import Adapter, DecoderParts, get_adapter, text_config
-from macer.policy import Policy
+from macer.adapters import Adapter, DecoderParts, get_adapter
+from macer.core.families import text_config
+from macer.core.policy import Policy
 from macer.trace import Trace
 from macer_kernels import compact
 

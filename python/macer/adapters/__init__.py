@@ -15,15 +15,16 @@ from typing import Any
 
 from torch import nn
 
-from macer.adapters.base import AUDIO, TEXT, VISUAL, Adapter, DecoderParts, text_config
+from macer.adapters.base import AUDIO, TEXT, VISUAL, Adapter, DecoderParts
 from macer.adapters.labelled import LabelledAdapter, label_rows
 from macer.adapters.labelled_batch import BatchLabelledAdapter
 from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
 from macer.adapters.qwen3_omni import Qwen3OmniAdapter
+from macer.core.families import MODEL_TYPE_TO_FAMILY
 
 __all__ = ["AUDIO", "MODEL_TYPE_TO_ADAPTER", "TEXT", "VISUAL", "Adapter", "BatchLabelledAdapter", "DecoderParts",
            "LabelledAdapter",
-           "adapter_for", "get_adapter", "label_rows", "register_adapter", "supported_model_types", "text_config"]
+           "adapter_for", "get_adapter", "label_rows", "register_adapter", "supported_model_types"]
 
 MODEL_TYPE_TO_ADAPTER: dict[str, type[Adapter]] = {
     "qwen2_5_omni": Qwen25OmniAdapter,
@@ -35,11 +36,14 @@ MODEL_TYPE_TO_ADAPTER: dict[str, type[Adapter]] = {
 
 
 def register_adapter(*model_types: str) -> Callable[[type[Adapter]], type[Adapter]]:
-    """Class decorator: use this adapter for models whose ``config.model_type`` is one of ``model_types``."""
+    """Class decorator: use this adapter for models whose ``config.model_type`` is one of ``model_types`` (and its
+    ``family``, if it names one, for ``MacerConfig.for_model``'s paper defaults)."""
 
     def deco(cls: type[Adapter]) -> type[Adapter]:
         for model_type in model_types:
             MODEL_TYPE_TO_ADAPTER[model_type] = cls
+            if cls.family is not None:
+                MODEL_TYPE_TO_FAMILY[model_type] = cls.family
         return cls
 
     return deco

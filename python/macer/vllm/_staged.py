@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer._prefill import _Prefill, _to_host, nonfinite_hits
-from macer.policy import AUDIO, MODALITY_NAMES, VISUAL, Policy, PromptFacts, plan_prefill
+from macer.core.policy import AUDIO, MODALITY_NAMES, VISUAL, Policy, PromptFacts, plan_prefill
+from macer.core.prefill import PrefillState, nonfinite_hits
+from macer.core.transfer import to_host
 
 __all__ = ["PromptLabels", "RequestState", "StagedDecoder", "check_policy", "kept_counts", "omni_prompt_labels",
            "temporal_row"]
@@ -96,7 +97,7 @@ class RequestState:
     """The request being served: its prefill's plan and stage state, the rows each layer holds, and the slot of
     every position it has written (``slots[p]``), which a compacted layer reuses for compacted index ``p - D``."""
 
-    prefill: _Prefill
+    prefill: PrefillState
     shifts: list[int]  # per layer: prompt tokens the stages dropped before it (0: a full layer)
     layer_rows: list[torch.Tensor]  # per layer: prompt positions of the rows its cache holds, in slot order
     slots: torch.Tensor  # [max_model_len] slot of each position of the request
@@ -176,7 +177,7 @@ class StagedDecoder:
         if input_ids is None:
             raise ValueError("macer: the prompt came without token ids (prompt embeddings); MACER labels audio/video "
                              "rows by their token ids")
-        ids, temporal = _to_host(input_ids[:n], temporal_row(positions)[:n])  # the prefill's one device read
+        ids, temporal = to_host(input_ids[:n], temporal_row(positions)[:n])  # the prefill's one device read
         facts = PromptFacts(labels=self.prompt.labels(ids).long(), temporal=temporal, input_ids=ids,
                             end_of_turn_token_id=self.end_of_turn, num_layers=len(self.layers))
         try:
@@ -186,7 +187,7 @@ class StagedDecoder:
             # error here would stop the engine, not just this request: serve it unpruned, said in a WARNING record.
             self._record_unpruned(facts, f"served without pruning: {refusal}")
             return self._layers(hidden, positions)
-        prefill = _Prefill(plan, hidden.device, None)
+        prefill = PrefillState(plan, hidden.device)
         slots = torch.empty(self.vllm_config.model_config.max_model_len, dtype=first.slot_mapping.dtype,
                             device=first.slot_mapping.device)
         slots[:n] = first.slot_mapping[:n]
@@ -335,7 +336,7 @@ def prompt_counts(facts: PromptFacts) -> dict[str, int]:
     return counts
 
 
-def nonfinite_note(prefill: _Prefill) -> str | None:
+def nonfinite_note(prefill: PrefillState) -> str | None:
     """The record's note when a stage ranked non-finite scores (``run_stage``'s device flags, read in one copy after
     the prefill's last layer, as the transformers runtime reads them). The transformers runtime raises there; inside
     the engine an error would stop every request, so the request goes on and its record is a WARNING that names the
@@ -348,7 +349,7 @@ def nonfinite_note(prefill: _Prefill) -> str | None:
             "rule, not by attention, and the outputs are likely NaN too")
 
 
-def kept_counts(prefill: _Prefill) -> dict[str, int]:
+def kept_counts(prefill: PrefillState) -> dict[str, int]:
     """Audio and video tokens the prefill kept. From the host plan where it fixes them (one selection per modality,
     the random rule's host picks); a joint selection's split (FastV) is data-dependent and read from the device
     once, after the prefill's last layer."""
