@@ -9,7 +9,7 @@ a decode step or Qwen3-Omni's deepstack remap. The host plan at the start of a p
 the prefill's one device read.
 The ops' own argument checks (``macer_kernels``) are outside this test: the GPU hot-path issue (#9) makes them
 sync-free and tests them there. The one read the prefill's end makes on purpose, of every stage's non-finite flags
-(``macer._prefill.raise_if_nonfinite``), is counted apart: at most one per prefill.
+(``macer.hf.prefill.raise_if_nonfinite``), is counted apart: at most one per prefill.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import contextlib
 import macer
 import pytest
 import torch
-from macer import _prefill as prefill_module
-from macer import runtime
-from macer.adapters.qwen3_omni import Qwen3OmniAdapter
+from macer.hf import plan as prefill_module
+from macer.hf import session as runtime
+from macer.hf.adapters.qwen3_omni import Qwen3OmniAdapter
 from macer.testing import build_thinker, clip_inputs, macer_config_for
 from sync_guard import READ_METHODS, counting, model_layer_caller
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,7 +88,7 @@ def count_syncs(monkeypatch):
         return wrapped
 
     for name in ("readout", "_prefill_layer", "_end", "_begin_decode", "_decode_layer"):
-        monkeypatch.setattr(runtime._Session, name, hot(getattr(runtime._Session, name)))
+        monkeypatch.setattr(runtime.Session, name, hot(getattr(runtime.Session, name)))
     monkeypatch.setattr(Qwen3OmniAdapter, "deepstack", hot(Qwen3OmniAdapter.deepstack))
     check = runtime.raise_if_nonfinite
 
@@ -208,4 +208,4 @@ def test_qwen3_deepstack_reads_once_per_stage_before_a_deepstack_level(monkeypat
         model.generate(**inputs, max_new_tokens=2, do_sample=False)
     assert trace.history[0].layer_tokens[-1] < inputs["input_ids"].shape[1]
     assert [name for name, _ in found] == ["aten.index(bool)"] * reads, found
-    assert all(where.startswith("macer.adapters.qwen3_omni:") for _, where in found), found
+    assert all(where.startswith("macer.hf.adapters.qwen3_omni:") for _, where in found), found

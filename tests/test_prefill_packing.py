@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from macer._batch import check_no_masked_row, layout_mask
 from macer.core import transfer
 from macer.core.transfer import to_device, to_host, upload
+from macer.hf.batch import check_no_masked_row, layout_mask
 
 import macer_kernels
 

@@ -16,7 +16,11 @@ See ``docs/integration.md``.
 import importlib
 from types import ModuleType
 
-from macer.adapters import (
+from macer.core.config import PAPER_DEFAULTS, MacerConfig, paper_defaults
+from macer.core.policies import ABLATIONS, POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
+from macer.core.policy import Policy
+from macer.diagnostics import DiagnosticReport, diagnose  # noqa: F401  (re-exported: macer.diagnose)
+from macer.hf.adapters import (
     AUDIO,
     MODEL_TYPE_TO_ADAPTER,
     TEXT,
@@ -26,12 +30,8 @@ from macer.adapters import (
     label_rows,
     supported_model_types,
 )
-from macer.core.config import PAPER_DEFAULTS, MacerConfig, paper_defaults
-from macer.core.policies import ABLATIONS, POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
-from macer.core.policy import Policy
-from macer.diagnostics import DiagnosticReport, diagnose  # noqa: F401  (re-exported: macer.diagnose)
-from macer.runtime import SUPPORTED_ATTENTION, compress
-from macer.trace import PrefillRecord, Stage, Trace
+from macer.hf.compress import SUPPORTED_ATTENTION, compress
+from macer.hf.trace import PrefillRecord, Stage, Trace
 
 __all__ = [
     "ABLATIONS",

@@ -46,11 +46,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer._attention import call_as, register_refcounted, unregister_names
-from macer.adapters import AUDIO, TEXT, VISUAL, get_adapter
 from macer.core.config import MacerConfig
 from macer.core.policy import PromptFacts, question_rows
 from macer.core.stage import score
+from macer.hf.adapters import AUDIO, TEXT, VISUAL, get_adapter
+from macer.hf.attention import call_as, register_refcounted, unregister_names
 from macer_kernels import coverage_select, temporal_chunks, topk_indices
 
 __all__ = ["DiagnosticReport", "default_policies", "diagnose", "gini"]
@@ -397,7 +397,7 @@ def _policy_forward(model: nn.Module, parts: Any, adapter: Any, inputs: Mapping[
                     num_layers: int) -> tuple[torch.Tensor, list[float | None]]:
     """One forward inside ``macer.compress(model, policy)``: the kept-token mask over the prompt and the log ratio
     at each layer over the tokens it holds."""
-    from macer.runtime import compress
+    from macer.hf.compress import compress
 
     n = labels.numel()
     tail = n - int(question[0])  # rows from the first question row to the end: text, never dropped

@@ -387,9 +387,9 @@ def macer_config_for(model: Any, **overrides: Any):
 
 
 def decoder_parts(model: Any):
-    """``macer.adapters.DecoderParts`` of a model built here: ``.decoder`` (the text model), ``.layers``, ``.root``
+    """``macer.hf.adapters.DecoderParts`` of a model built here: ``.decoder`` (the text model), ``.layers``, ``.root``
     (the module that receives ``input_ids`` and holds ``audio_tower``, ``visual`` and ``rope_deltas``), whichever
     module tree the installed transformers uses."""
-    from macer.adapters import get_adapter
+    from macer.hf.adapters import get_adapter
 
     return get_adapter(model).parts(model)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import macer
 import pytest
 import torch
-from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
+from macer.hf.adapters.qwen2_5_omni import Qwen25OmniAdapter
 from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, thinker_config
 from macer.vllm._staged import check_policy, omni_prompt_labels, temporal_row
 

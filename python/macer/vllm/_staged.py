@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
+from macer.core.families import QWEN2_5_OMNI
 from macer.core.policy import AUDIO, MODALITY_NAMES, VISUAL, Policy, PromptFacts, plan_prefill
 from macer.core.prefill import PrefillState, nonfinite_hits
 from macer.core.transfer import to_host
@@ -52,16 +52,14 @@ class PromptLabels:
 
 
 def omni_prompt_labels(thinker_config: Any) -> PromptLabels:
-    """The Qwen2.5-Omni thinker's rows, read as ``macer``'s Qwen2.5-Omni adapter reads them for transformers: audio
-    = the config's audio token id, visual = its video or image token id; the question ends at ``<|im_end|>``."""
-    from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
-
-    adapter, holder = Qwen25OmniAdapter(), SimpleNamespace(config=thinker_config)
+    """The Qwen2.5-Omni thinker's rows, read from its config as the transformers adapter reads them
+    (``macer.core.families.QWEN2_5_OMNI``): audio = the config's audio token id, visual = its video or image token
+    id; the question ends at ``<|im_end|>``."""
 
     def labels(ids: torch.Tensor) -> torch.Tensor:
-        return adapter.labels(holder, ids[None])[0]
+        return QWEN2_5_OMNI.labels(thinker_config, ids)
 
-    return PromptLabels(labels, adapter.end_of_turn_token_id(holder))
+    return PromptLabels(labels, QWEN2_5_OMNI.end_of_turn_token_id(thinker_config))
 
 
 def check_policy(policy: Policy, end_of_turn_token_id: int | None) -> None:

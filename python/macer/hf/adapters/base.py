@@ -1,4 +1,4 @@
-"""The adapter interface: everything the model-independent runtime (``macer.runtime``) needs to know about one model
+"""The adapter interface: everything the model-independent runtime (``macer.hf.session``) needs to know about one model
 family. ``docs/integration.md`` ("Adapters") documents it for authors of new adapters.
 
 An adapter answers, for a model of its family:
@@ -60,7 +60,7 @@ class Adapter(ABC):
     #: keyword argument holding the ``(cos, sin)`` RoPE tables, each ``[B, N, D]``
     position_embeddings_kwarg: ClassVar[str] = "position_embeddings"
     #: whether ``compress`` may run a batch of ``B > 1`` prompts on this family: the runtime re-packs the batch after
-    #: every stage (``macer._batch``), so an adapter with per-token state of its own (``on_stage``, a guard that
+    #: every stage (``macer.hf.batch``), so an adapter with per-token state of its own (``on_stage``, a guard that
     #: remaps tokens) must say it handles a re-packed batch before it is allowed
     batch_ready: ClassVar[bool] = False
     #: what the family's config says without a module (labels, end-of-turn id, paper defaults), shared with the vLLM

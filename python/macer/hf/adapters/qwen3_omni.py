@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer.adapters.base import DecoderParts
-from macer.adapters.qwen2_5_omni import QwenOmniAdapter
 from macer.core.families import QWEN3_OMNI
+from macer.hf.adapters.base import DecoderParts
+from macer.hf.adapters.qwen2_5_omni import QwenOmniAdapter
 
 __all__ = ["Qwen3OmniAdapter"]
 

@@ -1,10 +1,10 @@
 """Model adapters: one file per model family, and the flat registry ``MODEL_TYPE_TO_ADAPTER``.
 
-An adapter (``macer.adapters.base.Adapter``) tells the model-independent runtime where a model keeps its decoder and
+An adapter (``macer.hf.adapters.base.Adapter``) tells the model-independent runtime where a model keeps its decoder and
 how to read a prompt: modality labels, temporal positions, the end-of-turn token, the family's paper defaults.
 Everything else (planning, scoring, selection, compaction, KV caches) knows nothing about the family.
 
-To support a new family: write ``macer/adapters/<family>.py`` with an ``Adapter`` subclass and add its model types to
+To support a new family: write ``macer/hf/adapters/<family>.py`` with an ``Adapter`` subclass and add its model types to
 ``MODEL_TYPE_TO_ADAPTER`` below (or call ``register_adapter`` from your own code).
 """
 
@@ -15,12 +15,12 @@ from typing import Any
 
 from torch import nn
 
-from macer.adapters.base import AUDIO, TEXT, VISUAL, Adapter, DecoderParts
-from macer.adapters.labelled import LabelledAdapter, label_rows
-from macer.adapters.labelled_batch import BatchLabelledAdapter
-from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
-from macer.adapters.qwen3_omni import Qwen3OmniAdapter
 from macer.core.families import MODEL_TYPE_TO_FAMILY
+from macer.hf.adapters.base import AUDIO, TEXT, VISUAL, Adapter, DecoderParts
+from macer.hf.adapters.labelled import LabelledAdapter, label_rows
+from macer.hf.adapters.labelled_batch import BatchLabelledAdapter
+from macer.hf.adapters.qwen2_5_omni import Qwen25OmniAdapter
+from macer.hf.adapters.qwen3_omni import Qwen3OmniAdapter
 
 __all__ = ["AUDIO", "MODEL_TYPE_TO_ADAPTER", "TEXT", "VISUAL", "Adapter", "BatchLabelledAdapter", "DecoderParts",
            "LabelledAdapter",

@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from macer.adapters.base import Adapter, DecoderParts
 from macer.core.families import QWEN2_5_OMNI, QwenOmni
+from macer.hf.adapters.base import Adapter, DecoderParts
 
 __all__ = ["Qwen25OmniAdapter", "QwenOmniAdapter"]
 
