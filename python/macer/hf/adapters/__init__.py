@@ -1,11 +1,13 @@
 """Model adapters: one file per model family, and the flat registry ``MODEL_TYPE_TO_ADAPTER``.
 
 An adapter (``macer.hf.adapters.base.Adapter``) tells the model-independent runtime where a model keeps its decoder and
-how to read a prompt: modality labels, temporal positions, the end-of-turn token, the family's paper defaults.
+how to read a prompt: modality labels, temporal positions, the end-of-turn token; what the family's config says alone
+(labels, end-of-turn id, paper defaults) is its ``family`` in ``macer.core.families``, shared with the vLLM plugin.
 Everything else (planning, scoring, selection, compaction, KV caches) knows nothing about the family.
 
-To support a new family: write ``macer/hf/adapters/<family>.py`` with an ``Adapter`` subclass and add its model types to
-``MODEL_TYPE_TO_ADAPTER`` below (or call ``register_adapter`` from your own code).
+To support a new family: its config facts in ``macer/core/families.py``, then ``macer/hf/adapters/<family>.py`` with an
+``Adapter`` subclass, its model types added to ``MODEL_TYPE_TO_ADAPTER`` below (or ``register_adapter`` from your own
+code); ``docs/architecture.md`` says where the vLLM side goes.
 """
 
 from __future__ import annotations
