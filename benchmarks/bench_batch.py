@@ -110,7 +110,7 @@ def main() -> int:
     if new_tokens < 1 or warmup < 0 or reps < 1:
         raise SystemExit("--decode-tokens >= 1, --warmup >= 0 and --reps >= 1 are required")
 
-    from macer.config import paper_defaults
+    from macer.core.config import paper_defaults
     from macer.testing import build_thinker, macer_config_for
 
     device = torch.device("cuda" if mode == "gpu" else "cpu")

@@ -268,7 +268,7 @@ def _policy(name: str, model: torch.nn.Module, keep_ratio: float, settings: dict
     row after layer ``macer.cost.FASTV_PRUNE_LAYER`` (5, as ``tab:main`` charges it; ``--fastv-layer`` sets it).
     Random: seed 0."""
     import macer
-    from macer.config import paper_defaults
+    from macer.core.config import paper_defaults
     from macer.testing import SYNTHETIC_TOKENS
 
     # The synthetic prompts close the question with the synthetic <|im_end|> (the real id is outside their vocabulary).

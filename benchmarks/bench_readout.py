@@ -55,7 +55,7 @@ from macer_kernels import (
 )
 from macer_kernels.reference import modality_scores_ref
 
-# Qwen2.5-Omni-7B readout (Sec. 4 defaults of macer.config for 28 layers).
+# Qwen2.5-Omni-7B readout (Sec. 4 defaults of macer.core.config for 28 layers).
 Q_HEADS, KV_HEADS, HEAD_DIM, Q_LEN, HIDDEN = 28, 4, 128, 4, 3584
 KEEP_RATIO, AUDIO_SHARE, COVERAGE_WEIGHT, NUM_CHUNKS = 0.25, 0.30, 0.20, 8
 PROMPT = {"text_before": 40, "audio": 1460, "video": 864, "text_after": 36}  # ~2.4k tokens

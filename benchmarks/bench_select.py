@@ -3,7 +3,7 @@
     python -m benchmarks.bench_select            # GPU: n = 864 / 20k / 100k video tokens, writes benchmarks/results/
     python -m benchmarks.bench_select --quick    # CPU smoke run on tiny sizes, writes nothing
 
-k = n / 4 (keep ratio 0.25), lambda_c = 0.2 and C = 8 temporal chunks (the 7B defaults in ``macer.config``).
+k = n / 4 (keep ratio 0.25), lambda_c = 0.2 and C = 8 temporal chunks (the 7B defaults in ``macer.core.config``).
 Providers: ``naive`` is the obvious PyTorch code (``torch.topk`` + a sort for top-k; the literal k-step greedy as a
 loop of PyTorch ops on the device for the coverage greedy, run only where k <= 5000 because it costs k steps of
 several launches); ``torch`` is the PyTorch backend; then every other backend that can run on the device. The target

@@ -16,8 +16,8 @@ import macer
 import pytest
 import torch
 from budget_oracle import exact_budget
-from macer.adapters import AUDIO, VISUAL, get_adapter
 from macer.diagnostics import _temporal_gini, default_policies, diagnose, gini
+from macer.hf.adapters import AUDIO, VISUAL, get_adapter
 from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, macer_config_for
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import macer
-import macer._batch as macer_batch
+import macer.hf.batch as macer_batch
 import pytest
 import torch
 import torch.nn.functional as F

@@ -216,7 +216,7 @@ def test_a_macer_stage_is_one_call_for_the_whole_batch(monkeypatch, policy):
     """Issue #11 item 3: a MACER stage runs one ``select_stage`` and one ``compact_many`` for the whole batch (so a
     fixed number of kernel launches whatever B), and the result is still each prompt alone (checked above on the
     same prompts); FastV's raw scores run per sample."""
-    import macer._batch as batch_module
+    import macer.hf.batch as batch_module
 
     calls = {"select_stage": 0, "compact_many": 0}
 
@@ -266,8 +266,8 @@ def test_samples_with_different_stage_rules_at_one_layer():
     equals each prompt alone (found in review: it raised a chunk-id error)."""
     import dataclasses
 
-    from macer.config import MacerConfig
-    from macer.policy import AUDIO, VISUAL, Selection, StageSpec
+    from macer.core.config import MacerConfig
+    from macer.core.policy import AUDIO, VISUAL, Selection, StageSpec
 
     @dataclasses.dataclass(frozen=True)
     class PerPrompt(MacerConfig):

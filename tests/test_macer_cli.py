@@ -149,12 +149,12 @@ def test_demo_real_checkpoint_path_with_stand_ins(tmp_path, capsys, monkeypatch,
     as the 7B checkpoint, so ``for_model`` picks its defaults) and a stand-in processor; the real processor is not
     exercised here."""
     import transformers
-    from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
+    from macer.core.families import Qwen25Omni
     from macer.testing import build_thinker
 
     model = build_thinker(num_layers=28, hidden_size=64, seed=0)
     # for_model keys the paper's defaults by model identity (type and sizes), not depth: identify the stand-in as 7B.
-    monkeypatch.setattr(Qwen25OmniAdapter, "identify", lambda self, m: "qwen2.5-omni-7b")
+    monkeypatch.setattr(Qwen25Omni, "identify", lambda self, m: "qwen2.5-omni-7b")
     monkeypatch.setattr(transformers.Qwen2_5OmniThinkerForConditionalGeneration, "from_pretrained",
                         classmethod(lambda cls, path, **kw: model))
     monkeypatch.setattr(transformers.Qwen2_5OmniProcessor, "from_pretrained",

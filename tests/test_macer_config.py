@@ -8,7 +8,7 @@ import macer
 import pytest
 import torch
 from macer import MacerConfig
-from macer.adapters import get_adapter
+from macer.hf.adapters import get_adapter
 from macer.testing import (
     SYNTHETIC_TOKENS,
     build_omni_model,
@@ -221,7 +221,7 @@ def _run(model, config, **inputs):
 def test_batch_needs_a_batch_ready_adapter(model, monkeypatch):
     # Batches (issue #11, tests/test_macer_batch.py) run only where the adapter says its per-token state follows a
     # re-packed batch; others refuse with a message naming the adapter.
-    from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
+    from macer.hf.adapters.qwen2_5_omni import Qwen25OmniAdapter
 
     monkeypatch.setattr(Qwen25OmniAdapter, "batch_ready", False)
     inputs = clip_inputs(model, frames=0, audio_tokens=20, use_audio_in_video=False)

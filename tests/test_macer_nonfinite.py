@@ -112,7 +112,7 @@ def test_a_batch_names_the_broken_sample(model, name):
 
 def test_the_error_names_the_earliest_stage():
     """With NaN from layer 1 on, every stage is flagged; the error names the first one (the layer to inspect)."""
-    from macer._prefill import raise_if_nonfinite
+    from macer.hf.prefill import raise_if_nonfinite
 
     t, f = torch.tensor([True]), torch.tensor([False])
     entries = [(3, [0], t), (1, [None, 1], torch.tensor([True, True])), (1, [0], f)]

@@ -372,7 +372,7 @@ def test_cache_is_read_under_either_argument_name():
     only the old name, so on 5.24 every decode step looked like a new prompt and nothing was pruned (found by the
     eval install test). CI pins 5.23, so the name lookup itself is checked here (the model tests passed on 5.24.0
     with it, run by hand)."""
-    from macer.runtime import cache_argument
+    from macer.hf.cache import cache_argument
 
     new, old = object(), object()
     assert cache_argument({"cache": new}) is new
@@ -382,7 +382,7 @@ def test_cache_is_read_under_either_argument_name():
     assert cache_argument({}) is None
     from types import SimpleNamespace
 
-    from macer.runtime import output_cache
+    from macer.hf.cache import output_cache
 
     assert output_cache(SimpleNamespace(cache=new, past_key_values=None)) is new
     assert output_cache(SimpleNamespace(past_key_values=old)) is old

@@ -12,7 +12,7 @@ import pytest
 import torch
 from budget_oracle import exact_budget
 from macer import cost
-from macer.policy import AUDIO, VISUAL, PromptFacts, plan_prefill
+from macer.core.policy import AUDIO, VISUAL, PromptFacts, plan_prefill
 from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, macer_config_for, thinker_config
 
 from macer_kernels.reference import topk_indices_ref

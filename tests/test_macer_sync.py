@@ -9,7 +9,7 @@ a decode step or Qwen3-Omni's deepstack remap. The host plan at the start of a p
 the prefill's one device read.
 The ops' own argument checks (``macer_kernels``) are outside this test: the GPU hot-path issue (#9) makes them
 sync-free and tests them there. The one read the prefill's end makes on purpose, of every stage's non-finite flags
-(``macer._prefill.raise_if_nonfinite``), is counted apart: at most one per prefill.
+(``macer.hf.prefill.raise_if_nonfinite``), is counted apart: at most one per prefill.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import contextlib
 import macer
 import pytest
 import torch
-from macer import _prefill as prefill_module
-from macer import runtime
-from macer.adapters.qwen3_omni import Qwen3OmniAdapter
+from macer.hf import plan as prefill_module
+from macer.hf import session as runtime
+from macer.hf.adapters.qwen3_omni import Qwen3OmniAdapter
 from macer.testing import build_thinker, clip_inputs, macer_config_for
 from sync_guard import READ_METHODS, counting, model_layer_caller
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,7 +88,7 @@ def count_syncs(monkeypatch):
         return wrapped
 
     for name in ("readout", "_prefill_layer", "_end", "_begin_decode", "_decode_layer"):
-        monkeypatch.setattr(runtime._Session, name, hot(getattr(runtime._Session, name)))
+        monkeypatch.setattr(runtime.Session, name, hot(getattr(runtime.Session, name)))
     monkeypatch.setattr(Qwen3OmniAdapter, "deepstack", hot(Qwen3OmniAdapter.deepstack))
     check = runtime.raise_if_nonfinite
 
@@ -135,7 +135,7 @@ def test_no_host_sync_in_stages_compacted_layers_and_decode(models, monkeypatch,
 
 def test_the_counter_sees_a_sync_added_to_a_stage(models, monkeypatch):
     """The detector is not vacuous: a ``.item()`` put into the stage's device work is caught."""
-    from macer import policy as policy_module
+    from macer.core import stage as policy_module
 
     original = policy_module.select_stage
 
@@ -150,21 +150,21 @@ def test_the_counter_sees_a_sync_added_to_a_stage(models, monkeypatch):
     with count_syncs(monkeypatch) as found, torch.no_grad(), macer.compress(model, POLICIES["macer"](model)):
         model(**clip_inputs(model, **CLIP))
     assert found and {name for name, _ in found} <= {"Tensor.item", "Tensor.__int__"}
-    assert all(where.startswith("macer.policy:") for _, where in found), found
+    assert all(where.startswith("macer.core.stage:") for _, where in found), found
 
 
 def test_one_host_read_per_prefill_and_none_for_cpu_inputs(models, monkeypatch):
     """The plan brings ids, temporal row and mask to the host in one ``_to_host`` call per prefill; tensors already
     on the CPU are passed through without a copy."""
     calls = []
-    original = prefill_module._to_host
+    original = prefill_module.to_host
 
     def spy(*tensors):
         out = original(*tensors)
         calls.append(all(o is t for o, t in zip(out, tensors, strict=True)))
         return out
 
-    monkeypatch.setattr(prefill_module, "_to_host", spy)
+    monkeypatch.setattr(prefill_module, "to_host", spy)
     model = models["eager"]
     inputs = clip_inputs(model, **CLIP)
     with torch.no_grad(), macer.compress(model, POLICIES["macer"](model)) as trace:
@@ -184,8 +184,8 @@ def test_no_host_sync_in_a_batch(models, monkeypatch, attn, policy):
     batch = batch_inputs([clip_inputs(model, frames=0, audio_tokens=50, use_audio_in_video=False, seed=2),
                           clip_inputs(model, **CLIP, use_audio_in_video=False)])
     reads = []
-    original = prefill_module._to_host
-    monkeypatch.setattr(prefill_module, "_to_host", lambda *t: reads.append(len(t)) or original(*t))
+    original = prefill_module.to_host
+    monkeypatch.setattr(prefill_module, "to_host", lambda *t: reads.append(len(t)) or original(*t))
     with count_syncs(monkeypatch) as found, torch.no_grad(), \
             macer.compress(model, POLICIES[policy](model)) as trace:
         model.generate(**batch, max_new_tokens=3, do_sample=False)
@@ -208,4 +208,4 @@ def test_qwen3_deepstack_reads_once_per_stage_before_a_deepstack_level(monkeypat
         model.generate(**inputs, max_new_tokens=2, do_sample=False)
     assert trace.history[0].layer_tokens[-1] < inputs["input_ids"].shape[1]
     assert [name for name, _ in found] == ["aten.index(bool)"] * reads, found
-    assert all(where.startswith("macer.adapters.qwen3_omni:") for _, where in found), found
+    assert all(where.startswith("macer.hf.adapters.qwen3_omni:") for _, where in found), found

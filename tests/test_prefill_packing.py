@@ -1,7 +1,8 @@
 """The host/device plumbing of a prefill, run on a CPU machine with its device branches forced (issue 22.4, 22.5).
 
-``macer._prefill._to_host`` packs the prompt's ids, temporal row and mask into one device-to-host copy and unpacks
-them; ``_to_device`` packs the plan's int64 tables into one upload (``macer._batch.upload``: pinned, non-blocking).
+``macer.core.transfer.to_host`` packs the prompt's ids, temporal row and mask into one device-to-host copy and unpacks
+them; ``to_device`` packs the plan's int64 tables into one upload (``macer.core.transfer.upload``: pinned,
+non-blocking).
 On CPU tensors both skip the packing, so every CPU model test passes even if the packing scrambles its pieces; here a
 tensor subclass that reports another device (``_Remote``) and fake copies make the packing run and be checked piece by
 piece against the tensors it was given. ``layout_mask`` (the 4-D mask of a re-packed batch) is checked against a
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from macer import _prefill
-from macer._batch import check_no_masked_row, layout_mask, upload
-from macer._prefill import _to_device, _to_host
+from macer.core import transfer
+from macer.core.transfer import to_device, to_host, upload
+from macer.hf.batch import check_no_masked_row, layout_mask
 
 import macer_kernels
 
@@ -48,7 +49,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("float_temporal", [True, False], ids=["float-times", "int-times"])
 def test_to_host_unpacks_every_piece_in_one_copy(seed, float_temporal):
-    """Guards the packing of ``_to_host`` (a planted "offset never advances" gave every piece the first tensor's
+    """Guards the packing of ``to_host`` (a planted "offset never advances" gave every piece the first tensor's
     values on a GPU while every CPU test passed): ids, temporal row and mask of a prompt (1-D) and of a batch (2-D)
     come back value for value, in one copy, with ids and mask int64 and float times float64."""
     g = torch.Generator().manual_seed(seed)
@@ -59,7 +60,7 @@ def test_to_host_unpacks_every_piece_in_one_copy(seed, float_temporal):
             temporal = temporal + torch.rand(shape, generator=g, dtype=torch.float64)
         mask = (torch.rand(shape, generator=g) > 0.2).long()
         _Remote.copies = 0
-        out = _to_host(_remote(ids), _remote(temporal), _remote(mask))
+        out = to_host(_remote(ids), _remote(temporal), _remote(mask))
         assert _Remote.copies == 1, f"seed={seed} {shape}: {_Remote.copies} copies"
         for got, want, name in zip(out, (ids, temporal, mask), ("ids", "temporal", "mask"), strict=True):
             assert got.device.type == "cpu" and not isinstance(got, _Remote), name
@@ -74,15 +75,15 @@ def test_to_host_keeps_host_tensors_and_none_in_place(seed):
     ids, mask = torch.randint(0, 1000, (20,), generator=g), torch.ones(20, dtype=torch.long)
     host_times = torch.arange(20.0)
     _Remote.copies = 0
-    got_ids, got_none, got_times, got_mask = _to_host(_remote(ids), None, host_times, _remote(mask))
+    got_ids, got_none, got_times, got_mask = to_host(_remote(ids), None, host_times, _remote(mask))
     assert _Remote.copies == 1 and got_none is None and got_times is host_times
     assert torch.equal(got_ids, ids) and torch.equal(got_mask, mask), f"seed={seed}"
     _Remote.copies = 0
-    assert _to_host(None, host_times) == [None, host_times] and _Remote.copies == 0  # nothing remote: no copy
+    assert to_host(None, host_times) == [None, host_times] and _Remote.copies == 0  # nothing remote: no copy
 
 
 def test_to_device_splits_one_upload_into_the_tables(seed, monkeypatch):
-    """Guards the packing of ``_to_device`` (the plan's labels, question rows, picks and chunk ids in one upload):
+    """Guards the packing of ``to_device`` (the plan's labels, question rows, picks and chunk ids in one upload):
     with a fake upload that keeps the values, each table comes back as its own int64 values (flattened, as the
     callers reshape them), in order, from exactly one upload to the device asked for."""
     g = torch.Generator().manual_seed(seed)
@@ -94,15 +95,15 @@ def test_to_device_splits_one_upload_into_the_tables(seed, monkeypatch):
         calls.append((t.clone(), device))
         return _remote(t)
 
-    monkeypatch.setattr(_prefill, "upload", fake_upload)
+    monkeypatch.setattr(transfer, "upload", fake_upload)
     device = torch.device("meta")
-    out = _to_device(tables, device)
+    out = to_device(tables, device)
     assert len(calls) == 1 and calls[0][1] == device
     assert len(out) == len(tables)
     for i, (got, want) in enumerate(zip(out, tables, strict=True)):
         assert got.dtype == torch.long and torch.equal(_plain(got), want.reshape(-1).long()), f"seed={seed} table {i}"
-    assert _to_device(tables, torch.device("cpu")) is tables and len(calls) == 1  # CPU: no packing, no upload
-    assert _to_device([], device) == [] and len(calls) == 1
+    assert to_device(tables, torch.device("cpu")) is tables and len(calls) == 1  # CPU: no packing, no upload
+    assert to_device([], device) == [] and len(calls) == 1
 
 
 def test_upload_pins_then_copies_without_waiting(monkeypatch):
@@ -146,11 +147,11 @@ def test_packing_on_a_gpu(seed):
     g = torch.Generator().manual_seed(seed)
     ids, mask = torch.randint(0, 1000, (3, 17), generator=g), torch.ones(3, 17, dtype=torch.long)
     times = torch.rand(3, 17, generator=g, dtype=torch.float64) * 100
-    got = _to_host(ids.cuda(), times.cuda(), mask.cuda())
+    got = to_host(ids.cuda(), times.cuda(), mask.cuda())
     for a, b in zip(got, (ids, times, mask), strict=True):
         assert a.device.type == "cpu" and torch.equal(a.reshape(b.shape), b.to(a.dtype))
     tables = [torch.randint(0, 9, (11,), generator=g), torch.arange(6).reshape(2, 3)]
-    out = _to_device(tables, torch.device("cuda"))
+    out = to_device(tables, torch.device("cuda"))
     for a, b in zip(out, tables, strict=True):
         assert a.is_cuda and torch.equal(a.cpu(), b.reshape(-1))
     assert torch.equal(upload(ids, torch.device("cuda")).cpu(), ids)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from macer.adapters import get_adapter
+from macer.hf.adapters import get_adapter
 
 SCORING_OPS = ("modality_scores",)
 SELECTION_OPS = ("split_budget", "temporal_chunks", "topk_indices", "coverage_select")
@@ -129,11 +129,11 @@ def _timed_ops(clock: _Clock) -> Iterator[dict[str, list]]:
 def _timed_decode() -> Iterator[list[float]]:
     """Host seconds MACER's runtime spends in decode steps while inside the block: the decoder pre-hook's decode branch,
     the per-layer decode hooks, and (in versions that had it) the removal of per-step hooks. Whatever of these the
-    installed ``macer.runtime`` has is wrapped, so one harness measures an older runtime too. Host time (perf_counter):
-    what a decode step costs the CPU before its kernels are queued."""
-    from macer import runtime
+    installed ``macer.hf.session.Session`` has is wrapped, so one harness measures an older runtime too. Host time
+    (perf_counter): what a decode step costs the CPU before its kernels are queued."""
+    from macer.hf.session import Session
 
-    session = runtime._Session
+    session = Session
     spent: list[float] = []
     depth = [0]
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from macer import cost
-from macer.adapters import get_adapter
+from macer.hf.adapters import get_adapter
 
 from benchmarks.e2e.measure import thinker_of
 

@@ -7,31 +7,19 @@ with macer.compress(model, config) as trace:                    # or any policy:
     out = model.generate(**inputs, max_new_tokens=64)
 trace.budget, trace.audio_kept, trace.video_kept, trace.layer_tokens, trace.cache_lengths
 ```
-Layout: ``policy`` (the policy interface and the host plan), ``config`` (``MacerConfig``), ``policies`` (FastV,
-Random, full, the ablations, ``make_policy``), ``runtime`` (hooks, compaction, caches), ``adapters`` (one file per
-model family), ``trace``, ``cost``, ``batching`` (left-padded batches of single-prompt inputs), ``testing``.
+Layout (``docs/architecture.md``): ``core`` (engine-independent: the policy interface and host plan, the stage,
+the prefill state, ``MacerConfig``, the policies, the model families' config facts), ``hf`` (the transformers engine:
+``compress``, its session, adapters, trace), ``vllm`` (the vLLM plugin); beside them the tools ``cli``,
+``diagnostics``, ``cost``, ``batching`` (left-padded batches of single-prompt inputs), ``testing``, ``eval``.
 See ``docs/integration.md``.
 """
 
 import importlib
-from types import ModuleType
+from typing import Any
 
-from macer.adapters import (
-    AUDIO,
-    MODEL_TYPE_TO_ADAPTER,
-    TEXT,
-    VISUAL,
-    BatchLabelledAdapter,
-    LabelledAdapter,
-    label_rows,
-    supported_model_types,
-)
-from macer.config import PAPER_DEFAULTS, MacerConfig, paper_defaults
-from macer.diagnostics import DiagnosticReport, diagnose  # noqa: F401  (re-exported: macer.diagnose)
-from macer.policies import ABLATIONS, POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
-from macer.policy import Policy
-from macer.runtime import SUPPORTED_ATTENTION, compress
-from macer.trace import PrefillRecord, Stage, Trace
+from macer.core.config import PAPER_DEFAULTS, MacerConfig, paper_defaults
+from macer.core.policies import ABLATIONS, POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
+from macer.core.policy import AUDIO, TEXT, VISUAL, Policy
 
 __all__ = [
     "ABLATIONS",
@@ -59,16 +47,38 @@ __all__ = [
     "supported_model_types",
 ]
 
-# Submodules that the docs and error messages cite as ``macer.<name>.<attr>`` after a plain ``import macer``. Imported
-# on first use (PEP 562), so ``import macer`` stays what it was: none of them is loaded until it is named.
+# The public names of the transformers engine and the tools, by the module that defines them, imported on first use
+# (PEP 562): ``import macer.vllm`` imports this package first, and the plugin must load the core and itself only,
+# never the transformers engine (``macer.hf``) or the tools.
+_LAZY_NAMES = {
+    "MODEL_TYPE_TO_ADAPTER": "macer.hf.adapters",
+    "BatchLabelledAdapter": "macer.hf.adapters",
+    "LabelledAdapter": "macer.hf.adapters",
+    "label_rows": "macer.hf.adapters",
+    "supported_model_types": "macer.hf.adapters",
+    "SUPPORTED_ATTENTION": "macer.hf.compress",
+    "compress": "macer.hf.compress",
+    "PrefillRecord": "macer.hf.trace",
+    "Stage": "macer.hf.trace",
+    "Trace": "macer.hf.trace",
+    "DiagnosticReport": "macer.diagnostics",
+    "diagnose": "macer.diagnostics",
+}
+
+# Submodules that the docs and error messages cite as ``macer.<name>.<attr>`` after a plain ``import macer``, imported
+# on first use too: none of them is loaded until it is named.
 _LAZY_SUBMODULES = ("batching", "cost", "testing", "testing_qwen3")
 
 
-def __getattr__(name: str) -> ModuleType:
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+        globals()[name] = value  # found directly from now on
+        return value
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"macer.{name}")
     raise AttributeError(f"module 'macer' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY_SUBMODULES})
+    return sorted({*globals(), *_LAZY_NAMES, *_LAZY_SUBMODULES})

@@ -133,9 +133,9 @@ def _timed(fn) -> tuple[float, Any]:
 
 def _demo_random(args: argparse.Namespace) -> int:
     import macer
-    from macer.adapters import get_adapter
     from macer.cost import run_cost
-    from macer.runtime import output_cache
+    from macer.hf.adapters import get_adapter
+    from macer.hf.cache import output_cache
     from macer.testing import build_thinker, clip_inputs, macer_config_for
 
     load_before = _load_average()  # before this process adds its own load

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from macer._checks import check_count, check_real
+from macer.core.checks import check_count, check_real
 from macer_kernels import decimal_fraction
 
 Real = float | Fraction

@@ -46,10 +46,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer._attention import call_as, register_refcounted, unregister_names
-from macer.adapters import AUDIO, TEXT, VISUAL, get_adapter
-from macer.config import MacerConfig
-from macer.policy import PromptFacts, question_rows, score
+from macer.core.config import MacerConfig
+from macer.core.policy import PromptFacts, question_rows
+from macer.core.stage import score
+from macer.hf.adapters import AUDIO, TEXT, VISUAL, get_adapter
+from macer.hf.attention import call_as, register_refcounted, unregister_names
 from macer_kernels import coverage_select, temporal_chunks, topk_indices
 
 __all__ = ["DiagnosticReport", "default_policies", "diagnose", "gini"]
@@ -113,8 +114,8 @@ def default_policies(config: MacerConfig, num_layers: int) -> dict[str, Any]:
     ``shared_topk`` (one joint top-K read at ``video_layer``, the ablation), ``fastv`` (the prompt's last row, after
     layer ``macer.cost.FASTV_PRUNE_LAYER`` = 5 as ``tab:main`` charges it, or the last prunable layer of a shallower
     decoder) and ``random`` (seed 0)."""
+    from macer.core.policies import FastVConfig, RandomConfig
     from macer.cost import FASTV_PRUNE_LAYER
-    from macer.policies import FastVConfig, RandomConfig
 
     question = {"query_tokens": config.query_tokens, "end_of_turn_token_id": config.end_of_turn_token_id,
                 "question_span": config.question_span}
@@ -396,7 +397,7 @@ def _policy_forward(model: nn.Module, parts: Any, adapter: Any, inputs: Mapping[
                     num_layers: int) -> tuple[torch.Tensor, list[float | None]]:
     """One forward inside ``macer.compress(model, policy)``: the kept-token mask over the prompt and the log ratio
     at each layer over the tokens it holds."""
-    from macer.runtime import compress
+    from macer.hf.compress import compress
 
     n = labels.numel()
     tail = n - int(question[0])  # rows from the first question row to the end: text, never dropped

@@ -379,7 +379,7 @@ def macer_config_for(model: Any, **overrides: Any):
     """``MacerConfig`` for a model built here: the paper's settings where ``model`` has a real text shape
     (``text_shape="7B"`` / ``"3B"``), else the ``MacerConfig`` defaults (the 7B values), then ``overrides``;
     ``end_of_turn_token_id`` is the synthetic ``<|im_end|>``."""
-    from macer.config import MacerConfig, paper_defaults
+    from macer.core.config import MacerConfig, paper_defaults
 
     overrides = {**(paper_defaults(model) or {}), **overrides}
     overrides.setdefault("end_of_turn_token_id", SYNTHETIC_TOKENS.im_end)
@@ -387,9 +387,9 @@ def macer_config_for(model: Any, **overrides: Any):
 
 
 def decoder_parts(model: Any):
-    """``macer.adapters.DecoderParts`` of a model built here: ``.decoder`` (the text model), ``.layers``, ``.root``
+    """``macer.hf.adapters.DecoderParts`` of a model built here: ``.decoder`` (the text model), ``.layers``, ``.root``
     (the module that receives ``input_ids`` and holds ``audio_tower``, ``visual`` and ``rope_deltas``), whichever
     module tree the installed transformers uses."""
-    from macer.adapters import get_adapter
+    from macer.hf.adapters import get_adapter
 
     return get_adapter(model).parts(model)

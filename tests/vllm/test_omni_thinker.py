@@ -10,9 +10,10 @@ from __future__ import annotations
 import macer
 import pytest
 import torch
-from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
+from macer.hf.adapters.qwen2_5_omni import Qwen25OmniAdapter
 from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, thinker_config
-from macer.vllm._staged import check_policy, omni_prompt_labels, temporal_row
+from macer.vllm.checks import check_policy
+from macer.vllm.prompt import omni_prompt_labels, temporal_row
 
 
 def test_omni_labels_and_question_end_follow_the_transformers_adapter():

@@ -7,9 +7,12 @@ hook (``macer.vllm.checks.MacerEngineHook``) for them. Select one with ``--hf-ov
 ["MacerQwen2_5OmniThinkerForConditionalGeneration"]}'`` (or a checkpoint whose config names it) and configure it with
 ``--additional-config '{"macer": {...}}'`` (``macer.vllm.settings``).
 
-Modules: ``settings`` (the ``"macer"`` settings), ``checks`` (engine settings refused), ``records`` (per-request
-record and log line), ``model`` (the architectures), ``testing`` (a tiny checkpoint and prompts built in code).
-Importing this package does not import vLLM.
+Modules: ``settings`` (the ``"macer"`` settings), ``checks`` (engine settings and policies refused), ``guard`` (the
+per-request check), ``records`` (per-request record and log line), ``model`` (the architectures), ``staged`` (the
+layer loop with the stages), ``prompt`` (row labels and temporal positions), ``backend`` (everything specific to
+vLLM's attention backends and metadata), ``testing`` (a tiny checkpoint and prompts built in code). Built on
+``macer.core``; it never imports the transformers engine (``macer.hf``). Importing this package does not import
+vLLM.
 """
 
 from __future__ import annotations

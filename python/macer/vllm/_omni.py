@@ -3,9 +3,9 @@ unchanged) with MACER's stages inside its language model. Loaded by ``macer.vllm
 module imports torchvision, which does not import beside the CPU torch build the CPU tests use.
 
 Rows are labelled from the thinker config's audio / video / image token ids, and the question closes at the
-family's end-of-turn id, exactly as ``macer``'s Qwen2.5-Omni adapter does for transformers (``omni_prompt_labels``);
-the temporal position of a row is its M-RoPE temporal row (``StagedDecoder`` reads ``positions[0]``), as the
-adapter's ``position_ids[-3]``.
+family's end-of-turn id, exactly as the transformers adapter does (``macer.vllm.prompt.omni_prompt_labels`` over
+``macer.core.families``); the temporal position of a row is its M-RoPE temporal row (``StagedDecoder`` reads
+``positions[0]``), as the adapter's ``position_ids[-3]``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerForConditionalGeneration
 from vllm.sequence import IntermediateTensors
 
-from macer.vllm._staged import StagedDecoder, omni_prompt_labels
-from macer.vllm.checks import check_engine
-from macer.vllm.model import no_pipeline
+from macer.vllm.checks import check_engine, no_pipeline
+from macer.vllm.prompt import omni_prompt_labels
 from macer.vllm.settings import policy_from_config
+from macer.vllm.staged import StagedDecoder
 
 __all__ = ["MacerQwen2_5OmniThinkerForConditionalGeneration"]
 

@@ -21,6 +21,9 @@ Why each setting is refused (docs/serving.md has the long form):
 * ``max_num_seqs > 1``: the forward compacts one prefill (phase 1 of the design).
 * ``prompt_logprobs``: the dropped rows leave the later layers, so their logits do not exist.
 
+``check_policy`` refuses, when a model loads, a policy the engine cannot serve as the transformers engine would;
+``no_pipeline`` refuses a pipeline-parallel step at the model's forward.
+
 Pure Python over ``vllm_config`` attributes, except ``MacerRequestGuard`` (imports vLLM when it is loaded).
 """
 
@@ -29,9 +32,13 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["GUARD", "TESTED_VLLM_VERSIONS", "MacerEngineHook", "check_engine", "check_request", "check_version"]
+if TYPE_CHECKING:
+    from macer.core.policy import Policy
+
+__all__ = ["GUARD", "TESTED_VLLM_VERSIONS", "MacerEngineHook", "check_engine", "check_policy", "check_request",
+           "check_version", "no_pipeline"]
 
 logger = logging.getLogger("vllm.macer")  # through vLLM's handler (macer.vllm.records says why)
 
@@ -117,6 +124,32 @@ def check_request(sampling_params: Any) -> None:
     if getattr(sampling_params, "prompt_logprobs", None) is not None:
         raise ValueError("macer: prompt_logprobs is not supported (the audio/video rows a stage drops leave the later "
                          "layers, so their prompt logits do not exist); leave prompt_logprobs unset")
+
+
+def check_policy(policy: Policy, end_of_turn_token_id: int | None) -> None:
+    """Refuse, when the model loads, a policy the engine cannot serve as the transformers runtime would: an error at
+    a prefill would stop the engine, not just the request.
+
+    * ``trim_early_cache=True``: the early layers' pages would have to be compacted after the prefill (not done).
+    * question rows read before an unknown end-of-turn token (``question_span="end_of_turn"`` with no
+      ``end_of_turn_token_id`` from the settings or the model).
+    """
+    if policy.trim_early_cache:
+        raise ValueError('additional_config["macer"]["trim_early_cache"]=true is not supported inside vLLM (the early '
+                         "layers' KV pages keep every prompt token); leave it false")
+    reads_question = any(spec.needs_scores and spec.query == "question" for spec in policy.stage_specs(1, 1))
+    if reads_question and policy.question_span == "end_of_turn" and end_of_turn_token_id is None:
+        raise ValueError('additional_config["macer"]: the question rows end before the end-of-turn token, which this '
+                         'model does not name: set "end_of_turn_token_id" (the id closing the user\'s question), or '
+                         '"question_span": "prompt_end" to read the prompt\'s last query_tokens tokens')
+
+
+def no_pipeline(intermediate_tensors: Any) -> None:
+    """Raise ``ValueError`` for a forward that receives another pipeline rank's tensors (``pipeline_parallel_size``
+    > 1; ``check_engine`` refuses it first)."""
+    if intermediate_tensors is not None:
+        raise ValueError("macer: pipeline parallelism is not supported by the MACER architectures "
+                         "(pipeline_parallel_size must be 1)")
 
 
 class MacerEngineHook:

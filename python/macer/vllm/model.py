@@ -1,10 +1,10 @@
 """The plugin's architectures: vLLM's own Qwen2 decoder and Qwen2.5-Omni thinker with MACER's stages in the language
-model's forward (``macer.vllm._staged.StagedDecoder``). Registered lazily by ``macer.vllm.register``.
+model's forward (``macer.vllm.staged.StagedDecoder``). Registered lazily by ``macer.vllm.register``.
 
 * ``MacerQwen2ForCausalLM``: a Qwen2 decoder whose audio/video rows are named by token-id sets in the settings
   (``additional_config["macer"]["audio_token_ids"]`` / ``["video_token_ids"]``): the labelled path inside the engine.
 * ``MacerQwen2_5OmniThinkerForConditionalGeneration``: vLLM's Qwen2.5-Omni thinker (encoders, processor, M-RoPE
-  unchanged), rows labelled from its config's audio/video/image token ids as ``macer``'s Qwen2.5-Omni adapter does,
+  unchanged), rows labelled from its config's audio/video/image token ids (``macer.core.families``),
   temporal positions from the M-RoPE temporal row. Selected on a checkpoint with
   ``--hf-overrides '{"architectures": ["MacerQwen2_5OmniThinkerForConditionalGeneration"]}'``.
 
@@ -21,18 +21,13 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.sequence import IntermediateTensors
 
-from macer.vllm._staged import PromptLabels, StagedDecoder
-from macer.vllm.checks import check_engine
+from macer.vllm.checks import check_engine, no_pipeline
+from macer.vllm.prompt import PromptLabels
 from macer.vllm.settings import policy_from_config
+from macer.vllm.staged import StagedDecoder
 
 # MacerQwen2_5OmniThinkerForConditionalGeneration is an attribute too, loaded on first access (``__getattr__``).
-__all__ = ["MacerQwen2ForCausalLM", "no_pipeline"]
-
-
-def no_pipeline(intermediate_tensors: IntermediateTensors | None) -> None:
-    if intermediate_tensors is not None:
-        raise ValueError("macer: pipeline parallelism is not supported by the MACER architectures "
-                         "(pipeline_parallel_size must be 1)")
+__all__ = ["MacerQwen2ForCausalLM"]
 
 
 class MacerQwen2ForCausalLM(Qwen2ForCausalLM):

@@ -4,11 +4,13 @@ process that runs the model) and logged at INFO on the ``vllm.macer`` logger (th
 
     macer: prefill 1 policy=macer budget=22 (audio 7, video 15) kept audio 7/24 video 15/64 layers [103x3, 86x2, 46]
 
-The model calls ``record(...)`` once per prefill with host values it already has (the plan's budget and counts):
-recording reads nothing back from the device. Prefills are numbered from 1 in each process; vLLM's V1 runner does not
-tell the model which request a step serves, so ``request_id`` is None there (with ``max_num_seqs=1`` the n-th prefill
-is the n-th request the engine scheduled). ``RECORDS`` keeps the last ``MAX_RECORDS`` requests; in a test with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine core runs in the test's process and the test reads them directly.
+The model calls ``record_prefill`` (or ``record_unpruned``) once per prefill; ``record(...)`` takes host values the
+model already has (the plan's budget and counts) and reads nothing back from the device (``kept_counts`` reads a
+joint selection's split once, after the prefill's last layer). Prefills are numbered from 1 in each process; vLLM's
+V1 runner does not tell the model which request a step serves, so ``request_id`` is None there (with
+``max_num_seqs=1`` the n-th prefill is the n-th request the engine scheduled). ``RECORDS`` keeps the last
+``MAX_RECORDS`` requests; in a test with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine core runs in the test's
+process and the test reads them directly.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 
+from macer.core.policy import AUDIO, MODALITY_NAMES, VISUAL, PromptFacts
+from macer.core.prefill import PrefillState, nonfinite_hits
 from macer_kernels import Budget
 
-__all__ = ["MAX_RECORDS", "RECORDS", "RequestRecord", "clear", "format_layers", "last", "record"]
+__all__ = ["MAX_RECORDS", "RECORDS", "RequestRecord", "clear", "format_layers", "kept_counts", "last",
+           "nonfinite_note", "prompt_counts", "record", "record_prefill", "record_unpruned"]
 
 # A child of vLLM's "vllm" logger, so the line goes through vLLM's handler and level (VLLM_LOGGING_LEVEL) in every
 # process of the engine; a logger of our own would have no handler there and drop INFO.
@@ -98,6 +103,57 @@ def record(request_id: str | None, budget: Budget | None, kept_counts: Mapping[s
     RECORDS.append(entry)
     logger.log(logging.WARNING if note else logging.INFO, "%s", entry.line())
     return entry
+
+
+def record_prefill(prefill: PrefillState, policy: str) -> RequestRecord:
+    """Record a prefill the stages ran on: its plan's budget and layer lengths, the tokens it kept, and a note if a
+    stage ranked non-finite scores."""
+    plan = prefill.plan
+    # The V1 runner does not tell the model which request a step serves: request_id stays None (one request at a
+    # time, so records come in the order the prefills ran).
+    return record(None, plan.budget, kept_counts(prefill), list(plan.layer_tokens), policy=policy,
+                  prompt_counts=prompt_counts(plan.facts), note=nonfinite_note(prefill))
+
+
+def record_unpruned(facts: PromptFacts, num_layers: int, policy: str, note: str) -> RequestRecord:
+    """Record a prompt served without pruning (``note`` says why): every layer sees the whole prompt."""
+    counts = prompt_counts(facts)
+    return record(None, None, {"audio": counts["audio"], "video": counts["video"]}, [facts.length] * num_layers,
+                  policy=policy, prompt_counts=counts, note=note)
+
+
+def prompt_counts(facts: PromptFacts) -> dict[str, int]:
+    """``{"audio": n_a, "video": n_v, "text": n_t}`` of a prompt."""
+    counts = {"audio": facts.count(AUDIO), "video": facts.count(VISUAL)}
+    counts["text"] = facts.length - counts["audio"] - counts["video"]
+    return counts
+
+
+def nonfinite_note(prefill: PrefillState) -> str | None:
+    """The record's note when a stage ranked non-finite scores (``run_stage``'s device flags, read in one copy after
+    the prefill's last layer, as the transformers runtime reads them). The transformers runtime raises there; inside
+    the engine an error would stop every request, so the request goes on and its record is a WARNING that names the
+    layer: its selection is the non-finite rule's (NaN ranks last), not a ranking by attention."""
+    hits = nonfinite_hits(prefill.nonfinite_flags())
+    if not hits:
+        return None
+    return (f"the attention scores of the stage reading layer {hits[0][0]} are not finite (NaN or inf in that layer's "
+            "queries or keys: its weights or the hidden states entering it); the stage kept tokens by the non-finite "
+            "rule, not by attention, and the outputs are likely NaN too")
+
+
+def kept_counts(prefill: PrefillState) -> dict[str, int]:
+    """Audio and video tokens the prefill kept. From the host plan where it fixes them (one selection per modality,
+    the random rule's host picks); a joint selection's split (FastV) is data-dependent and read from the device
+    once, after the prefill's last layer."""
+    plan, counts = prefill.plan, {}
+    for label, name in MODALITY_NAMES.items():
+        count = prefill.label_count(label)
+        if count is None:
+            kept = prefill.current.cpu()  # joint top-k only: its split is known on the device alone
+            count = int((plan.facts.labels[kept] == label).sum())
+        counts[name] = count
+    return counts
 
 
 def last() -> RequestRecord:

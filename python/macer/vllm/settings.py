@@ -26,15 +26,12 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from macer.adapters.base import text_config
-from macer.config import decoder_depth
-from macer.policies import POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
-from macer.policy import AUDIO, TEXT, VISUAL, Policy
+from macer.core.config import decoder_depth
+from macer.core.families import LabelSpec, text_config
+from macer.core.policies import POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
+from macer.core.policy import Policy
 
 __all__ = [
     "LABELLED_ARCHITECTURE",
@@ -51,27 +48,6 @@ LABELLED_ARCHITECTURE = "MacerQwen2ForCausalLM"
 OMNI_THINKER_ARCHITECTURE = "MacerQwen2_5OmniThinkerForConditionalGeneration"
 LABEL_KEYS = ("audio_token_ids", "video_token_ids")
 _BASELINES = {"full": FullConfig, "fastv": FastVConfig, "random": RandomConfig}  # no per-model defaults
-
-
-@dataclass(frozen=True)
-class LabelSpec:
-    """Which prompt token ids are audio rows and which are video (or image) rows.
-
-    Attributes:
-        audio_token_ids: sorted, unique ids labelled ``AUDIO``.
-        visual_token_ids: sorted, unique ids labelled ``VISUAL``; disjoint from ``audio_token_ids``.
-    """
-
-    audio_token_ids: tuple[int, ...]
-    visual_token_ids: tuple[int, ...]
-
-    def labels(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """``[N]`` int64 labels (``TEXT`` 0, ``AUDIO`` 1, ``VISUAL`` 2) of ``[N]`` prompt ids, on their device."""
-        labels = torch.full_like(token_ids, TEXT, dtype=torch.long)
-        for label, ids in ((AUDIO, self.audio_token_ids), (VISUAL, self.visual_token_ids)):
-            if ids:
-                labels[torch.isin(token_ids, torch.tensor(ids, device=token_ids.device))] = label
-        return labels
 
 
 def _token_ids(key: str, value: Any, vocab_size: int | None) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from macer.policy import AUDIO, TEXT, VISUAL
+from macer.core.policy import AUDIO, TEXT, VISUAL
 
 __all__ = [
     "ARCHITECTURE",

@@ -1,11 +1,13 @@
 """Model adapters: one file per model family, and the flat registry ``MODEL_TYPE_TO_ADAPTER``.
 
-An adapter (``macer.adapters.base.Adapter``) tells the model-independent runtime where a model keeps its decoder and
-how to read a prompt: modality labels, temporal positions, the end-of-turn token, the family's paper defaults.
+An adapter (``macer.hf.adapters.base.Adapter``) tells the model-independent runtime where a model keeps its decoder and
+how to read a prompt: modality labels, temporal positions, the end-of-turn token; what the family's config says alone
+(labels, end-of-turn id, paper defaults) is its ``family`` in ``macer.core.families``, shared with the vLLM plugin.
 Everything else (planning, scoring, selection, compaction, KV caches) knows nothing about the family.
 
-To support a new family: write ``macer/adapters/<family>.py`` with an ``Adapter`` subclass and add its model types to
-``MODEL_TYPE_TO_ADAPTER`` below (or call ``register_adapter`` from your own code).
+To support a new family: its config facts in ``macer/core/families.py``, then ``macer/hf/adapters/<family>.py`` with an
+``Adapter`` subclass, its model types added to ``MODEL_TYPE_TO_ADAPTER`` below (or ``register_adapter`` from your own
+code); ``docs/architecture.md`` says where the vLLM side goes.
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from typing import Any
 
 from torch import nn
 
-from macer.adapters.base import AUDIO, TEXT, VISUAL, Adapter, DecoderParts, text_config
-from macer.adapters.labelled import LabelledAdapter, label_rows
-from macer.adapters.labelled_batch import BatchLabelledAdapter
-from macer.adapters.qwen2_5_omni import Qwen25OmniAdapter
-from macer.adapters.qwen3_omni import Qwen3OmniAdapter
+from macer.core.families import MODEL_TYPE_TO_FAMILY
+from macer.hf.adapters.base import AUDIO, TEXT, VISUAL, Adapter, DecoderParts
+from macer.hf.adapters.labelled import LabelledAdapter, label_rows
+from macer.hf.adapters.labelled_batch import BatchLabelledAdapter
+from macer.hf.adapters.qwen2_5_omni import Qwen25OmniAdapter
+from macer.hf.adapters.qwen3_omni import Qwen3OmniAdapter
 
 __all__ = ["AUDIO", "MODEL_TYPE_TO_ADAPTER", "TEXT", "VISUAL", "Adapter", "BatchLabelledAdapter", "DecoderParts",
            "LabelledAdapter",
-           "adapter_for", "get_adapter", "label_rows", "register_adapter", "supported_model_types", "text_config"]
+           "adapter_for", "get_adapter", "label_rows", "register_adapter", "supported_model_types"]
 
 MODEL_TYPE_TO_ADAPTER: dict[str, type[Adapter]] = {
     "qwen2_5_omni": Qwen25OmniAdapter,
@@ -35,11 +38,14 @@ MODEL_TYPE_TO_ADAPTER: dict[str, type[Adapter]] = {
 
 
 def register_adapter(*model_types: str) -> Callable[[type[Adapter]], type[Adapter]]:
-    """Class decorator: use this adapter for models whose ``config.model_type`` is one of ``model_types``."""
+    """Class decorator: use this adapter for models whose ``config.model_type`` is one of ``model_types`` (and its
+    ``family``, if it names one, for ``MacerConfig.for_model``'s paper defaults)."""
 
     def deco(cls: type[Adapter]) -> type[Adapter]:
         for model_type in model_types:
             MODEL_TYPE_TO_ADAPTER[model_type] = cls
+            if cls.family is not None:
+                MODEL_TYPE_TO_FAMILY[model_type] = cls.family
         return cls
 
     return deco

@@ -1,4 +1,4 @@
-"""The adapter interface: everything the model-independent runtime (``macer.runtime``) needs to know about one model
+"""The adapter interface: everything the model-independent runtime (``macer.hf.session``) needs to know about one model
 family. ``docs/integration.md`` ("Adapters") documents it for authors of new adapters.
 
 An adapter answers, for a model of its family:
@@ -7,8 +7,8 @@ An adapter answers, for a model of its family:
   the layer list, the config whose ``_attn_implementation`` the attention modules read;
 * what each prompt token is (``labels``, ``temporal_positions``): modality labels from the token ids and the temporal
   position of every token, batched ``[B, N]`` (a left-padded batch when ``batch_ready``);
-* the end-of-turn token that closes the user's question (``end_of_turn_token_id``) and the family's paper defaults,
-  keyed by model identity (``identify`` / ``paper_defaults``), never by depth alone;
+* the end-of-turn token that closes the user's question (``end_of_turn_token_id``) and the family's config facts
+  (``family``: labels, end-of-turn id and paper defaults from the config alone, ``macer.core.families``);
 * per-token state of its own that a stage must shorten (``on_prefill`` / ``on_stage``, with ``guards`` to wrap a
   method that uses state the decoder keeps in locals of its forward, e.g. Qwen3-Omni's deepstack visual features);
 * where the question ends when no token ids say it (``question_end``, the labelled path).
@@ -23,10 +23,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from macer.policy import AUDIO, TEXT, VISUAL
+from macer.core.families import Family
+from macer.core.policy import AUDIO, TEXT, VISUAL
 
-__all__ = ["AUDIO", "TEXT", "VISUAL", "Adapter", "DecoderParts", "text_config"]
-
+__all__ = ["AUDIO", "TEXT", "VISUAL", "Adapter", "DecoderParts"]
 
 
 @dataclass
@@ -48,14 +48,6 @@ class DecoderParts:
     outer: tuple[nn.Module, ...] = ()
 
 
-def text_config(model_or_config: Any) -> Any:
-    """The decoder's (text model's) config of a model or config: through ``.config``, ``thinker_config`` and
-    ``get_text_config()``."""
-    config = getattr(model_or_config, "config", model_or_config)
-    config = getattr(config, "thinker_config", None) or config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 class Adapter(ABC):
     """Base adapter, with the decoder-layer calling convention shared by transformers' decoder-only models:
     ``layer(hidden_states, attention_mask=..., position_ids=..., position_embeddings=(cos, sin), ...)``.
@@ -68,9 +60,12 @@ class Adapter(ABC):
     #: keyword argument holding the ``(cos, sin)`` RoPE tables, each ``[B, N, D]``
     position_embeddings_kwarg: ClassVar[str] = "position_embeddings"
     #: whether ``compress`` may run a batch of ``B > 1`` prompts on this family: the runtime re-packs the batch after
-    #: every stage (``macer._batch``), so an adapter with per-token state of its own (``on_stage``, a guard that
+    #: every stage (``macer.hf.batch``), so an adapter with per-token state of its own (``on_stage``, a guard that
     #: remaps tokens) must say it handles a re-packed batch before it is allowed
     batch_ready: ClassVar[bool] = False
+    #: what the family's config says without a module (labels, end-of-turn id, paper defaults), shared with the vLLM
+    #: plugin; ``register_adapter`` registers it for ``MacerConfig.for_model`` (None for the labelled path)
+    family: ClassVar[Family | None] = None
 
     @abstractmethod
     def parts(self, model: nn.Module) -> DecoderParts:
@@ -90,19 +85,6 @@ class Adapter(ABC):
     def end_of_turn_token_id(self, model: nn.Module) -> int | None:
         """The id of the token that closes the user's turn (``<|im_end|>`` for Qwen chat templates), or None if this
         family cannot tell; ``MacerConfig.end_of_turn_token_id=None`` takes this value."""
-        return None
-
-    def identify(self, model_or_config: Any) -> str | None:
-        """The name of a known model (e.g. ``"qwen2.5-omni-7b"``) from its model type and size facts, or None."""
-        return None
-
-    def paper_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
-        """The paper's settings for this model (``MacerConfig`` fields), or None where the paper has none."""
-        return None
-
-    def derived_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
-        """Settings derived (not calibrated) for a known model the paper does not report, e.g. readout layers scaled
-        from the paper's depth fractions; ``MacerConfig.for_model`` uses them with a warning. None by default."""
         return None
 
     def guards(self, model: nn.Module) -> list[tuple[Any, str, Any]]:

@@ -1,4 +1,4 @@
-"""The baselines and ablations next to ``MacerConfig`` (``macer.config``), and ``make_policy`` to pick one by name.
+"""The baselines and ablations next to ``MacerConfig`` (``macer.core.config``), and ``make_policy`` to pick one by name.
 
 Every policy is accepted by ``macer.compress(model, policy)`` and records its budget and kept sets in the trace.
 ``docs/integration.md`` ("Policies") maps the paper's ``tab:main`` and ``tab:ablation`` rows to these settings.
@@ -11,9 +11,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from macer._checks import field_bool, field_choice, field_int, field_real
-from macer.config import MacerConfig
-from macer.policy import AUDIO, QUESTION_SPANS, VISUAL, Policy, Selection, StageSpec
+from macer.core.checks import field_bool, field_choice, field_int, field_real
+from macer.core.config import MacerConfig
+from macer.core.policy import AUDIO, QUESTION_SPANS, VISUAL, Policy, Selection, StageSpec
 from macer_kernels import Budget, split_budget
 
 __all__ = ["ABLATIONS", "POLICY_NAMES", "FastVConfig", "FullConfig", "RandomConfig", "make_policy"]

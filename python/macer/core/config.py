@@ -1,18 +1,17 @@
 """``MacerConfig``: the settings of one MACER run (the ``"macer"`` policy), with the paper's defaults per model
-(``tab:macer_defaults``), found by model identity through the model's adapter."""
+(``tab:macer_defaults``), found by model identity through the model's family (``macer.core.families``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from macer._checks import field_bool, field_choice, field_int, field_real
-from macer.adapters.base import text_config
-from macer.policy import AUDIO, QUESTION_SPANS, SCORINGS, VISUAL, Policy, Selection, StageSpec
+from macer.core.checks import field_bool, field_choice, field_int, field_real
+from macer.core.families import MODEL_TYPE_TO_FAMILY, family_for, text_config
+from macer.core.policy import AUDIO, QUESTION_SPANS, SCORINGS, VISUAL, Policy, Selection, StageSpec
 from macer_kernels import Budget, split_budget
 
 __all__ = ["PAPER_DEFAULTS", "MacerConfig", "decoder_depth", "paper_defaults"]
@@ -41,11 +40,9 @@ class _PaperDefaults(dict):
 
 
 def _collect_defaults() -> _PaperDefaults:
-    from macer.adapters import MODEL_TYPE_TO_ADAPTER
-
     table = _PaperDefaults()
-    for adapter in {cls for cls in MODEL_TYPE_TO_ADAPTER.values()}:
-        table.update(getattr(importlib.import_module(adapter.__module__), "PAPER_DEFAULTS", {}))
+    for family in MODEL_TYPE_TO_FAMILY.values():
+        table.update(family.PAPER_DEFAULTS)
     return table
 
 
@@ -166,8 +163,8 @@ class MacerConfig(Policy):
     def for_model(cls, model_or_config: Any, **overrides: Any) -> MacerConfig:
         """The paper's defaults for this model, then ``overrides``.
 
-        The model is identified by its model type and text-model sizes (``macer.adapters``): Qwen2.5-Omni-7B gets
-        ``(l_a, l_v, alpha, lambda_c) = (3, 5, 0.30, 0.20)``, 3B ``(4, 7, 0.32, 0.30)`` (``tab:macer_defaults``).
+        The model is identified by its model type and text-model sizes (``macer.core.families``): Qwen2.5-Omni-7B
+        gets ``(l_a, l_v, alpha, lambda_c) = (3, 5, 0.30, 0.20)``, 3B ``(4, 7, 0.32, 0.30)`` (``tab:macer_defaults``).
         Qwen3-Omni-30B-A3B (48 layers, not in the paper) gets ``(5, 9, 0.30, 0.20)``, derived from the paper's depth
         fractions, with a ``UserWarning`` saying so (``docs/integration.md``).
         For any other model the paper has no calibrated layers: pass ``audio_layer`` and ``video_layer``
@@ -208,21 +205,17 @@ class MacerConfig(Policy):
 
 
 def _derived_defaults(model_or_config: Any) -> tuple[str, dict[str, Any]] | None:
-    """(model name, settings) the adapter derived for a known model the paper does not report, or None."""
-    from macer.adapters import adapter_for
-
-    adapter = adapter_for(model_or_config)
-    fields = adapter.derived_defaults(model_or_config) if adapter is not None else None
-    return (adapter.identify(model_or_config), fields) if fields is not None else None
+    """(model name, settings) the family derived for a known model the paper does not report, or None."""
+    family = family_for(model_or_config)
+    fields = family.derived_defaults(model_or_config) if family is not None else None
+    return (family.identify(model_or_config), fields) if fields is not None else None
 
 
 def paper_defaults(model_or_config: Any) -> dict[str, Any] | None:
     """The paper's ``MacerConfig`` settings for a model it reports (identified by model type and text-model sizes
-    through the model's adapter), or None."""
-    from macer.adapters import adapter_for
-
-    adapter = adapter_for(model_or_config)
-    return adapter.paper_defaults(model_or_config) if adapter is not None else None
+    through the model's family), or None."""
+    family = family_for(model_or_config)
+    return family.paper_defaults(model_or_config) if family is not None else None
 
 
 def _describe(model_or_config: Any) -> str:

@@ -37,31 +37,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer.adapters.base import DecoderParts, text_config
-from macer.adapters.qwen2_5_omni import IM_END, QwenOmniAdapter
+from macer.core.families import QWEN3_OMNI
+from macer.hf.adapters.base import DecoderParts
+from macer.hf.adapters.qwen2_5_omni import QwenOmniAdapter
 
-__all__ = ["DERIVED_DEFAULTS", "SIZES", "Qwen3OmniAdapter"]
-
-SIZES: dict[str, dict[str, int]] = {
-    # The thinker's text model (Qwen3-Omni-30B-A3B Instruct / Thinking / Captioner share it).
-    "qwen3-omni-30b-a3b": {"num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
-                           "num_key_value_heads": 4},
-}
-
-DERIVED_DEFAULTS: dict[str, dict[str, Any]] = {
-    # Not in the paper: readout layers at the paper's depth fractions (7B: 3/28, 5/28; 3B: 4/36, 7/36) of 48 layers,
-    # audio 5.1-5.3 -> 5, video 8.6-9.3 -> 9; alpha and lambda_c are the 7B values. docs/integration.md has the
-    # reasoning; the diagnostics' readout-layer sweep on real weights is how a user confirms them.
-    "qwen3-omni-30b-a3b": {"audio_layer": 5, "video_layer": 9, "audio_share": 0.30, "coverage_weight": 0.20},
-}
+__all__ = ["Qwen3OmniAdapter"]
 
 
 class Qwen3OmniAdapter(QwenOmniAdapter):
     """Adapter for ``Qwen3OmniMoeThinkerForConditionalGeneration`` and ``Qwen3OmniMoeForConditionalGeneration``."""
 
-    FULL_MODEL_TYPE = "qwen3_omni_moe"
-    SIZES = SIZES
-
+    family = QWEN3_OMNI
     batch_ready = True  # the deepstack remapping follows a re-packed batch (on_stage gets its [B, W] keep)
 
     def __init__(self) -> None:
@@ -88,17 +74,6 @@ class Qwen3OmniAdapter(QwenOmniAdapter):
                              "version not supported")
         return DecoderParts(root=root, decoder=decoder, layers=decoder.layers, attn_config=decoder.config,
                             outer=(thinker,))
-
-    def end_of_turn_token_id(self, model: nn.Module) -> int | None:
-        # The full model's config names <|im_end|> (im_end_token_id); a thinker alone has the Qwen2 vocabulary.
-        named = getattr(model.config, "im_end_token_id", None)
-        if isinstance(named, int):
-            return named
-        return IM_END if text_config(model).vocab_size > IM_END else None
-
-    def derived_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
-        name = self.identify(model_or_config)
-        return dict(DERIVED_DEFAULTS[name]) if name is not None else None
 
     def on_prefill(self, decoder_kwargs: dict[str, Any]) -> None:
         self._mask = decoder_kwargs.get("visual_pos_masks")

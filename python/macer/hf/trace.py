@@ -15,7 +15,7 @@ from macer_kernels import Budget
 
 __all__ = ["PrefillRecord", "Stage", "Trace"]
 
-_AUDIO, _VISUAL = 1, 2  # macer.policy's labels (kept literal: this module is read by code that knows no policy)
+_AUDIO, _VISUAL = 1, 2  # macer.core.policy's labels (kept literal: this module is read by code that knows no policy)
 
 
 @dataclass

@@ -5,14 +5,14 @@ Procedure (the runtime calls this module only for ``B > 1``):
 
 1. At the start of a prefill the whole batch's ids, temporal rows and 2-D mask come to the host in the prefill's one
    copy. Each sample's padding is stripped and the sample is planned exactly as if it ran alone
-   (``macer.policy.plan_prefill`` on its own row): counts, budget split, question rows, chunk ids, stage layers.
-2. At a readout layer a MACER stage (ANMS scores, top-K / coverage per modality: ``policy._fused``) runs once for
-   the whole batch: ``macer_kernels.select_stage`` on the padded batch with the padding labelled ``PAD_LABEL``
-   (outside every softmax, so each sample scores as if alone, up to fp32 rounding), each sample's own counts and
-   budgets and its own question rows. The result is the re-packed layout itself: each sample's kept rows
+   (``macer.core.policy.plan_prefill`` on its own row): counts, budget split, question rows, chunk ids, stage layers.
+2. At a readout layer a MACER stage (ANMS scores, top-K / coverage per modality: ``macer.core.stage.fused``) runs
+   once for the whole batch: ``macer_kernels.select_stage`` on the padded batch with the padding labelled
+   ``PAD_LABEL`` (outside every softmax, so each sample scores as if alone, up to fp32 rounding), each sample's own
+   counts and budgets and its own question rows. The result is the re-packed layout itself: each sample's kept rows
    right-aligned after ``-1``s. So a stage is a fixed number of launches whatever ``B`` (scoring + one selection on
    the GPU backends). Other stages (raw scores, joint or random selections, a stage before layer 1) run
-   ``macer.policy.run_stage`` per sample on its own real rows, as a prompt alone.
+   ``macer.core.stage.run_stage`` per sample on its own real rows, as a prompt alone.
 3. Before the next layer the batch is re-packed by one ``compact_many`` with the ``[B, W]`` keep (``-1`` slots give
    zero rows): one launch per 8 per-token tensors. The 4-D mask is rebuilt for the new layout (causal over each
    sample's real rows, padded keys masked; a padded query row sees only itself, so no row is fully masked and no NaN
@@ -24,24 +24,16 @@ Procedure (the runtime calls this module only for ``B > 1``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from macer.policy import _fused
+from macer.core.stage import fused
+from macer.core.transfer import upload
+from macer.hf.inputs import layer_inputs, token_tensors
+from macer.hf.prefill import PromptPrefill
+from macer.hf.trace import PrefillRecord
 from macer_kernels import PAD_LABEL, StageModality, compact_many, select_stage, validation_enabled
-
-if TYPE_CHECKING:
-    from macer._prefill import _Prefill
-    from macer.trace import PrefillRecord
-
-
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host table to ``device`` without waiting for it (from pinned memory on a GPU: a copy from pageable
-    memory may synchronise)."""
-    if device.type == "cpu":
-        return t
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 def check_left_padding(mask: torch.Tensor) -> list[int]:
@@ -73,31 +65,6 @@ def gather_tokens(t: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tenso
     shape = list(t.shape)
     shape[dim] = m
     return torch.gather(t, dim, index.view(view).expand(shape))
-
-
-def token_tensors(adapter: Any, args: tuple, kwargs: dict[str, Any], source: dict[str, Any]
-                  ) -> tuple[list[str], list[torch.Tensor], list[int]]:
-    """What a stage compacts before the next layer: the hidden states, RoPE ``cos``/``sin`` and the adapter's
-    per-token layer kwargs (from ``source``: the last compacted inputs, else the layer's own), with the sequence dim
-    of each (non-negative)."""
-    hidden = args[0] if args else kwargs["hidden_states"]
-    cos, sin = source[adapter.position_embeddings_kwarg]
-    names, tensors, dims = ["hidden_states", "cos", "sin"], [hidden, cos, sin], [1, 1, 1]
-    for name, dim in adapter.layer_token_kwargs.items():
-        if isinstance(source.get(name), torch.Tensor):
-            names.append(name)
-            tensors.append(source[name])
-            dims.append(dim % source[name].ndim)
-    return names, tensors, dims
-
-
-def layer_inputs(adapter: Any, names: list[str], compacted: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The compacted hidden states and the layer kwargs that replace the originals (RoPE as its ``(cos, sin)``)."""
-    out = dict(zip(names, compacted, strict=True))
-    inputs: dict[str, Any] = {adapter.position_embeddings_kwarg: (out.pop("cos"), out.pop("sin"))}
-    hidden = out.pop("hidden_states")
-    inputs.update(out)
-    return hidden, inputs
 
 
 def check_no_masked_row(allowed: torch.Tensor) -> None:
@@ -159,10 +126,10 @@ class BatchLayout:
 
 
 class BatchPrefill:
-    """One prefill of a left-padded batch: a ``_Prefill`` per sample (its own plan, device tables and kept rows) and
-    the batch layout (each sample's left padding in the current, re-packed sequence)."""
+    """One prefill of a left-padded batch: a ``PromptPrefill`` per sample (its own plan, device tables and kept rows)
+    and the batch layout (each sample's left padding in the current, re-packed sequence)."""
 
-    def __init__(self, samples: list[_Prefill], pads: list[int], width: int, valid: torch.Tensor, boolean: bool,
+    def __init__(self, samples: list[PromptPrefill], pads: list[int], width: int, valid: torch.Tensor, boolean: bool,
                  tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], padding_mask: bool = False):
         self.samples = samples
         self.pads = list(pads)  # left padding of each sample in the current sequence
@@ -189,7 +156,7 @@ class BatchPrefill:
         self.nonfinite: list[tuple[int, list[int | None], torch.Tensor]] = []  # the batched stages' flags
 
     def nonfinite_flags(self) -> list[tuple[int, list[int | None], torch.Tensor]]:
-        """Every stage's non-finite flags by batch index (``macer._prefill.raise_if_nonfinite``)."""
+        """Every stage's non-finite flags by batch index (``macer.hf.prefill.raise_if_nonfinite``)."""
         return self.nonfinite + [(layer, [b], flags) for b, sample in enumerate(self.samples)
                                  for layer, _, flags in sample.nonfinite]
 
@@ -235,7 +202,7 @@ class BatchPrefill:
         (not fused, different selectors or question lengths, or a count the host does not know)."""
         stages = [s.stage_at(layer) for s in self.samples]
         present = [st for st in stages if st is not None]
-        if not all(_fused(st) for st in present):
+        if not all(fused(st) for st in present):
             return None
         rules = {(sel.modalities[0], sel.rule, sel.coverage_weight, sel.num_chunks)
                  for st in present for sel in st.spec.selections}

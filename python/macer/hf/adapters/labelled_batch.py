@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer.adapters.labelled import LabelledAdapter, as_tensor
+from macer.hf.adapters.labelled import LabelledAdapter, as_tensor
 
 __all__ = ["BatchLabelledAdapter"]
 

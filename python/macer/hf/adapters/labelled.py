@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer.adapters.base import AUDIO, TEXT, VISUAL, Adapter, DecoderParts
+from macer.hf.adapters.base import AUDIO, TEXT, VISUAL, Adapter, DecoderParts
 
 __all__ = ["LabelledAdapter", "find_decoder", "label_rows"]
 

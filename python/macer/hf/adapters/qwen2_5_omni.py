@@ -26,50 +26,30 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from macer.adapters.base import AUDIO, VISUAL, Adapter, DecoderParts, text_config
+from macer.core.families import QWEN2_5_OMNI, QwenOmni
+from macer.hf.adapters.base import Adapter, DecoderParts
 
-__all__ = ["IM_END", "PAPER_DEFAULTS", "SIZES", "Qwen25OmniAdapter", "QwenOmniAdapter"]
-
-IM_END = 151645
-"""``<|im_end|>`` of the Qwen2 vocabulary (checked against transformers' constants, see docs/integration.md)."""
-
-SIZES: dict[str, dict[str, int]] = {
-    # The text model's published sizes: a model is identified by all four (plus its model type), never by depth alone.
-    "qwen2.5-omni-7b": {"num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
-                        "num_key_value_heads": 4},
-    "qwen2.5-omni-3b": {"num_hidden_layers": 36, "hidden_size": 2048, "num_attention_heads": 16,
-                        "num_key_value_heads": 2},
-}
-
-PAPER_DEFAULTS: dict[str, dict[str, Any]] = {
-    # tab:macer_defaults: (l_a, l_v, alpha, lambda_c), selected once on a held-out split and frozen.
-    "qwen2.5-omni-7b": {"audio_layer": 3, "video_layer": 5, "audio_share": 0.30, "coverage_weight": 0.20},
-    "qwen2.5-omni-3b": {"audio_layer": 4, "video_layer": 7, "audio_share": 0.32, "coverage_weight": 0.30},
-}
+__all__ = ["Qwen25OmniAdapter", "QwenOmniAdapter"]
 
 
 class QwenOmniAdapter(Adapter):
     """What the Qwen-Omni families share: a full model that holds the thinker as ``.thinker``, modality labels from
-    the thinker config's audio / video / image token ids, times from the temporal M-RoPE row, and a model recognised
-    by its text sizes."""
+    the thinker config's audio / video / image token ids (``macer.core.families``), times from the temporal M-RoPE
+    row."""
 
-    FULL_MODEL_TYPE: str = ""
-    """``model_type`` of the full model (talker included), which holds the thinker as ``.thinker``."""
-    SIZES: ClassVar[dict[str, dict[str, int]]] = {}
-    """Model name -> the text config's sizes that identify it."""
+    family: ClassVar[QwenOmni]
 
     def _thinker(self, model: nn.Module) -> nn.Module:
-        return model.thinker if model.config.model_type == self.FULL_MODEL_TYPE else model
+        return model.thinker if model.config.model_type == self.family.FULL_MODEL_TYPE else model
 
     def labels(self, model: nn.Module, input_ids: torch.Tensor | None) -> torch.Tensor:
         if input_ids is None:
             raise ValueError("macer.compress needs the prompt's input_ids to label audio/video tokens; a prefill "
                              "from inputs_embeds alone is not supported")
-        config = self._thinker(model).config
-        labels = torch.zeros_like(input_ids)
-        labels[input_ids == config.audio_token_id] = AUDIO
-        labels[(input_ids == config.video_token_id) | (input_ids == config.image_token_id)] = VISUAL
-        return labels
+        return self.family.labels(self._thinker(model).config, input_ids)
+
+    def end_of_turn_token_id(self, model: nn.Module) -> int | None:
+        return self.family.end_of_turn_token_id(model.config)
 
     def temporal_positions(self, decoder_kwargs: dict[str, Any], length: int) -> torch.Tensor | None:
         position_ids = decoder_kwargs.get("position_ids")
@@ -102,19 +82,11 @@ class QwenOmniAdapter(Adapter):
                     "mix interleaved prompts (use_audio_in_video=True) with block-layout or video-only ones (False): "
                     "run them as separate batches (audio-only and text-only prompts go with either)")
 
-    def identify(self, model_or_config: Any) -> str | None:
-        text = text_config(model_or_config)
-        for name, sizes in self.SIZES.items():
-            if all(getattr(text, key, None) == value for key, value in sizes.items()):
-                return name
-        return None
-
 
 class Qwen25OmniAdapter(QwenOmniAdapter):
     """Adapter for ``Qwen2_5OmniThinkerForConditionalGeneration`` and ``Qwen2_5OmniForConditionalGeneration``."""
 
-    FULL_MODEL_TYPE = "qwen2_5_omni"
-    SIZES = SIZES
+    family = QWEN2_5_OMNI
     batch_ready = True  # no per-token state of its own: the runtime's re-packing covers everything
 
     def parts(self, model: nn.Module) -> DecoderParts:
@@ -144,16 +116,3 @@ class Qwen25OmniAdapter(QwenOmniAdapter):
                 "tokens, as usual.")
 
         return [(model, "generate", generate)]
-
-    def end_of_turn_token_id(self, model: nn.Module) -> int | None:
-        # A config that names its <|im_end|> (macer.testing's synthetic vocabulary; Qwen3-Omni's configs) wins;
-        # else the Qwen2 id, if the vocabulary is that large.
-        config = getattr(model.config, "thinker_config", None) or model.config
-        named = getattr(config, "im_end_token_id", None)
-        if isinstance(named, int):
-            return named
-        return IM_END if text_config(config).vocab_size > IM_END else None
-
-    def paper_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
-        name = self.identify(model_or_config)
-        return dict(PAPER_DEFAULTS[name]) if name is not None else None

@@ -1,0 +1,50 @@
+"""What the engine knows about a prompt's rows, per architecture: their modality labels and the end-of-turn id
+(``PromptLabels``: from the settings' token-id sets, or from the Qwen2.5-Omni thinker's config through
+``macer.core.families``), and the temporal position of each row (``temporal_row``, from vLLM's positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from macer.core.families import QWEN2_5_OMNI
+
+__all__ = ["PromptLabels", "omni_prompt_labels", "temporal_row"]
+
+
+@dataclass(frozen=True)
+class PromptLabels:
+    """What the engine knows about a prompt's rows, per architecture.
+
+    Attributes:
+        labels: host ``[N]`` token ids -> host ``[N]`` int64 modality labels (``macer.AUDIO`` / ``macer.VISUAL``).
+        end_of_turn_token_id: the id closing the user's question when the policy names none (None: unknown).
+    """
+
+    labels: Callable[[torch.Tensor], torch.Tensor]
+    end_of_turn_token_id: int | None = None
+
+
+def omni_prompt_labels(thinker_config: Any) -> PromptLabels:
+    """The Qwen2.5-Omni thinker's rows, read from its config as the transformers adapter reads them
+    (``macer.core.families.QWEN2_5_OMNI``): audio = the config's audio token id, visual = its video or image token
+    id; the question ends at ``<|im_end|>``."""
+
+    def labels(ids: torch.Tensor) -> torch.Tensor:
+        return QWEN2_5_OMNI.labels(thinker_config, ids)
+
+    return PromptLabels(labels, QWEN2_5_OMNI.end_of_turn_token_id(thinker_config))
+
+
+def temporal_row(positions: torch.Tensor) -> torch.Tensor:
+    """Temporal position of each row from vLLM's positions: ``[T]`` (RoPE) as is, ``[3, T]`` (M-RoPE) its first,
+    temporal row (the adapter's ``position_ids[-3]`` in transformers' ``[3, B, N]``)."""
+    if positions.ndim == 1:
+        return positions
+    if positions.ndim == 2 and positions.shape[0] == 3:
+        return positions[0]
+    raise ValueError(f"macer: positions must be [T] or [3, T] (M-RoPE), got shape {tuple(positions.shape)}")

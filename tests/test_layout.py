@@ -1,0 +1,206 @@
+"""The package's layout (issue 26, docs/architecture.md): three rooms with one-way doors, checked on the source.
+
+* ``macer.core`` imports the standard library, torch, ``macer_kernels`` and itself only (no transformers, no vLLM);
+* ``macer.hf`` (the transformers engine) and ``macer.vllm`` (the vLLM plugin) import the core and never each other;
+* the tools beside them (``macer`` itself, ``cli``, ``diagnostics``, ``cost``, ``eval``, ``testing*``, ``batching``)
+  import the rooms, never the other way round;
+* nothing imports another room's private (``_``) modules or names;
+* no import cycle anywhere in the package (inside a room either).
+
+Every import statement counts, also inside functions and under ``if TYPE_CHECKING:``: the source is read with ``ast``,
+nothing is imported. The checker is itself checked on a planted package that breaks each rule. Two more checks: the
+house's size limits (no module over 600 lines, no class over 250), and ``import macer.vllm`` with the plugin's modules
+that load without vLLM loads no module of ``macer.hf`` or of the tools (the rest, with vLLM, in
+``tests/vllm/test_rooms.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "python" / "macer"
+ROOMS = ("core", "hf", "vllm")
+CORE_MAY_IMPORT = {"torch", "macer_kernels", "macer"}  # macer: the core's own modules (checked below)
+
+
+def read_package(root: Path) -> dict[str, str]:
+    """``{module name: source}`` of every module of the package at ``root`` (a package's name is its folder's)."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path.read_text()
+    return modules
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ROOMS else "tools"
+
+
+def import_edges(modules: dict[str, str]) -> list[tuple[str, str, str | None, int]]:
+    """``(importer, imported module, imported name or None, line)`` for every import statement of every module."""
+    edges = []
+    for module, source in modules.items():
+        package = module if _is_package(module, modules) else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                edges += [(module, alias.name, None, node.lineno) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the importer's package, one level up per extra dot
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                for alias in node.names:
+                    submodule = f"{base}.{alias.name}"
+                    if submodule in modules:
+                        edges.append((module, submodule, None, node.lineno))
+                    else:
+                        edges.append((module, base, alias.name, node.lineno))
+    return edges
+
+
+def _is_package(module: str, modules: dict[str, str]) -> bool:
+    return any(other.startswith(module + ".") for other in modules)
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def cycles(modules: dict[str, str], edges: list[tuple[str, str, str | None, int]]) -> list[list[str]]:
+    """The package's import cycles: strongly connected components of more than one module, or a module importing
+    itself (Tarjan)."""
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for source, target, _, _ in edges:
+        if target in modules:
+            graph[source].add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def violations(modules: dict[str, str]) -> list[str]:
+    """Every broken rule of the module docstring, one line each."""
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    edges = import_edges(modules)
+    out = []
+    for source, target, name, line in edges:
+        where = f"{source}:{line} imports {target}" + (f".{name}" if name else "")
+        top = target.split(".")[0]
+        src_room = room_of(source)
+        if top != "macer":
+            if src_room == "core" and top not in stdlib | CORE_MAY_IMPORT:
+                out.append(f"core imports {top}: {where}")
+            continue
+        dst_room = room_of(target)
+        if src_room in ROOMS and dst_room not in (src_room, "core"):
+            out.append(f"{src_room} -> {dst_room}: {where}")
+        if dst_room in ROOMS and dst_room != src_room:
+            parts = [*target.split(".")[1:], *([name] if name else [])]
+            if any(_private(part) for part in parts):
+                out.append(f"private name of {dst_room}: {where}")
+    out += [f"import cycle: {' -> '.join(cycle)}" for cycle in cycles(modules, edges)]
+    return out
+
+
+def test_the_package_keeps_the_rooms_rules():
+    modules = read_package(PACKAGE)
+    assert {"macer.core", "macer.hf", "macer.vllm"} <= set(modules)
+    assert all(room_of(m) == "core" for m in ("macer.core.policy", "macer.core.stage", "macer.core.prefill"))
+    assert violations(modules) == []
+
+
+def test_the_checker_finds_each_broken_rule():
+    """The checker is not vacuous: a planted package breaks every rule once, at module level, inside a function and
+    under ``TYPE_CHECKING``, and each break is reported."""
+    planted = {
+        "macer": "",
+        "macer.cli": "import macer\nfrom macer.core import names\nfrom macer.hf import session\n",
+        "macer.core": "",
+        "macer.core.plan": "import torch\n\n\ndef f():\n    from macer.hf.run import go\n",
+        "macer.core.names": "import transformers\nfrom macer import cli\n",
+        "macer.hf": "",
+        "macer.hf.run": "from typing import TYPE_CHECKING\n\nfrom macer.core.plan import f\n\nif TYPE_CHECKING:\n"
+                        "    from macer.vllm._engine import Engine\n",
+        "macer.hf.session": "from .run import go\n",
+        "macer.vllm": "",
+        "macer.vllm._engine": "from macer.core.plan import _hidden\n",
+        "macer.vllm.model": "from macer.vllm._engine import Engine\n",
+    }
+    found = violations(planted)
+    assert sorted(found) == sorted([
+        "core -> hf: macer.core.plan:5 imports macer.hf.run.go",
+        "core imports transformers: macer.core.names:1 imports transformers",
+        "core -> tools: macer.core.names:2 imports macer.cli",
+        "hf -> vllm: macer.hf.run:6 imports macer.vllm._engine.Engine",
+        "private name of vllm: macer.hf.run:6 imports macer.vllm._engine.Engine",
+        "private name of core: macer.vllm._engine:1 imports macer.core.plan._hidden",
+        "import cycle: macer.core.plan -> macer.hf.run -> macer.vllm._engine",
+        "import cycle: macer.cli -> macer.core.names",
+    ]), found
+    # The relative import resolves inside its package, a room's private module is its own room's to use, and a tool
+    # may import any room's public modules: none of these is reported.
+    assert not [v for v in found if v.startswith(("macer.hf.session", "macer.vllm.model"))]
+
+
+def test_no_module_over_600_lines_and_no_class_over_250():
+    """The house's size limits (CONVENTIONS.md): a longer module or class is a sign to split by responsibility."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        name = path.relative_to(PACKAGE.parent)
+        if len(source.splitlines()) > 600:
+            too_long.append(f"{name}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 250:
+                too_long.append(f"{name}: class {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert too_long == []
+
+
+def test_importing_the_plugin_loads_no_transformers_engine(tmp_path):
+    """``import macer.vllm`` imports the package ``macer`` first: the package loads the core eagerly and the
+    transformers engine only when one of its names is used, so the plugin and its modules that load without vLLM
+    bring the core and themselves only (a fresh interpreter; the plugin's model classes in tests/vllm/test_rooms.py)."""
+    code = ("import sys\n"
+            "import macer.vllm, macer.vllm.backend, macer.vllm.checks, macer.vllm.prompt, macer.vllm.records\n"
+            "import macer.vllm.settings, macer.vllm.staged, macer.vllm.testing\n"
+            "loaded = sorted(m for m in sys.modules if m == 'macer' or m.startswith('macer.'))\n"
+            "others = [m for m in loaded if m != 'macer' and not m.startswith(('macer.core', 'macer.vllm'))]\n"
+            "assert 'macer.vllm.staged' in loaded and 'macer.core.prefill' in loaded, loaded\n"
+            "assert others == [], others\n"
+            "assert 'transformers' not in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
