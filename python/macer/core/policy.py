@@ -36,6 +36,7 @@ __all__ = [
     "PromptFacts",
     "Selection",
     "StageSpec",
+    "check_prunable",
     "member_mask",
     "plan_prefill",
     "question_rows",
@@ -226,6 +227,22 @@ def question_rows(facts: PromptFacts, query_tokens: int, question_span: str) -> 
     return rows
 
 
+def check_prunable(policy: Policy, facts: PromptFacts, specs: list[StageSpec], layer_tokens: list[int]) -> None:
+    """Raise ``ValueError`` for a prompt ``policy`` cannot prune (both engines then keep the message): its question
+    rows are not after every audio/video row (``question_rows``), or its last row, which the next token is predicted
+    from, is an audio/video row that the stages could drop (text rows are never dropped). ``specs`` and
+    ``layer_tokens``: the policy's stages and per-layer lengths for this prompt."""
+    if any(spec.needs_scores and spec.query == "question" for spec in specs):
+        question_rows(facts, policy.query_tokens, policy.question_span)
+    last = int(facts.labels[-1]) if facts.length else TEXT
+    if last != TEXT and any(tokens < facts.length for tokens in layer_tokens):
+        name = MODALITY_NAMES.get(last, f"label-{last}")
+        raise ValueError(f"macer.compress: the prompt's last row (position {facts.length - 1}) is a {name} token, "
+                         "and the next token is predicted from that row: a policy that drops audio/video tokens "
+                         "could drop it. End the prompt with text (the chat template's assistant header), or serve "
+                         "it without pruning")
+
+
 @dataclass
 class PlannedStage:
     """A stage with everything the host knows: its spec, the query rows (prompt positions), the random picks
@@ -260,6 +277,7 @@ def plan_prefill(policy: Policy, facts: PromptFacts) -> Plan:
         return Plan(facts, None, [], layer_tokens)
     budget = policy.budget(n_audio, n_video)
     specs = policy.stage_specs(n_audio, n_video)
+    check_prunable(policy, facts, specs, layer_tokens)  # macer.core.layout.plan_layout makes the same check
     counts = {AUDIO: n_audio, VISUAL: n_video}
     length, stages = facts.length, []
     chunks: torch.Tensor | None = None
