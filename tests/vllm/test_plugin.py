@@ -1,4 +1,5 @@
-"""The vLLM plugin's entry point, settings, engine-setting refusals and per-request records (issue 19, items 1, 3, 4).
+"""The vLLM plugin's entry point, settings and engine-setting refusals (issue 19, items 1, 3, 4; the records:
+``test_records.py``).
 
 The refusals go through vLLM's own config path (``LLM(...)``): the hook the plugin installs refuses while the engine's
 config is built, so no engine starts. ``prompt_logprobs`` (a per-request setting) is refused in ``test_server.py``.
@@ -6,16 +7,11 @@ config is built, so no engine starts. ``prompt_logprobs`` (a per-request setting
 
 from __future__ import annotations
 
-import logging
-
 import macer
 import pytest
 from macer.vllm import ARCHITECTURES
 from macer.vllm.checks import GUARD, TESTED_VLLM_VERSIONS, check_request, check_version
-from macer.vllm.records import RECORDS, clear, format_layers, last, record
 from macer.vllm.settings import LABELLED_ARCHITECTURE, OMNI_THINKER_ARCHITECTURE, LabelSpec, policy_from_settings
-
-from macer_kernels import Budget
 
 pytestmark = pytest.mark.vllm
 
@@ -149,7 +145,6 @@ def checkpoint(tmp_path_factory):
     ({"enable_chunked_prefill": True}, r"--no-enable-chunked-prefill"),
     ({"enable_prefix_caching": True}, r"--no-enable-prefix-caching"),
     ({"enforce_eager": False}, r"--enforce-eager"),
-    ({"max_num_seqs": 2}, r"--max-num-seqs 1 \(LLM\(\.\.\., max_num_seqs=1\)\); got 2"),
     ({"additional_config": {"macer": {"keep_ratio": 2.0, "audio_layer": 2, "video_layer": 3, **LABELS}}},
      r"MacerConfig.keep_ratio must be a finite real number in \(0.0, 1.0\], got 2.0"),
 ])
@@ -210,32 +205,3 @@ def test_prompt_logprobs_refused_per_request():
     MacerRequestGuard.validate_params(SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
         check_request(SamplingParams(max_tokens=4, prompt_logprobs=1))
-
-
-def test_record_keeps_and_logs_each_request():
-    """Each record is kept and logged at INFO on `vllm.macer` (a child of vLLM's logger, whose handler prints it in
-    the engine's processes; vLLM's logger does not propagate, so a handler is attached here)."""
-    seen: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda entry: seen.append(entry.getMessage())
-    target = logging.getLogger("vllm.macer")
-    target.addHandler(handler)
-    level = target.level
-    target.setLevel(logging.INFO)
-    try:
-        clear()
-        with pytest.raises(LookupError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
-            last()
-        entry = record("req-7", Budget(22, 7, 15), {"audio": 7, "video": 15}, [103, 103, 103, 86, 86, 46],
-                       policy="macer", prompt_counts={"audio": 24, "video": 64, "text": 15})
-        second = record(None, None, {}, [9, 9], policy="full", prompt_counts={"audio": 0, "video": 0, "text": 9})
-    finally:
-        target.removeHandler(handler)
-        target.setLevel(level)
-    assert last() is second and list(RECORDS) == [entry, second]
-    assert entry.layer_tokens == (103, 103, 103, 86, 86, 46)
-    assert seen == ["macer: prefill 1 request req-7 policy=macer budget=22 (audio 7, video 15) kept audio 7/24 "
-                    "video 15/64 layers [103x3, 86x2, 46]",
-                    "macer: prefill 2 policy=full budget=none (no audio/video) kept audio 0/0 video 0/0 layers [9x2]"]
-    assert format_layers([5]) == "[5]"
-    clear()

@@ -148,6 +148,6 @@ def test_openai_server_serves_macer(tmp_path):
         with pytest.raises(BadRequestError, match="prompt_logprobs is not supported"):
             client.completions.create(model="tiny", prompt=text, max_tokens=2,
                                       extra_body={"prompt_logprobs": 1})
-    lines = [line for line in log.read_text().splitlines() if "macer: prefill" in line]
+    lines = [line for line in log.read_text().splitlines() if "macer: request" in line]
     assert lines, f"no MACER record line in the server's log:\n{log.read_text()[-4000:]}"
-    assert "policy=macer budget=22 (audio 7, video 15) kept audio 7/24 video 15/64" in lines[0]
+    assert "policy=macer keep_ratio=0.25 budget=22 (audio 7, video 15) kept audio 7/24 video 15/64" in lines[0]

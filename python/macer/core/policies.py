@@ -16,7 +16,8 @@ from macer.core.config import MacerConfig
 from macer.core.policy import AUDIO, QUESTION_SPANS, VISUAL, Policy, Selection, StageSpec
 from macer_kernels import Budget, split_budget
 
-__all__ = ["ABLATIONS", "POLICY_NAMES", "FastVConfig", "FullConfig", "RandomConfig", "make_policy"]
+__all__ = ["ABLATIONS", "ABLATION_FIELDS", "POLICY_NAMES", "FastVConfig", "FullConfig", "RandomConfig", "make_policy",
+           "policy_class"]
 
 _MEDIA = (AUDIO, VISUAL)
 
@@ -163,14 +164,25 @@ ABLATIONS: dict[str, str] = {
 
 POLICY_NAMES = ("full", "macer", "fastv", "random", *ABLATIONS)
 
+ABLATION_FIELDS: dict[str, tuple[str, ...]] = {"macer_raw": ("scoring",), "no_coverage": ("coverage_weight",),
+                                               "single_readout": ("audio_layer",)}
+"""The ``MacerConfig`` fields an ablation sets itself (``make_policy`` refuses them as parameters)."""
+
 
 _CLASSES: dict[str, type] = {"full": FullConfig, "fastv": FastVConfig, "random": RandomConfig}
+
+
+def policy_class(name: str) -> type:
+    """The class whose fields ``make_policy(name, ...)`` takes (``MacerConfig`` for MACER and the ablations)."""
+    if name not in POLICY_NAMES:
+        raise ValueError(f"make_policy: unknown policy {name!r}; known: {list(POLICY_NAMES)}")
+    return _CLASSES.get(name, MacerConfig)
 
 
 def _check_params(name: str, params: dict[str, Any]) -> None:
     """Unknown and missing fields of the class ``name`` is built from, named before the dataclass's bare TypeError
     (which names no policy and, for an ablation, a class the caller never wrote)."""
-    cls = _CLASSES.get(name, MacerConfig)
+    cls = policy_class(name)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     unknown = sorted(set(params) - {f.name for f in fields})
     if unknown:
@@ -209,9 +221,7 @@ def make_policy(name: str, model: Any = None, **params: Any) -> Policy:
     if name == "random":
         return RandomConfig(**params)
     fixed = {"macer_raw": {"scoring": "raw"}, "no_coverage": {"coverage_weight": 0.0}}.get(name, {})
-    clash = sorted(set(fixed) & set(params))
-    if name == "single_readout" and "audio_layer" in params:
-        clash.append("audio_layer")
+    clash = sorted(set(ABLATION_FIELDS.get(name, ())) & set(params))
     if clash:
         raise ValueError(f"make_policy({name!r}) sets {clash} itself ({ABLATIONS[name]}); do not pass them")
     if name == "single_readout" and "video_layer" in params:

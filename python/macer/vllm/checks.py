@@ -18,7 +18,6 @@ Why each setting is refused (docs/serving.md has the long form):
 * speculative decoding: a verify step feeds several tokens per request; the decode shifts assume one.
 * LoRA: the LoRA layers' per-token adapter mapping has the step's N rows; the compacted layers see K.
 * KV transfer connectors (disaggregated prefill, offloading): compacted pages hold kept tokens at slots 0..K-1.
-* ``max_num_seqs > 1``: the forward compacts one prefill (phase 1 of the design).
 * ``prompt_logprobs``: the dropped rows leave the later layers, so their logits do not exist.
 
 ``check_policy`` refuses, when a model loads, a policy the engine cannot serve as the transformers engine would;
@@ -112,9 +111,6 @@ def check_engine(vllm_config: Any) -> None:
         raise ValueError(f"{arch} (macer): KV transfer connectors are not supported (the compacted layers' pages hold "
                          "the kept tokens in slots 0..K-1, which a connector would ship as positions 0..K-1): drop "
                          "--kv-transfer-config")
-    if scheduler.max_num_seqs > 1:
-        raise ValueError(f"{arch} (macer) compacts one prefill at a time (no batching yet): set --max-num-seqs 1 "
-                         f"(LLM(..., max_num_seqs=1)); got {scheduler.max_num_seqs}")
     check_version(vllm.__version__)
 
 
@@ -159,9 +155,11 @@ class MacerEngineHook:
     @staticmethod
     def verify_and_update_config(vllm_config: Any) -> None:
         from macer.vllm.settings import policy_from_config
+        from macer.vllm.worker import configure_engine
 
         check_engine(vllm_config)
         policy, _ = policy_from_config(vllm_config)
+        configure_engine(vllm_config)  # batched serving: the MACER worker and scheduler (macer.vllm.worker)
         model_config = vllm_config.model_config
         processors = list(model_config.logits_processors or [])
         if GUARD not in processors:

@@ -1,32 +1,44 @@
-"""What MACER did to each request inside the engine: one ``RequestRecord`` per prefill, kept in ``RECORDS`` (in the
-process that runs the model) and logged at INFO on the ``vllm.macer`` logger (through vLLM's handler, at
-``VLLM_LOGGING_LEVEL``)::
+"""What MACER did to each request inside the engine: one ``RequestRecord`` per request, made at its first prefill
+(a recompute after preemption makes none), with vLLM's request id and the kept prompt positions per modality.
 
-    macer: prefill 1 policy=macer budget=22 (audio 7, video 15) kept audio 7/24 video 15/64 layers [103x3, 86x2, 46]
+Where a user reads it:
 
-The model calls ``record_prefill`` (or ``record_unpruned``) once per prefill; ``record(...)`` takes host values the
-model already has (the plan's budget and counts) and reads nothing back from the device (``kept_counts`` reads a
-joint selection's split once, after the prefill's last layer). Prefills are numbered from 1 in each process; vLLM's
-V1 runner does not tell the model which request a step serves, so ``request_id`` is None there (with
-``max_num_seqs=1`` the n-th prefill is the n-th request the engine scheduled). ``RECORDS`` keeps the last
-``MAX_RECORDS`` requests; in a test with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine core runs in the test's
-process and the test reads them directly.
+* **in the request's output**: ``RequestOutput.kv_transfer_params["macer"]`` (``LLM.generate``) and the
+  ``kv_transfer_params`` field of the OpenAI-compatible server's completion and chat completion responses, a JSON
+  object (``RequestRecord.as_dict``). The MACER scheduler (``macer.vllm.scheduler``) attaches it when the request
+  finishes; vLLM carries that field from the engine core to the caller. MACER engines refuse KV transfer
+  connectors, so the field is otherwise unused. With ``n > 1`` the output carries one child request's record (the
+  children share the prompt and the policy, so their kept rows are the same).
+* **in the log**: one line on the ``vllm.macer`` logger (vLLM's handler and ``VLLM_LOGGING_LEVEL``) in the process
+  that runs the model, INFO, or WARNING when the record has a note::
+
+      macer: request 0-1a2b3c4d policy=macer keep_ratio=0.25 budget=22 (audio 7, video 15) kept audio 7/24
+      video 15/64 layers [103x3, 86x2, 46]
+
+* **in-process** (tests, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``RECORDS`` (the last ``MAX_RECORDS``), ``last()``,
+  ``by_request(request_id)``.
+
+The kept positions are device data. The model starts one non-blocking copy of them (and of the stages' non-finite
+flags) after the request's last stage; the record is finished on the host after the step's sampler
+(``finish_pending``, called by the MACER worker), or when the scheduler asks for it (``take``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from itertools import groupby
+from typing import Any
+
+import torch
 
 from macer.core.policy import AUDIO, MODALITY_NAMES, VISUAL, PromptFacts
-from macer.core.prefill import PrefillState, nonfinite_hits
 from macer_kernels import Budget
 
-__all__ = ["MAX_RECORDS", "RECORDS", "RequestRecord", "clear", "format_layers", "kept_counts", "last",
-           "nonfinite_note", "prompt_counts", "record", "record_prefill", "record_unpruned"]
+__all__ = ["MAX_RECORDS", "RECORDS", "RequestRecord", "by_request", "clear", "external_id", "finish_pending",
+           "format_layers", "last", "nonfinite_note", "prompt_counts", "record", "start_pending", "take"]
 
 # A child of vLLM's "vllm" logger, so the line goes through vLLM's handler and level (VLLM_LOGGING_LEVEL) in every
 # process of the engine; a logger of our own would have no handler there and drop INFO.
@@ -37,89 +49,85 @@ MAX_RECORDS = 1024
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """One request's prefill under MACER.
+    """One request under MACER.
 
     Attributes:
-        index: the prefill's number in this process (from 1).
-        request_id: vLLM's request id (None where the forward cannot tell).
-        policy: the policy's name (``"macer"``, ``"fastv"``, ...).
-        budget: the retained budget (``total``, ``audio``, ``video``), or None for a prompt without audio/video.
+        request_id: vLLM's internal request id (``"<your id>-<8 characters>"``), or None outside an engine.
+        external_id: the id the caller gave (``RequestOutput.request_id``), derived from ``request_id``.
+        policy: the policy's name (``"macer"``, ``"fastv"``, ...); keep_ratio: its keep ratio.
+        budget: the retained budget (``total``, ``audio``, ``video``), or None (no audio/video, or served unpruned).
         prompt: ``{"audio": n_a, "video": n_v, "text": n_t}`` token counts of the prompt.
         kept: ``{"audio": k_a, "video": k_v}`` tokens kept after the last stage.
-        layer_tokens: sequence length entering each decoder layer (length = decoder depth).
-        note: what went wrong for this request, if anything (a prompt the plan refused, served unpruned; non-finite
-            attention scores at a stage); the log line is then a WARNING.
+        kept_rows: ``{"audio": (...), "video": (...)}`` the prompt positions kept after the last stage.
+        layer_tokens: prompt rows entering each decoder layer (length = decoder depth).
+        note: what went wrong for this request, if anything (a prompt served unpruned and why; non-finite attention
+            scores at a stage); the log line is then a WARNING.
     """
 
-    index: int
     request_id: str | None
+    external_id: str | None
     policy: str
+    keep_ratio: float | None
     budget: Budget | None
     prompt: Mapping[str, int]
     kept: Mapping[str, int]
+    kept_rows: Mapping[str, tuple[int, ...]]
     layer_tokens: tuple[int, ...]
     note: str | None = None
 
     def line(self) -> str:
-        """The INFO log line of this record."""
-        budget = ("none (no audio/video)" if self.budget is None else
+        """The log line of this record."""
+        budget = ("none" if self.budget is None else
                   f"{self.budget.total} (audio {self.budget.audio}, video {self.budget.video})")
         kept = " ".join(f"{m} {self.kept.get(m, 0)}/{self.prompt.get(m, 0)}" for m in ("audio", "video"))
-        request = f" request {self.request_id}" if self.request_id is not None else ""
-        return (f"macer: prefill {self.index}{request} policy={self.policy} budget={budget} kept {kept} "
-                f"layers {format_layers(self.layer_tokens)}" + (f" NOTE: {self.note}" if self.note else ""))
+        return (f"macer: request {self.request_id} policy={self.policy} keep_ratio={self.keep_ratio} "
+                f"budget={budget} kept {kept} layers {format_layers(self.layer_tokens)}"
+                + (f" NOTE: {self.note}" if self.note else ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON object of the record (what the request's output carries)."""
+        budget = None if self.budget is None else {"total": self.budget.total, "audio": self.budget.audio,
+                                                   "video": self.budget.video}
+        return {"request_id": self.request_id, "external_id": self.external_id, "policy": self.policy,
+                "keep_ratio": self.keep_ratio, "budget": budget, "prompt": dict(self.prompt), "kept": dict(self.kept),
+                "kept_rows": {m: list(rows) for m, rows in self.kept_rows.items()},
+                "layer_tokens": list(self.layer_tokens), "note": self.note}
 
 
 RECORDS: deque[RequestRecord] = deque(maxlen=MAX_RECORDS)
 """The last ``MAX_RECORDS`` records of this process, oldest first."""
 
-_COUNT = [0]  # prefills recorded in this process (``RECORDS`` is bounded, so it cannot count them)
+_BY_ID: OrderedDict[str, RequestRecord] = OrderedDict()  # records not yet taken by the scheduler, by request id
+
+
+@dataclass
+class _Pending:
+    """A record waiting for its device copy (``start_pending``)."""
+
+    host: torch.Tensor
+    event: Any
+    build: Callable[[list[int]], RequestRecord]
+    done: bool = field(default=False)
+
+
+_PENDING: dict[str, _Pending] = {}
+
+
+def external_id(request_id: str | None) -> str | None:
+    """The caller's id of vLLM's internal ``"<id>-<8 random characters>"`` (``assign_request_id``); the id itself
+    when vLLM does not randomise (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``) or it has no such suffix."""
+    import os
+
+    if request_id is None or os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0") not in ("0", ""):
+        return request_id
+    head, dash, tail = request_id.rpartition("-")
+    return head if dash and len(tail) == 8 else request_id
 
 
 def format_layers(layer_tokens: Sequence[int]) -> str:
     """``[103x3, 86x2, 46]``: run-length form of the per-layer sequence lengths."""
     runs = [(value, len(list(group))) for value, group in groupby(layer_tokens)]
     return "[" + ", ".join(f"{v}x{n}" if n > 1 else f"{v}" for v, n in runs) + "]"
-
-
-def record(request_id: str | None, budget: Budget | None, kept_counts: Mapping[str, int],
-           layer_tokens: Sequence[int], *, policy: str = "", prompt_counts: Mapping[str, int] | None = None,
-           note: str | None = None) -> RequestRecord:
-    """Store and log (INFO; WARNING with a ``note``) one request's record; returns it.
-
-    Args:
-        request_id: vLLM's request id, or None.
-        budget: the plan's budget (None: nothing to prune).
-        kept_counts: ``{"audio": k_a, "video": k_v}`` kept after the last stage (host integers).
-        layer_tokens: the plan's sequence length entering each decoder layer.
-        policy: the policy's name.
-        prompt_counts: ``{"audio": n_a, "video": n_v, "text": n_t}`` of the prompt.
-        note: what went wrong for this request (``RequestRecord.note``).
-    """
-    _COUNT[0] += 1
-    entry = RequestRecord(_COUNT[0], request_id, policy, budget, dict(prompt_counts or {}),
-                          {k: int(v) for k, v in kept_counts.items()}, tuple(int(n) for n in layer_tokens),
-                          note)
-    RECORDS.append(entry)
-    logger.log(logging.WARNING if note else logging.INFO, "%s", entry.line())
-    return entry
-
-
-def record_prefill(prefill: PrefillState, policy: str) -> RequestRecord:
-    """Record a prefill the stages ran on: its plan's budget and layer lengths, the tokens it kept, and a note if a
-    stage ranked non-finite scores."""
-    plan = prefill.plan
-    # The V1 runner does not tell the model which request a step serves: request_id stays None (one request at a
-    # time, so records come in the order the prefills ran).
-    return record(None, plan.budget, kept_counts(prefill), list(plan.layer_tokens), policy=policy,
-                  prompt_counts=prompt_counts(plan.facts), note=nonfinite_note(prefill))
-
-
-def record_unpruned(facts: PromptFacts, num_layers: int, policy: str, note: str) -> RequestRecord:
-    """Record a prompt served without pruning (``note`` says why): every layer sees the whole prompt."""
-    counts = prompt_counts(facts)
-    return record(None, None, {"audio": counts["audio"], "video": counts["video"]}, [facts.length] * num_layers,
-                  policy=policy, prompt_counts=counts, note=note)
 
 
 def prompt_counts(facts: PromptFacts) -> dict[str, int]:
@@ -129,43 +137,111 @@ def prompt_counts(facts: PromptFacts) -> dict[str, int]:
     return counts
 
 
-def nonfinite_note(prefill: PrefillState) -> str | None:
-    """The record's note when a stage ranked non-finite scores (``run_stage``'s device flags, read in one copy after
-    the prefill's last layer, as the transformers runtime reads them). The transformers runtime raises there; inside
-    the engine an error would stop every request, so the request goes on and its record is a WARNING that names the
-    layer: its selection is the non-finite rule's (NaN ranks last), not a ranking by attention."""
-    hits = nonfinite_hits(prefill.nonfinite_flags())
-    if not hits:
+def kept_rows(labels: torch.Tensor, kept: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """``{"audio": (...), "video": (...)}``: the kept prompt positions of each modality (host ``labels``)."""
+    names = labels.tolist()
+    return {name: tuple(p for p in kept if names[p] == label) for label, name in MODALITY_NAMES.items()}
+
+
+def record(request_id: str | None, budget: Budget | None, kept: Mapping[str, Sequence[int]],
+           layer_tokens: Sequence[int], *, policy: str, keep_ratio: float | None, prompt: Mapping[str, int],
+           note: str | None = None) -> RequestRecord:
+    """Store and log (INFO; WARNING with a ``note``) one request's record; returns it.
+
+    Args:
+        request_id: vLLM's internal request id, or None.
+        budget: the plan's budget (None: nothing pruned).
+        kept: ``{"audio": positions, "video": positions}`` kept after the last stage (host).
+        layer_tokens: prompt rows entering each decoder layer.
+        policy, keep_ratio: the request's policy.
+        prompt: ``prompt_counts`` of the prompt.
+        note: what went wrong for this request (``RequestRecord.note``).
+    """
+    rows = {name: tuple(int(p) for p in kept.get(name, ())) for name in ("audio", "video")}
+    entry = RequestRecord(request_id, external_id(request_id), policy, keep_ratio, budget, dict(prompt),
+                          {name: len(positions) for name, positions in rows.items()}, rows,
+                          tuple(int(n) for n in layer_tokens), note)
+    RECORDS.append(entry)
+    if request_id is not None:
+        _BY_ID[request_id] = entry
+        while len(_BY_ID) > MAX_RECORDS:  # the scheduler takes them; without it, keep the newest
+            _BY_ID.popitem(last=False)
+    logger.log(logging.WARNING if note else logging.INFO, "%s", entry.line())
+    return entry
+
+
+def start_pending(request_id: str, tensors: list[torch.Tensor], build: Callable[[list[int]], RequestRecord]) -> None:
+    """Copy ``tensors`` (1-D integer device tensors) to the host without waiting; ``build(values)`` makes the record
+    from their concatenated values once the copy is done (``finish_pending``, ``take``)."""
+    packed = torch.cat([t.reshape(-1).long() for t in tensors]) if tensors else torch.empty(0, dtype=torch.long)
+    event = None
+    if packed.device.type != "cpu":
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=packed.device.type == "cuda")
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event() if packed.device.type == "cuda" else None
+        if event is not None:
+            event.record()
+        packed = host
+    _PENDING[request_id] = _Pending(packed, event, build)
+
+
+def finish_pending(block: bool = False) -> None:
+    """Make the records whose copies are done (all of them with ``block``)."""
+    for request_id in list(_PENDING):
+        pending = _PENDING[request_id]
+        if pending.event is not None and not pending.event.query():
+            if not block:
+                continue
+            pending.event.synchronize()
+        del _PENDING[request_id]
+        pending.build(pending.host.tolist())
+
+
+def take(request_id: str) -> RequestRecord | None:
+    """The request's record, removed from the per-request table (the scheduler attaches it to the output)."""
+    if request_id in _PENDING:
+        pending = _PENDING.pop(request_id)
+        if pending.event is not None:
+            pending.event.synchronize()
+        pending.build(pending.host.tolist())
+    return _BY_ID.pop(request_id, None)
+
+
+def by_request(request_id: str) -> RequestRecord:
+    """The record of vLLM's (internal or external) request id in this process; ``LookupError`` if none."""
+    finish_pending(block=True)
+    for entry in reversed(RECORDS):
+        if request_id in (entry.request_id, entry.external_id):
+            return entry
+    raise LookupError(f"macer.vllm.records: no record of request {request_id!r} in this process (records live in "
+                      "the engine core's process: read RequestOutput.kv_transfer_params['macer'], or set "
+                      "VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+
+
+def nonfinite_note(layers: Sequence[int]) -> str | None:
+    """The record's note when the stages reading ``layers`` ranked non-finite scores (their device flags). The
+    transformers runtime raises there; inside the engine an error would stop every request, so the request goes on
+    and its record is a WARNING that names the layer: its selection is the non-finite rule's (NaN ranks last), not a
+    ranking by attention."""
+    if not layers:
         return None
-    return (f"the attention scores of the stage reading layer {hits[0][0]} are not finite (NaN or inf in that layer's "
+    return (f"the attention scores of the stage reading layer {min(layers)} are not finite (NaN or inf in that layer's "
             "queries or keys: its weights or the hidden states entering it); the stage kept tokens by the non-finite "
             "rule, not by attention, and the outputs are likely NaN too")
 
 
-def kept_counts(prefill: PrefillState) -> dict[str, int]:
-    """Audio and video tokens the prefill kept. From the host plan where it fixes them (one selection per modality,
-    the random rule's host picks); a joint selection's split (FastV) is data-dependent and read from the device
-    once, after the prefill's last layer."""
-    plan, counts = prefill.plan, {}
-    for label, name in MODALITY_NAMES.items():
-        count = prefill.label_count(label)
-        if count is None:
-            kept = prefill.current.cpu()  # joint top-k only: its split is known on the device alone
-            count = int((plan.facts.labels[kept] == label).sum())
-        counts[name] = count
-    return counts
-
-
 def last() -> RequestRecord:
     """The most recent record; ``LookupError`` if none was made in this process."""
+    finish_pending(block=True)
     if not RECORDS:
         raise LookupError("macer.vllm.records: no request has been recorded in this process (with multiprocessing "
-                          "on, records live in the engine core's process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 to "
-                          "read them in-process, or read the INFO log lines)")
+                          "on, records live in the engine core's process: read RequestOutput.kv_transfer_params"
+                          "['macer'], or set VLLM_ENABLE_V1_MULTIPROCESSING=0 to read them in-process)")
     return RECORDS[-1]
 
 
 def clear() -> None:
-    """Forget every record and restart the numbering (tests)."""
+    """Forget every record (tests)."""
+    finish_pending(block=True)
     RECORDS.clear()
-    _COUNT[0] = 0
+    _BY_ID.clear()

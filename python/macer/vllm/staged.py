@@ -1,25 +1,25 @@
-"""MACER's stages inside vLLM's forward, same block table (the b-lite design of docs/serving.md).
+"""MACER's stages inside vLLM's forward, for a batch of requests in one step (V1 model runner, eager; docs/serving.md).
 
-One request at a time (``max_num_seqs=1``), eager, V1 model runner. ``StagedDecoder.forward`` replaces the layer loop
-of vLLM's ``Qwen2Model`` (the Qwen2 decoder and the Qwen2.5-Omni thinker's language model):
+``StagedDecoder`` replaces the layer loop of vLLM's ``Qwen2Model`` (the Qwen2 decoder and the Qwen2.5-Omni thinker's
+language model). A step is whatever vLLM's scheduler put in it: new prompts, recomputes after preemption, decodes,
+unpruned prompts, in any mix and order.
 
-* **Prefill** (the step's query covers the whole sequence): the prompt's ids (and M-RoPE temporal row) come to the
-  host in one copy, the host plan is ``macer.core.policy.plan_prefill`` (the transformers engine's own), and the
-  stages run through ``macer.core.prefill.PrefillState`` / ``macer.core.stage.run_stage``: one selection code path
-  for both engines. Inside the readout layer a forward pre-hook on its ``Attention`` module hands the post-RoPE
-  queries and keys to the stage; before the next layer the hidden states, residual and positions keep the stage's
-  rows (RoPE positions stay the original ones), and every later layer gets attention metadata rebuilt with the
-  backend's own metadata builder (``macer.vllm.backend``): the request's block table, sequence length K, slots of
-  positions 0..K-1. So a compacted layer's cache holds exactly
-  the kept tokens' K/V in slots 0..K-1 of the request's own blocks (the blocks past K stay allocated, unused).
-  The N-row output has the kept rows back at their places (dropped rows zero): the sampler reads the prompt's last
-  row, which is text and always kept.
-* **Decode**: a layer whose prompt lost D tokens reads sequence length ``seq_len - D`` and writes the new token at
-  the slot of compacted index ``position - D`` (slots are recorded per position as the request advances).
+* **Before the forward** (the runner builds its attention metadata; ``prepare``, from a hook on the runner's own
+  builder of KV group 0): the step's requests are read on the host from the runner (``input_batch`` order, query
+  rows, computed tokens, prompt ids, per-request settings); a request seen for the first time is planned
+  (``macer.vllm.state.plan_request``); the step's host plan follows (``macer.core.steps.plan_step``), then the
+  attention metadata of every compacted layer group for the whole step (``macer.vllm.backend.StageMetadata``). No
+  device value is read: a decode step is metadata only.
+* **In the forward**: layers run as in vLLM until a segment starts; inside a readout layer a forward pre-hook on its
+  ``Attention`` module hands each new prefill's post-RoPE queries and keys to its stage
+  (``macer.core.prefill.PrefillState``, the transformers engine's own ``run_stage``); before the segment the step's
+  rows are gathered (each staged request's kept rows, a recompute's stored keeps, every other row as it is), the
+  segment's layers read its metadata, and a prefill's unused tail slots of each compacted layer are zeroed after the
+  layer writes its KV. The output has every row of the step, the kept ones at their places and dropped ones zero:
+  the sampler reads a prefill's last prompt row (text, never dropped: ``macer.core.layout``) or a decode's row.
 
-Per-request state lives here, in the model instance; a new prefill replaces it. Everything per step is device work
-with host integers from the plan and the metadata (no host read of a device tensor inside a stage or a decode step).
-The rows' labels come from ``macer.vllm.prompt``, the per-request record from ``macer.vllm.records``.
+Dummy, profiling and capture runs are never planned (the MACER worker marks the steps it runs) and take vLLM's own
+layer loop, as does a step where no request is pruned.
 """
 
 from __future__ import annotations
@@ -30,36 +30,42 @@ from typing import Any
 import torch
 from torch import nn
 
-from macer.core.policy import Policy, PromptFacts, plan_prefill
-from macer.core.prefill import PrefillState
-from macer.core.transfer import to_host
-from macer.vllm.backend import CompactedMetadata, attention_modules, own_layer_metadata, readout, step_metadata
+from macer.core.policy import Policy
+from macer.core.steps import CHUNK, PREFILL, Row, StepPlan, plan_step, row_kind
+from macer.vllm.backend import StageMetadata, attention_modules, check_backends, readout, step_context, zero_tail
 from macer.vllm.checks import check_policy
-from macer.vllm.prompt import PromptLabels, temporal_row
-from macer.vllm.records import record_prefill, record_unpruned
+from macer.vllm.prompt import PromptLabels
+from macer.vllm.request_settings import RequestPolicies
+from macer.vllm.settings import SETTINGS_KEY
+from macer.vllm.state import RequestState, RequestStates, plan_request
 
-__all__ = ["RequestState", "StagedDecoder"]
+__all__ = ["PreparedStep", "StagedDecoder"]
+
+# The runner's names the decoder reads (vLLM 0.32's V1 GPU/CPU model runner; checked when it binds).
+RUNNER_NAMES = ("input_batch", "query_start_loc", "requests", "attn_groups", "kv_cache_config", "device")
+BATCH_NAMES = ("req_ids", "num_reqs", "num_computed_tokens_cpu", "block_table")
 
 
 @dataclass
-class RequestState:
-    """The request being served: its prefill's plan and stage state, the rows each layer holds, and the slot of
-    every position it has written (``slots[p]``), which a compacted layer reuses for compacted index ``p - D``."""
+class PreparedStep:
+    """A step's plan and everything its forward installs (``StagedDecoder.prepare``)."""
 
-    prefill: PrefillState
-    shifts: list[int]  # per layer: prompt tokens the stages dropped before it (0: a full layer)
-    layer_rows: list[torch.Tensor]  # per layer: prompt positions of the rows its cache holds, in slot order
-    slots: torch.Tensor  # [max_model_len] slot of each position of the request
+    plan: StepPlan
+    states: list[RequestState]
+    fresh: list[int]  # requests whose stages run in this step (their first whole prefill, pruned)
+    query_start: list[int]
+    metadata: dict[str, tuple[Any, torch.Tensor]]
+    tails: dict[str, torch.Tensor]
 
 
 class StagedDecoder:
-    """Runs the layers of one vLLM ``Qwen2Model`` with a policy's stages (see the module docstring).
+    """Runs the layers of one vLLM ``Qwen2Model`` with each request's stages (module docstring).
 
     Args:
         model: vLLM's ``Qwen2Model`` (``embed_input_ids``, ``layers``, ``norm``).
-        policy: the policy (``macer.vllm.settings.policy_from_config``).
+        policy: the engine's policy (``macer.vllm.settings.policy_from_config``); a request may set its own.
         prompt: labels and end-of-turn id of the architecture.
-        vllm_config: the engine's config (metadata builder, ``max_model_len``).
+        vllm_config: the engine's config.
     """
 
     def __init__(self, model: nn.Module, policy: Policy, prompt: PromptLabels, vllm_config: Any):
@@ -67,137 +73,215 @@ class StagedDecoder:
         self.layers = list(model.layers)
         self.attns = attention_modules(self.layers)
         self.names = [attn.layer_name for attn in self.attns]
-        self.metadata = CompactedMetadata(self.attns, self.names, vllm_config)
+        model_config = vllm_config.model_config
+        check_backends(self.attns, model_config.architecture)
+        settings = (vllm_config.additional_config or {}).get(SETTINGS_KEY)
+        self.policies = RequestPolicies(settings, model_config.hf_config, model_config.architecture, policy)
         self.use_policy(policy)
-        self.state: RequestState | None = None
-        self._reading: int | None = None  # index of the layer whose attention a stage reads in this forward
+        self.states = RequestStates()
+        self.runner: Any = None
+        self.metadata: StageMetadata | None = None
+        self.in_step = False
+        self.prepared: PreparedStep | None = None
+        self.on_step: Any = None  # tests: called with each PreparedStep and the runner
+        self._armed: tuple[int, list[tuple[RequestState, int, int]]] | None = None
         for index, attn in enumerate(self.attns):
             attn.register_forward_pre_hook(self._tap(index))
 
     def use_policy(self, policy: Policy) -> None:
-        """Serve the next prefills with ``policy`` (the engine's comes from its settings; the conformance tests
-        switch policies in-process between requests to run them all on one engine)."""
+        """Serve the requests that set no policy of their own with ``policy`` (the engine's comes from its
+        settings; the conformance tests switch it in-process between requests to run every policy on one engine)."""
         policy.check_depth(len(self.layers))
         end_of_turn = (policy.end_of_turn_token_id if policy.end_of_turn_token_id is not None
                        else self.prompt.end_of_turn_token_id)
         check_policy(policy, end_of_turn)
-        self.policy, self.end_of_turn = policy, end_of_turn
+        self.policies.default = policy
+        self.policies._cache.clear()
+
+    # ------------------------------------------------------------------------------------------- the runner
+    def bind(self, runner: Any) -> None:
+        """Serve steps of ``runner`` (the MACER worker calls this once the KV cache exists): check the runner names
+        read later, make the stage metadata's builder copies, run the metadata self-test, and hook the runner's
+        group-0 metadata builder, whose ``build`` runs once per step before the forward."""
+        import vllm
+
+        missing = [n for n in RUNNER_NAMES if not hasattr(runner, n)]
+        missing += [f"input_batch.{n}" for n in BATCH_NAMES if not hasattr(getattr(runner, "input_batch", None), n)]
+        if missing or not hasattr(getattr(runner, "query_start_loc", None), "np"):
+            raise RuntimeError(f"macer: vLLM {vllm.__version__}'s model runner ({type(runner).__name__}) lacks "
+                               f"{missing or ['query_start_loc.np']}, which the MACER architectures read; they run "
+                               "on vLLM's V1 model runner of the tested releases")
+        self.runner = runner
+        self.metadata = StageMetadata(runner, self.names)
+        self.metadata.self_test(vllm.__version__)
+        builder = runner.attn_groups[0][0].get_metadata_builder()
+        build = builder.build
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            out = build(*args, **kwargs)
+            if self.in_step:
+                common = args[1] if len(args) > 1 else kwargs["common_attn_metadata"]
+                self.prepared = self.prepare(common)
+            return out
+
+        builder.build = hooked
+
+    def begin_step(self, finished: Any) -> None:
+        """A step the scheduler made starts (the worker): forget the finished requests."""
+        self.states.drop(finished or ())
+        self.in_step, self.prepared = True, None
+
+    def end_step(self) -> None:
+        self.in_step, self.prepared = False, None
+
+    # ------------------------------------------------------------------------------------------- the step's plan
+    def prepare(self, common: Any) -> PreparedStep:
+        """The step's plan and stage metadata, from host values only (module docstring)."""
+        runner = self.runner
+        batch = runner.input_batch
+        n = batch.num_reqs
+        request_ids = batch.req_ids[:n]
+        self.states.keep_only(runner.requests)
+        query_start = runner.query_start_loc.np[: n + 1].tolist()
+        computed = batch.num_computed_tokens_cpu[:n].tolist()
+        rows, states, fresh = [], [], []
+        for i, request_id in enumerate(request_ids):
+            request = runner.requests[request_id]
+            prompt_len, query = len(request.prompt_token_ids), query_start[i + 1] - query_start[i]
+            try:
+                kind = row_kind(computed[i], query, prompt_len)
+            except ValueError as error:
+                raise RuntimeError(f"macer: {error}") from None
+            state = self.states.get(request_id)
+            if state is None or (kind == CHUNK and state.layout.pruned):
+                state = self.states.add(self.plan(request_id, request, whole=kind != CHUNK))
+            if kind == PREFILL and state.prefill is not None and not state.prefilled:
+                fresh.append(i)
+            rows.append(Row(prompt_len, state.layout.layer_tokens, computed[i], query))
+            states.append(state)
+        plan = plan_step(rows)
+        metadata = {} if plan.plain else self.metadata.build(plan, common)
+        tails = self.metadata.tails(plan, [row.computed + row.query for row in rows])
+        step = PreparedStep(plan, states, fresh, query_start, metadata, tails)
+        if self.on_step is not None:
+            self.on_step(step, runner)
+        return step
+
+    def plan(self, request_id: str, request: Any, whole: bool = True) -> RequestState:
+        """A request's state from the runner's host copy of it (``CachedRequestState``)."""
+        mrope = getattr(request, "mrope_positions", None)
+        params = getattr(request, "sampling_params", None)
+        state = plan_request(request_id, request.prompt_token_ids, None if mrope is None else mrope[0],
+                             getattr(params, "extra_args", None), self.policies, self.prompt, len(self.layers),
+                             self.runner.device, whole=whole)
+        if not state.layout.pruned:
+            state.record_unpruned()  # host values only: its record is complete now
+        return state
 
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """vLLM's ``Qwen2Model.forward`` (first and last pipeline rank) with the stages; ``[T, hidden]`` rows."""
-        hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
-        step = step_metadata(self.names[0])
-        if step is None:
-            return self._layers(hidden, positions)  # a dummy or profiling run: nothing to plan
-        context, first = step
-        if first.query_start_loc.shape[0] != 2:
-            raise RuntimeError(f"macer: this step schedules {first.query_start_loc.shape[0] - 1} requests; the MACER "
-                               "architectures serve one request at a time (max_num_seqs=1)")
-        with own_layer_metadata(context):
-            if first.max_query_len == first.max_seq_len:
-                return self._prefill(context, first, input_ids, hidden, positions)
-            return self._decode(context, first, hidden, positions)
+        from vllm.forward_context import get_forward_context
 
-    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The layers as vLLM runs them, with whatever metadata the forward context holds."""
+        hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
+        step, self.prepared = self.prepared, None
+        if step is None or step.plan.plain:
+            return self._layers(hidden, positions, {} if step is None else step.tails)
+        if hidden.shape[0] != step.plan.num_tokens:
+            raise RuntimeError(f"macer: the forward has {hidden.shape[0]} rows for the step's "
+                               f"{step.plan.num_tokens} tokens (a padded batch: CUDA graphs or data parallel, which "
+                               "the MACER architectures refuse)")
+        context = get_forward_context()
+        with step_context(context):
+            for name, (metadata, slots) in step.metadata.items():
+                context.attn_metadata[name], context.slot_mapping[name] = metadata, slots
+            hidden = self._staged(step, hidden, positions)
+        for i in step.fresh:
+            step.states[i].prefilled = True
+            step.states[i].start_record()
+        return hidden
+
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor,
+                tails: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The layers as vLLM runs them, with whatever metadata the forward context holds (and the step's tails
+        zeroed: ``StageMetadata.tails``)."""
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            tail = tails.get(self.names[index])
+            if tail is not None:
+                zero_tail(self.attns[index], tail, hidden.dtype)
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    # ------------------------------------------------------------------------------------------- prefill
-    def _prefill(self, context: Any, first: Any, input_ids: torch.Tensor | None, hidden: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
-        self.state = None
-        n = first.num_actual_tokens
-        if hidden.shape[0] != n:
-            raise RuntimeError(f"macer: the prefill has {hidden.shape[0]} rows for {n} tokens (padded batch); run "
-                               "the MACER architectures with enforce_eager=True")
-        if input_ids is None:
-            raise ValueError("macer: the prompt came without token ids (prompt embeddings); MACER labels audio/video "
-                             "rows by their token ids")
-        ids, temporal = to_host(input_ids[:n], temporal_row(positions)[:n])  # the prefill's one device read
-        facts = PromptFacts(labels=self.prompt.labels(ids).long(), temporal=temporal, input_ids=ids,
-                            end_of_turn_token_id=self.end_of_turn, num_layers=len(self.layers))
-        try:
-            plan = plan_prefill(self.policy, facts)
-        except ValueError as refusal:
-            # The prompt does not fit the policy (e.g. no end-of-turn token, question rows not after the media). An
-            # error here would stop the engine, not just this request: serve it unpruned, said in a WARNING record.
-            record_unpruned(facts, len(self.layers), self.policy.name, f"served without pruning: {refusal}")
-            return self._layers(hidden, positions)
-        prefill = PrefillState(plan, hidden.device)
-        slots = torch.empty(self.vllm_config.model_config.max_model_len, dtype=first.slot_mapping.dtype,
-                            device=first.slot_mapping.device)
-        slots[:n] = first.slot_mapping[:n]
-        state = RequestState(prefill, [n - tokens for tokens in plan.layer_tokens], [], slots)
-        self.state = state
-        try:
-            hidden = self._staged_layers(context, first, state, hidden, positions)
-        except BaseException:
-            self.state = None
-            raise
-        record_prefill(prefill, self.policy.name)
-        if prefill.current is prefill.full:
-            return hidden
-        out = hidden.new_zeros(n, hidden.shape[-1])
-        return out.index_copy_(0, prefill.current, hidden)
-
-    def _staged_layers(self, context: Any, first: Any, state: RequestState, hidden: torch.Tensor,
-                       positions: torch.Tensor) -> torch.Tensor:
-        prefill, tokens = state.prefill, state.prefill.plan.layer_tokens
+    def _staged(self, step: PreparedStep, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        total = hidden.shape[0]
+        segments = {segment.start: segment for segment in step.plan.segments}
+        offsets, origin = step.query_start, None
         residual: torch.Tensor | None = None
+        for i in step.fresh:  # a stage before the first layer (the random rule): no readout
+            if step.states[i].prefill.stage_at(0) is not None:
+                step.states[i].prefill.run(None, None, None, 0.0)
         for index, layer in enumerate(self.layers):
-            if index == 0 and prefill.stage_at(0) is not None:
-                prefill.run(None, None, None, 0.0)  # a stage before the first layer (no readout)
-            if prefill.has_pending():
-                keep, prefill.pending = prefill.pending, None
-                hidden, positions = hidden[keep], positions[..., keep]
-                residual = None if residual is None else residual[keep]
-                prefill.current = prefill.current[keep]
-                self.metadata.install(context, first, state.shifts, index, state.slots, prefill=True)
-            if hidden.shape[0] != tokens[index]:
-                raise RuntimeError(f"macer: layer {index + 1} received {hidden.shape[0]} tokens, the plan says "
-                                   f"{tokens[index]} (please report this)")
-            state.layer_rows.append(prefill.current)
-            self._reading = index if prefill.stage_at(index + 1) is not None else None
+            segment = segments.get(index)
+            if segment is not None:
+                if segment.gather is not None:
+                    rows = self._rows(step, segment, hidden.device)
+                    hidden, positions = hidden[rows], positions[..., rows]
+                    residual = None if residual is None else residual[rows]
+                    origin = rows if origin is None else origin[rows]
+                offsets = segment.query_start
+            armed = [(step.states[i], offsets[i], step.states[i].layout.layer_tokens[index]) for i in step.fresh
+                     if step.states[i].prefill.stage_at(index + 1) is not None]
+            self._armed = (index, armed) if armed else None
+            tail = step.tails.get(self.names[index])
+            if tail is not None:
+                zero_tail(self.attns[index], tail, hidden.dtype)
             try:
                 hidden, residual = layer(positions, hidden, residual)
             finally:
-                self._reading = None
+                self._armed = None
         hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        if origin is None:
+            return hidden
+        return hidden.new_zeros(total, hidden.shape[-1]).index_copy_(0, origin, hidden)
+
+    def _rows(self, step: PreparedStep, segment: Any, device: torch.device) -> torch.Tensor:
+        """The rows of the previous segment that enter ``segment`` (sizes from the host plan; the staged requests'
+        kept rows are device indices)."""
+        parts = []
+        for piece in segment.gather:
+            if piece.request is None:
+                parts.append(torch.arange(piece.start, piece.stop, device=device))
+                continue
+            state = step.states[piece.request]
+            if piece.request in step.fresh:
+                prefill = state.prefill
+                keep, prefill.pending = prefill.pending, None
+                if keep is None:
+                    raise RuntimeError(f"macer: request {state.request_id}'s stage before layer {segment.start + 1} "
+                                       "did not run (please report this)")
+                prefill.current = prefill.current[keep]
+                state.keeps[segment.start] = keep
+            else:
+                keep = state.keeps.get(segment.start)
+                if keep is None:
+                    raise RuntimeError(f"macer: request {state.request_id} is recomputed without the rows its stage "
+                                       f"before layer {segment.start + 1} kept (please report this)")
+            parts.append(keep + piece.start)
+            if piece.stop > piece.start + piece.before:
+                parts.append(torch.arange(piece.start + piece.before, piece.stop, device=device))
+        return torch.cat(parts)
 
     def _tap(self, index: int):
         def hook(module: nn.Module, args: tuple) -> None:
-            if self._reading != index or self.state is None:
+            armed = self._armed
+            if armed is None or armed[0] != index:
                 return
-            query, key, scale = readout(module, args[0], args[1])
-            self.state.prefill.run(query, key, scale, getattr(self.policy, "eps", 0.0))
+            query, key = args[0], args[1]
+            for state, offset, count in armed[1]:
+                q, k, scale = readout(module, query[offset: offset + count], key[offset: offset + count])
+                state.prefill.run(q, k, scale, getattr(state.policy, "eps", 0.0))
 
         return hook
-
-    # ------------------------------------------------------------------------------------------- decode
-    def _decode(self, context: Any, first: Any, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        state = self.state
-        if first.max_query_len != 1:
-            raise RuntimeError(f"macer: a step continues a prompt with {first.max_query_len} tokens after "
-                               f"{first.max_seq_len - first.max_query_len} cached ones (chunked prefill, prefix "
-                               "caching or speculative decoding); the MACER architectures need the whole prompt in "
-                               "one step and one token per decode step")
-        if state is None:
-            return self._layers(hidden, positions)
-        position = first.max_seq_len - 1
-        if position >= state.slots.shape[0]:
-            raise RuntimeError(f"macer: decode position {position} is beyond max_model_len")
-        state.slots[position: position + 1] = first.slot_mapping[:1]
-        if not any(state.shifts):
-            return self._layers(hidden, positions)
-        start = next(i for i, shift in enumerate(state.shifts) if shift)
-        for index in range(start, len(self.layers)):
-            if index == start or state.shifts[index] != state.shifts[index - 1]:
-                self.metadata.install(context, first, state.shifts, index, state.slots, prefill=False)
-        return self._layers(hidden, positions)

@@ -1,0 +1,138 @@
+"""Per-request MACER settings: a request may set its own keep ratio and policy through vLLM's per-request extra
+arguments (``SamplingParams(extra_args=...)``; ``vllm_xargs`` in the OpenAI API, which takes flat keys only)::
+
+    SamplingParams(max_tokens=64, extra_args={"macer_keep_ratio": 0.5, "macer_policy": "random"})
+    client.completions.create(..., extra_body={"vllm_xargs": {"macer_keep_ratio": 0.5}})
+
+``REQUEST_KEYS`` are the only ``macer_*`` keys (another one is refused, naming them); keys without the prefix belong to
+other extensions and are left alone. A request's policy is the engine's settings (``additional_config["macer"]``) with
+``policy`` and ``keep_ratio`` replaced by the request's (``request_policy``); when the request names another policy,
+the engine's fields that policy's class does not have are dropped (a MACER engine's ``audio_layer`` for a
+``"random"`` request), and ``"full"`` takes no keep ratio from the engine. Errors are the engine settings' own
+messages (``macer.vllm.settings.policy_from_settings``: ``make_policy``'s), prefixed by the request key.
+
+Checked twice: when the request arrives, in the frontend (``MacerRequestGuard.validate_params``: a ``ValueError``
+there fails that request alone, HTTP 400 from the server), and when the model first plans the request (the engine's
+settings are always there; a value refused only there is served unpruned with a WARNING record, since an error in
+the model would stop the engine). The frontend has the engine's settings when the MACER config hook ran in its
+process (``LLM(...)``, ``vllm serve``: ``remember_engine``); otherwise it checks names, types and ranges only.
+
+Pure Python over the settings: this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from macer.core.checks import field_real
+from macer.core.policies import ABLATION_FIELDS, POLICY_NAMES, policy_class
+from macer.core.policy import Policy
+from macer.vllm.settings import LABEL_KEYS, SETTINGS_KEY, policy_from_settings
+
+__all__ = ["REQUEST_KEYS", "RequestPolicies", "remember_engine", "remembered_engine", "request_overrides",
+           "request_policy"]
+
+REQUEST_KEYS = ("macer_keep_ratio", "macer_policy")
+"""The per-request keys of ``SamplingParams.extra_args`` / ``vllm_xargs``."""
+
+_PREFIX = "macer_"
+_ENGINE: list[tuple[Any, Any, str]] = []  # (settings, hf_config, architecture) of the last MACER engine configured here
+
+
+def _where(key: str) -> str:
+    return f'vllm_xargs["{key}"]'
+
+
+def request_overrides(extra_args: Mapping[str, Any] | None, default_policy: str = "macer") -> dict[str, Any]:
+    """``{"policy": ..., "keep_ratio": ...}`` the request sets (empty: the engine's), checked without the engine's
+    settings: key names, the policy's name, the keep ratio's type and range (the message of the policy's class:
+    the request's policy, else ``default_policy``). ``ValueError`` names the key."""
+    if not extra_args:
+        return {}
+    unknown = sorted(k for k in extra_args if isinstance(k, str) and k.startswith(_PREFIX) and k not in REQUEST_KEYS)
+    if unknown:
+        raise ValueError(f"{_where(unknown[0])}: unknown MACER request key(s) {unknown}; a request may set "
+                         f"{list(REQUEST_KEYS)} (the engine's other settings come from additional_config"
+                         f'["{SETTINGS_KEY}"])')
+    out: dict[str, Any] = {}
+    if "macer_policy" in extra_args:
+        name = extra_args["macer_policy"]
+        if not isinstance(name, str) or name not in POLICY_NAMES:
+            raise ValueError(f'{_where("macer_policy")}: unknown policy {name!r}; known: {list(POLICY_NAMES)}')
+        out["policy"] = name
+    if "macer_keep_ratio" in extra_args:
+        value = extra_args["macer_keep_ratio"]
+        name = out.get("policy", default_policy)
+        owner = policy_class(name).__name__
+        try:
+            if name == "full":
+                if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != 1.0:
+                    raise ValueError(f"FullConfig.keep_ratio must be 1.0 (a real number: full keeps everything), "
+                                     f"got {value!r}")
+            else:
+                value = field_real(owner, "keep_ratio", value, 0.0, 1.0, lo_open=True)
+        except ValueError as error:
+            raise ValueError(f'{_where("macer_keep_ratio")}={extra_args["macer_keep_ratio"]!r}: {error}') from None
+        out["keep_ratio"] = float(value)
+    return out
+
+
+def request_policy(settings: Any, overrides: Mapping[str, Any], hf_config: Any, architecture: str) -> Policy:
+    """The request's policy: the engine's ``settings`` with the request's ``overrides`` (``request_overrides``),
+    parsed by ``policy_from_settings``; its ``ValueError``, prefixed by the request keys, for a bad combination."""
+    merged = dict(settings) if isinstance(settings, Mapping) else {}
+    engine_policy = merged.get("policy", "macer")
+    name = overrides.get("policy", engine_policy)
+    if name != engine_policy:
+        # The engine's fields the request's policy class does not take (another policy's layers, an ablation's own).
+        allowed = {f.name for f in dataclasses.fields(policy_class(name)) if f.init}
+        allowed -= set(ABLATION_FIELDS.get(name, ()))
+        merged = {k: v for k, v in merged.items() if k in allowed or k in LABEL_KEYS}
+        if name == "full":
+            merged.pop("keep_ratio", None)
+    merged["policy"] = name
+    if "keep_ratio" in overrides:
+        merged["keep_ratio"] = overrides["keep_ratio"]
+    try:
+        return policy_from_settings(merged, hf_config, architecture)[0]
+    except (ValueError, TypeError) as error:
+        keys = ", ".join(f'{_where(_PREFIX + key)}={value!r}' for key, value in overrides.items())
+        raise ValueError(f"{keys}: {error}") from None
+
+
+class RequestPolicies:
+    """The policies of one engine's requests, by their overrides (``request_policy`` once per distinct setting).
+
+    Args:
+        settings, hf_config, architecture: the engine's ``additional_config["macer"]``, ``hf_config`` and
+            architecture.
+        default: the engine's policy (``policy_from_config``), served to requests that set nothing.
+    """
+
+    def __init__(self, settings: Any, hf_config: Any, architecture: str, default: Policy):
+        self.settings, self.hf_config, self.architecture = settings, hf_config, architecture
+        self.default = default
+        self._cache: dict[tuple, Policy] = {}
+
+    def for_request(self, extra_args: Mapping[str, Any] | None) -> Policy:
+        """The request's policy; ``ValueError`` (the request keys named) for a setting the engine cannot serve."""
+        overrides = request_overrides(extra_args, self.default.name or "macer")
+        if not overrides:
+            return self.default
+        key = tuple(sorted(overrides.items()))
+        if key not in self._cache:
+            self._cache[key] = request_policy(self.settings, overrides, self.hf_config, self.architecture)
+        return self._cache[key]
+
+
+def remember_engine(settings: Any, hf_config: Any, architecture: str) -> None:
+    """Keep the engine's settings in this process for the admission check (the config hook calls this)."""
+    _ENGINE[:] = [(settings, hf_config, architecture)]
+
+
+def remembered_engine() -> tuple[Any, Any, str] | None:
+    """The last MACER engine configured in this process (``remember_engine``), or None."""
+    return _ENGINE[0] if _ENGINE else None

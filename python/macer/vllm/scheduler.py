@@ -1,0 +1,50 @@
+"""The MACER scheduler: vLLM's own scheduler (``Scheduler``, or ``AsyncScheduler`` where the final config schedules
+asynchronously) that attaches each finished request's MACER record to its output, as
+``kv_transfer_params["macer"]`` (``macer.vllm.records`` says where a user reads it).
+
+``make_scheduler`` is what the config hook names as ``scheduler_cls``: vLLM's engine core calls it with the final
+config (asynchronous scheduling is resolved after the hook runs), and it builds the class over the right base. The
+records are made by the model in the worker, which runs in the engine core's process (vLLM's one-process executor,
+the only one a MACER engine runs: tensor and pipeline parallel are refused); a request without a record (one that
+never reached its prefill) finishes without one.
+
+It overrides one private method, ``Scheduler._connector_finished`` (vLLM 0.32): it returns the KV connector's
+parameters of a finishing request, and no MACER engine has a KV connector.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from macer.vllm import records
+
+__all__ = ["MacerSchedulerMixin", "make_scheduler"]
+
+
+class MacerSchedulerMixin:
+    """Adds the request's record to what a finishing request returns (module docstring)."""
+
+    def _connector_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super()._connector_finished(request)  # type: ignore[misc]
+        record = records.take(request.request_id)
+        if record is not None:
+            params = {**(params or {}), "macer": record.as_dict()}
+        return delay, params
+
+
+_CLASSES: dict[bool, type] = {}
+
+
+def make_scheduler(*args: Any, **kwargs: Any) -> Any:
+    """The scheduler of a MACER engine (``scheduler_config.scheduler_cls``): the mixin over ``AsyncScheduler`` or
+    ``Scheduler``, chosen from the final ``async_scheduling``."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    asynchronous = bool(vllm_config.scheduler_config.async_scheduling)
+    if asynchronous not in _CLASSES:
+        if asynchronous:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
+        else:
+            from vllm.v1.core.sched.scheduler import Scheduler as base
+        name = "MacerAsyncScheduler" if asynchronous else "MacerScheduler"
+        _CLASSES[asynchronous] = type(name, (MacerSchedulerMixin, base), {"__module__": __name__})
+    return _CLASSES[asynchronous](*args, **kwargs)

@@ -1,0 +1,109 @@
+"""The MACER worker: vLLM's own worker (``CPUWorker``, or ``Worker`` on a GPU) with three additions, installed by the
+config hook through ``parallel_config.worker_cls`` (the public ``--worker-cls``):
+
+* once the KV cache exists (``initialize_from_config``) it hands the V1 model runner to the model's staged decoder
+  (``StagedDecoder.bind``: the request order, prompt ids, per-request settings and block tables of each step, all on
+  the host; copies of the runner's attention groups; the load-time self-test);
+* each step (``execute_model``) it drops the state of the requests vLLM finished or aborted, and marks the step, so
+  that only a step the scheduler made is planned (profiling, warm-up and graph-capture runs never are);
+* after the step's sampler (``sample_tokens``) it finishes the step's records (``macer.vllm.records``).
+
+A model without a MACER decoder is served exactly as by vLLM's worker. The runner is used, never patched or
+subclassed; the private runner names the decoder reads are checked when it binds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from macer.vllm import records
+
+# MacerCPUWorker and MacerGPUWorker are attributes too, built on first access (``__getattr__``).
+__all__ = ["MacerWorkerMixin", "configure_engine"]
+
+_WORKERS = {"cpu": "macer.vllm.worker.MacerCPUWorker", "gpu": "macer.vllm.worker.MacerGPUWorker"}
+_SCHEDULER = "macer.vllm.scheduler.make_scheduler"
+
+
+class MacerWorkerMixin:
+    """The additions to vLLM's worker (module docstring); first base of ``MacerCPUWorker`` / ``MacerGPUWorker``."""
+
+    def _macer(self) -> Any:
+        runner = getattr(self, "model_runner", None)
+        model = runner.get_model() if runner is not None and hasattr(runner, "model") else None
+        return getattr(model, "macer", None)
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
+        decoder = self._macer()
+        if decoder is not None:
+            from vllm.config import set_current_vllm_config
+
+            # Builders made under the engine's config, as the runner makes its own (FlashInfer's __init__ reads it).
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                decoder.bind(self.model_runner)  # type: ignore[attr-defined]
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        records.finish_pending()
+        decoder = self._macer()
+        if decoder is None:
+            return super().execute_model(scheduler_output)  # type: ignore[misc]
+        decoder.begin_step(scheduler_output.finished_req_ids)
+        try:
+            return super().execute_model(scheduler_output)  # type: ignore[misc]
+        finally:
+            decoder.end_step()
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        out = super().sample_tokens(grammar_output)  # type: ignore[misc]
+        records.finish_pending()
+        return out
+
+
+def _worker_class(name: str) -> type:
+    # Built on first use: the GPU worker module is not what a CPU engine loads, nor the CPU one on a GPU.
+    if name == "MacerCPUWorker":
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        return type("MacerCPUWorker", (MacerWorkerMixin, CPUWorker), {"__module__": __name__})
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return type("MacerGPUWorker", (MacerWorkerMixin, Worker), {"__module__": __name__})
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("MacerCPUWorker", "MacerGPUWorker"):
+        if name not in _CLASSES:
+            _CLASSES[name] = _worker_class(name)
+        return _CLASSES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def configure_engine(vllm_config: Any) -> None:
+    """The config hook's part for batched serving: the MACER worker (``--worker-cls``) and scheduler
+    (``--scheduler-cls``, which attaches each request's record to its output), refusing a worker or scheduler the
+    user set; and the engine's settings kept in this process for the per-request admission check."""
+    from macer.vllm.request_settings import remember_engine
+    from macer.vllm.settings import SETTINGS_KEY
+
+    arch = vllm_config.model_config.architecture
+    parallel, scheduler = vllm_config.parallel_config, vllm_config.scheduler_config
+    if parallel.worker_cls == "auto":
+        from vllm.platforms import current_platform
+
+        parallel.worker_cls = _WORKERS["cpu" if current_platform.is_cpu() else "gpu"]
+    elif parallel.worker_cls not in _WORKERS.values():
+        raise ValueError(f"{arch} (macer) runs on its own worker (it hands each step's requests to the model): "
+                         f"drop --worker-cls {parallel.worker_cls} (a worker of another extension needs a class "
+                         "that mixes in macer.vllm.worker.MacerWorkerMixin)")
+    current = scheduler.scheduler_cls
+    if current is not None and current != _SCHEDULER and getattr(current, "__name__", None) != "make_scheduler":
+        raise ValueError(f"{arch} (macer) runs on its own scheduler (it attaches each request's MACER record to the "
+                         f"request's output): drop --scheduler-cls {current}")
+    scheduler.scheduler_cls = _SCHEDULER
+    additional = vllm_config.additional_config or {}
+    remember_engine(additional.get(SETTINGS_KEY) if hasattr(additional, "get") else None,
+                    vllm_config.model_config.hf_config, arch)

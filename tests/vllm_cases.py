@@ -1,0 +1,177 @@
+"""Helpers of the vLLM conformance tests (``tests/vllm/test_conformance.py``, ``test_batched.py``,
+``test_preemption.py``): serve requests through the shared engine (``tests/vllm/conftest.py``) all at once or
+staggered, and the same requests through transformers with ``macer.compress`` (the reference written from the paper's
+rules, on the same weights), and read what each request's compacted layers wrote to the KV cache.
+
+Imported by the vLLM tests only (they skip without vLLM first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STEPS = 16
+
+
+@dataclass
+class Served:
+    """One request served by the engine."""
+
+    external_id: str
+    request_id: str | None  # vLLM's internal id (None: no record)
+    tokens: list[int]
+    record: Any  # macer.vllm.records.RequestRecord
+    output_record: dict | None  # RequestOutput.kv_transfer_params["macer"]
+    prefill_logits: torch.Tensor | None  # the logits of its prefill's sampled row
+
+
+def sampling(max_tokens: int = STEPS, extra_args: dict | None = None) -> Any:
+    import vllm
+
+    return vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+                               extra_args=extra_args)
+
+
+def _collect(engine: Any, outputs: dict[str, Any], order: list[str]) -> list[Served]:
+    from macer.vllm import records
+
+    records.finish_pending(block=True)
+    by_id = {r.external_id: r for r in records.RECORDS}
+    rows: dict[str, torch.Tensor] = {}
+    for step, logits in zip(engine.steps, engine.logits, strict=True):
+        for index, (kind, request_id) in enumerate(zip(step["kinds"], step["ids"], strict=True)):
+            external = records.external_id(request_id)
+            if kind == "prefill" and external not in rows:
+                rows[external] = logits[index]
+    served = []
+    for name in order:
+        out = outputs[name]
+        record = by_id.get(name)
+        macer = (out.kv_transfer_params or {}).get("macer")
+        request_id = record.request_id if record is not None else None
+        served.append(Served(name, request_id, list(out.outputs[0].token_ids), record, macer, rows.get(name)))
+    return served
+
+
+def generate(engine: Any, requests: list[tuple[list[int], dict | None]], max_tokens: int = STEPS) -> list[Served]:
+    """All requests in one ``LLM.generate`` call (vLLM batches them as it schedules)."""
+    engine.steps.clear()
+    engine.logits.clear()
+    prompts = [{"prompt_token_ids": prompt} for prompt, _ in requests]
+    params = [sampling(max_tokens, extra) for _, extra in requests]
+    outputs = engine.llm.generate(prompts, params, use_tqdm=False)
+    assert len(engine.steps) == len(engine.logits)
+    return _collect(engine, {o.request_id: o for o in outputs}, [o.request_id for o in outputs])
+
+
+def generate_staggered(engine: Any, requests: list[tuple[list[int], dict | None]], max_tokens: int = STEPS,
+                       every: int = 2, per: int = 2, abort: str | None = None) -> list[Served]:
+    """``per`` new requests every ``every`` steps, through the engine's own ``add_request`` / ``step`` (so that steps
+    mix the decodes of earlier requests with new prefills); ``abort``: the name of a request aborted at step 5."""
+    core = engine.llm.llm_engine
+    engine.steps.clear()
+    engine.logits.clear()
+    pending = [(f"s{i}", prompt, extra) for i, (prompt, extra) in enumerate(requests)]
+    names = [name for name, _, _ in pending]
+    outputs: dict[str, Any] = {}
+    step = 0
+    while pending or core.has_unfinished_requests():
+        if pending and step % every == 0:
+            for name, prompt, extra in pending[:per]:
+                core.add_request(name, {"prompt_token_ids": prompt}, sampling(max_tokens, extra))
+            pending = pending[per:]
+        if abort is not None and step == 5:
+            core.abort_request([abort])
+        for out in core.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        step += 1
+    assert len(engine.steps) == len(engine.logits)
+    return _collect(engine, outputs, [n for n in names if n in outputs])
+
+
+def hf_run(model: Any, policy: Any, prompt: list[int], steps: int = STEPS) -> dict:
+    """Greedy generation under ``macer.compress`` + ``LabelledAdapter`` (``policy`` None: no compress)."""
+    import macer
+    from macer.vllm.testing import label_ids
+
+    ids = torch.tensor([prompt])
+    if policy is None:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=steps, do_sample=False, return_dict_in_generate=True,
+                                 output_logits=True)
+        return {"tokens": out.sequences[0, len(prompt):].tolist(), "logits": out.logits[0][0], "record": None,
+                "cache": out.past_key_values}
+    with macer.compress(model, policy, adapter=macer.LabelledAdapter(label_ids(prompt))) as trace:
+        out = model.generate(ids, max_new_tokens=steps, do_sample=False, return_dict_in_generate=True,
+                             output_logits=True)
+    return {"tokens": out.sequences[0, len(prompt):].tolist(), "logits": out.logits[0][0], "record": trace.last,
+            "cache": out.past_key_values}
+
+
+def _written(engine: Any, served: Served, layer: int, index: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask of the page entries the CPU backend's own cache op writes for ``key``/``value`` ``[n, Hkv, D]`` at the
+    request's compacted indices ``index`` in layer ``layer``, those entries as the op writes them). The layout of a
+    page (keys are stored transposed) is the op's business: a NaN-filled copy shows where it wrote."""
+    from vllm import _custom_ops as ops
+
+    attn = engine.model.macer.attns[layer]
+    _, heads, block_size, width = attn.kv_cache.shape
+    blocks = engine.blocks[served.request_id]
+    # A NaN-filled copy of the request's own blocks only (local block j = its j-th block).
+    reference = torch.full((len(blocks), heads, block_size, width), float("nan"))
+    slots = index  # compacted index c sits in local block c // block_size at offset c % block_size
+    key_cache, value_cache = reference.view(len(blocks), heads, block_size * 2, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, slots, attn.isa,
+                                   k_scale=attn._k_scale_float, v_scale=attn._v_scale_float, kv_cache_dtype="auto")
+    written = ~torch.isnan(reference)
+    return written, reference[written]
+
+
+def kv_pages(engine: Any, served: Served, layer: int, key: torch.Tensor, value: torch.Tensor):
+    """(engine's page entries, the reference's, entries written): ``key``/``value`` ``[n, Hkv, D]`` written at the
+    request's compacted indices ``0..n-1`` of layer ``layer`` (its blocks as the engine's last step saw them)."""
+    written, reference = _written(engine, served, layer, torch.arange(key.shape[0]), key, value)
+    return _pages(engine, served, layer)[written], reference, int(written.sum())
+
+
+def _pages(engine: Any, served: Served, layer: int) -> torch.Tensor:
+    """The request's blocks of layer ``layer``'s KV cache, in the order of its block table."""
+    return engine.model.macer.attns[layer].kv_cache[torch.tensor(engine.blocks[served.request_id])]
+
+
+def tail_is_zero(engine: Any, served: Served, layer: int, end: int) -> bool:
+    """Whether the rest of the block holding compacted index ``end - 1`` of the request in layer ``layer`` is zero
+    (keys and values)."""
+    cache = engine.model.macer.attns[layer].kv_cache
+    _, heads, block_size, width = cache.shape
+    stop = -(-end // block_size) * block_size
+    if stop == end:
+        return True
+    ones = torch.ones(stop - end, heads, width // 2)
+    written, _ = _written(engine, served, layer, torch.arange(end, stop), ones, ones)
+    return bool((_pages(engine, served, layer)[written] == 0).all())
+
+
+@contextlib.contextmanager
+def macer_log() -> Iterator[list[logging.LogRecord]]:
+    """The records logged on ``vllm.macer`` inside the block (vLLM's loggers do not propagate to pytest's handler)."""
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = seen.append  # type: ignore[method-assign]
+    target = logging.getLogger("vllm.macer")
+    level = target.level
+    target.addHandler(handler)
+    target.setLevel(logging.INFO)
+    try:
+        yield seen
+    finally:
+        target.removeHandler(handler)
+        target.setLevel(level)
