@@ -10,13 +10,71 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 STEPS = 16
+
+
+@dataclass
+class Engine:
+    """The shared engine and its recorders."""
+
+    llm: Any
+    model: Any
+    settings: dict
+    logits: list = field(default_factory=list)  # [rows, vocab] of every compute_logits call
+    steps: list = field(default_factory=list)  # per step: {"kinds", "ids", "blocks", "step"}
+    blocks: dict = field(default_factory=dict)  # request id -> its block ids (group 0) at its latest step
+    records_at_start: int = 0  # records made while the engine started (profiling, warm-up): must be 0
+    states_at_start: int = 0
+
+    def record_step(self, step: Any, runner: Any) -> None:
+        batch = runner.input_batch
+        table = batch.block_table[0]
+        ids = list(batch.req_ids[: batch.num_reqs])
+        for i, request_id in enumerate(ids):
+            self.blocks[request_id] = table.block_table.np[i, : table.num_blocks_per_row[i]].tolist()
+        self.steps.append({"kinds": list(step.plan.kinds), "ids": ids, "step": step})
+
+
+def in_process_llm(**kwargs: Any) -> Any:
+    """``vllm.LLM`` with the engine in this process (its model and records readable here)."""
+    import vllm
+
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        return vllm.LLM(**kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+
+
+def make_engine(checkpoint: Any, settings: dict, **engine_args: Any) -> Engine:
+    """An in-process MACER engine on ``checkpoint`` with the recorders of ``Engine`` installed (test-only)."""
+    from macer.vllm import records
+
+    llm = in_process_llm(model=str(checkpoint), additional_config={"macer": settings}, **engine_args)
+    model = llm.apply_model(lambda m: m)[0]
+    engine = Engine(llm, model, settings, records_at_start=len(records.RECORDS),
+                    states_at_start=len(model.macer.states))
+    compute = model.compute_logits
+
+    def recording(hidden_states: Any) -> Any:
+        out = compute(hidden_states)
+        engine.logits.append(out.detach().clone())
+        return out
+
+    model.compute_logits = recording  # the logits as the sampler sees them
+    model.macer.on_step = engine.record_step
+    return engine
 
 
 @dataclass

@@ -8,11 +8,8 @@ Nothing here imports vLLM at import time: ``make test`` (no vLLM) collects this 
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-from typing import Any
-
 import pytest
+from vllm_cases import Engine, make_engine
 
 ENGINE_ARGS = {"skip_tokenizer_init": True, "enforce_eager": True, "dtype": "float32", "max_model_len": 512,
                "max_num_batched_tokens": 1024, "max_num_seqs": 16, "enable_prefix_caching": False,
@@ -24,41 +21,6 @@ def engine_settings() -> dict:
     from macer.vllm.testing import MACER_SETTINGS
 
     return {"policy": "macer", "keep_ratio": 0.25, **LAYERS, **MACER_SETTINGS}
-
-
-@dataclass
-class Engine:
-    """The shared engine and its recorders."""
-
-    llm: Any
-    model: Any
-    settings: dict
-    logits: list = field(default_factory=list)  # [rows, vocab] of every compute_logits call
-    steps: list = field(default_factory=list)  # per step: {"kinds", "ids", "blocks", "step"}
-    blocks: dict = field(default_factory=dict)  # request id -> its block ids (group 0) at its latest step
-
-    def record_step(self, step: Any, runner: Any) -> None:
-        batch = runner.input_batch
-        table = batch.block_table[0]
-        ids = list(batch.req_ids[: batch.num_reqs])
-        for i, request_id in enumerate(ids):
-            self.blocks[request_id] = table.block_table.np[i, : table.num_blocks_per_row[i]].tolist()
-        self.steps.append({"kinds": list(step.plan.kinds), "ids": ids, "step": step})
-
-
-def in_process_llm(**kwargs: Any) -> Any:
-    """``vllm.LLM`` with the engine in this process (its model and records readable here)."""
-    import vllm
-
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        return vllm.LLM(**kwargs)
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
 @pytest.fixture(scope="session")
@@ -75,21 +37,8 @@ def shared_engine(tiny_checkpoint) -> Engine:
     from macer.vllm.testing import ARCHITECTURE
 
     records.clear()
-    llm = in_process_llm(model=str(tiny_checkpoint), additional_config={"macer": engine_settings()}, **ENGINE_ARGS)
-    model = llm.apply_model(lambda m: m)[0]
-    assert type(model).__name__ == ARCHITECTURE
-    engine = Engine(llm, model, engine_settings())
-    engine.records_at_start = len(records.RECORDS)  # type: ignore[attr-defined]
-    engine.states_at_start = len(model.macer.states)  # type: ignore[attr-defined]
-    compute = model.compute_logits
-
-    def recording(hidden_states: Any) -> Any:
-        out = compute(hidden_states)
-        engine.logits.append(out.detach().clone())
-        return out
-
-    model.compute_logits = recording  # test-only: the logits as the sampler sees them
-    model.macer.on_step = engine.record_step
+    engine = make_engine(tiny_checkpoint, engine_settings(), **ENGINE_ARGS)
+    assert type(engine.model).__name__ == ARCHITECTURE
     return engine
 
 
