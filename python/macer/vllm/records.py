@@ -5,10 +5,11 @@ Where a user reads it:
 
 * **in the request's output**: ``RequestOutput.kv_transfer_params["macer"]`` (``LLM.generate``) and the
   ``kv_transfer_params`` field of the OpenAI-compatible server's completion and chat completion responses, a JSON
-  object (``RequestRecord.as_dict``). The MACER scheduler (``macer.vllm.scheduler``) attaches it when the request
-  finishes; vLLM carries that field from the engine core to the caller. MACER engines refuse KV transfer
-  connectors, so the field is otherwise unused. With ``n > 1`` the output carries one child request's record (the
-  children share the prompt and the policy, so their kept rows are the same).
+  object (``RequestRecord.as_dict``). The MACER worker sends the step's new records to the engine core with the
+  step's output (``drain``; vLLM's CPU build runs the worker in a process of its own), and the MACER scheduler
+  (``macer.vllm.scheduler``) attaches a request's record when it finishes; vLLM carries that field to the caller.
+  MACER engines refuse KV transfer connectors, so the field is otherwise unused. With ``n > 1`` the output carries
+  one child request's record (the children share the prompt and the policy, so their kept rows are the same).
 * **in the log**: one line on the ``vllm.macer`` logger (vLLM's handler and ``VLLM_LOGGING_LEVEL``) in the process
   that runs the model, INFO, or WARNING when the record has a note::
 
@@ -37,8 +38,9 @@ import torch
 from macer.core.policy import AUDIO, MODALITY_NAMES, VISUAL, PromptFacts
 from macer_kernels import Budget
 
-__all__ = ["MAX_RECORDS", "RECORDS", "RequestRecord", "by_request", "clear", "external_id", "finish_pending",
-           "format_layers", "last", "nonfinite_note", "prompt_counts", "record", "start_pending", "take"]
+__all__ = ["MAX_RECORDS", "RECORDS", "RequestRecord", "by_request", "clear", "drain", "external_id", "finish_pending",
+           "format_layers", "kept_rows", "last", "nonfinite_note", "prompt_counts", "receive", "record",
+           "start_pending", "take"]
 
 # A child of vLLM's "vllm" logger, so the line goes through vLLM's handler and level (VLLM_LOGGING_LEVEL) in every
 # process of the engine; a logger of our own would have no handler there and drop INFO.
@@ -97,7 +99,8 @@ class RequestRecord:
 RECORDS: deque[RequestRecord] = deque(maxlen=MAX_RECORDS)
 """The last ``MAX_RECORDS`` records of this process, oldest first."""
 
-_BY_ID: OrderedDict[str, RequestRecord] = OrderedDict()  # records not yet taken by the scheduler, by request id
+_BY_ID: OrderedDict[str, dict[str, Any]] = OrderedDict()  # records (as_dict) not yet taken by the scheduler
+_OUTBOX: list[dict[str, Any]] = []  # records made here, not yet sent to the scheduler's process (``drain``)
 
 
 @dataclass
@@ -163,9 +166,9 @@ def record(request_id: str | None, budget: Budget | None, kept: Mapping[str, Seq
                           tuple(int(n) for n in layer_tokens), note)
     RECORDS.append(entry)
     if request_id is not None:
-        _BY_ID[request_id] = entry
-        while len(_BY_ID) > MAX_RECORDS:  # the scheduler takes them; without it, keep the newest
-            _BY_ID.popitem(last=False)
+        receive([entry.as_dict()])
+        _OUTBOX.append(entry.as_dict())
+        del _OUTBOX[:-MAX_RECORDS]
     logger.log(logging.WARNING if note else logging.INFO, "%s", entry.line())
     return entry
 
@@ -197,8 +200,24 @@ def finish_pending(block: bool = False) -> None:
         pending.build(pending.host.tolist())
 
 
-def take(request_id: str) -> RequestRecord | None:
-    """The request's record, removed from the per-request table (the scheduler attaches it to the output)."""
+def drain() -> list[dict[str, Any]]:
+    """The records made in this process since the last call, as JSON objects: the MACER worker sends them to the
+    scheduler with the step's output (vLLM may run the worker in a process of its own)."""
+    out = list(_OUTBOX)
+    _OUTBOX.clear()
+    return out
+
+
+def receive(entries: list[dict[str, Any]] | None) -> None:
+    """Keep records (``drain``'s objects) for the scheduler to ``take`` when their requests finish."""
+    for entry in entries or ():
+        _BY_ID[entry["request_id"]] = entry
+    while len(_BY_ID) > MAX_RECORDS:  # the scheduler takes them; without it, keep the newest
+        _BY_ID.popitem(last=False)
+
+
+def take(request_id: str) -> dict[str, Any] | None:
+    """The request's record as a JSON object, removed from the table (the scheduler attaches it to the output)."""
     if request_id in _PENDING:
         pending = _PENDING.pop(request_id)
         if pending.event is not None:
@@ -245,3 +264,4 @@ def clear() -> None:
     finish_pending(block=True)
     RECORDS.clear()
     _BY_ID.clear()
+    _OUTBOX.clear()

@@ -4,12 +4,13 @@ asynchronously) that attaches each finished request's MACER record to its output
 
 ``make_scheduler`` is what the config hook names as ``scheduler_cls``: vLLM's engine core calls it with the final
 config (asynchronous scheduling is resolved after the hook runs), and it builds the class over the right base. The
-records are made by the model in the worker, which runs in the engine core's process (vLLM's one-process executor,
-the only one a MACER engine runs: tensor and pipeline parallel are refused); a request without a record (one that
-never reached its prefill) finishes without one.
+records are made by the model in the worker, which may run in a process of its own (vLLM's CPU build always uses its
+multiprocess executor): they arrive with the step's output (``ModelRunnerOutput.macer_records``, an attribute the
+MACER worker adds; the output crosses processes pickled). A request without a record (one that never reached its
+prefill) finishes without one.
 
-It overrides one private method, ``Scheduler._connector_finished`` (vLLM 0.32): it returns the KV connector's
-parameters of a finishing request, and no MACER engine has a KV connector.
+It overrides ``update_from_output`` and one private method, ``Scheduler._connector_finished`` (vLLM 0.32): it returns
+the KV connector's parameters of a finishing request, and no MACER engine has a KV connector.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ __all__ = ["MacerSchedulerMixin", "make_scheduler"]
 class MacerSchedulerMixin:
     """Adds the request's record to what a finishing request returns (module docstring)."""
 
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        # The records the worker made in this step, sent with its output (macer.vllm.worker).
+        records.receive(getattr(model_runner_output, "macer_records", None))
+        return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+
     def _connector_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super()._connector_finished(request)  # type: ignore[misc]
         record = records.take(request.request_id)
         if record is not None:
-            params = {**(params or {}), "macer": record.as_dict()}
+            params = {**(params or {}), "macer": record}
         return delay, params
 
 

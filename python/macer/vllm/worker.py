@@ -14,6 +14,7 @@ subclassed; the private runner names the decoder reads are checked when it binds
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from macer.vllm import records
@@ -56,8 +57,32 @@ class MacerWorkerMixin:
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         out = super().sample_tokens(grammar_output)  # type: ignore[misc]
-        records.finish_pending()
+        # The step's kept rows were copied to the host before the sampler ran: waiting for them costs a prefill step
+        # nothing under synchronous scheduling, and a request that finishes in this step still gets its record.
+        records.finish_pending(block=True)
+        return _with_records(out, records.drain())
+
+
+def _with_records(out: Any, entries: list[dict[str, Any]]) -> Any:
+    """The step's output carrying ``entries`` to the scheduler (``macer.vllm.scheduler``) as ``macer_records``: an
+    attribute of the pickled ``ModelRunnerOutput`` (on a copy: the empty output is a shared object); for an
+    asynchronous output, of what its ``get_output`` returns."""
+    if not entries:
         return out
+    if out is None:
+        records.receive(entries)  # no output to carry them: kept here (an in-process scheduler reads them)
+        return out
+    if hasattr(out, "get_output"):
+        get_output = out.get_output
+
+        def with_records() -> Any:
+            return _with_records(get_output(), entries)
+
+        out.get_output = with_records
+        return out
+    out = copy.copy(out)
+    out.macer_records = entries
+    return out
 
 
 def _worker_class(name: str) -> type:
