@@ -141,8 +141,9 @@ def test_cuda_selection_paths_flag_an_infinity_without_nan(seed):
     """The CUDA backend's two selection paths on CPU: the one-CTA kernel's flag rule in its numpy replay
     (``test_cuda_select_emulation.select_cta``) and the multi-CTA sort chain's code (``stage_select_sorts``) flag
     +-inf as the PyTorch path and the reference do (the kernels themselves: ``test_an_infinity...`` on a GPU)."""
-    from macer_kernels.cuda.stage import stage_select_sorts
     from test_cuda_select_emulation import select_cta
+
+    from macer_kernels.cuda.stage import stage_select_sorts
 
     scores, labels, chunks, spec, out_len = _infinite_case(seed)
     mods = [(label, keep, weight) for label, keep, weight, _ in spec]
