@@ -80,4 +80,4 @@ $(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py
 venv-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -m vllm tests/vllm
+	$(VLLM_BIN)/python -m pytest tests/vllm
