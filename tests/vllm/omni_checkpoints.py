@@ -11,8 +11,9 @@ tests of the real thinker architectures (``test_omni_baseline.py``).
   (``"\\n"`` is 198), filler entries up to 151642, and the real special tokens at their real ids. No merges: text is
   one token per byte.
 * ``waveform(...)``, ``video_frames(...)``: a 16 kHz mono ``float32`` waveform and ``uint8`` RGB frames, what a user
-  decodes from a file; ``wav_data_url(...)``, ``video_data_url(...)``: the same as ``data:`` URLs for the chat API's
-  ``audio_url`` / ``video_url`` parts.
+  decodes from a file; ``wav_data_url(...)``, ``video_data_url(...)`` (optionally with the waveform as its sound
+  track): the same as ``data:`` URLs for the chat API's ``audio_url`` / ``video_url`` parts, lossless but for the
+  audio's rounding to 16 bits (``pcm16``).
 * ``chat_prompt(processor, content)``: the prompt text of one user turn (the checkpoint's chat template), with the
   generation prompt.
 
@@ -25,6 +26,7 @@ import base64
 import io
 import json
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ __all__ = [
     "load_hf_thinker",
     "omni_processor",
     "omni_tokenizer",
+    "pcm16",
     "video_data_url",
     "video_frames",
     "wav_data_url",
@@ -143,10 +146,9 @@ def omni_processor():
 
 def _omni_config(*, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, encoder_hidden_size: int,
                  init_std: float):
+    from macer.testing import thinker_config
     from transformers import Qwen2_5OmniConfig
     from transformers.utils import logging as hf_logging
-
-    from macer.testing import thinker_config
 
     tok = QWEN25_OMNI_TOKENS
     thinker = thinker_config(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
@@ -247,7 +249,7 @@ def wav_data_url(samples: np.ndarray) -> str:
     """``samples`` (16 kHz mono float) as a ``data:audio/wav;base64,...`` URL of 16-bit PCM WAV."""
     import wave
 
-    pcm = (np.clip(samples, -1, 1) * 32767).round().astype("<i2")
+    pcm = _pcm16_ints(samples)
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as out:
         out.setnchannels(1)
@@ -257,10 +259,42 @@ def wav_data_url(samples: np.ndarray) -> str:
     return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def video_data_url(frames: np.ndarray, *, fps: float = 2.0) -> str:
-    """``frames`` (``[T, H, W, 3]`` uint8 RGB) as a ``data:video/...;base64,...`` URL (see ``test_omni_baseline``
-    for the container and codec used, and what decoding it gives back)."""
-    raise NotImplementedError
+def video_data_url(frames: np.ndarray, *, fps: float = 2.0, audio: np.ndarray | None = None) -> str:
+    """``frames`` (``[T, H, W, 3]`` uint8 RGB) at ``fps`` frames per second, with ``audio`` (a 16 kHz mono waveform)
+    as its sound track if given, as a ``data:video/x-matroska;base64,...`` URL. Lossless: FFV1 video (RGB), 16-bit
+    PCM audio, so vLLM decodes back exactly ``frames`` (OpenCV) and the audio rounded to 16 bits (PyAV), as
+    ``pcm16(audio)`` gives it. Written with PyAV (``av``, the audio decoder of vLLM's ``audio`` extra)."""
+    import av
+
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"video_data_url: frames must be [T, H, W, 3] uint8, got {frames.shape} {frames.dtype}")
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="matroska") as container:
+        video = container.add_stream("ffv1", rate=Fraction(fps).limit_denominator(1000))
+        video.width, video.height, video.pix_fmt = frames.shape[2], frames.shape[1], "bgr0"
+        sound = None
+        if audio is not None:
+            sound = container.add_stream("pcm_s16le", rate=SAMPLE_RATE)
+            sound.layout = "mono"
+        for frame in frames:
+            container.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(video.encode())
+        if sound is not None:
+            samples = av.AudioFrame.from_ndarray(_pcm16_ints(audio)[None, :], format="s16", layout="mono")
+            samples.sample_rate = SAMPLE_RATE
+            container.mux(sound.encode(samples))
+            container.mux(sound.encode())
+    return "data:video/x-matroska;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _pcm16_ints(samples: np.ndarray) -> np.ndarray:
+    return (np.clip(samples, -1, 1) * 32767).round().astype("<i2")
+
+
+def pcm16(samples: np.ndarray) -> np.ndarray:
+    """``samples`` as a decoder gives them back from 16-bit PCM (``wav_data_url``, ``video_data_url``): ``float32``
+    multiples of 1/32768."""
+    return _pcm16_ints(samples).astype(np.float32) / 32768
 
 
 def chat_prompt(processor: Any, content: list[dict[str, Any]] | str) -> str:
