@@ -99,8 +99,8 @@ $(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py $(VLLM_SITE_FILES)
 	@$(call vllm_quietly,$(VLLM_BIN)/python -m pip install -q --no-deps $(VLLM_TORCH_SOURCE) -r requirements-vllm.txt)
 	@echo "macer vllm setup: declaring torchvision's op schemas in $(VLLM_VENV) (test environment only, see the Makefile)"
 	@cp $(VLLM_SITE_FILES) "$$($(VLLM_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-	@$(call vllm_quietly,$(VLLM_BIN)/python -c "import torchvision, vllm.model_executor.models.qwen2_5_omni_thinker, \
-		vllm.model_executor.models.qwen3_omni_moe_thinker")
+	@$(call vllm_quietly,$(VLLM_BIN)/python -c "import torchvision; import vllm.model_executor.models.qwen2_5_omni_thinker; \
+		import vllm.model_executor.models.qwen3_omni_moe_thinker")
 	@echo "macer vllm setup: installing macer-kernels (editable, pure Python, --no-deps)"
 	@$(call vllm_quietly,MACER_NO_CUDA=1 $(VLLM_BIN)/python -m pip install -q --no-deps --no-build-isolation -e .)
 	@touch $@

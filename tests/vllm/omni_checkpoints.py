@@ -13,7 +13,7 @@ tests of the real thinker architectures (``test_omni_baseline.py``).
 * ``waveform(...)``, ``video_frames(...)``: a 16 kHz mono ``float32`` waveform and ``uint8`` RGB frames, what a user
   decodes from a file; ``wav_data_url(...)``, ``video_data_url(...)`` (optionally with the waveform as its sound
   track): the same as ``data:`` URLs for the chat API's ``audio_url`` / ``video_url`` parts, lossless but for the
-  audio's rounding to 16 bits (``pcm16``).
+  WAV's rounding to 16 bits (``pcm16``).
 * ``chat_prompt(processor, content)``: the prompt text of one user turn (the checkpoint's chat template), with the
   generation prompt.
 
@@ -23,6 +23,7 @@ vLLM's CPU attention takes head sizes 32, 64, 80, 96, 112, 128 only: the languag
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ __all__ = [
     "pcm16",
     "video_data_url",
     "video_frames",
+    "vllm_interleaved_positions",
+    "vllm_positions",
     "wav_data_url",
     "waveform",
     "write_qwen25_omni",
@@ -261,9 +264,14 @@ def wav_data_url(samples: np.ndarray) -> str:
 
 def video_data_url(frames: np.ndarray, *, fps: float = 2.0, audio: np.ndarray | None = None) -> str:
     """``frames`` (``[T, H, W, 3]`` uint8 RGB) at ``fps`` frames per second, with ``audio`` (a 16 kHz mono waveform)
-    as its sound track if given, as a ``data:video/x-matroska;base64,...`` URL. Lossless: FFV1 video (RGB), 16-bit
-    PCM audio, so vLLM decodes back exactly ``frames`` (OpenCV) and the audio rounded to 16 bits (PyAV), as
-    ``pcm16(audio)`` gives it. Written with PyAV (``av``, the audio decoder of vLLM's ``audio`` extra)."""
+    as its sound track if given, as a ``data:video/x-matroska;base64,...`` URL. Lossless: FFV1 video (RGB) and 32-bit
+    float PCM audio, so vLLM decodes back exactly ``frames`` (OpenCV) and ``audio`` as ``float32`` (PyAV). Written
+    with PyAV (``av``, the audio decoder of vLLM's ``audio`` extra).
+
+    Not 16-bit PCM: vLLM 0.32.0's ``load_audio_pyav`` (``vllm/multimodal/media/audio.py``) returns a sound track it
+    does not resample as ``frame.to_ndarray().astype(float32)``, which for integer sample formats is the raw integers
+    (16-bit PCM decodes to values up to 32767, not [-1, 1]); float formats (``flt``, ``fltp``: AAC, MP3, Opus, float
+    PCM) come back as they are."""
     import av
 
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
@@ -274,13 +282,14 @@ def video_data_url(frames: np.ndarray, *, fps: float = 2.0, audio: np.ndarray | 
         video.width, video.height, video.pix_fmt = frames.shape[2], frames.shape[1], "bgr0"
         sound = None
         if audio is not None:
-            sound = container.add_stream("pcm_s16le", rate=SAMPLE_RATE)
+            sound = container.add_stream("pcm_f32le", rate=SAMPLE_RATE)
             sound.layout = "mono"
         for frame in frames:
             container.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(video.encode())
         if sound is not None:
-            samples = av.AudioFrame.from_ndarray(_pcm16_ints(audio)[None, :], format="s16", layout="mono")
+            samples = av.AudioFrame.from_ndarray(np.asarray(audio, dtype=np.float32)[None, :], format="flt",
+                                                 layout="mono")
             samples.sample_rate = SAMPLE_RATE
             container.mux(sound.encode(samples))
             container.mux(sound.encode())
@@ -288,13 +297,65 @@ def video_data_url(frames: np.ndarray, *, fps: float = 2.0, audio: np.ndarray | 
 
 
 def _pcm16_ints(samples: np.ndarray) -> np.ndarray:
-    return (np.clip(samples, -1, 1) * 32767).round().astype("<i2")
+    # x * 32768, the inverse of the decoders' int / 32768, so that pcm16 of pcm16 samples changes nothing.
+    return np.clip(np.round(np.asarray(samples, dtype=np.float64) * 32768), -32768, 32767).astype("<i2")
 
 
 def pcm16(samples: np.ndarray) -> np.ndarray:
-    """``samples`` as a decoder gives them back from 16-bit PCM (``wav_data_url``, ``video_data_url``): ``float32``
-    multiples of 1/32768."""
+    """``samples`` as a decoder gives them back from 16-bit PCM (``wav_data_url``): ``float32`` multiples of
+    1/32768."""
     return _pcm16_ints(samples).astype(np.float32) / 32768
+
+
+def vllm_interleaved_positions(positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """The M-RoPE positions vLLM 0.32.0 gives a Qwen2.5-Omni prompt, from transformers' ``get_rope_index`` positions
+    ``[3, N]`` of the same ``input_ids`` ``[N]``: they differ in every video whose audio is interleaved
+    (``use_audio_in_video=True``), the span ``<|vision_bos|><|audio_bos|> X_1 .. X_K <|audio_eos|><|vision_eos|>``.
+
+    transformers (the Qwen reference) gives ``<|vision_bos|>`` and ``<|audio_bos|>`` one position ``p``, the K
+    interleaved media tokens their time-aligned positions ``m_1 .. m_K`` (built from ``p + 1``), and
+    ``<|audio_eos|>``, ``<|vision_eos|>`` one position ``q = max + 1``. vLLM's ``get_mrope_input_positions``
+    (``vllm/model_executor/models/qwen2_5_omni_thinker.py``) starts the video item's positions at its placeholder
+    offset, which is ``<|audio_bos|>`` (the prompt update is ``[<|audio_bos|>, X.., <|audio_eos|>]``), but
+    ``_compute_interleaved_positions`` returns positions for the K media tokens only: ``<|audio_bos|>`` gets ``m_1``,
+    ``X_i`` gets ``m_(i+1)``, and from ``X_K`` on the tokens count as text: ``X_K`` gets ``q``, ``<|audio_eos|>``
+    ``q + 1``, ``<|vision_eos|>`` ``q + 2``, and every later token two more than in transformers (per such video).
+    Without an interleaved video the two agree (tested).
+    """
+    tok = QWEN25_OMNI_TOKENS
+    ids = input_ids.tolist()
+    result = positions.clone()
+    shift = 0  # what vLLM adds, after the spans seen so far, to transformers' positions
+    for start in (k for k in range(1, len(ids)) if ids[k] == tok.audio_start and ids[k - 1] == tok.vision_start):
+        end = ids.index(tok.audio_end, start)  # <|audio_eos|>
+        media = end - start - 1
+        result[:, start:start + media] = positions[:, start + 1:end] + shift
+        text_from = int(result[:, :start + media].max()) + 1
+        result[:, start + media:end + 2] = text_from + torch.arange(3)  # X_K, <|audio_eos|>, <|vision_eos|>
+        shift = text_from + 3 - (int(positions[0, end]) + 1)
+        result[:, end + 2:] = positions[:, end + 2:] + shift
+    return result
+
+
+@contextlib.contextmanager
+def vllm_positions(thinker: Any):
+    """Within the block, transformers' ``thinker`` computes its M-RoPE positions as vLLM 0.32.0 does
+    (``vllm_interleaved_positions``) for prefills and, through its ``rope_deltas``, decode steps; the rest of its
+    forward is untouched. Batch size 1."""
+    original = thinker.get_rope_index
+
+    def get_rope_index(input_ids: torch.Tensor, *args: Any, **kwargs: Any):
+        positions, deltas = original(input_ids, *args, **kwargs)
+        if input_ids.shape[0] != 1:
+            raise ValueError("vllm_positions: batch size 1 only")
+        shifted = vllm_interleaved_positions(positions[:, 0], input_ids[0])[:, None]
+        return shifted, torch.full_like(deltas, int(shifted.max()) + 1 - input_ids.shape[1])
+
+    thinker.get_rope_index = get_rope_index
+    try:
+        yield thinker
+    finally:
+        del thinker.get_rope_index
 
 
 def chat_prompt(processor: Any, content: list[dict[str, Any]] | str) -> str:
