@@ -39,6 +39,7 @@ __all__ = [
     "QWEN25_OMNI_TOKENS",
     "SAMPLE_RATE",
     "chat_prompt",
+    "chat_template",
     "load_hf_thinker",
     "omni_processor",
     "omni_tokenizer",
@@ -89,42 +90,55 @@ _PROCESSOR_TOKENS = {  # the tokenizer attributes Qwen2_5OmniProcessor reads (to
     "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>",
 }
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] in ('audio', 'audio_url', 'input_audio') %}<|audio_bos|><|AUDIO|><|audio_eos|>"
-    "{% elif part['type'] in ('image', 'image_url') %}<|vision_bos|><|IMAGE|><|vision_eos|>"
-    "{% elif part['type'] in ('video', 'video_url') %}<|vision_bos|><|VIDEO|><|vision_eos|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-"""Qwen2.5-Omni's chat template in short: a default system turn, ``<|audio_bos|><|AUDIO|><|audio_eos|>`` for an audio
-part, ``<|vision_bos|><|VIDEO|><|vision_eos|>`` for a video part (the processor expands the single placeholder)."""
+def chat_template(tokens: dict[str, str]) -> str:
+    """A Qwen-Omni chat template in short, for the family whose processor tokens are ``tokens``
+    (``_PROCESSOR_TOKENS``): a default system turn, ``<audio_bos><audio><audio_eos>`` for an audio part,
+    ``<vision_bos><video><vision_eos>`` for a video part (the processor expands the single placeholder)."""
+    audio = tokens["audio_bos_token"] + tokens["audio_token"] + tokens["audio_eos_token"]
+    image = tokens["vision_bos_token"] + tokens["image_token"] + tokens["vision_eos_token"]
+    video = tokens["vision_bos_token"] + tokens["video_token"] + tokens["vision_eos_token"]
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
+        "<|im_end|>\n{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        f"{{% if part['type'] in ('audio', 'audio_url', 'input_audio') %}}{audio}"
+        f"{{% elif part['type'] in ('image', 'image_url') %}}{image}"
+        f"{{% elif part['type'] in ('video', 'video_url') %}}{video}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
 
 
-def omni_tokenizer():
-    """The checkpoint's tokenizer (see the module docstring); ``len(tokenizer) == 151657``."""
+CHAT_TEMPLATE = chat_template(_PROCESSOR_TOKENS)
+"""Qwen2.5-Omni's chat template in short (``chat_template``)."""
+
+
+def omni_tokenizer(special_tokens: dict[str, int] | None = None, processor_tokens: dict[str, str] | None = None):
+    """The checkpoint's tokenizer (see the module docstring): Qwen2.5-Omni's special tokens by default
+    (``len(tokenizer) == 151657``); another family's with ``special_tokens`` (token -> id, contiguous from 151643) and
+    ``processor_tokens`` (the tokenizer attributes its processor reads)."""
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    special_tokens = special_tokens or _SPECIAL_TOKENS
+    processor_tokens = processor_tokens or _PROCESSOR_TOKENS
     # Qwen2's first 256 ids are the byte-level characters in this order; ids up to <|endoftext|> are merged words in
     # the real vocabulary, fillers here (no merges reach them). The special tokens sit in the vocabulary at their
     # real ids and are then declared special, which keeps those ids.
     vocab = {char: index for index, char in enumerate(bytes_to_unicode().values())}
     vocab.update({f"<unused{index}>": index for index in range(len(vocab), QWEN25_OMNI_TOKENS.endoftext)})
-    vocab.update(_SPECIAL_TOKENS)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], extra_special_tokens=_PROCESSOR_TOKENS,
+    vocab.update(special_tokens)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], extra_special_tokens=processor_tokens,
                                model_max_length=32768)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(_SPECIAL_TOKENS)})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    got = {token: tokenizer.convert_tokens_to_ids(token) for token in _SPECIAL_TOKENS}
-    if got != _SPECIAL_TOKENS:
+    tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    tokenizer.chat_template = chat_template(processor_tokens)
+    got = {token: tokenizer.convert_tokens_to_ids(token) for token in special_tokens}
+    if got != special_tokens:
         raise RuntimeError(f"omni_tokenizer: special token ids moved: {got}")
     return tokenizer
 

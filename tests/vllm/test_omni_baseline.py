@@ -1,28 +1,35 @@
-"""vLLM's own Qwen2.5-Omni thinker against transformers' thinker, before any MACER (issue 27, items 1-3 and the
-baseline of item 4).
+"""vLLM's own Qwen2.5-Omni and Qwen3-Omni thinkers against transformers' thinkers, before any MACER (issue 27,
+items 1-3 and the baseline of item 4).
 
-One tiny random checkpoint with the real architecture, vocabulary, special token ids and processor files
-(``omni_checkpoints.write_qwen25_omni``) runs in vLLM as ``Qwen2_5OmniThinkerForConditionalGeneration`` (encoders,
-processor, M-RoPE, embedding merge: all vLLM's) and in transformers as ``Qwen2_5OmniThinkerForConditionalGeneration``,
-both in fp32. Media go in the way a user gives them: a 16 kHz waveform and ``uint8`` frames as ``multi_modal_data``
-with the prompt from the chat template, and as ``audio_url`` / ``video_url`` data URLs through ``LLM.chat``;
-transformers gets the same processor's outputs. Per prompt (audio only, video only, audio and video as two blocks,
-video with its audio interleaved, text only, several clips in one batch) the two must agree on the prompt's token
-ids (placeholder expansion), the M-RoPE positions, the merged input embeddings (encoders + merge, within 1e-5), the
-prefill's logits (within 1e-4) and 16 greedy tokens.
+Per family, one tiny random checkpoint with the real architecture (audio encoder, vision encoder, language model;
+Qwen3-Omni's sparse MoE and deepstack levels), vocabulary, special token ids and processor files
+(``omni_checkpoints.write_qwen25_omni``, ``qwen3_omni_checkpoints.write_qwen3_omni``) runs in vLLM as its
+``*ThinkerForConditionalGeneration`` (encoders, processor, M-RoPE, embedding merge, deepstack: all vLLM's) and in
+transformers as its thinker, both in fp32. Media go in the way a user gives them: a 16 kHz waveform and ``uint8``
+frames as ``multi_modal_data`` with the prompt from the chat template, and as ``audio_url`` / ``video_url`` data URLs
+through ``LLM.chat``; transformers gets the same processor's outputs. Per prompt (audio only, video only, audio and
+video as two blocks, video with its audio interleaved, text only, several clips in one batch) the two must agree on
+the prompt's token ids (placeholder expansion), the M-RoPE positions, the merged input embeddings (encoders + merge,
+within 1e-5), the prefill's logits (within 1e-4) and 16 greedy tokens. (Measured: embeddings within 3e-6, logits
+within 1e-5.)
 
-One difference is vLLM's, and is asserted as such: for a video with its audio interleaved, vLLM 0.32.0 gives the
-span's tokens positions shifted by one token (``omni_checkpoints.vllm_interleaved_positions`` says exactly how;
-transformers follows the Qwen reference). On a model with peaked attention this alone changes the tokens from the
-first one on, so transformers runs that prompt with vLLM's positions (``vllm_positions``): the rest of the two
+One difference is vLLM's, and is asserted as such: for a Qwen2.5-Omni video with its audio interleaved, vLLM 0.32.0
+gives the span's tokens positions shifted by one token (``omni_checkpoints.vllm_interleaved_positions`` says exactly
+how; transformers follows the Qwen reference). On a model with peaked attention this alone changes the tokens from
+the first one on, so transformers runs that prompt with vLLM's positions (``vllm_positions``): the rest of the two
 forwards is then compared as for the other prompts, and the position test fails the day vLLM's positions change.
+Qwen3-Omni's positions agree everywhere.
 
-Engine starts are slow on CPU: one engine (in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) serves the module;
-a second one loads the MACER architecture (``MacerQwen2_5OmniThinkerForConditionalGeneration``) at keep ratio 1.
+Engine starts are slow on CPU: one engine per family (in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) serves
+the module; one more loads the MACER architecture (``MacerQwen2_5OmniThinkerForConditionalGeneration``) at keep
+ratio 1. The engines run without vLLM's multimodal processor cache (``mm_processor_cache_gb=0``): with it, vLLM 0.32.0
+refuses an interleaved request whose audio it has seen before and whose video it has not ("Video doesn't have audio
+track"), which the chat test's second request is (docs/serving.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,10 +58,37 @@ from omni_checkpoints import (  # noqa: E402
     waveform,
     write_qwen25_omni,
 )
+from qwen3_omni_checkpoints import QWEN3_OMNI_TOKENS, load_hf_qwen3_thinker, write_qwen3_omni  # noqa: E402
 
 STEPS = 16
-TOK = QWEN25_OMNI_TOKENS
 QUESTION = "What happens in this clip?"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the two thinkers here: checkpoint, token ids, how many LLM tokens the clips become,
+    whether vLLM's positions need ``vllm_positions`` on the transformers side."""
+
+    name: str
+    architecture: str
+    tokens: Any
+    write: Any
+    load: Any
+    audio_tokens: dict[str, int]  # clip name -> <audio> tokens in its prompt
+    video_tokens: int  # <video> tokens of an 8-frame clip
+    shifted_positions: bool  # vLLM's audio-in-video positions differ from transformers' (vllm_interleaved_positions)
+
+
+FAMILIES = {
+    # Qwen2.5-Omni: 25 audio tokens per second; 8 frames at the processor's 2 fps are 4 temporal grids of 12x12.
+    "qwen2_5_omni": Family("qwen2_5_omni", "Qwen2_5OmniThinkerForConditionalGeneration", QWEN25_OMNI_TOKENS,
+                           write_qwen25_omni, load_hf_thinker, {"audio": 75, "audio_video": 100, "audio_in_video": 75},
+                           576, True),
+    # Qwen3-Omni (MoE, deepstack): 13 audio tokens per second; 8 frames at its 1 fps, 4 grids of 12x12.
+    "qwen3_omni": Family("qwen3_omni", "Qwen3OmniMoeThinkerForConditionalGeneration", QWEN3_OMNI_TOKENS,
+                         write_qwen3_omni, load_hf_qwen3_thinker,
+                         {"audio": 39, "audio_video": 52, "audio_in_video": 39}, 576, False),
+}
 
 
 @dataclass(frozen=True)
@@ -97,12 +131,17 @@ CLIPS = {
 }
 
 
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request) -> Family:
+    return FAMILIES[request.param]
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def checkpoint(family, tmp_path_factory):
     # init_std 0.08: peaked attention, so that a wrong position or row changes the tokens (at transformers' 0.02 the
     # random model repeats one or two tokens whatever its input).
-    return write_qwen25_omni(tmp_path_factory.mktemp("qwen25-omni-tiny"), num_layers=4, hidden_size=128,
-                             num_heads=4, num_kv_heads=2, init_std=0.08)
+    return family.write(tmp_path_factory.mktemp(family.name), num_layers=4, hidden_size=128, num_heads=4,
+                        num_kv_heads=2, init_std=0.08)
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +152,10 @@ def processor(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def hf_thinker(checkpoint):
-    model = load_hf_thinker(checkpoint)
+def hf_thinker(family, checkpoint):
+    model = family.load(checkpoint)
     model.generation_config.eos_token_id = None  # 16 tokens whatever they are, as ignore_eos in the engine
-    model.generation_config.pad_token_id = TOK.endoftext
+    model.generation_config.pad_token_id = family.tokens.endoftext
     return model
 
 
@@ -169,12 +208,13 @@ def _in_process_engine(checkpoint, **kwargs) -> vllm.LLM:
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint):
+def engine(family, checkpoint):
     """(LLM serving vLLM's own thinker, its recorder). ``max_num_seqs=4``: a batch of clips is one step."""
     llm = _in_process_engine(checkpoint, max_num_seqs=4)
     model = llm.apply_model(lambda m: m)[0]
-    assert type(model).__name__ == "Qwen2_5OmniThinkerForConditionalGeneration"
-    return llm, _Recorder(model)
+    assert type(model).__name__ == family.architecture
+    yield llm, _Recorder(model)
+    del llm, model
 
 
 def _params() -> vllm.SamplingParams:
@@ -219,9 +259,9 @@ def _hf_inputs(processor, clip: Clip) -> dict[str, Any]:
     return {**inputs, "use_audio_in_video": clip.audio_in_video}
 
 
-def _hf_run(model, processor, clip: Clip) -> dict[str, Any]:
-    """transformers' thinker on the processor's outputs for ``clip``, with vLLM's positions (which differ from its
-    own only for interleaved audio; see the module docstring)."""
+def _hf_run(family: Family, model, processor, clip: Clip) -> dict[str, Any]:
+    """transformers' thinker on the processor's outputs for ``clip``; Qwen2.5-Omni's with vLLM's positions (which
+    differ from its own only for interleaved audio; see the module docstring)."""
     inputs = _hf_inputs(processor, clip)
     taps: dict[str, Any] = {}
 
@@ -231,7 +271,8 @@ def _hf_run(model, processor, clip: Clip) -> dict[str, Any]:
 
     handle = model.model.register_forward_pre_hook(tap, with_kwargs=True)
     try:
-        with vllm_positions(model), torch.no_grad():
+        positions = vllm_positions(model) if family.shifted_positions else contextlib.nullcontext()
+        with positions, torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, return_dict_in_generate=True,
                                  output_logits=True)
     finally:
@@ -248,7 +289,7 @@ def _hf_own_positions(model, processor, clip: Clip) -> torch.Tensor:
     positions, _ = model.get_rope_index(
         inputs["input_ids"], None, inputs.get("video_grid_thw"), inputs["attention_mask"], clip.audio_in_video,
         None if lengths is None else lengths.sum(-1), inputs.get("video_second_per_grid"))
-    return positions[:, 0]
+    return positions[:, 0].long()  # Qwen3-Omni's are float (integral values); vLLM's int64
 
 
 def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -260,29 +301,30 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("name", list(CLIPS))
-def test_vllm_thinker_matches_transformers(name, engine, hf_thinker, processor):
+def test_vllm_thinker_matches_transformers(name, family, engine, hf_thinker, processor):
     """Guards vLLM's thinker and transformers' parting anywhere on the way from media to tokens: the processor's
     placeholder expansion (and its audio-in-video interleaving), the encoders, the merge of their rows into the
     prompt's embeddings, the M-RoPE positions, the language model, the decode positions."""
     clip = CLIPS[name]
     got = _engine_run(engine, [_request(processor, clip)])[0]
-    want = _hf_run(hf_thinker, processor, clip)
+    want = _hf_run(family, hf_thinker, processor, clip)
     ids = torch.tensor(got["ids"])
-    assert int((ids == TOK.audio).sum()) == {"audio": 75, "audio_video": 100, "audio_in_video": 75}.get(name, 0)
-    assert int((ids == TOK.video).sum()) == (576 if clip.frames else 0)
+    assert int((ids == family.tokens.audio).sum()) == family.audio_tokens.get(name, 0)
+    assert int((ids == family.tokens.video).sum()) == (family.video_tokens if clip.frames else 0)
     _assert_same(got, want)
 
 
 @pytest.mark.parametrize("name", list(CLIPS))
-def test_positions_differ_from_transformers_only_for_interleaved_audio(name, engine, hf_thinker, processor):
+def test_positions_differ_from_transformers_only_for_interleaved_audio(name, family, engine, hf_thinker, processor):
     """Pins the one difference between the two thinkers: vLLM 0.32.0's positions equal transformers' own for every
-    prompt without an interleaved video, and ``vllm_interleaved_positions`` of them (not transformers' own) for a
-    video with its audio interleaved. Fails when vLLM changes its positions (then revisit ``vllm_positions``)."""
+    prompt without an interleaved video, and, for Qwen2.5-Omni, ``vllm_interleaved_positions`` of them (not
+    transformers' own) for a video with its audio interleaved (Qwen3-Omni's agree there too). Fails when vLLM
+    changes its positions (then revisit ``vllm_positions``)."""
     clip = CLIPS[name]
     got = _engine_run(engine, [_request(processor, clip)])[0]
     own = _hf_own_positions(hf_thinker, processor, clip)
     ids = torch.tensor(got["ids"])
-    if clip.audio_in_video:
+    if clip.audio_in_video and family.shifted_positions:
         assert not torch.equal(got["positions"], own)
         assert torch.equal(got["positions"], vllm_interleaved_positions(own, ids))
     else:
@@ -290,7 +332,7 @@ def test_positions_differ_from_transformers_only_for_interleaved_audio(name, eng
         assert torch.equal(got["positions"], own)
 
 
-def test_clips_in_one_batch_each_get_what_they_get_alone(engine, hf_thinker, processor):
+def test_clips_in_one_batch_each_get_what_they_get_alone(family, engine, hf_thinker, processor):
     """Guards batched serving mixing requests up (encoder outputs merged into another request's rows, positions or
     M-RoPE deltas of another request): three clips of different kinds and lengths in one ``generate`` call (one
     engine step at ``max_num_seqs=4``) each give the tokens transformers gives that clip alone."""
@@ -298,7 +340,7 @@ def test_clips_in_one_batch_each_get_what_they_get_alone(engine, hf_thinker, pro
              Clip("batch_video", frames=4, seed=6), Clip("batch_audio", seconds=1.5, seed=7)]
     runs = _engine_run(engine, [_request(processor, clip) for clip in clips])
     for clip, got in zip(clips, runs, strict=True):
-        want = _hf_run(hf_thinker, processor, clip)
+        want = _hf_run(family, hf_thinker, processor, clip)
         assert got["ids"] == want["ids"]
         assert got["tokens"] == want["tokens"], clip.name
     assert len({tuple(run["tokens"]) for run in runs}) == len(clips)
@@ -332,7 +374,8 @@ def test_chat_api_with_data_urls_serves_what_generate_serves(name, engine, proce
     assert chat["tokens"] == generated["tokens"]
 
 
-def test_macer_architecture_loads_and_at_keep_ratio_1_serves_what_vllm_serves(checkpoint, engine, processor):
+@pytest.mark.parametrize("family", ["qwen2_5_omni"], indirect=True)  # Qwen3-Omni has none yet (issue 27, item 5)
+def test_macer_architecture_loads_and_at_keep_ratio_1_serves_what_vllm_serves(family, checkpoint, engine, processor):
     """Guards the MACER thinker (vLLM's thinker with MACER's stages in its language model) failing to load or to
     serve real multimodal input on CPU: at keep ratio 1 its stages keep every row, and it gives vLLM's own thinker's
     logits and tokens bit for bit on the interleaved clip; its record counts the prompt's audio and video rows by the
@@ -349,7 +392,8 @@ def test_macer_architecture_loads_and_at_keep_ratio_1_serves_what_vllm_serves(ch
     macer_run = _engine_run((llm, _Recorder(model)), [_request(processor, clip)])[0]
     own = _engine_run(engine, [_request(processor, clip)])[0]
     record = records.last()
-    assert record.prompt["audio"] == 75 and record.prompt["video"] == 576
+    assert record.prompt["audio"] == family.audio_tokens[clip.name]
+    assert record.prompt["video"] == family.video_tokens
     assert record.layer_tokens == (len(own["ids"]),) * 4
     assert torch.equal(macer_run["positions"], own["positions"])
     assert torch.equal(macer_run["logits"], own["logits"])
