@@ -3,8 +3,8 @@ tests of the real thinker architectures (``test_omni_baseline.py``).
 
 * ``write_qwen25_omni(directory, ...)``: a full ``Qwen2_5OmniConfig`` checkpoint as the published ones are laid out
   (``config.json`` with the thinker's config, the talker off; ``model.safetensors`` with the thinker's weights under
-  ``thinker.``; the processor's files: a tokenizer, ``preprocessor_config.json``, ``video_preprocessor_config.json``
-  and the chat template). The thinker has the real architecture (audio encoder, vision encoder, Qwen2 language model
+  ``thinker.``; the processor's files: ``tokenizer.json``, ``tokenizer_config.json``, ``processor_config.json``, the
+  chat template). The thinker has the real architecture (audio encoder, vision encoder, Qwen2 language model
   with M-RoPE) at tiny sizes, and the real vocabulary size and special token ids (``QWEN25_OMNI_TOKENS``), so vLLM's
   own processor for the model expands the placeholders as it does for Qwen2.5-Omni-7B.
 * ``omni_tokenizer()``: the tokenizer of that checkpoint: byte-level BPE whose 256 byte tokens have Qwen2's ids
@@ -16,8 +16,11 @@ tests of the real thinker architectures (``test_omni_baseline.py``).
   WAV's rounding to 16 bits (``pcm16``).
 * ``chat_prompt(processor, content)``: the prompt text of one user turn (the checkpoint's chat template), with the
   generation prompt.
+* ``load_hf_thinker(path)``: transformers' thinker with the checkpoint's weights.
+* ``vllm_interleaved_positions`` / ``vllm_positions``: vLLM 0.32.0's M-RoPE positions of a Qwen2.5-Omni prompt with
+  interleaved audio (one token off against transformers'), and transformers' thinker run with them.
 
-vLLM's CPU attention takes head sizes 32, 64, 80, 96, 112, 128 only: the language model's head size is 32 by default.
+vLLM's CPU attention takes head sizes 32, 64, 80, 96, 112, 128 only (the language model's head size is 32 by default).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
-import json
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -195,8 +197,8 @@ def write_qwen25_omni(directory: str | Path, *, num_layers: int = 4, hidden_size
     """Write a random Qwen2.5-Omni checkpoint (fp32, talker off) with its processor files to ``directory``.
 
     Loads in vLLM as ``Qwen2_5OmniThinkerForConditionalGeneration`` (the registry's class for the checkpoint's
-    ``Qwen2_5OmniForConditionalGeneration``; ``hf_overrides`` picks the MACER one) and in transformers as
-    ``Qwen2_5OmniForConditionalGeneration`` (``.thinker``). The weights depend only on ``seed`` and the shape.
+    ``Qwen2_5OmniForConditionalGeneration``; ``hf_overrides`` picks the MACER one) and in transformers through
+    ``load_hf_thinker``. The weights depend only on ``seed`` and the shape.
     ``init_std`` (transformers' default 0.02) sets the spread of the random weights: larger gives peaked attention.
     """
     from transformers import Qwen2_5OmniForConditionalGeneration
@@ -377,8 +379,3 @@ def chat_prompt(processor: Any, content: list[dict[str, Any]] | str) -> str:
     template, ending with the assistant header."""
     return processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
-
-
-def saved_config(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's ``config.json``."""
-    return json.loads((Path(path) / "config.json").read_text())
