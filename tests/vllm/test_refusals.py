@@ -286,21 +286,28 @@ def build(checkpoint, additional_config, **engine_args):
     return LLM(model=str(checkpoint), **arguments)
 
 
-def logged_refusal(call) -> tuple[BaseException, list[str]]:
+def errors_logged(monkeypatch) -> list[str]:
+    """The messages logged at ERROR on ``vllm.macer`` from now on, as logged (the call itself is recorded: vLLM may
+    reconfigure logging, which drops handlers attached to its child loggers)."""
+    target, seen = logging.getLogger("vllm.macer"), []
+    original = target.error
+
+    def error(message, *args, **kwargs):
+        seen.append(message % args if args else message)
+        original(message, *args, **kwargs)
+
+    monkeypatch.setattr(target, "error", error)
+    return seen
+
+
+def logged_refusal(call, monkeypatch) -> tuple[BaseException, list[str]]:
     """``call()``'s exception (pydantic's ValidationError of VllmConfig: raised while the config is built) and the
     ERROR lines logged on ``vllm.macer`` before it."""
-    seen: list[str] = []
-    handler = logging.Handler(logging.ERROR)
-    handler.emit = lambda entry: seen.append(entry.getMessage())
-    target = logging.getLogger("vllm.macer")
-    target.addHandler(handler)
-    try:
-        with pytest.raises(ValueError) as caught:
-            call()
-    finally:
-        target.removeHandler(handler)
+    seen = errors_logged(monkeypatch)
+    with pytest.raises(ValueError) as caught:
+        call()
     assert type(caught.value).__name__ == "ValidationError", caught.value  # from VllmConfig: no engine started
-    return caught.value, seen
+    return caught.value, list(seen)
 
 
 def test_settings_refused_when_vllm_builds_the_config(checkpoint, plain_checkpoint, monkeypatch):
@@ -309,15 +316,15 @@ def test_settings_refused_when_vllm_builds_the_config(checkpoint, plain_checkpoi
     vLLM builds the config, each first logged as a readable ERROR."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     settings = {**LAYERS, **LABELS}
-    error, seen = logged_refusal(lambda: build(plain_checkpoint, {"macer": settings}))
+    error, seen = logged_refusal(lambda: build(plain_checkpoint, {"macer": settings}), monkeypatch)
     assert "architecture Qwen2ForCausalLM is not a MACER architecture" in str(error)
     assert seen and seen[0].startswith('additional_config["macer"] is set, but this engine\'s architecture '
                                        "Qwen2ForCausalLM")
-    error, _ = logged_refusal(lambda: build(checkpoint, {"mcer": settings}))
+    error, _ = logged_refusal(lambda: build(checkpoint, {"mcer": settings}), monkeypatch)
     assert "additional_config holds 'mcer', a misspelling of 'macer'" in str(error)
     no_end = {k: v for k, v in settings.items() if k != "end_of_turn_token_id"}
     error, seen = logged_refusal(lambda: build(checkpoint, {"macer": {**no_end, "trim_early_cache": True}},
-                                               enable_chunked_prefill=True))
+                                               enable_chunked_prefill=True), monkeypatch)
     assert seen[0].startswith("MacerQwen2ForCausalLM (macer) cannot start: 3 settings refused")
     for needle in ("--no-enable-chunked-prefill", '["trim_early_cache"]=true is not supported',
                    'set "end_of_turn_token_id"'):
@@ -361,10 +368,10 @@ def test_load_time_refusal_ends_the_callers_output(checkpoint, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ the Omni thinker's import
-def test_omni_thinker_import_failure_names_torchvision(tmp_path, monkeypatch, capfd):
+def test_omni_thinker_import_failure_names_torchvision(tmp_path, monkeypatch):
     """Guards the Omni thinker reporting only "failed to be inspected" (issue 30 item 10): without torchvision (hidden
-    in vLLM's inspection subprocess by a sitecustomize, so the test does not depend on what is installed), the
-    caller's output names torchvision in one line right above vLLM's refusal."""
+    in vLLM's inspection subprocess by a sitecustomize, so the test does not depend on what is installed), one ERROR
+    line names torchvision right before vLLM's refusal."""
     from macer.testing import build_thinker
 
     build_thinker(num_layers=2, hidden_size=64).save_pretrained(tmp_path / "thinker")
@@ -374,16 +381,14 @@ def test_omni_thinker_import_failure_names_torchvision(tmp_path, monkeypatch, ca
     (hide / "sitecustomize.py").write_text("import sys\nsys.modules['torchvision'] = None\n")
     monkeypatch.setenv("PYTHONPATH", f"{hide}:{ROOT}:{ROOT / 'python'}")  # the inspection subprocess's path
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    seen = errors_logged(monkeypatch)
     with pytest.raises(ValueError, match="failed to be inspected"):
         build(tmp_path / "thinker", {"macer": {"keep_ratio": 0.25}},
               hf_overrides={"architectures": [OMNI_THINKER_ARCHITECTURE]})
-    out = capfd.readouterr()
-    lines = [line for line in (out.out + out.err).splitlines() if "macer: MacerQwen2_5Omni" in line]
-    assert lines, (out.out + out.err)[-3000:]
-    assert lines[-1].endswith("macer: MacerQwen2_5OmniThinkerForConditionalGeneration cannot be loaded: vLLM's "
-                              "Qwen2.5-Omni thinker module imports torchvision (through transformers' Qwen2-VL image "
-                              "processor), and torchvision is not installed: install the torchvision release built "
-                              f"for torch {torch.__version__}")
+    assert seen == ["macer: MacerQwen2_5OmniThinkerForConditionalGeneration cannot be loaded: vLLM's Qwen2.5-Omni "
+                    "thinker module imports torchvision (through transformers' Qwen2-VL image processor), and "
+                    "torchvision is not installed: install the torchvision release built for torch "
+                    f"{torch.__version__}"]
 
 
 def test_omni_import_problem_says_what_is_missing():
