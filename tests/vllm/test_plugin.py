@@ -11,7 +11,7 @@ import logging
 import macer
 import pytest
 from macer.vllm import ARCHITECTURES
-from macer.vllm.checks import GUARD, TESTED_VLLM_VERSIONS, check_request, check_version
+from macer.vllm.checks import GUARD, TESTED_VLLM_VERSIONS, check_request, version_problem
 from macer.vllm.records import RECORDS, clear, format_layers, last, record
 from macer.vllm.settings import LABELLED_ARCHITECTURE, OMNI_THINKER_ARCHITECTURE, LabelSpec, policy_from_settings
 
@@ -207,12 +207,12 @@ def test_version_gate_refuses_untested_releases_unless_overridden(monkeypatch):
     import vllm
 
     assert vllm.__version__ in TESTED_VLLM_VERSIONS
-    assert check_version(vllm.__version__) is None
+    assert version_problem(vllm.__version__) is None
     monkeypatch.delenv("MACER_VLLM_ALLOW_UNTESTED", raising=False)
-    refusal = check_version("0.31.1")
+    refusal = version_problem("0.31.1")
     assert refusal is not None and "tested with vLLM ['0.32.0'] only; this is vLLM 0.31.1" in refusal
     assert "set MACER_VLLM_ALLOW_UNTESTED=1 to run it anyway" in refusal
-    seen = _logged(lambda: check_version("0.31.1"), monkeypatch, MACER_VLLM_ALLOW_UNTESTED="1")
+    seen = _logged(lambda: version_problem("0.31.1"), monkeypatch, MACER_VLLM_ALLOW_UNTESTED="1")
     assert seen[0] is None
     assert len(seen[1]) == 1 and "this is vLLM 0.31.1" in seen[1][0] and "running anyway" in seen[1][0]
 

@@ -25,6 +25,7 @@ from macer.vllm.checks import check_engine, engine_problems
 from macer.vllm.records import RequestRecord
 from macer.vllm.settings import (
     LABELLED_ARCHITECTURE,
+    MACER_ARCHITECTURES,
     OMNI_THINKER_ARCHITECTURE,
     Refusal,
     misplaced_settings,
@@ -195,6 +196,7 @@ def test_register_guards_every_other_architecture():
     from vllm import ModelRegistry
     from vllm.model_executor.models import config as vllm_configs
 
+    assert set(macer.vllm.ARCHITECTURES) == set(MACER_ARCHITECTURES)
     macer.vllm.register()
     hooks = vllm_configs.MODELS_CONFIG_MAP
     others = [a for a in ModelRegistry.get_supported_archs() if a not in macer.vllm.ARCHITECTURES]

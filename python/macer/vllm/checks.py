@@ -54,8 +54,20 @@ from macer.vllm.settings import Refusal, misplaced_settings, policy_from_config,
 if TYPE_CHECKING:
     from macer.core.policy import Policy
 
-__all__ = ["ALLOW_UNTESTED_ENV", "GUARD", "TESTED_VLLM_VERSIONS", "MacerEngineHook", "check_engine", "check_policy",
-           "check_request", "check_version", "engine_problems", "guarded_hook", "no_pipeline", "refuse"]
+__all__ = [
+    "ALLOW_UNTESTED_ENV",
+    "GUARD",
+    "TESTED_VLLM_VERSIONS",
+    "MacerEngineHook",
+    "check_engine",
+    "check_policy",
+    "check_request",
+    "engine_problems",
+    "guarded_hook",
+    "no_pipeline",
+    "refuse",
+    "version_problem",
+]
 
 logger = logging.getLogger("vllm.macer")  # through vLLM's handler (macer.vllm.records says why)
 
@@ -75,7 +87,7 @@ def _mode_name(value: Any) -> str:
     return "DEFAULT" if value is None else getattr(value, "name", str(value)).upper()
 
 
-def check_version(version: str) -> str | None:
+def version_problem(version: str) -> str | None:
     """The refusal of a vLLM release outside ``TESTED_VLLM_VERSIONS``, or None: a tested release, or
     ``MACER_VLLM_ALLOW_UNTESTED=1`` (then a WARNING on the ``vllm.macer`` logger)."""
     if version in TESTED_VLLM_VERSIONS:
@@ -172,7 +184,7 @@ def engine_problems(vllm_config: Any) -> list[str]:
     if scheduler.max_num_seqs > 1:
         problems.append(f"{who} compacts one prefill at a time (no batching yet): set --max-num-seqs 1 "
                         f"(LLM(..., max_num_seqs=1)); got {scheduler.max_num_seqs}")
-    version = check_version(vllm.__version__)
+    version = version_problem(vllm.__version__)
     if version is not None:
         problems.append(version)
     return problems
