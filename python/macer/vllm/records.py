@@ -43,7 +43,8 @@ class RequestRecord:
         index: the prefill's number in this process (from 1).
         request_id: vLLM's request id (None where the forward cannot tell).
         policy: the policy's name (``"macer"``, ``"fastv"``, ...).
-        budget: the retained budget (``total``, ``audio``, ``video``), or None for a prompt without audio/video.
+        budget: the retained budget (``total``, ``audio``, ``video``; audio and video None for a joint selection), or
+            None for a prompt without audio/video or one served unpruned.
         prompt: ``{"audio": n_a, "video": n_v, "text": n_t}`` token counts of the prompt.
         kept: ``{"audio": k_a, "video": k_v}`` tokens kept after the last stage.
         layer_tokens: sequence length entering each decoder layer (length = decoder depth).
@@ -62,8 +63,13 @@ class RequestRecord:
 
     def line(self) -> str:
         """The INFO log line of this record."""
-        budget = ("none (no audio/video)" if self.budget is None else
-                  f"{self.budget.total} (audio {self.budget.audio}, video {self.budget.video})")
+        if self.budget is None:
+            media = self.prompt.get("audio", 0) + self.prompt.get("video", 0)
+            budget = "none (served unpruned)" if media else "none (no audio/video)"
+        elif self.budget.audio is None:  # a joint selection (FastV, Random): the split is whatever it keeps
+            budget = f"{self.budget.total} (audio and video jointly)"
+        else:
+            budget = f"{self.budget.total} (audio {self.budget.audio}, video {self.budget.video})"
         kept = " ".join(f"{m} {self.kept.get(m, 0)}/{self.prompt.get(m, 0)}" for m in ("audio", "video"))
         request = f" request {self.request_id}" if self.request_id is not None else ""
         return (f"macer: prefill {self.index}{request} policy={self.policy} budget={budget} kept {kept} "
