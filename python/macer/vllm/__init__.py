@@ -24,6 +24,8 @@ ARCHITECTURES = {
     "MacerQwen2ForCausalLM": "macer.vllm.model:MacerQwen2ForCausalLM",
     "MacerQwen2_5OmniThinkerForConditionalGeneration":
         "macer.vllm.model:MacerQwen2_5OmniThinkerForConditionalGeneration",
+    "MacerQwen3OmniMoeThinkerForConditionalGeneration":
+        "macer.vllm._qwen3_omni:MacerQwen3OmniMoeThinkerForConditionalGeneration",
 }
 """Architecture name -> "module:Class" registered with vLLM's ``ModelRegistry``."""
 

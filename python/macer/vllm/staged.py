@@ -17,6 +17,10 @@ of vLLM's ``Qwen2Model`` (the Qwen2 decoder and the Qwen2.5-Omni thinker's langu
 * **Decode**: a layer whose prompt lost D tokens reads sequence length ``seq_len - D`` and writes the new token at
   the slot of compacted index ``position - D`` (slots are recorded per position as the request advances).
 
+An architecture that adds something to the hidden states of some rows after a layer (Qwen3-Omni's deepstack
+features) passes ``after_layer`` (``AfterLayer``): it is called after every layer with the rows that layer held, so
+it adds exactly the kept rows' own features.
+
 Per-request state lives here, in the model instance; a new prefill replaces it. Everything per step is device work
 with host integers from the plan and the metadata (no host read of a device tensor inside a stage or a decode step).
 The rows' labels come from ``macer.vllm.prompt``, the per-request record from ``macer.vllm.records``.
@@ -24,6 +28,7 @@ The rows' labels come from ``macer.vllm.prompt``, the per-request record from ``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +43,13 @@ from macer.vllm.checks import check_policy
 from macer.vllm.prompt import PromptLabels, temporal_row
 from macer.vllm.records import record_prefill, record_unpruned
 
-__all__ = ["RequestState", "StagedDecoder"]
+__all__ = ["AfterLayer", "RequestState", "StagedDecoder"]
+
+AfterLayer = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""``after_layer(index, hidden, rows) -> hidden``: called with the hidden states ``[R, hidden]`` that
+``layers[index]`` returned (before the residual is added back) and ``rows``, the ``[R]`` indices of those rows among
+the step's input rows (None: all of them, in order; a prefill after a stage: its kept rows). Returns the hidden states
+that go on to the next layer."""
 
 
 @dataclass
@@ -60,10 +71,13 @@ class StagedDecoder:
         policy: the policy (``macer.vllm.settings.policy_from_config``).
         prompt: labels and end-of-turn id of the architecture.
         vllm_config: the engine's config (metadata builder, ``max_model_len``).
+        after_layer: what the architecture adds to the hidden states after each layer (``AfterLayer``), or None.
     """
 
-    def __init__(self, model: nn.Module, policy: Policy, prompt: PromptLabels, vllm_config: Any):
+    def __init__(self, model: nn.Module, policy: Policy, prompt: PromptLabels, vllm_config: Any,
+                 after_layer: AfterLayer | None = None):
         self.model, self.prompt, self.vllm_config = model, prompt, vllm_config
+        self.after_layer = after_layer
         self.layers = list(model.layers)
         self.attns = attention_modules(self.layers)
         self.names = [attn.layer_name for attn in self.attns]
@@ -103,8 +117,10 @@ class StagedDecoder:
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The layers as vLLM runs them, with whatever metadata the forward context holds."""
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual)
+            if self.after_layer is not None:
+                hidden = self.after_layer(index, hidden, None)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
@@ -168,6 +184,8 @@ class StagedDecoder:
                 hidden, residual = layer(positions, hidden, residual)
             finally:
                 self._reading = None
+            if self.after_layer is not None:
+                hidden = self.after_layer(index, hidden, None if prefill.current is prefill.full else prefill.current)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
