@@ -383,10 +383,20 @@ def test_omni_thinker_import_failure_names_torchvision(tmp_path, monkeypatch):
     (hide / "sitecustomize.py").write_text("import sys\nsys.modules['torchvision'] = None\n")
     monkeypatch.setenv("PYTHONPATH", f"{hide}:{ROOT}:{ROOT / 'python'}")  # the inspection subprocess's path
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # Fresh caches of vLLM's model inspections: one that another test's engine left (with torchvision present), on
+    # disk or in this process (vLLM's private lru_cache of _try_inspect_model_cls), would skip the inspection
+    # subprocess and the hidden torchvision with it; this test's failed inspection must not stay cached either.
+    from vllm.model_executor.models import registry
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    registry._try_inspect_model_cls.cache_clear()
     seen = errors_logged(monkeypatch)
-    with pytest.raises(ValueError, match="failed to be inspected"):
-        build(tmp_path / "thinker", {"macer": {"keep_ratio": 0.25}},
-              hf_overrides={"architectures": [OMNI_THINKER_ARCHITECTURE]})
+    try:
+        with pytest.raises(ValueError, match="failed to be inspected"):
+            build(tmp_path / "thinker", {"macer": {"keep_ratio": 0.25}},
+                  hf_overrides={"architectures": [OMNI_THINKER_ARCHITECTURE]})
+    finally:
+        registry._try_inspect_model_cls.cache_clear()
     assert seen == ["macer: MacerQwen2_5OmniThinkerForConditionalGeneration cannot be loaded: vLLM's Qwen2.5-Omni "
                     "thinker module imports torchvision (through transformers' Qwen2-VL image processor), and "
                     "torchvision is not installed: install the torchvision release built for torch "

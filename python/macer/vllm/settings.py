@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from macer.core.config import MacerConfig, decoder_depth
-from macer.core.families import QWEN2_5_OMNI, LabelSpec, text_config
+from macer.core.families import QWEN2_5_OMNI, QWEN3_OMNI, Family, LabelSpec, text_config
 from macer.core.policies import POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
 from macer.core.policy import Policy
 
@@ -44,6 +44,7 @@ __all__ = [
     "LABEL_KEYS",
     "MACER_ARCHITECTURES",
     "OMNI_THINKER_ARCHITECTURE",
+    "QWEN3_OMNI_THINKER_ARCHITECTURE",
     "SETTINGS_KEY",
     "WHERE",
     "LabelSpec",
@@ -64,7 +65,11 @@ WHERE = f'additional_config["{SETTINGS_KEY}"]'
 """How every refusal of a setting names where it was set."""
 LABELLED_ARCHITECTURE = "MacerQwen2ForCausalLM"
 OMNI_THINKER_ARCHITECTURE = "MacerQwen2_5OmniThinkerForConditionalGeneration"
-MACER_ARCHITECTURES = (LABELLED_ARCHITECTURE, OMNI_THINKER_ARCHITECTURE)
+QWEN3_OMNI_THINKER_ARCHITECTURE = "MacerQwen3OmniMoeThinkerForConditionalGeneration"
+_THINKER_FAMILIES: dict[str, Family] = {OMNI_THINKER_ARCHITECTURE: QWEN2_5_OMNI,
+                                        QWEN3_OMNI_THINKER_ARCHITECTURE: QWEN3_OMNI}
+"""The thinker architectures, each with the model family whose config labels its rows."""
+MACER_ARCHITECTURES = (LABELLED_ARCHITECTURE, *_THINKER_FAMILIES)
 """The architectures the plugin registers (``macer.vllm.ARCHITECTURES`` maps them to their classes)."""
 LABEL_KEYS = ("audio_token_ids", "video_token_ids")
 _CLASSES = {"full": FullConfig, "fastv": FastVConfig, "random": RandomConfig}  # the rest: MacerConfig's fields
@@ -185,11 +190,10 @@ def _label_problems(params: Mapping[str, Any], vocab_size: int | None,
 
 
 def architecture_end_of_turn(hf_config: Any, architecture: str) -> int | None:
-    """The end-of-turn id an architecture finds by itself when the settings name none: the Qwen2.5-Omni thinker's
+    """The end-of-turn id an architecture finds by itself when the settings name none: a Qwen-Omni thinker's
     ``<|im_end|>`` (``macer.vllm.prompt.omni_prompt_labels`` reads the same), none on the labelled path."""
-    if architecture == OMNI_THINKER_ARCHITECTURE:
-        return QWEN2_5_OMNI.end_of_turn_token_id(hf_config)
-    return None
+    family = _THINKER_FAMILIES.get(architecture)
+    return None if family is None else family.end_of_turn_token_id(hf_config)
 
 
 _TRIM_EARLY_CACHE = (f'{WHERE}["trim_early_cache"]=true is not supported inside vLLM (the early layers\' KV pages '
@@ -304,8 +308,9 @@ def _edits(a: str, b: str) -> int:
 
 def _macer_architecture_for(hf_config: Any) -> str:
     model_type = getattr(hf_config, "model_type", None)
-    if model_type in QWEN2_5_OMNI.model_types:
-        return OMNI_THINKER_ARCHITECTURE
+    for architecture, family in _THINKER_FAMILIES.items():
+        if model_type in family.model_types:
+            return architecture
     if model_type == "qwen2":
         return LABELLED_ARCHITECTURE
     return ""
@@ -332,7 +337,8 @@ def misplaced_settings(additional_config: Any, architecture: str | None, hf_conf
                    f"(LLM(..., hf_overrides={{\"architectures\": [\"{suggested}\"]}}))")
         else:
             how = (f"MACER serves {list(MACER_ARCHITECTURES)} only (a Qwen2 decoder whose audio/video rows are named "
-                   f"by token ids, the Qwen2.5-Omni thinker), and this model (model_type {model_type!r}) is neither")
+                   f"by token ids, the Qwen2.5-Omni and Qwen3-Omni thinkers), and this model (model_type "
+                   f"{model_type!r}) is none of them")
         problems.append(f"{WHERE} is set, but this engine's architecture {architecture} is not a MACER architecture "
                         f"and would serve every prompt unpruned: {how}, or drop {WHERE}")
     return problems
