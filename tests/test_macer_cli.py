@@ -132,7 +132,8 @@ class _FakeProcessor:
         self.tokenizer = _FakeTokenizer()
 
     def apply_chat_template(self, conversation, **kwargs):
-        assert kwargs["load_audio_from_video"] and conversation[1]["content"][1] == {"type": "audio"}
+        user = next(message for message in conversation if message["role"] == "user")
+        assert kwargs["load_audio_from_video"] and user["content"][1] == {"type": "audio"}
         if self.fail:
             raise ValueError("cannot decode")
         from macer.testing import clip_inputs
@@ -175,7 +176,10 @@ def test_demo_real_checkpoint_path_with_stand_ins(tmp_path, capsys, monkeypatch,
     assert "MACER (" in captured.out and (tmp_path / "macer_kept_tokens.png").exists()
 
 
-def test_demo_real_checkpoint_folder_without_a_checkpoint(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("command", ["demo", "diagnose"])
+def test_demo_real_checkpoint_folder_without_a_checkpoint(tmp_path, monkeypatch, capsys, command):
+    """A folder that holds no checkpoint is one line naming --model and transformers' reason, exit 2 (diagnose
+    printed transformers' traceback)."""
     import transformers
 
     def refuse(cls, path, **kwargs):
@@ -183,10 +187,86 @@ def test_demo_real_checkpoint_folder_without_a_checkpoint(tmp_path, monkeypatch,
 
     monkeypatch.setattr(transformers.Qwen2_5OmniProcessor, "from_pretrained", classmethod(refuse))
     (tmp_path / "clip.mp4").touch()
-    assert main(["demo", "--model", str(tmp_path), "--video", str(tmp_path / "clip.mp4"), "--question", "y"]) == 2
+    assert main([command, "--model", str(tmp_path), "--video", str(tmp_path / "clip.mp4"), "--question", "y"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert f"--model {tmp_path}: not a loadable Qwen2.5-Omni checkpoint directory (Can't load the processor" in err
+    assert err.startswith(f"macer {command}: error: --model {tmp_path}: not a loadable Qwen2.5-Omni checkpoint "
+                          "directory (Can't load the processor"), err
+
+
+def test_diagnose_real_checkpoint_with_an_unreadable_video(tmp_path, monkeypatch, capsys):
+    """diagnose's other checkpoint-time problems are one line too: a video the processor cannot read."""
+    import transformers
+    from macer.testing import build_thinker
+
+    model = build_thinker(num_layers=4, hidden_size=64, seed=0)
+    monkeypatch.setattr(transformers.Qwen2_5OmniThinkerForConditionalGeneration, "from_pretrained",
+                        classmethod(lambda cls, path, **kw: model))
+    monkeypatch.setattr(transformers.Qwen2_5OmniProcessor, "from_pretrained",
+                        classmethod(lambda cls, path, **kw: _FakeProcessor(model, True)))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "clip.mp4").touch()
+    argv = ["diagnose", "--model", str(tmp_path / "ckpt"), "--video", str(tmp_path / "clip.mp4"), "--question", "y"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"macer diagnose: error: the processor could not read "
+                                                   f"{tmp_path / 'clip.mp4'}: cannot decode"), err
+
+
+@pytest.mark.parametrize("command", ["demo", "diagnose"])
+def test_an_unknown_flag_is_named_by_its_command(command, capsys):
+    """argparse reported a flag the command does not take as ``macer: error``; it is the command's error."""
+    err = _error(command, ["--frames", "2", "--bogus", "1"], capsys)
+    assert err.startswith(f"macer {command}: error: unrecognized arguments: --bogus 1 (see macer {command} --help)")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--bogus", command])  # before the command: the top-level parser's
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("macer: error: unrecognized arguments: --bogus")
+
+
+@pytest.mark.parametrize("command", ["demo", "diagnose"])
+def test_a_run_too_long_to_wait_for_is_refused_before_it_is_built(command, capsys, monkeypatch):
+    """A 122k-token clip (the largest --frames and --audio-tokens) passed every check and then printed nothing for
+    hours: the time estimate (a lower bound) refuses it up front, naming the estimate and the flags to lower."""
+    import macer.testing
+
+    monkeypatch.setattr(macer.testing, "build_thinker", lambda **kw: pytest.fail("the model was built"))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    err = _error(command, ["--frames", "1000", "--audio-tokens", "50000"], capsys)
+    assert f"macer {command}: error: the run takes at least about " in err and "on 2 CPU threads" in err
+    assert "122064-token prompt" in err and "more than the 10 minutes" in err
+    assert "lower --frames or --audio-tokens" in err and ("--repeats" in err) == (command == "demo")
+
+
+def test_a_long_run_says_so_before_it_starts(capsys, monkeypatch):
+    """Below the limit, a run estimated above a minute prints one line first (the default demo prints none)."""
+    from macer import _cli_args
+
+    estimates = []
+    original = _cli_args.check_random_model
+    monkeypatch.setattr(_cli_args, "check_random_model",
+                        lambda *a, **kw: estimates.append(original(*a, **kw)) or estimates[-1])
+    import macer.cli
+
+    monkeypatch.setattr(macer.cli, "_demo_random", lambda args: 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert main(["demo"]) == 0 and capsys.readouterr().err == ""
+    assert main(["demo", "--frames", "300", "--audio-tokens", "20000", "--repeats", "1"]) == 0
+    assert capsys.readouterr().err == ("macer demo: this run takes at least about 6 minutes before its results print "
+                                       "(an optimistic estimate; a busy machine takes longer)\n")
+    assert estimates[0] < _cli_args.NOTICE_SECONDS < estimates[1] < 60 * _cli_args.TIME_LIMIT_MINUTES
+
+
+def test_the_time_estimate_counts_the_decoder_flops_of_macer_cost():
+    """The estimate's FLOPs are ``macer.cost.decoder_flops`` of a full prefill of a real random thinker."""
+    from macer._cli_args import FLOPS_PER_THREAD, time_estimate
+    from macer.cost import decoder_flops
+    from macer.testing import build_thinker
+
+    model = build_thinker(num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=2, intermediate_size=288)
+    want = decoder_flops([500] * 3, model)
+    got = time_estimate(layers=3, hidden=96, heads=6, kv_heads=2, tokens=500, forwards=2, threads=4)
+    assert got == pytest.approx(2 * (want.linear + want.attention) / (4 * FLOPS_PER_THREAD), rel=1e-12)
 
 
 def test_demo_real_checkpoint_without_transformers(tmp_path, monkeypatch, capsys):

@@ -351,23 +351,59 @@ def test_hybrid_mamba_decoder_is_refused():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_a_decode_step_of_several_tokens_equals_one_token_steps(attn):
+@pytest.mark.parametrize("tokens", [2, 3])
+def test_a_decode_step_of_several_tokens_equals_one_token_steps(attn, tokens):
     """A step of several tokens on a pruned prompt's cache (a second chat turn, assisted generation): SDPA then
     builds a 4-D mask over layer 0's rows, which the compacted layers did not get cut to their own rows (a size
     mismatch error, found in review). Its logits equal the same tokens fed one step at a time (on a second prefill
-    of the same prompt: the session knows each cache it pruned, not a copy of one)."""
+    of the same prompt: the session knows each cache it pruned, not a copy of one). Two tokens are the smallest step
+    that is not a one-token step."""
     model = build_decoder("qwen2", attn=attn)
     embeds, labels, times, question_end = media_prompt(model, seed=2)
     n = embeds.shape[1]
     adapter = macer.LabelledAdapter(labels, temporal_positions=times, question_end=question_end)
-    new = torch.tensor([[20, 21, 22]])
+    new = torch.tensor([[20, 21, 22][:tokens]])
     with torch.no_grad(), macer.compress(model, _config(), adapter=adapter) as trace:
         cache = model(inputs_embeds=embeds, use_cache=True).past_key_values
         assert len(set(trace.last.cache_lengths)) > 1  # the layers hold different rows
-        together = model(input_ids=new, past_key_values=cache, attention_mask=torch.ones(1, n + 3, dtype=torch.long),
-                         use_cache=True).logits
+        together = model(input_ids=new, past_key_values=cache,
+                         attention_mask=torch.ones(1, n + tokens, dtype=torch.long), use_cache=True).logits
         single = model(inputs_embeds=embeds, use_cache=True).past_key_values
         steps = [model(input_ids=new[:, i:i + 1], past_key_values=single,
                        attention_mask=torch.ones(1, n + i + 1, dtype=torch.long), use_cache=True).logits
-                 for i in range(3)]
+                 for i in range(tokens)]
+    torch.testing.assert_close(together, torch.cat(steps, dim=1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("tokens", "trim"), [(2, False), (3, False), (2, True)])
+def test_a_decode_step_of_several_tokens_on_a_padded_batch_equals_one_token_steps(attn, tokens, trim):
+    """The same on a left-padded, pruned batch (``BatchLabelledAdapter``): the step's per-layer masks follow each
+    layer's re-packed layout for every query row. Positions come from the 2-D mask, as ``generate`` makes them."""
+    model = build_decoder("qwen2", attn=attn, seed=4)
+    prompts = [media_prompt(model, seed=1, frames=3, question=6), media_prompt(model, seed=2, frames=5, question=9)]
+    width = max(p[0].shape[1] for p in prompts)
+    pads = [width - p[0].shape[1] for p in prompts]
+    embeds = torch.cat([nn.functional.pad(p[0], (0, 0, pad, 0)) for p, pad in zip(prompts, pads, strict=True)])
+    mask = torch.stack([torch.cat([torch.zeros(pad), torch.ones(p[0].shape[1])]).long()
+                        for p, pad in zip(prompts, pads, strict=True)])
+    adapter = macer.BatchLabelledAdapter(
+        torch.stack([nn.functional.pad(p[1], (pad, 0)) for p, pad in zip(prompts, pads, strict=True)]),
+        torch.stack([nn.functional.pad(p[2], (pad, 0)) for p, pad in zip(prompts, pads, strict=True)]),
+        [p[3] + pad for p, pad in zip(prompts, pads, strict=True)])
+    new = torch.tensor([[20, 21, 22][:tokens], [30, 31, 32][:tokens]])
+
+    def step(cache, ids, columns):
+        full = torch.cat([mask, torch.ones(2, columns, dtype=torch.long)], dim=1)
+        positions = (full.cumsum(-1) - 1)[:, -ids.shape[1]:]
+        return model(input_ids=ids, past_key_values=cache, attention_mask=full, position_ids=positions,
+                     use_cache=True).logits
+
+    with torch.no_grad(), macer.compress(model, _config(trim_early_cache=trim), adapter=adapter) as trace:
+        cache = model(inputs_embeds=embeds, attention_mask=mask, use_cache=True).past_key_values
+        assert all(sample.pruned for sample in trace.samples)
+        assert len({n for sample in trace.samples for n in sample.layer_tokens}) > 2  # re-packed at two stages
+        together = step(cache, new, tokens)
+        single = model(inputs_embeds=embeds, attention_mask=mask, use_cache=True).past_key_values
+        steps = [step(single, new[:, i:i + 1], i + 1) for i in range(tokens)]
     torch.testing.assert_close(together, torch.cat(steps, dim=1), rtol=1e-4, atol=1e-4)

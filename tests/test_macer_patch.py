@@ -386,3 +386,58 @@ def test_cache_is_read_under_either_argument_name():
 
     assert output_cache(SimpleNamespace(cache=new, past_key_values=None)) is new
     assert output_cache(SimpleNamespace(past_key_values=old)) is old
+
+
+def _cache_passed_as_cache(decoder) -> list[str]:
+    """transformers 5.24's calling convention on the pinned 5.23: ``generate`` hands the decoder its KV cache as
+    ``cache=`` (no ``past_key_values=``). A pre-hook registered before ``compress`` renames the argument, so that
+    every later hook (the runtime's) sees the call as 5.24 makes it, and the decoder's forward takes ``cache=`` and
+    passes it on under 5.23's name. Returns the argument names the decoder's forward received its cache under."""
+    received: list[str] = []
+    forward = decoder.forward
+
+    def rename(module, args, kwargs):
+        if "past_key_values" in kwargs:
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        return args, kwargs
+
+    def forward_5_24(*args, cache=None, **kwargs):
+        assert "past_key_values" not in kwargs
+        received.append("cache")
+        return forward(*args, past_key_values=cache, **kwargs)
+
+    decoder.register_forward_pre_hook(rename, with_kwargs=True)
+    decoder.forward = forward_5_24
+    return received
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_pruned_generate_when_the_cache_comes_as_cache(attn, batched):
+    """A pruned ``generate`` on a model whose decoder receives the cache as ``cache=`` (transformers 5.24) equals the
+    same run with ``past_key_values=`` (5.23): one prefill record per prompt (a decode step read as a new prompt would
+    add records), the same per-step decode logits and tokens, the caches pruned. Eager attention and a left-padded
+    batch make every decode step depend on the runtime finding the pruned cache (per-layer masks)."""
+    from macer.testing import batch_inputs
+
+    prompts = [clip_inputs(_thinker(attn), **CLIP)]
+    if batched:
+        prompts.append(clip_inputs(_thinker(attn), frames=4, grid_hw=(8, 4), audio_tokens=60, seed=2))
+    runs = {}
+    for convention in ("past_key_values", "cache"):
+        model = _thinker(attn)
+        received = _cache_passed_as_cache(_decoder(model)) if convention == "cache" else None
+        inputs = batch_inputs(prompts) if batched else prompts[0]
+        config = macer_config_for(model, keep_ratio=0.25, audio_layer=2, video_layer=4)
+        with torch.no_grad(), macer.compress(model, config) as trace:
+            out = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        assert received is None or received == ["cache"] * 4  # the prefill and 3 decode steps, all by the new name
+        assert len(trace.history) == len(prompts), convention  # one prefill per prompt, no decode step as a prompt
+        assert all(record.pruned and record.cache_lengths[-1] < record.prompt_length for record in trace.history)
+        runs[convention] = out, [(r.audio_kept, r.video_kept, r.cache_lengths) for r in trace.history]
+    (want, want_records), (got, got_records) = runs["past_key_values"], runs["cache"]
+    assert got_records == want_records
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (g, w) in enumerate(zip(got.logits, want.logits, strict=True)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"decode step {step}")

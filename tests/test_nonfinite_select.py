@@ -104,6 +104,56 @@ def test_stage_select_on_nan_scores_matches_the_reference(backend, dtype, seed):
     assert all(set(f.tolist()) <= kept for f in first) and len(kept) == out_len
 
 
+def _infinite_case(seed: int, dtype: torch.dtype = torch.float32):
+    """Four samples and no NaN anywhere: finite; +inf at one audio token; -inf at one video token; +inf at a text
+    token and -inf at a PAD token (not the stage's tokens). The rule says "non-finite", so the flags are
+    [False, True, True, False]."""
+    scores, labels, chunks = (t[:1].repeat(4, 1) for t in _stage_case(2, 45, seed, dtype))
+    audio, video = (torch.nonzero(labels[0] == m).flatten() for m in (1, 2))
+    scores[1, audio[2]] = INF
+    scores[2, video[3]] = -INF
+    scores[3, torch.nonzero(labels[0] == 0).flatten()[0]] = INF
+    scores[3, torch.nonzero(labels[0] == -1).flatten()[0]] = -INF
+    assert not torch.isnan(scores).any()
+    spec = ((1, len(audio) // 2, None, 0), (2, len(video) // 3, 0.3, 4))
+    out_len = int((labels[0] >= 0).sum()) - sum(len(t) - k for t, (_, k, _, _) in zip((audio, video), spec))
+    return scores, labels, chunks, spec, out_len
+
+
+def test_an_infinity_without_nan_sets_the_flag(backend, seed):
+    """+inf or -inf at a stage token, with no NaN in the sample, is non-finite: flagged on every backend as by
+    ``stage_flags_ref``; an infinity outside the stage's tokens is not. The kept sets follow the reference."""
+    from test_cuda_select_emulation import padded_oracle
+
+    _, device = backend
+    for dtype in (torch.float32, torch.float64):
+        scores, labels, chunks, spec, out_len = _infinite_case(seed, dtype)
+        stage = [StageModality(label, 1, 0) for label, _, _, _ in spec]
+        assert stage_flags_ref(scores, labels, stage).tolist() == [False, True, True, False]
+        flags = torch.empty(4, dtype=torch.bool, device=device)
+        got = dispatch("stage_select", torch.device(device), scores.to(device), labels.to(device), chunks.to(device),
+                       spec, out_len, None, flags=flags)
+        assert torch.equal(got.cpu(), padded_oracle(scores, labels, chunks, spec, out_len, None)), f"seed={seed}"
+        assert flags.cpu().tolist() == [False, True, True, False], f"{dtype} seed={seed}"
+
+
+def test_cuda_selection_paths_flag_an_infinity_without_nan(seed):
+    """The CUDA backend's two selection paths on CPU: the one-CTA kernel's flag rule in its numpy replay
+    (``test_cuda_select_emulation.select_cta``) and the multi-CTA sort chain's code (``stage_select_sorts``) flag
+    +-inf as the PyTorch path and the reference do (the kernels themselves: ``test_an_infinity...`` on a GPU)."""
+    from test_cuda_select_emulation import select_cta
+
+    from macer_kernels.cuda.stage import stage_select_sorts
+
+    scores, labels, chunks, spec, out_len = _infinite_case(seed)
+    mods = [(label, keep, weight) for label, keep, weight, _ in spec]
+    _, flags = select_cta(scores.numpy(), labels.numpy(), chunks.numpy(), mods, out_len, out_len, flags=True)
+    assert flags.tolist() == [False, True, True, False]
+    sort_flags = torch.empty(4, dtype=torch.bool)
+    stage_select_sorts(scores, labels, chunks, spec, out_len, None, sort_flags)
+    assert sort_flags.tolist() == [False, True, True, False]
+
+
 def test_select_stage_flags_a_nan_query_row_and_keeps_the_first_tokens(backend, seed):
     """The issue's repro: one NaN in a query row of sample 1. Its scored tokens are all NaN, so it keeps its first K
     tokens of each modality (as reference.stage_ref, which used to return another length) and is flagged."""

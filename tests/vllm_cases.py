@@ -64,9 +64,13 @@ def in_process_llm(**kwargs: Any) -> Any:
 
 def make_engine(checkpoint: Any, settings: dict, **engine_args: Any) -> Engine:
     """An in-process MACER engine on ``checkpoint`` with the recorders of ``Engine`` installed (test-only)."""
+    import vllm.envs
     from macer.vllm import records
 
     llm = in_process_llm(model=str(checkpoint), additional_config={"macer": settings}, **engine_args)
+    # An engine core started in this process freezes vLLM's environment variables (envs.enable_envs_cache) until it
+    # shuts down; this one lives for the session, and other tests set variables for the engines they start.
+    vllm.envs.disable_envs_cache()
     model = llm.apply_model(lambda m: m)[0]
     engine = Engine(llm, model, settings, records_at_start=len(records.RECORDS),
                     states_at_start=len(model.macer.states))

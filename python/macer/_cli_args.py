@@ -35,6 +35,27 @@ VOCAB = 512
 """``macer.testing``'s synthetic vocabulary."""
 RUNTIME_GIB = 0.75
 """Python, torch and transformers with an empty model (about 0.5 GiB measured), and slack."""
+TIME_LIMIT_MINUTES = 10.0
+"""The longest run a command starts (``time_estimate``, a lower bound): a 122k-token clip passed every other check
+and then printed nothing for hours."""
+FLOPS_PER_THREAD = 1.0e11
+"""An optimistic float32 rate of one CPU thread in the random thinker's decoder, so that ``time_estimate`` is a lower
+bound: the demo's default full prefill (1.6e11 decoder FLOPs) took 1.15 s on an idle 2-core x86 VM, about 70 GFLOP/s
+per thread (README), and 20-45 GFLOP/s per thread on the same VM under load."""
+NOTICE_SECONDS = 60.0
+"""A run estimated above this says so before it starts (it prints nothing until its first result)."""
+
+
+class CommandError(Exception):
+    """A problem with what a command was given that shows only once it runs (a folder that holds no checkpoint, a
+    video the processor cannot read): ``macer.cli`` prints ``macer <command>: error: <message>`` and exits 2, as
+    for a bad flag, instead of a traceback."""
+
+
+def unloadable(path: str, exc: BaseException) -> str:
+    """The error for a ``--model`` folder that transformers cannot load: its reason's first line."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"--model {path}: not a loadable Qwen2.5-Omni checkpoint directory ({reason})"
 
 
 class Parser(argparse.ArgumentParser):
@@ -175,9 +196,11 @@ def readout_layers(args: argparse.Namespace) -> dict[str, int]:
 
 
 def check_random_model(parser: argparse.ArgumentParser, args: argparse.Namespace, *, both_modalities: bool,
-                       attn: str = "sdpa", kv_caches: int = 3) -> None:
+                       attn: str = "sdpa", kv_caches: int = 3, forwards: float = 1.0, threads: int = 1) -> float:
     """The checks between the random model's flags (each flag's own range is checked by its ``type=``), then the
-    memory estimate. ``both_modalities``: the command needs audio and video tokens (else at least one)."""
+    memory and time estimates. ``both_modalities``: the command needs audio and video tokens (else at least one).
+    ``forwards``: the command's prefills counted in full-length decoder forwards (at least); ``threads``: torch's CPU
+    threads. Returns the estimated seconds (``time_estimate``)."""
     hidden, heads, kv_heads = args.hidden, args.heads, args.kv_heads
     rope = ("the head size --hidden / --heads must be an even integer (rotary position embeddings turn pairs of "
             "dimensions)")
@@ -216,6 +239,41 @@ def check_random_model(parser: argparse.ArgumentParser, args: argparse.Namespace
         lower = "--layers, --hidden, --frames or --audio-tokens" + (" (or --attn sdpa)" if attn == "eager" else "")
         parser.error(f"the random model and clip need about {total:.1f} GiB ({parts}), more than the "
                      f"{MEMORY_LIMIT_GIB:g} GiB {parser.prog} allows (sized for a 24 GiB machine): lower {lower}")
+    n = prompt_length(args.frames, args.audio_tokens)
+    seconds = time_estimate(layers=args.layers, hidden=hidden, kv_heads=kv_heads, heads=heads, tokens=n,
+                            forwards=forwards, threads=threads)
+    if seconds > 60 * TIME_LIMIT_MINUTES:
+        repeats = " (or --repeats)" if hasattr(args, "repeats") else ""
+        parser.error(f"the run takes at least about {_duration(seconds)} on {threads} CPU thread"
+                     f"{'s' if threads > 1 else ''}: {forwards:.1f} full-length prefills' worth of decoder FLOPs on a "
+                     f"{n}-token prompt at an optimistic {FLOPS_PER_THREAD / 1e9:g} GFLOP/s per thread, more than the "
+                     f"{TIME_LIMIT_MINUTES:g} minutes {parser.prog} starts: lower --frames or --audio-tokens "
+                     f"(attention grows with the square of the prompt length), --layers or --hidden{repeats}")
+    return seconds
+
+
+def time_estimate(*, layers: int, hidden: int, heads: int, kv_heads: int, tokens: int, forwards: float,
+                  threads: int) -> float:
+    """A lower bound of the seconds ``forwards`` full prefills of ``tokens`` tokens take: the decoder's FLOPs (its
+    projections and MLP, 2 N params per layer, and causal attention, 2 N (N + 1) hidden per layer: ``macer.cost``'s
+    count) at ``FLOPS_PER_THREAD`` per thread; the encoders, MACER's shorter prefills and the decode steps are not
+    counted."""
+    kv = kv_heads * (hidden // heads)
+    params = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * 3 * hidden
+    flops = layers * (2 * tokens * params + 2 * tokens * (tokens + 1) * hidden)
+    return forwards * flops / (FLOPS_PER_THREAD * max(threads, 1))
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} hours" if seconds >= 5400 else f"{seconds / 60:.0f} minutes"
+
+
+def long_run_notice(prog: str, seconds: float) -> str | None:
+    """The line a command prints before a run estimated above ``NOTICE_SECONDS`` (None below)."""
+    if seconds <= NOTICE_SECONDS:
+        return None
+    return (f"{prog}: this run takes at least about {_duration(seconds) if seconds >= 90 else '1 minute'} before "
+            "its results print (an optimistic estimate; a busy machine takes longer)")
 
 
 def _head_hint(hidden: int, heads: int) -> str:

@@ -109,18 +109,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(BENCH_MOVED, file=sys.stderr)
         return 2
     parser, commands = _build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     command = commands[args.command]
+    if unknown:  # argparse would name the top-level parser ("macer: error") for a flag the command does not take
+        (command if argv.index(args.command) < argv.index(unknown[0]) else parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     checkpoint = flags.uses_checkpoint(command, args)
     if not checkpoint:
+        # The full-length prefills each command runs, at least: the demo's warm-up, timed and generate prefills (a
+        # MACER prefill runs its layers before the first stage at full length); diagnose's tapped forward and the
+        # first layers of its MACER, no-coverage and shared top-K forwards.
+        first = min(flags.readout_layers(args).values())
+        video = flags.readout_layers(args)["video_layer"]
+        threads = torch.get_num_threads()
         if args.command == "demo":
-            flags.check_random_model(command, args, both_modalities=False, attn=args.attn)
+            seconds = flags.check_random_model(command, args, both_modalities=False, attn=args.attn, threads=threads,
+                                               forwards=(args.repeats + 2) * (1 + first / args.layers))
         else:
-            flags.check_random_model(command, args, both_modalities=True)
+            seconds = flags.check_random_model(command, args, both_modalities=True, threads=threads,
+                                               forwards=1 + (2 * first + video) / args.layers)
+        notice = flags.long_run_notice(command.prog, seconds)
+        if notice:
+            print(notice, file=sys.stderr, flush=True)
     if args.command == "diagnose":
         from macer.diagnostics import command as diagnose_command
 
-        return diagnose_command(args, checkpoint)
+        try:
+            return diagnose_command(args, checkpoint)
+        except flags.CommandError as exc:
+            print(f"{command.prog}: error: {exc}", file=sys.stderr)
+            return 2
     return _demo_real(args) if checkpoint else _demo_random(args)
 
 
@@ -457,9 +475,7 @@ def _demo_real(args: argparse.Namespace) -> int:
         # The thinker alone: on transformers 5.23 the full model's generate() cannot return text only.
         model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(args.model, dtype=dtype).to(device).eval()
     except (OSError, ValueError) as exc:  # transformers' errors for a folder without the checkpoint's files
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"macer demo: error: --model {args.model}: not a loadable Qwen2.5-Omni checkpoint directory ({reason})",
-              file=sys.stderr)
+        print(f"macer demo: error: {flags.unloadable(args.model, exc)}", file=sys.stderr)
         return 2
     conversation = [
         {"role": "system", "content": [{"type": "text", "text": REAL_SYSTEM_PROMPT}]},

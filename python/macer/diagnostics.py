@@ -543,20 +543,36 @@ def command(args: Any, checkpoint: bool) -> int:
 
 
 def _checkpoint_case(args: Any, layers: dict[str, int]) -> tuple[nn.Module, dict[str, Any], MacerConfig]:
-    """A local checkpoint, its processor's inputs for the video and question, and its scale's ``MacerConfig``."""
-    from transformers import Qwen2_5OmniProcessor, Qwen2_5OmniThinkerForConditionalGeneration
+    """A local checkpoint, its processor's inputs for the video and question, and its scale's ``MacerConfig``; what
+    the folder or the video cannot give is a ``CommandError`` (one line, as ``macer demo`` says it)."""
+    from macer._cli_args import CommandError, unloadable
 
+    try:
+        from transformers import Qwen2_5OmniProcessor, Qwen2_5OmniThinkerForConditionalGeneration
+    except ImportError as exc:
+        raise CommandError(f"--model needs transformers with Qwen2.5-Omni (pip install 'macer-kernels[models]'): "
+                           f"{exc}") from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    processor = Qwen2_5OmniProcessor.from_pretrained(args.model)
-    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-        args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
+    try:
+        processor = Qwen2_5OmniProcessor.from_pretrained(args.model)
+        model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+            args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
+    except (OSError, ValueError) as exc:  # transformers' errors for a folder without the checkpoint's files
+        raise CommandError(unloadable(args.model, exc)) from None
     conversation = [{"role": "user", "content": [{"type": "video", "video": args.video}, {"type": "audio"},
                                                  {"type": "text", "text": args.question}]}]
-    inputs = processor.apply_chat_template(
-        conversation, load_audio_from_video=True, add_generation_prompt=True, tokenize=True, return_dict=True,
-        return_tensors="pt", processor_kwargs={"videos_kwargs": {"fps": args.fps}})
+    try:
+        inputs = processor.apply_chat_template(
+            conversation, load_audio_from_video=True, add_generation_prompt=True, tokenize=True, return_dict=True,
+            return_tensors="pt", processor_kwargs={"videos_kwargs": {"fps": args.fps}})
+    except (ImportError, RuntimeError, ValueError) as exc:
+        raise CommandError(f"the processor could not read {args.video}: {exc} (video decoding needs torchvision, the "
+                           "audio track torchcodec >= 0.17)") from None
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     inputs["use_audio_in_video"] = True
     im_end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = MacerConfig.for_model(model, keep_ratio=args.keep_ratio, end_of_turn_token_id=im_end, **layers)
+    try:
+        config = MacerConfig.for_model(model, keep_ratio=args.keep_ratio, end_of_turn_token_id=im_end, **layers)
+    except ValueError as exc:  # e.g. a depth without the paper's defaults: the flags to pass are named
+        raise CommandError(f"{exc} (--audio-layer / --video-layer set them)") from None
     return model, inputs, config

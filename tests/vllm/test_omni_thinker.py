@@ -1,8 +1,8 @@
-"""The Qwen2.5-Omni thinker's side of the vLLM plugin that runs without vLLM's thinker module (which imports
-torchvision, absent beside the CPU torch build): how its rows are labelled, where its question ends, which temporal
-positions its stages read, and the policies its engine refuses at load. The staged forward itself is vLLM's
-``Qwen2Model`` layer loop, the same object for both architectures, checked against transformers in
-``test_conformance.py``.
+"""The Qwen-Omni thinkers' side of the vLLM plugin that runs without vLLM's thinker modules (which import
+torchvision, absent beside the CPU torch build of ``make test``): how their rows are labelled, where their question
+ends, which temporal positions their stages read, and the policies their engines refuse at load. The staged forward
+is checked against transformers in ``test_conformance.py`` (labelled Qwen2) and ``test_omni_macer.py`` (the real
+thinkers, in ``make test-vllm``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,24 @@ def test_omni_labels_and_question_end_follow_the_transformers_adapter():
     assert int((got == macer.AUDIO).sum()) == int((ids == SYNTHETIC_TOKENS.audio).sum()) > 0
     assert int((got == macer.VISUAL).sum()) == int((ids == SYNTHETIC_TOKENS.video).sum()) > 0
     assert prompt.end_of_turn_token_id == SYNTHETIC_TOKENS.im_end == Qwen25OmniAdapter().end_of_turn_token_id(model)
+
+
+def test_qwen3_omni_labels_and_question_end_follow_its_transformers_adapter():
+    """Guards the Qwen3-Omni thinker (``macer.vllm._qwen3_omni``) labelling its rows or closing its question
+    differently from the Qwen3-Omni adapter, on an interleaved clip prompt (its own audio id, 151675 in the real
+    vocabulary, differs from Qwen2.5-Omni's)."""
+    from macer.core.families import QWEN3_OMNI
+    from macer.hf.adapters.qwen3_omni import Qwen3OmniAdapter
+    from macer.testing_qwen3 import build_qwen3_thinker, qwen3_clip_inputs
+
+    model = build_qwen3_thinker(num_layers=2, hidden_size=64, deepstack_layers=1)
+    ids = qwen3_clip_inputs(model, frames=2, grid_hw=(4, 4), seconds=2.0, seed=0)["input_ids"][0]
+    prompt = omni_prompt_labels(model.config, QWEN3_OMNI)
+    got = prompt.labels(ids)
+    assert torch.equal(got, Qwen3OmniAdapter().labels(model, ids[None])[0])
+    assert int((got == macer.AUDIO).sum()) == int((ids == model.config.audio_token_id).sum()) > 0
+    assert int((got == macer.VISUAL).sum()) == int((ids == model.config.video_token_id).sum()) > 0
+    assert prompt.end_of_turn_token_id == SYNTHETIC_TOKENS.im_end == Qwen3OmniAdapter().end_of_turn_token_id(model)
 
 
 def test_omni_question_end_defaults_to_im_end_on_the_real_vocabulary():

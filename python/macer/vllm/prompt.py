@@ -1,5 +1,5 @@
 """What the engine knows about a prompt's rows, per architecture: their modality labels and the end-of-turn id
-(``PromptLabels``: from the settings' token-id sets, or from the Qwen2.5-Omni thinker's config through
+(``PromptLabels``: from the settings' token-id sets, or from a Qwen-Omni thinker's config through
 ``macer.core.families``), and the temporal position of each row (``temporal_row``, from vLLM's positions).
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from macer.core.families import QWEN2_5_OMNI
+from macer.core.families import QWEN2_5_OMNI, QwenOmni
 
 __all__ = ["PromptLabels", "omni_prompt_labels", "temporal_row"]
 
@@ -29,15 +29,15 @@ class PromptLabels:
     end_of_turn_token_id: int | None = None
 
 
-def omni_prompt_labels(thinker_config: Any) -> PromptLabels:
-    """The Qwen2.5-Omni thinker's rows, read from its config as the transformers adapter reads them
-    (``macer.core.families.QWEN2_5_OMNI``): audio = the config's audio token id, visual = its video or image token
-    id; the question ends at ``<|im_end|>``."""
+def omni_prompt_labels(thinker_config: Any, family: QwenOmni = QWEN2_5_OMNI) -> PromptLabels:
+    """A Qwen-Omni thinker's rows, read from its config as the family's transformers adapter reads them
+    (``macer.core.families``: ``QWEN2_5_OMNI``, ``QWEN3_OMNI``): audio = the config's audio token id, visual = its
+    video or image token id; the question ends at the family's end-of-turn id (``<|im_end|>``)."""
 
     def labels(ids: torch.Tensor) -> torch.Tensor:
-        return QWEN2_5_OMNI.labels(thinker_config, ids)
+        return family.labels(thinker_config, ids)
 
-    return PromptLabels(labels, QWEN2_5_OMNI.end_of_turn_token_id(thinker_config))
+    return PromptLabels(labels, family.end_of_turn_token_id(thinker_config))
 
 
 def temporal_row(positions: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,8 @@ class RequestRecord:
         request_id: vLLM's internal request id (``"<your id>-<8 characters>"``), or None outside an engine.
         external_id: the id the caller gave (``RequestOutput.request_id``), derived from ``request_id``.
         policy: the policy's name (``"macer"``, ``"fastv"``, ...); keep_ratio: its keep ratio.
-        budget: the retained budget (``total``, ``audio``, ``video``), or None (no audio/video, or served unpruned).
+        budget: the retained budget (``total``, ``audio``, ``video``; audio and video None for a joint selection), or
+            None for a prompt without audio/video or one served unpruned.
         prompt: ``{"audio": n_a, "video": n_v, "text": n_t}`` token counts of the prompt.
         kept: ``{"audio": k_a, "video": k_v}`` tokens kept after the last stage.
         kept_rows: ``{"audio": (...), "video": (...)}`` the prompt positions kept after the last stage.
@@ -79,8 +80,13 @@ class RequestRecord:
 
     def line(self) -> str:
         """The log line of this record."""
-        budget = ("none" if self.budget is None else
-                  f"{self.budget.total} (audio {self.budget.audio}, video {self.budget.video})")
+        if self.budget is None:
+            media = self.prompt.get("audio", 0) + self.prompt.get("video", 0)
+            budget = "none (served unpruned)" if media else "none (no audio/video)"
+        elif self.budget.audio is None:  # a joint selection (FastV, Random): the split is whatever it keeps
+            budget = f"{self.budget.total} (audio and video jointly)"
+        else:
+            budget = f"{self.budget.total} (audio {self.budget.audio}, video {self.budget.video})"
         kept = " ".join(f"{m} {self.kept.get(m, 0)}/{self.prompt.get(m, 0)}" for m in ("audio", "video"))
         return (f"macer: request {self.request_id} policy={self.policy} keep_ratio={self.keep_ratio} "
                 f"budget={budget} kept {kept} layers {format_layers(self.layer_tokens)}"

@@ -30,7 +30,7 @@ from typing import Any
 from macer.core.checks import field_real
 from macer.core.policies import ABLATION_FIELDS, POLICY_NAMES, policy_class
 from macer.core.policy import Policy
-from macer.vllm.settings import LABEL_KEYS, SETTINGS_KEY, policy_from_settings
+from macer.vllm.settings import LABEL_KEYS, SETTINGS_KEY, WHERE, policy_from_settings
 
 __all__ = ["REQUEST_KEYS", "RequestPolicies", "remember_engine", "remembered_engine", "request_overrides",
            "request_policy"]
@@ -100,7 +100,9 @@ def request_policy(settings: Any, overrides: Mapping[str, Any], hf_config: Any, 
         return policy_from_settings(merged, hf_config, architecture)[0]
     except (ValueError, TypeError) as error:
         keys = ", ".join(f'{_where(_PREFIX + key)}={value!r}' for key, value in overrides.items())
-        raise ValueError(f"{keys}: {error}") from None
+        # The engine settings' own messages, said of the request's keys instead of where the engine's were set.
+        problems = [str(p).removeprefix(f"{WHERE}: ") for p in getattr(error, "problems", [error])]
+        raise ValueError(f"{keys}: {'; '.join(problems)}") from None
 
 
 class RequestPolicies:

@@ -18,12 +18,17 @@ unpruned prompts, in any mix and order.
   layer writes its KV. The output has every row of the step, the kept ones at their places and dropped ones zero:
   the sampler reads a prefill's last prompt row (text, never dropped: ``macer.core.layout``) or a decode's row.
 
+An architecture that adds something to the hidden states of some rows after a layer (Qwen3-Omni's deepstack
+features) passes ``after_layer`` (``AfterLayer``): it is called after every layer with the rows that layer held (their
+indices among the step's rows), so it adds exactly the kept rows' own features.
+
 Dummy, profiling and capture runs are never planned (the MACER worker marks the steps it runs) and take vLLM's own
 layer loop, as does a step where no request is pruned.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,13 +38,19 @@ from torch import nn
 from macer.core.policy import Policy
 from macer.core.steps import CHUNK, PREFILL, Row, StepPlan, plan_step, row_kind
 from macer.vllm.backend import StageMetadata, attention_modules, check_backends, readout, step_context, zero_tail
-from macer.vllm.checks import check_policy
+from macer.vllm.checks import check_policy, refuse
 from macer.vllm.prompt import PromptLabels
 from macer.vllm.request_settings import RequestPolicies
 from macer.vllm.settings import SETTINGS_KEY
 from macer.vllm.state import RequestState, RequestStates, plan_request
 
-__all__ = ["PreparedStep", "StagedDecoder"]
+__all__ = ["AfterLayer", "PreparedStep", "StagedDecoder"]
+
+AfterLayer = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""``after_layer(index, hidden, rows) -> hidden``: called with the hidden states ``[R, hidden]`` that
+``layers[index]`` returned (before the residual is added back) and ``rows``, the ``[R]`` indices of those rows among
+the step's input rows (None: all of them, in order; after a stage: the rows the stages kept). Returns the hidden states
+that go on to the next layer."""
 
 # The runner's names the decoder reads (vLLM 0.32's V1 GPU/CPU model runner; checked when it binds).
 RUNNER_NAMES = ("input_batch", "query_start_loc", "requests", "attn_groups", "kv_cache_config", "device")
@@ -66,10 +77,13 @@ class StagedDecoder:
         policy: the engine's policy (``macer.vllm.settings.policy_from_config``); a request may set its own.
         prompt: labels and end-of-turn id of the architecture.
         vllm_config: the engine's config.
+        after_layer: what the architecture adds to the hidden states after each layer (``AfterLayer``), or None.
     """
 
-    def __init__(self, model: nn.Module, policy: Policy, prompt: PromptLabels, vllm_config: Any):
+    def __init__(self, model: nn.Module, policy: Policy, prompt: PromptLabels, vllm_config: Any,
+                 after_layer: AfterLayer | None = None):
         self.model, self.prompt, self.vllm_config = model, prompt, vllm_config
+        self.after_layer = after_layer
         self.layers = list(model.layers)
         self.attns = attention_modules(self.layers)
         self.names = [attn.layer_name for attn in self.attns]
@@ -113,7 +127,10 @@ class StagedDecoder:
                                "on vLLM's V1 model runner of the tested releases")
         self.runner = runner
         self.metadata = StageMetadata(runner, self.names)
-        self.metadata.self_test(vllm.__version__)
+        try:
+            self.metadata.self_test(vllm.__version__)
+        except RuntimeError as error:
+            refuse([str(error)], f"{self.vllm_config.model_config.architecture} (macer)")
         builder = runner.attn_groups[0][0].get_metadata_builder()
         build = builder.build
 
@@ -212,6 +229,8 @@ class StagedDecoder:
             if tail is not None:
                 zero_tail(self.attns[index], tail, hidden.dtype)
             hidden, residual = layer(positions, hidden, residual)
+            if self.after_layer is not None:
+                hidden = self.after_layer(index, hidden, None)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
@@ -242,6 +261,8 @@ class StagedDecoder:
                 hidden, residual = layer(positions, hidden, residual)
             finally:
                 self._armed = None
+            if self.after_layer is not None:
+                hidden = self.after_layer(index, hidden, origin)
         hidden, _ = self.model.norm(hidden, residual)
         if origin is None:
             return hidden

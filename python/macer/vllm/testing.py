@@ -1,14 +1,18 @@
-"""A tiny random ``Qwen2ForCausalLM`` checkpoint and synthetic audio/video prompts, built in code, for the vLLM tests
-and the serving benchmark (no download, no tokenizer files).
+"""A tiny random ``Qwen2ForCausalLM`` checkpoint, a word-level tokenizer and synthetic audio/video prompts, built in
+code, for the vLLM tests, the serving benchmark and the CPU recipe of docs/serving.md (no download).
 
 * ``write_checkpoint(directory, ...)``: config + safetensors of a random Qwen2 decoder whose ``architectures`` names
   ``MacerQwen2ForCausalLM`` (the plugin's labelled architecture); the same directory loads in transformers as a plain
   ``Qwen2ForCausalLM``. Head size 32 by default: vLLM's CPU attention supports {32, 64, 80, ...} only.
+* ``write_tokenizer(directory, vocab_size)``: a word-level tokenizer (one word per token id, ``word(i)``) with a chat
+  template that lays a conversation out as ``clip_prompt`` does, so that chat requests work on the server.
 * ``clip_prompt(...)``: prompt token ids laid out as a chat turn about a clip: a system line, an audio block and a
   video block of distinct ids drawn from ``AUDIO_IDS`` / ``VIDEO_IDS``, the question, ``<|im_end|>`` and the
   assistant header. The same ids label the rows on both sides: ``label_ids`` gives the labels the engine computes
   from the token-id sets, for ``macer.LabelledAdapter`` on the transformers side.
 * ``MACER_SETTINGS``: the ``additional_config["macer"]`` entries that name these ids for the engine.
+* ``python -m macer.vllm.testing DIR``: all of it in ``DIR`` (``write_demo``): ``checkpoint/``, ``tokenizer/``,
+  ``additional_config.json`` and a chat request ``chat.json`` (docs/serving.md, "Try it on a CPU").
 
 Distinct ids per row (not one placeholder id repeated) give every audio/video row its own embedding, so scores have
 no exact ties and the engine and transformers pick the same rows whatever their rounding.
@@ -16,7 +20,9 @@ no exact ties and the engine and transformers pick the same rows whatever their 
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +38,11 @@ __all__ = [
     "VIDEO_IDS",
     "clip_prompt",
     "label_ids",
+    "main",
+    "word",
     "write_checkpoint",
+    "write_demo",
+    "write_tokenizer",
 ]
 
 ARCHITECTURE = "MacerQwen2ForCausalLM"
@@ -44,6 +54,15 @@ VIDEO_IDS = range(228, 484)
 """Token ids that stand for video rows."""
 _TEXT_IDS = range(16, 100)
 _IM_START, _NEWLINE, _SYSTEM, _USER, _ASSISTANT = 1, 10, 11, 12, 13
+
+_SPECIAL = {0: "<pad>", _IM_START: "<|im_start|>", END_OF_TURN: "<|im_end|>", _NEWLINE: "<nl>", _SYSTEM: "system",
+            _USER: "user", _ASSISTANT: "assistant"}
+_WORDS = ("the a an and or but if so then when where what who how why this that these those it he she they we you "
+          "dog cat bird car train rain sun moon river road house door window music voice song drum bell crowd "
+          "man woman child speaks sings runs walks plays laughs opens closes falls rises red blue green loud quiet "
+          "fast slow near far up down in on at before after while because yes no one two three many some is "
+          "are").split()
+assert len(set(_WORDS)) == len(_WORDS) >= len(_TEXT_IDS)  # one distinct word per text id
 
 MACER_SETTINGS: dict[str, Any] = {
     "audio_token_ids": list(AUDIO_IDS),
@@ -114,3 +133,86 @@ def label_ids(ids: list[int] | torch.Tensor) -> torch.Tensor:
     labels[(ids >= AUDIO_IDS.start) & (ids < AUDIO_IDS.stop)] = AUDIO
     labels[(ids >= VIDEO_IDS.start) & (ids < VIDEO_IDS.stop)] = VISUAL
     return labels
+
+
+def word(token_id: int) -> str:
+    """The word of ``token_id`` in ``write_tokenizer``'s vocabulary: the chat markers, English words for the text ids,
+    ``<audio_k>`` / ``<video_k>`` for the audio and video ids, ``<unused_i>`` for the rest."""
+    if token_id in _SPECIAL:
+        return _SPECIAL[token_id]
+    if token_id in _TEXT_IDS:
+        return _WORDS[token_id - _TEXT_IDS.start]
+    if token_id in AUDIO_IDS:
+        return f"<audio_{token_id - AUDIO_IDS.start}>"
+    if token_id in VIDEO_IDS:
+        return f"<video_{token_id - VIDEO_IDS.start}>"
+    return f"<unused_{token_id}>"
+
+
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|> {{ message['role'] }} <nl> {{ message['content'] }} "
+                 "<|im_end|> <nl> {% endfor %}{% if add_generation_prompt %}<|im_start|> assistant <nl>{% endif %}")
+"""Renders a conversation as ``clip_prompt`` lays it out (words separated by spaces)."""
+
+
+def write_tokenizer(directory: str | Path, vocab_size: int) -> Path:
+    """A word-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` with ``CHAT_TEMPLATE``) whose token
+    ``i`` is ``word(i)``, split on whitespace; written to ``directory`` (keep it apart from the checkpoint: beside a
+    Qwen2 ``config.json`` transformers would load it as a Qwen2 tokenizer). Needs the ``tokenizers`` package."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.WordLevel({word(i): i for i in range(vocab_size)}, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<pad>",
+        "bos_token": None, "unk_token": "<pad>", "model_max_length": 4096, "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE}, indent=2))
+    return path
+
+
+DEMO_SETTINGS: dict[str, Any] = {"policy": "macer", "keep_ratio": 0.25, "audio_layer": 2, "video_layer": 3}
+"""The demo's policy (``write_demo``): MACER keeping a quarter of the audio/video tokens of a 4-layer model."""
+
+
+def write_demo(directory: str | Path, *, max_tokens: int = 8, seed: int = 2) -> dict[str, Path]:
+    """Everything the CPU recipe of docs/serving.md serves, in ``directory``: a 4-layer ``checkpoint/``, its
+    ``tokenizer/``, ``additional_config.json`` (``{"macer": DEMO_SETTINGS + MACER_SETTINGS}``) and ``chat.json``, a
+    greedy chat request about a clip of 24 audio and 64 video tokens whose prompt is ``clip_prompt(seed=seed)``.
+    Returns the paths by name."""
+    root = Path(directory)
+    checkpoint = write_checkpoint(root / "checkpoint", num_layers=4)
+    vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    tokenizer = write_tokenizer(root / "tokenizer", vocab_size)
+    settings = root / "additional_config.json"
+    settings.write_text(json.dumps({"macer": {**DEMO_SETTINGS, **MACER_SETTINGS}}))
+    ids = clip_prompt(n_audio=24, n_video=64, question=8, seed=seed)
+    # clip_prompt's layout: 3 ids of system header, 4 of system text, then <|im_end|> <nl> <|im_start|> user <nl>;
+    # the user's content runs to the 5-id tail (<|im_end|> <nl> <|im_start|> assistant <nl>).
+    messages = [{"role": "system", "content": " ".join(word(i) for i in ids[3:7])},
+                {"role": "user", "content": " ".join(word(i) for i in ids[12:-5])}]
+    chat = root / "chat.json"
+    chat.write_text(json.dumps({"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0},
+                               indent=2))
+    return {"checkpoint": checkpoint, "tokenizer": tokenizer, "additional_config": settings, "chat": chat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m macer.vllm.testing DIR``: ``write_demo(DIR)``, then say what was written."""
+    parser = argparse.ArgumentParser(prog="python -m macer.vllm.testing", description=(
+        "Write a tiny random Qwen2 checkpoint (MacerQwen2ForCausalLM), a word-level tokenizer with a chat template, "
+        "the MACER settings naming its audio/video token ids, and a chat request about a synthetic clip: what the "
+        "CPU recipe of docs/serving.md serves."))
+    parser.add_argument("directory", type=Path, help="where to write them (created if missing)")
+    args = parser.parse_args(argv)
+    paths = write_demo(args.directory)
+    for name, path in paths.items():
+        print(f"{name + ':':19} {path}")
+    print("next: start the server and send chat.json (docs/serving.md, 'Try it on a CPU')")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,7 +20,7 @@ from typing import Any
 from macer.vllm import records
 
 # MacerCPUWorker and MacerGPUWorker are attributes too, built on first access (``__getattr__``).
-__all__ = ["MacerWorkerMixin", "configure_engine"]
+__all__ = ["MacerWorkerMixin", "configure_engine", "worker_problems"]
 
 _WORKERS = {"cpu": "macer.vllm.worker.MacerCPUWorker", "gpu": "macer.vllm.worker.MacerGPUWorker"}
 _SCHEDULER = "macer.vllm.scheduler.make_scheduler"
@@ -107,28 +107,36 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def worker_problems(vllm_config: Any) -> list[str]:
+    """A worker or scheduler the user set, which the MACER engine would replace (``--worker-cls``,
+    ``--scheduler-cls``), one line each."""
+    arch = vllm_config.model_config.architecture
+    problems = []
+    worker = vllm_config.parallel_config.worker_cls
+    if worker != "auto" and worker not in _WORKERS.values():
+        problems.append(f"{arch} (macer) runs on its own worker (it hands each step's requests to the model): drop "
+                        f"--worker-cls {worker} (a worker of another extension needs a class that mixes in "
+                        "macer.vllm.worker.MacerWorkerMixin)")
+    scheduler = vllm_config.scheduler_config.scheduler_cls
+    if scheduler is not None and scheduler != _SCHEDULER:
+        problems.append(f"{arch} (macer) runs on its own scheduler (it attaches each request's MACER record to the "
+                        f"request's output): drop --scheduler-cls {scheduler}")
+    return problems
+
+
 def configure_engine(vllm_config: Any) -> None:
-    """The config hook's part for batched serving: the MACER worker (``--worker-cls``) and scheduler
-    (``--scheduler-cls``, which attaches each request's record to its output), refusing a worker or scheduler the
-    user set; and the engine's settings kept in this process for the per-request admission check."""
+    """The config hook's part for batched serving (after ``worker_problems``): the MACER worker (``--worker-cls``)
+    and scheduler (``--scheduler-cls``: it attaches each request's record to its output); the engine's settings kept
+    in this process for the per-request admission check."""
     from macer.vllm.request_settings import remember_engine
     from macer.vllm.settings import SETTINGS_KEY
 
-    arch = vllm_config.model_config.architecture
-    parallel, scheduler = vllm_config.parallel_config, vllm_config.scheduler_config
+    parallel = vllm_config.parallel_config
     if parallel.worker_cls == "auto":
         from vllm.platforms import current_platform
 
         parallel.worker_cls = _WORKERS["cpu" if current_platform.is_cpu() else "gpu"]
-    elif parallel.worker_cls not in _WORKERS.values():
-        raise ValueError(f"{arch} (macer) runs on its own worker (it hands each step's requests to the model): "
-                         f"drop --worker-cls {parallel.worker_cls} (a worker of another extension needs a class "
-                         "that mixes in macer.vllm.worker.MacerWorkerMixin)")
-    current = scheduler.scheduler_cls
-    if current is not None and current != _SCHEDULER and getattr(current, "__name__", None) != "make_scheduler":
-        raise ValueError(f"{arch} (macer) runs on its own scheduler (it attaches each request's MACER record to the "
-                         f"request's output): drop --scheduler-cls {current}")
-    scheduler.scheduler_cls = _SCHEDULER
+    vllm_config.scheduler_config.scheduler_cls = _SCHEDULER
     additional = vllm_config.additional_config or {}
     remember_engine(additional.get(SETTINGS_KEY) if hasattr(additional, "get") else None,
-                    vllm_config.model_config.hf_config, arch)
+                    vllm_config.model_config.hf_config, vllm_config.model_config.architecture)

@@ -9,6 +9,10 @@ Module tree (transformers 5.23)::
           .language_model: Qwen3OmniMoeThinkerTextModel   <- decoder: runs layers[i] in a loop
             .layers[i]: Qwen3OmniMoeThinkerTextDecoderLayer (attention + dense MLP or sparse MoE block)
 
+transformers 5.19 (the release vLLM 0.32 pins, checked by ``tests/vllm/test_omni_macer.py``) has no
+``Qwen3OmniMoeThinkerModel``: the thinker itself is the root and ``thinker.model`` is the text model (the decoder).
+``parts`` accepts both.
+
 What differs from Qwen2.5-Omni:
 
 * Position ids are float (``[3, B, N]``, under ``generate`` ``[4, B, N]`` with a text row first); the temporal row
@@ -66,12 +70,15 @@ class Qwen3OmniAdapter(QwenOmniAdapter):
                              "Call model.disable_talker() (text answers: generate(..., return_audio=False)) or "
                              "compress model.thinker")
         thinker = self._thinker(model)
-        root = getattr(thinker, "model", None)
-        decoder = getattr(root, "language_model", None)
+        inner = getattr(thinker, "model", None)
+        if hasattr(inner, "language_model"):  # transformers 5.23: thinker.model is the multimodal model
+            root, decoder = inner, inner.language_model
+        else:  # transformers 5.19 (vLLM 0.32's): the thinker is the root, thinker.model the text model
+            root, decoder = thinker, inner
         if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "_deepstack_process"):
             raise ValueError(f"macer.compress: cannot find the decoder of {type(thinker).__name__} (expected "
-                             "thinker.model.language_model with layers and _deepstack_process); transformers "
-                             "version not supported")
+                             "thinker.model.language_model or thinker.model with layers and _deepstack_process); "
+                             "transformers version not supported")
         return DecoderParts(root=root, decoder=decoder, layers=decoder.layers, attn_config=decoder.config,
                             outer=(thinker,))
 
