@@ -78,3 +78,28 @@ def test_the_guard_resolves_a_request_against_the_engine_configured_in_its_proce
     monkeypatch.setattr(settings, "_ENGINE", [(ENGINE, qwen2_config(), LABELLED_ARCHITECTURE)])
     with pytest.raises(ValueError, match=r"needs \['layer'\]"):
         check_request_settings(request)
+
+
+def test_a_foreign_worker_or_scheduler_is_refused_by_flag(monkeypatch):
+    """The MACER engine runs on its own worker (it hands each step's requests to the model) and scheduler (it
+    attaches each request's record): one the user set is refused with the flag named, and "auto" becomes MACER's."""
+    from types import SimpleNamespace
+
+    import macer.vllm.request_settings as settings
+    from macer.vllm.worker import configure_engine, worker_problems
+
+    monkeypatch.setattr(settings, "_ENGINE", [])  # configure_engine remembers this made-up engine's settings
+    def config(worker="auto", scheduler=None):
+        return SimpleNamespace(model_config=SimpleNamespace(architecture=LABELLED_ARCHITECTURE, hf_config=None),
+                               parallel_config=SimpleNamespace(worker_cls=worker),
+                               scheduler_config=SimpleNamespace(scheduler_cls=scheduler), additional_config={})
+
+    assert worker_problems(config()) == []
+    assert worker_problems(config("macer.vllm.worker.MacerCPUWorker")) == []
+    foreign = worker_problems(config("my.Worker", "my.Scheduler"))
+    assert [p.split(": drop ")[1].split(" (")[0] for p in foreign] == ["--worker-cls my.Worker",
+                                                                        "--scheduler-cls my.Scheduler"]
+    ours = config()
+    configure_engine(ours)
+    assert ours.parallel_config.worker_cls == "macer.vllm.worker.MacerCPUWorker"
+    assert ours.scheduler_config.scheduler_cls == "macer.vllm.scheduler.make_scheduler"
