@@ -34,16 +34,16 @@ class Engine:
     settings: dict
     logits: list = field(default_factory=list)  # [rows, vocab] of every compute_logits call
     steps: list = field(default_factory=list)  # per step: {"kinds", "ids", "blocks", "step"}
-    blocks: dict = field(default_factory=dict)  # request id -> its block ids (group 0) at its latest step
+    blocks: dict = field(default_factory=dict)  # request id -> {KV cache group: its block ids} at its latest step
     records_at_start: int = 0  # records made while the engine started (profiling, warm-up): must be 0
     states_at_start: int = 0
 
     def record_step(self, step: Any, runner: Any) -> None:
         batch = runner.input_batch
-        table = batch.block_table[0]
         ids = list(batch.req_ids[: batch.num_reqs])
         for i, request_id in enumerate(ids):
-            self.blocks[request_id] = table.block_table.np[i, : table.num_blocks_per_row[i]].tolist()
+            self.blocks[request_id] = {gid: table.block_table.np[i, : table.num_blocks_per_row[i]].tolist()
+                                       for gid, table in enumerate(batch.block_table.block_tables)}
         self.steps.append({"kinds": list(step.plan.kinds), "ids": ids, "step": step})
 
 
@@ -191,7 +191,7 @@ def _written(engine: Any, served: Served, layer: int, index: torch.Tensor, key: 
 
     attn = engine.model.macer.attns[layer]
     _, heads, block_size, width = attn.kv_cache.shape
-    blocks = engine.blocks[served.request_id]
+    blocks = _blocks(engine, served, layer)
     # A NaN-filled copy of the request's own blocks only (local block j = its j-th block).
     reference = torch.full((len(blocks), heads, block_size, width), float("nan"))
     slots = index  # compacted index c sits in local block c // block_size at offset c % block_size
@@ -209,9 +209,15 @@ def kv_pages(engine: Any, served: Served, layer: int, key: torch.Tensor, value: 
     return _pages(engine, served, layer)[written], reference, int(written.sum())
 
 
+def _blocks(engine: Any, served: Served, layer: int) -> list[int]:
+    """The request's block ids in the KV cache group of layer ``layer`` (compacted layers have groups of their own)."""
+    macer = engine.model.macer
+    return engine.blocks[served.request_id][macer.metadata.group_of[macer.names[layer]]]
+
+
 def _pages(engine: Any, served: Served, layer: int) -> torch.Tensor:
     """The request's blocks of layer ``layer``'s KV cache, in the order of its block table."""
-    return engine.model.macer.attns[layer].kv_cache[torch.tensor(engine.blocks[served.request_id])]
+    return engine.model.macer.attns[layer].kv_cache[torch.tensor(_blocks(engine, served, layer))]
 
 
 def tail_is_zero(engine: Any, served: Served, layer: int, end: int) -> bool:

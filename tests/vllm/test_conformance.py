@@ -71,13 +71,14 @@ def engine(shared_engine):
 
 @pytest.fixture(scope="module")
 def unpatched(shared_engine, prompt):
-    """vLLM's own Qwen2ForCausalLM.forward on the same weights, in the same engine."""
+    """vLLM's own Qwen2ForCausalLM.forward on the same weights, in the same engine (for a request that keeps every row:
+    the engine frees the KV blocks of the rows a pruned request drops, which vLLM's own forward would write)."""
     from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
     model = shared_engine.model
     model.forward = functools.partial(Qwen2ForCausalLM.forward, model)
     try:
-        return generate(shared_engine, [(prompt, None)])[0]
+        return generate(shared_engine, [(prompt, {"macer_policy": "full"})])[0]
     finally:
         del model.forward
 

@@ -31,9 +31,12 @@ ARCHITECTURES = {
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the MACER architectures and their engine-settings hook, and
-    the check that refuses MACER settings on every other architecture (``macer.vllm.registry``). Idempotent (vLLM
-    may call it more than once per process)."""
+    """The ``vllm.general_plugins`` entry point: register the MACER architectures and their engine-settings hook, the
+    check that refuses MACER settings on every other architecture (``macer.vllm.registry``), and the compacted
+    layers' KV cache spec and manager (``macer.vllm.kv``). Idempotent (vLLM may call it more than once per
+    process)."""
+    from macer.vllm.kv import register_kv
     from macer.vllm.registry import register_architectures
 
     register_architectures(ARCHITECTURES)
+    register_kv()  # the compacted layers' KV cache spec (issue 29), in every process that groups or manages KV

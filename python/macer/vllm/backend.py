@@ -209,6 +209,23 @@ class StageMetadata:
                     out.update({name: slots for name in layers if self.group_of[name] == gid})
         return out
 
+    def check_owned(self, plan: StepPlan, seq_lens: list[int]) -> None:
+        """Raise unless every request owns, in every KV cache group of the layers before the first segment (all of
+        them in a plain step), the blocks the runner's own slots write there (``seq_lens``: the step's sequence
+        lengths). A compacted group (``macer.vllm.kv``) sized for fewer rows than the layout writes would otherwise
+        write another request's block; the segments' slots are checked by ``slots_at``."""
+        batch = self.runner.input_batch
+        stop = plan.segments[0].start if plan.segments else len(self.names)
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        for gid in sorted({self.group_of[name] for name in self.names[:stop]}):
+            table = batch.block_table[gid]
+            owned = table.num_blocks_per_row[: len(lens)].astype(np.int64) * table.block_size
+            if bool((owned < lens).any()):
+                row = int(np.argmax(owned < lens))
+                raise RuntimeError(f"macer: request row {row} writes {int(lens[row])} slots in KV cache group {gid} "
+                                   f"but owns {int(owned[row])} (the scheduler and the worker planned it "
+                                   "differently; please report this)")
+
     def _segment(self, segment: Segment, n: int, table: Any, buffers: _Buffers,
                  is_prefilling: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
         lens = np.asarray(segment.query_lens, dtype=np.int64)

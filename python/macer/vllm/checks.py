@@ -25,6 +25,7 @@ Why each setting is refused (docs/serving.md has the long form):
 * speculative decoding: a verify step feeds several tokens per request; the decode shifts assume one.
 * LoRA: the LoRA layers' per-token adapter mapping has the step's N rows; the compacted layers see K.
 * KV transfer connectors (disaggregated prefill, offloading): compacted pages hold kept tokens at slots 0..K-1.
+* the hybrid KV cache manager off, with ``free_kv`` on: the compacted layers form KV cache groups of their own.
 * an untested vLLM release: the compacted forward rebuilds vLLM's attention metadata, whose layout changes between
   releases (``MACER_VLLM_ALLOW_UNTESTED=1`` runs it anyway, with a warning).
 * ``prompt_logprobs``: the dropped rows leave the later layers, so their logits do not exist.
@@ -44,11 +45,19 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from macer.vllm.settings import Refusal, misplaced_settings, policy_from_config, policy_problems
+from macer.vllm.settings import (
+    SETTINGS_KEY,
+    WHERE,
+    Refusal,
+    free_kv,
+    misplaced_settings,
+    policy_from_config,
+    policy_problems,
+)
 
 if TYPE_CHECKING:
     from macer.core.policy import Policy
@@ -176,6 +185,13 @@ def engine_problems(vllm_config: Any) -> list[str]:
     if getattr(vllm_config, "lora_config", None) is not None:
         problems.append(f"{who}: LoRA is not supported (the LoRA layers map each of the step's N prompt rows to an "
                         "adapter, while the compacted layers run on the kept rows only): drop --enable-lora")
+    additional = vllm_config.additional_config
+    settings = additional.get(SETTINGS_KEY) if isinstance(additional, Mapping) else None
+    if free_kv(settings) and getattr(scheduler, "disable_hybrid_kv_cache_manager", None) is True:
+        problems.append(f"{who}: freeing the dropped rows' KV memory ({WHERE}[\"free_kv\"], on by default) needs "
+                        "vLLM's hybrid KV cache manager (the compacted layers form KV cache groups of their own), "
+                        "which is off (--disable-hybrid-kv-cache-manager, or a platform without it): drop that flag, "
+                        f'or set {WHERE}["free_kv"] to false')
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         problems.append(f"{who}: KV transfer connectors are not supported (the compacted layers' pages hold the kept "
                         "tokens in slots 0..K-1, which a connector would ship as positions 0..K-1): drop "

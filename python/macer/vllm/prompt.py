@@ -13,7 +13,7 @@ import torch
 
 from macer.core.families import QWEN2_5_OMNI, QwenOmni
 
-__all__ = ["PromptLabels", "omni_prompt_labels", "temporal_row"]
+__all__ = ["PromptLabels", "engine_prompt_labels", "omni_prompt_labels", "temporal_row"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,20 @@ def omni_prompt_labels(thinker_config: Any, family: QwenOmni = QWEN2_5_OMNI) -> 
         return family.labels(thinker_config, ids)
 
     return PromptLabels(labels, family.end_of_turn_token_id(thinker_config))
+
+
+def engine_prompt_labels(vllm_config: Any) -> PromptLabels:
+    """The labels of an engine's architecture from its config alone, as its model class builds them: a thinker's
+    from its config's token ids, the labelled architecture's from the settings' token-id sets (the scheduler of a
+    freeing engine plans each request's layout with them, in a process that holds no model)."""
+    from macer.vllm.settings import policy_from_config, thinker_family
+
+    model_config = vllm_config.model_config
+    family = thinker_family(model_config.architecture)
+    if family is not None:
+        return omni_prompt_labels(model_config.hf_config.thinker_config, family)
+    _, labels = policy_from_config(vllm_config)
+    return PromptLabels(labels.labels)
 
 
 def temporal_row(positions: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,11 @@ class RequestPolicies:
         self.default = default
         self._cache: dict[tuple, Policy] = {}
 
+    def use_default(self, policy: Policy) -> None:
+        """Serve the requests that set nothing with ``policy`` from now on."""
+        self.default = policy
+        self._cache.clear()
+
     def for_request(self, extra_args: Mapping[str, Any] | None) -> Policy:
         """The request's policy; ``ValueError`` (the request keys named) for a setting the engine cannot serve."""
         overrides = request_overrides(extra_args, self.default.name or "macer")

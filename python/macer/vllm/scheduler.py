@@ -11,6 +11,13 @@ prefill) finishes without one.
 
 It overrides ``update_from_output`` and one private method, ``Scheduler._connector_finished`` (vLLM 0.32): it returns
 the KV connector's parameters of a finishing request, and no MACER engine has a KV connector.
+
+Where the engine frees the dropped rows' KV memory (``additional_config["macer"]["free_kv"]``, ``macer.vllm.kv``) it
+also tells the compacted KV cache groups' managers each request's ``D_r`` when the request arrives
+(``add_request``), before any of its blocks is allocated, forgets it when the request's blocks are freed for good
+(``_free_blocks``, private; not on preemption: the recompute needs the same count), and sets it to 0 when vLLM cuts a
+multimodal prompt before an item (``_try_schedule_encoder_inputs``, private: the worker serves such a prompt
+unpruned).
 """
 
 from __future__ import annotations
@@ -23,7 +30,33 @@ __all__ = ["MacerSchedulerMixin", "make_scheduler"]
 
 
 class MacerSchedulerMixin:
-    """Adds the request's record to what a finishing request returns (module docstring)."""
+    """Adds the request's record to what a finishing request returns; sizes the compacted KV cache groups per request
+    (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from macer.vllm.kv import SchedulerKV
+
+        self.macer_kv = SchedulerKV.attach(self)  # None: no compacted KV cache group in this engine
+
+    def add_request(self, request: Any) -> None:
+        if self.macer_kv is not None and request.request_id not in self.requests:  # type: ignore[attr-defined]
+            self.macer_kv.arrive(request)
+        super().add_request(request)  # type: ignore[misc]
+
+    def _free_blocks(self, request: Any) -> None:
+        super()._free_blocks(request)  # type: ignore[misc]
+        if self.macer_kv is not None:
+            self.macer_kv.forget(request.request_id)
+
+    def _try_schedule_encoder_inputs(self, request: Any, num_computed_tokens: int, num_new_tokens: int,
+                                     *args: Any, **kwargs: Any) -> Any:
+        out = super()._try_schedule_encoder_inputs(  # type: ignore[misc]
+            request, num_computed_tokens, num_new_tokens, *args, **kwargs)
+        scheduled = out[1]
+        if self.macer_kv is not None and 0 < scheduled and num_computed_tokens + scheduled < request.num_tokens:
+            self.macer_kv.cut(request.request_id)
+        return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         # The records the worker made in this step, sent with its output (macer.vllm.worker).

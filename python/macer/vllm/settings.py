@@ -17,6 +17,10 @@ own config's audio/video/image token ids):
   default), and the question rows end before the prompt's last ``end_of_turn_token_id`` (a ``MacerConfig`` field;
   the labelled path has no model default, so name it, or use ``"question_span": "prompt_end"``).
 
+Engine keys (not fields of the policy): ``"free_kv"`` (bool, default true): the layers after the engine policy's
+last stage allocate KV cache blocks for the rows each request keeps, not for its whole prompt (``macer.vllm.kv``);
+false allocates every layer's blocks for the whole prompt, as vLLM's own model does.
+
 Everything that can be checked before an engine starts is checked here, and all of it at once: ``Refusal`` (a
 ``ValueError``) lists every refused setting, one line each, each naming ``additional_config["macer"]`` and the key.
 The checks of single values (``validate_policy_name``, ``validate_keep_ratio``, ``validate_token_ids``,
@@ -40,6 +44,7 @@ from macer.core.policies import POLICY_NAMES, FastVConfig, FullConfig, RandomCon
 from macer.core.policy import Policy
 
 __all__ = [
+    "ENGINE_KEYS",
     "LABELLED_ARCHITECTURE",
     "LABEL_KEYS",
     "MACER_ARCHITECTURES",
@@ -50,10 +55,12 @@ __all__ = [
     "LabelSpec",
     "Refusal",
     "architecture_end_of_turn",
+    "free_kv",
     "misplaced_settings",
     "policy_from_config",
     "policy_from_settings",
     "policy_problems",
+    "thinker_family",
     "validate_end_of_turn",
     "validate_keep_ratio",
     "validate_policy_name",
@@ -72,6 +79,8 @@ _THINKER_FAMILIES: dict[str, Family] = {OMNI_THINKER_ARCHITECTURE: QWEN2_5_OMNI,
 MACER_ARCHITECTURES = (LABELLED_ARCHITECTURE, *_THINKER_FAMILIES)
 """The architectures the plugin registers (``macer.vllm.ARCHITECTURES`` maps them to their classes)."""
 LABEL_KEYS = ("audio_token_ids", "video_token_ids")
+ENGINE_KEYS = ("free_kv",)
+"""Settings of the engine rather than of its policy (a request cannot set them)."""
 _CLASSES = {"full": FullConfig, "fastv": FastVConfig, "random": RandomConfig}  # the rest: MacerConfig's fields
 _BASELINES = frozenset(_CLASSES)  # no per-model defaults: make_policy(name, **fields) without the model
 
@@ -150,7 +159,7 @@ def _vocab_size(hf_config: Any) -> int | None:
 def _allowed_keys(name: str, architecture: str) -> list[str]:
     cls = _CLASSES.get(name, MacerConfig)
     labels = list(LABEL_KEYS) if architecture == LABELLED_ARCHITECTURE else []
-    return ["policy", *(f.name for f in dataclasses.fields(cls) if f.init), *labels]
+    return ["policy", *(f.name for f in dataclasses.fields(cls) if f.init), *labels, *ENGINE_KEYS]
 
 
 def _unknown_key(key: str, name: str, allowed: list[str]) -> str:
@@ -187,6 +196,17 @@ def _label_problems(params: Mapping[str, Any], vocab_size: int | None,
                             "user's question would be a media row after the question, so the plan would refuse "
                             "every prompt and each would run unpruned; take it out of the list")
     return (None if problems else LabelSpec(audio, visual)), problems
+
+
+def free_kv(settings: Any) -> bool:
+    """Whether an engine with these ``"macer"`` settings frees the dropped rows' KV blocks (``"free_kv"``, default
+    true; ``policy_from_settings`` refuses a value that is not a bool)."""
+    return not isinstance(settings, Mapping) or settings.get("free_kv", True) is not False
+
+
+def thinker_family(architecture: str) -> Family | None:
+    """The model family whose config labels a thinker architecture's rows (None: the labelled architecture)."""
+    return _THINKER_FAMILIES.get(architecture)
 
 
 def architecture_end_of_turn(hf_config: Any, architecture: str) -> int | None:
@@ -240,6 +260,10 @@ def policy_from_settings(settings: Any, hf_config: Any, architecture: str) -> tu
     except ValueError as error:
         raise Refusal([str(error)]) from None
     problems: list[str] = []
+    free = params.pop("free_kv", True)
+    if not isinstance(free, bool):
+        problems.append(f'{WHERE}["free_kv"] must be true or false (free the KV cache blocks of the rows the stages '
+                        f"drop), got {free!r}")
     vocab_size = _vocab_size(hf_config)
     labelled = architecture == LABELLED_ARCHITECTURE
     if not labelled and any(key in params for key in LABEL_KEYS):

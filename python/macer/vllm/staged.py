@@ -39,9 +39,10 @@ from macer.core.policy import Policy
 from macer.core.steps import CHUNK, PREFILL, Row, StepPlan, plan_step, row_kind
 from macer.vllm.backend import StageMetadata, attention_modules, check_backends, readout, step_context, zero_tail
 from macer.vllm.checks import check_policy, refuse
+from macer.vllm.kv import check_groups, compacted_start, declare_compacted, follow_default
 from macer.vllm.prompt import PromptLabels
 from macer.vllm.request_settings import RequestPolicies
-from macer.vllm.settings import SETTINGS_KEY
+from macer.vllm.settings import SETTINGS_KEY, free_kv
 from macer.vllm.state import RequestState, RequestStates, plan_request
 
 __all__ = ["AfterLayer", "PreparedStep", "StagedDecoder"]
@@ -90,8 +91,12 @@ class StagedDecoder:
         model_config = vllm_config.model_config
         check_backends(self.attns, model_config.architecture)
         settings = (vllm_config.additional_config or {}).get(SETTINGS_KEY)
+        self._check_policy(policy)
         self.policies = RequestPolicies(settings, model_config.hf_config, model_config.architecture, policy)
-        self.use_policy(policy)
+        # The layers from the engine policy's last stage on get KV cache groups of their own (issue 29, macer.vllm.kv).
+        self.kv_start = compacted_start(policy, len(self.layers)) if free_kv(settings) else None
+        if self.kv_start is not None:
+            declare_compacted(self.attns[self.kv_start:])
         self.states = RequestStates()
         self.runner: Any = None
         self.metadata: StageMetadata | None = None
@@ -104,13 +109,21 @@ class StagedDecoder:
 
     def use_policy(self, policy: Policy) -> None:
         """Serve the requests that set no policy of their own with ``policy`` (the engine's comes from its
-        settings; the conformance tests switch it in-process between requests to run every policy on one engine)."""
+        settings; the conformance tests switch it in-process between requests to run every policy on one engine).
+        Where the engine frees KV memory its scheduler plans requests too, and must follow: it has to run in this
+        process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+        self._check_policy(policy)
+        if self.kv_start is not None and not follow_default(self.vllm_config, policy):
+            raise RuntimeError("macer: use_policy on an engine that frees KV memory (free_kv) needs the engine's "
+                               "scheduler in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): it sizes each request's "
+                               "compacted KV blocks from the same policy")
+        self.policies.use_default(policy)
+
+    def _check_policy(self, policy: Policy) -> None:
         policy.check_depth(len(self.layers))
         end_of_turn = (policy.end_of_turn_token_id if policy.end_of_turn_token_id is not None
                        else self.prompt.end_of_turn_token_id)
         check_policy(policy, end_of_turn)
-        self.policies.default = policy
-        self.policies._cache.clear()
 
     # ------------------------------------------------------------------------------------------- the runner
     def bind(self, runner: Any) -> None:
@@ -126,6 +139,7 @@ class StagedDecoder:
                                f"{missing or ['query_start_loc.np']}, which the MACER architectures read; they run "
                                "on vLLM's V1 model runner of the tested releases")
         self.runner = runner
+        check_groups(runner.kv_cache_config, self.names, self.kv_start)
         self.metadata = StageMetadata(runner, self.names)
         try:
             self.metadata.self_test(vllm.__version__)
@@ -178,7 +192,9 @@ class StagedDecoder:
             states.append(state)
         plan = plan_step(rows)
         metadata = {} if plan.plain else self.metadata.build(plan, common)
-        tails = self.metadata.tails(plan, [row.computed + row.query for row in rows])
+        seq_lens = [row.computed + row.query for row in rows]
+        self.metadata.check_owned(plan, seq_lens)
+        tails = self.metadata.tails(plan, seq_lens)
         step = PreparedStep(plan, states, fresh, query_start, metadata, tails)
         if self.on_step is not None:
             self.on_step(step, runner)

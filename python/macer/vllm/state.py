@@ -20,11 +20,11 @@ from macer.core.layout import RequestLayout, plan_layout, unpruned_layout
 from macer.core.policy import Policy, PromptFacts, plan_prefill
 from macer.core.prefill import PrefillState
 from macer.vllm import records
-from macer.vllm.checks import check_policy
 from macer.vllm.prompt import PromptLabels
 from macer.vllm.request_settings import RequestPolicies
+from macer.vllm.settings import policy_problems
 
-__all__ = ["RequestState", "RequestStates", "plan_request"]
+__all__ = ["RequestState", "RequestStates", "plan_request", "request_layout"]
 
 
 @dataclass
@@ -103,13 +103,15 @@ class RequestStates:
         return list(self._states)
 
 
-def plan_request(request_id: str, prompt_ids: list[int], temporal: torch.Tensor | None, extra_args: Any,
-                 policies: RequestPolicies, prompt: PromptLabels, num_layers: int, device: torch.device, *,
-                 whole: bool = True) -> RequestState:
-    """The state of a request at its first step, from host values: its prompt ids, its temporal row (None: the row
-    index), its per-request settings. A request the engine cannot prune (a setting refused here, a prompt the plan
-    refuses, ``whole=False``: its first step does not hold its whole prompt) is served unpruned, and its record says
-    why."""
+def request_layout(prompt_ids: list[int], temporal: torch.Tensor | None, extra_args: Any, policies: RequestPolicies,
+                   prompt: PromptLabels, num_layers: int, *, whole: bool = True) -> tuple[Policy, PromptFacts,
+                                                                                           RequestLayout]:
+    """A request's policy, host facts and layout, from its prompt ids, its temporal row (None: the row index; the
+    layout does not read it) and its per-request settings. The MACER worker plans every request with it, and the
+    scheduler of an engine that frees KV memory sizes the request's compacted blocks with it when the request
+    arrives (``macer.vllm.kv``): the same function of the same inputs, so the two agree. A request the engine cannot
+    prune (a setting refused here, a prompt the plan refuses, ``whole=False``: its first step does not hold its whole
+    prompt) gets ``unpruned_layout`` with a note saying why."""
     ids = torch.tensor(prompt_ids, dtype=torch.long)
     n = ids.numel()
     note = None
@@ -117,7 +119,9 @@ def plan_request(request_id: str, prompt_ids: list[int], temporal: torch.Tensor 
         policy = policies.for_request(extra_args)
         end_of_turn = (policy.end_of_turn_token_id if policy.end_of_turn_token_id is not None
                        else prompt.end_of_turn_token_id)
-        check_policy(policy, end_of_turn)
+        problems = policy_problems(policy, end_of_turn)
+        if problems:
+            raise ValueError("; ".join(problems))
     except ValueError as error:
         policy, end_of_turn, note = policies.default, prompt.end_of_turn_token_id, f"served without pruning: {error}"
     temporal = torch.arange(n) if temporal is None else temporal.reshape(-1)[:n].cpu()
@@ -127,13 +131,21 @@ def plan_request(request_id: str, prompt_ids: list[int], temporal: torch.Tensor 
         note = ("served without pruning: the scheduler split the prompt over several steps (an encoder budget cut "
                 "before a multimodal item); MACER needs the whole prompt in one step")
     if note is not None:
-        return RequestState(request_id, unpruned_layout(n, num_layers, note), policy, facts)
+        return policy, facts, unpruned_layout(n, num_layers, note)
     try:
-        layout = plan_layout(policy, facts)
-        prefill = PrefillState(plan_prefill(policy, facts), device) if layout.pruned else None
+        return policy, facts, plan_layout(policy, facts)
     except ValueError as refusal:
         # The prompt does not fit the policy (e.g. no end-of-turn token after the question): an error would stop the
         # engine, not just this request, so it is served unpruned, said in a WARNING record.
-        return RequestState(request_id, unpruned_layout(n, num_layers, f"served without pruning: {refusal}"),
-                            policy, facts)
+        return policy, facts, unpruned_layout(n, num_layers, f"served without pruning: {refusal}")
+
+
+def plan_request(request_id: str, prompt_ids: list[int], temporal: torch.Tensor | None, extra_args: Any,
+                 policies: RequestPolicies, prompt: PromptLabels, num_layers: int, device: torch.device, *,
+                 whole: bool = True) -> RequestState:
+    """The state of a request at its first step (``request_layout``), with the stages' device tables of a pruned
+    one."""
+    policy, facts, layout = request_layout(prompt_ids, temporal, extra_args, policies, prompt, num_layers,
+                                           whole=whole)
+    prefill = PrefillState(plan_prefill(policy, facts), device) if layout.pruned else None
     return RequestState(request_id, layout, policy, facts, prefill)
