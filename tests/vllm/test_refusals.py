@@ -157,7 +157,7 @@ def test_unknown_keys_are_a_valueerror_naming_the_settings_and_every_allowed_key
     (problem,) = refused({**LAYERS, **LABELS, "audio_token_id": [5]})
     assert problem.startswith('additional_config["macer"]: policy \'macer\' has no setting \'audio_token_id\' (did '
                               "you mean 'audio_token_ids'?); allowed: ['policy', 'keep_ratio'")
-    assert problem.endswith("'audio_token_ids', 'video_token_ids']")
+    assert problem.endswith("'audio_token_ids', 'video_token_ids', 'free_kv']")
     from macer.testing import thinker_config
 
     (problem,) = refused({"keep_ratio": 0.25, "keep_ration": 0.5}, OMNI_THINKER_ARCHITECTURE,
@@ -244,6 +244,9 @@ def engine(**changes):
     ({"model_config.hf_text_config": SimpleNamespace(layer_types=["full_attention", "sliding_attention"])},
      r"sliding-window attention layers \(layer_types \['sliding_attention'\]\) are not supported.*use_sliding_window"),
     ({"model_config.get_sliding_window": lambda: 4096}, r"sliding-window attention layers \(sliding_window=4096\)"),
+    ({"scheduler_config.disable_hybrid_kv_cache_manager": True},
+     r'freeing the dropped rows\' KV memory \(additional_config\["macer"\]\["free_kv"\], on by default\) needs '
+     r"vLLM's hybrid KV cache manager .*drop that flag, or set additional_config\[\"macer\"\]\[\"free_kv\"\] to false"),
 ])
 def test_engine_settings_refused_by_name(changes, message):
     """Guards the engine settings that killed the engine or silently skipped MACER (issue 28 item 4): prompt
@@ -251,6 +254,19 @@ def test_engine_settings_refused_by_name(changes, message):
     assert engine_problems(engine()) == []
     problems = engine_problems(engine(**changes))
     assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+def test_free_kv_is_a_bool_and_needs_the_hybrid_kv_cache_manager():
+    """``free_kv`` is an engine key beside the policy's fields: a bool (default true), refused otherwise by name;
+    off, vLLM's hybrid KV cache manager may be off too."""
+    policy, _ = policy_from_settings({**LAYERS, **LABELS, "free_kv": False}, qwen2_config(), LABELLED_ARCHITECTURE)
+    assert policy.keep_ratio == 0.25
+    assert refused({**LAYERS, **LABELS, "free_kv": "yes"}) == (
+        'additional_config["macer"]["free_kv"] must be true or false (free the KV cache blocks of the rows the stages '
+        "drop), got 'yes'",)
+    off = engine(**{"scheduler_config.disable_hybrid_kv_cache_manager": True,
+                    "additional_config": {"macer": {"free_kv": False}}})
+    assert engine_problems(off) == []
 
 
 def test_engine_settings_all_refused_at_once():

@@ -185,7 +185,7 @@ def engine_problems(vllm_config: Any) -> list[str]:
     if getattr(vllm_config, "lora_config", None) is not None:
         problems.append(f"{who}: LoRA is not supported (the LoRA layers map each of the step's N prompt rows to an "
                         "adapter, while the compacted layers run on the kept rows only): drop --enable-lora")
-    additional = vllm_config.additional_config
+    additional = getattr(vllm_config, "additional_config", None)
     settings = additional.get(SETTINGS_KEY) if isinstance(additional, Mapping) else None
     if free_kv(settings) and getattr(scheduler, "disable_hybrid_kv_cache_manager", None) is True:
         problems.append(f"{who}: freeing the dropped rows' KV memory ({WHERE}[\"free_kv\"], on by default) needs "

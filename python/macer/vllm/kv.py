@@ -45,6 +45,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from macer.core import kv_memory
 from macer.core.layout import RequestLayout
 from macer.core.policy import Policy
 
@@ -103,23 +104,20 @@ def register_kv() -> None:
 
 # ----------------------------------------------------------------------------------------- which layers
 def compacted_start(policy: Policy, num_layers: int) -> int | None:
-    """The first decoder layer (0-based) of the compacted KV cache groups: the engine policy's last stage, whose
-    dropped rows are gone from that layer on (``layers[l_v:]`` for MACER); None when the policy prunes nothing
-    (``full``) or its last stage is past the last layer. A stage before the first layer (the random rule) starts
-    them at layer 1: layer 0 stays in a full group, so a MACER engine always has one."""
+    """The first decoder layer (0-based) of the compacted KV cache groups, or None (nothing to compact: the ``full``
+    policy, a keep ratio of 1, a last stage past the last layer): at or after the engine policy's last stage, whose
+    dropped rows are gone from that layer on (``layers[l_v:]`` for MACER), where vLLM's grouping needs the fewest
+    pages (``macer.core.kv_memory.choose_start``). A stage before the first layer (the random rule) counts as layer
+    1: layer 0 stays in a full group."""
     layers = [spec.layer for spec in policy.stage_specs(1, 1)]
     if not layers:
         return None
-    start = max(max(layers), 1)
-    return start if start < num_layers else None
+    return kv_memory.choose_start(num_layers, max(layers), getattr(policy, "keep_ratio", 1.0))
 
 
 def compacted_drop(layout: RequestLayout, start: int | None) -> int:
-    """``D_r``: the prompt rows a request's compacted groups do not hold, the fewest it drops in any layer from
-    ``start`` on (a per-request policy may drop more in later layers; those use fewer of the same blocks)."""
-    if start is None or not layout.pruned:
-        return 0
-    return min(layout.drop(layer) for layer in range(start, len(layout.layer_tokens)))
+    """``D_r`` of a request (``macer.core.kv_memory.compacted_drop`` of its layout; 0 for an unpruned one)."""
+    return kv_memory.compacted_drop(layout.layer_tokens, start) if layout.pruned else 0
 
 
 def declare_compacted(attns: Sequence[Any]) -> None:

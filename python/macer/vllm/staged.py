@@ -39,7 +39,6 @@ from macer.core.policy import Policy
 from macer.core.steps import CHUNK, PREFILL, Row, StepPlan, plan_step, row_kind
 from macer.vllm.backend import StageMetadata, attention_modules, check_backends, readout, step_context, zero_tail
 from macer.vllm.checks import check_policy, refuse
-from macer.vllm.kv import check_groups, compacted_start, declare_compacted, follow_default
 from macer.vllm.prompt import PromptLabels
 from macer.vllm.request_settings import RequestPolicies
 from macer.vllm.settings import SETTINGS_KEY, free_kv
@@ -70,6 +69,26 @@ class PreparedStep:
     tails: dict[str, torch.Tensor]
 
 
+def _check_policy(policy: Policy, num_layers: int, prompt: PromptLabels) -> None:
+    policy.check_depth(num_layers)
+    end_of_turn = (policy.end_of_turn_token_id if policy.end_of_turn_token_id is not None
+                   else prompt.end_of_turn_token_id)
+    check_policy(policy, end_of_turn)
+
+
+def _compacted(attns: list[nn.Module], policy: Policy, settings: Any) -> int | None:
+    """The first layer whose KV cache groups hold only the kept rows (issue 29, ``macer.vllm.kv``), its layers made
+    to declare so; None where the engine does not free KV memory (``free_kv`` off, or nothing to compact)."""
+    if not free_kv(settings):
+        return None
+    from macer.vllm.kv import compacted_start, declare_compacted
+
+    start = compacted_start(policy, len(attns))
+    if start is not None:
+        declare_compacted(attns[start:])
+    return start
+
+
 class StagedDecoder:
     """Runs the layers of one vLLM ``Qwen2Model`` with each request's stages (module docstring).
 
@@ -91,12 +110,9 @@ class StagedDecoder:
         model_config = vllm_config.model_config
         check_backends(self.attns, model_config.architecture)
         settings = (vllm_config.additional_config or {}).get(SETTINGS_KEY)
-        self._check_policy(policy)
+        _check_policy(policy, len(self.layers), prompt)
         self.policies = RequestPolicies(settings, model_config.hf_config, model_config.architecture, policy)
-        # The layers from the engine policy's last stage on get KV cache groups of their own (issue 29, macer.vllm.kv).
-        self.kv_start = compacted_start(policy, len(self.layers)) if free_kv(settings) else None
-        if self.kv_start is not None:
-            declare_compacted(self.attns[self.kv_start:])
+        self.kv_start = _compacted(self.attns, policy, settings)
         self.states = RequestStates()
         self.runner: Any = None
         self.metadata: StageMetadata | None = None
@@ -112,18 +128,14 @@ class StagedDecoder:
         settings; the conformance tests switch it in-process between requests to run every policy on one engine).
         Where the engine frees KV memory its scheduler plans requests too, and must follow: it has to run in this
         process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-        self._check_policy(policy)
+        from macer.vllm.kv import follow_default
+
+        _check_policy(policy, len(self.layers), self.prompt)
         if self.kv_start is not None and not follow_default(self.vllm_config, policy):
             raise RuntimeError("macer: use_policy on an engine that frees KV memory (free_kv) needs the engine's "
                                "scheduler in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): it sizes each request's "
                                "compacted KV blocks from the same policy")
         self.policies.use_default(policy)
-
-    def _check_policy(self, policy: Policy) -> None:
-        policy.check_depth(len(self.layers))
-        end_of_turn = (policy.end_of_turn_token_id if policy.end_of_turn_token_id is not None
-                       else self.prompt.end_of_turn_token_id)
-        check_policy(policy, end_of_turn)
 
     # ------------------------------------------------------------------------------------------- the runner
     def bind(self, runner: Any) -> None:
@@ -138,6 +150,8 @@ class StagedDecoder:
             raise RuntimeError(f"macer: vLLM {vllm.__version__}'s model runner ({type(runner).__name__}) lacks "
                                f"{missing or ['query_start_loc.np']}, which the MACER architectures read; they run "
                                "on vLLM's V1 model runner of the tested releases")
+        from macer.vllm.kv import check_groups
+
         self.runner = runner
         check_groups(runner.kv_cache_config, self.names, self.kv_start)
         self.metadata = StageMetadata(runner, self.names)

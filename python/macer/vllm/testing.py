@@ -10,6 +10,11 @@ code, for the vLLM tests, the serving benchmark and the CPU recipe of docs/servi
   video block of distinct ids drawn from ``AUDIO_IDS`` / ``VIDEO_IDS``, the question, ``<|im_end|>`` and the
   assistant header. The same ids label the rows on both sides: ``label_ids`` gives the labels the engine computes
   from the token-id sets, for ``macer.LabelledAdapter`` on the transformers side.
+* ``drawn_clip_prompt(...)``: the same layout with audio/video ids drawn with replacement (a clip of any length,
+  for memory and throughput measurements: ids may repeat, so scores may tie).
+* ``admission(llm, prompts, params)``: every prompt submitted at once to an in-process engine; the most requests it
+  ran at once before its first preemption, and its throughput (the KV-memory test and ``benchmarks/bench_vllm.py
+  --admission``).
 * ``MACER_SETTINGS``: the ``additional_config["macer"]`` entries that name these ids for the engine.
 * ``python -m macer.vllm.testing DIR``: all of it in ``DIR`` (``write_demo``): ``checkpoint/``, ``tokenizer/``,
   ``additional_config.json`` and a chat request ``chat.json`` (docs/serving.md, "Try it on a CPU").
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +42,9 @@ __all__ = [
     "END_OF_TURN",
     "MACER_SETTINGS",
     "VIDEO_IDS",
+    "admission",
     "clip_prompt",
+    "drawn_clip_prompt",
     "label_ids",
     "main",
     "word",
@@ -124,6 +132,71 @@ def clip_prompt(*, n_audio: int = 24, n_video: int = 64, question: int = 8, seed
     head = [_IM_START, _SYSTEM, _NEWLINE, *text(4), END_OF_TURN, _NEWLINE, _IM_START, _USER, _NEWLINE]
     tail = [END_OF_TURN, _NEWLINE, _IM_START, _ASSISTANT, _NEWLINE]
     return head + draw(AUDIO_IDS, n_audio) + draw(VIDEO_IDS, n_video) + text(question) + tail
+
+
+def drawn_clip_prompt(*, n_audio: int, n_video: int, question: int, seed: int = 0) -> list[int]:
+    """``clip_prompt``'s layout with the audio/video ids drawn with replacement, so the blocks may be of any length."""
+    if min(n_audio, n_video) < 0 or question < 1:
+        raise ValueError(f"drawn_clip_prompt: n_audio and n_video must be >= 0 and question >= 1, got {n_audio}, "
+                         f"{n_video}, {question}")
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(ids: range, count: int) -> list[int]:
+        return [ids.start + int(i) for i in torch.randint(len(ids), (count,), generator=generator)]
+
+    head = [_IM_START, _SYSTEM, _NEWLINE, *draw(_TEXT_IDS, 4), END_OF_TURN, _NEWLINE, _IM_START, _USER, _NEWLINE]
+    tail = [END_OF_TURN, _NEWLINE, _IM_START, _ASSISTANT, _NEWLINE]
+    return head + draw(AUDIO_IDS, n_audio) + draw(VIDEO_IDS, n_video) + draw(_TEXT_IDS, question) + tail
+
+
+def admission(llm: Any, prompts: list[list[int]], params: Any, *, stop_at_preemption: bool = False) -> dict[str, Any]:
+    """Submit every prompt at once to ``llm`` (a ``vllm.LLM`` whose engine core runs in this process:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with sampling ``params`` and step the engine until every request finished
+    (with ``stop_at_preemption``: until vLLM first preempts one; the rest are then aborted). Returns:
+
+    * ``admitted``: the most requests running at once (after a ``schedule()``) before the first preemption;
+    * ``preempted``: how many preemptions there were; ``num_blocks``: the engine's KV cache blocks;
+    * ``finished``, ``output_tokens``, ``steps``, ``wall_s``: what completed, and how long it took.
+
+    It reads the engine core's scheduler (``llm.llm_engine.engine_core.engine_core.scheduler``, vLLM 0.32's
+    in-process engine) and counts its ``_preempt_request`` calls (private)."""
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    preempted: list[str] = []
+    peak = [0]
+    preempt, schedule = scheduler._preempt_request, scheduler.schedule
+
+    def counted(request: Any, *args: Any, **kwargs: Any) -> Any:
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        if not preempted:
+            peak[0] = max(peak[0], len(scheduler.running))
+        return out
+
+    scheduler._preempt_request, scheduler.schedule = counted, watched
+    names = [f"admission-{i}" for i in range(len(prompts))]
+    finished = tokens = steps = 0
+    start = time.perf_counter()
+    try:
+        for name, prompt in zip(names, prompts, strict=True):
+            engine.add_request(name, {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished += 1
+                    tokens += len(out.outputs[0].token_ids)
+            steps += 1
+            if preempted and stop_at_preemption:
+                engine.abort_request(names)
+                break
+    finally:
+        del scheduler._preempt_request, scheduler.schedule  # the class's methods again
+    return {"admitted": peak[0], "preempted": len(preempted),
+            "num_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks, "finished": finished,
+            "output_tokens": tokens, "steps": steps, "wall_s": time.perf_counter() - start}
 
 
 def label_ids(ids: list[int] | torch.Tensor) -> torch.Tensor:

