@@ -41,26 +41,31 @@ def test_the_designs_worked_numbers():
     0.25 on the 28-layer layout, 16 generated tokens: 756 / 360 pages at block 16, 392 / 195 at block 32."""
     tokens = _macer().layer_tokens(25, 128, 256, 28)
     assert tokens[0] == 409 and tokens[5] == 121
-    assert (vanilla_pages(409, 28, 16, 16), request_pages(tokens, 16, 16, 5)) == (756, 360)
-    assert (vanilla_pages(409, 28, 16, 32), request_pages(tokens, 16, 32, 5)) == (392, 195)
-    assert request_blocks(tokens, 16, 32, 5) == [14, 5, 5, 5, 5, 5]
+    assert (vanilla_pages(409, 28, 16, 16), request_pages(409, tokens, 16, 16, 5)) == (756, 360)
+    assert (vanilla_pages(409, 28, 16, 32), request_pages(409, tokens, 16, 32, 5)) == (392, 195)
+    assert request_blocks(409, tokens, 16, 32, 5) == [14, 5, 5, 5, 5, 5]
 
 
 def test_a_request_that_drops_nothing_holds_vllms_count_in_every_group():
     unpruned = [300] * 28
-    assert compacted_drop(unpruned, 5) == 0
-    assert request_blocks(unpruned, 7, 32, 5) == [10] * 6
+    assert compacted_drop(300, unpruned, 5) == 0
+    assert request_blocks(300, unpruned, 7, 32, 5) == [10] * 6
     # In pages the padding slots cost: 6 groups x 5 slots against 28 layers.
-    assert request_pages(unpruned, 7, 32, 5) * 28 == vanilla_pages(300, 28, 7, 32) * 30
-    assert request_pages([300] * 36, 7, 32, 9) == vanilla_pages(300, 36, 7, 32)  # 3B from layer 9: no padding
+    assert request_pages(300, unpruned, 7, 32, 5) * 28 == vanilla_pages(300, 28, 7, 32) * 30
+    assert request_pages(300, [300] * 36, 7, 32, 9) == vanilla_pages(300, 36, 7, 32)  # 3B from layer 9: no padding
 
 
 def test_compacted_drop_is_the_fewest_dropped_from_the_start_on():
-    assert compacted_drop([100, 100, 80, 80, 40, 40], 2) == 20  # a later stage drops more: those layers use less
-    assert compacted_drop([100, 100, 80, 80, 40, 40], 4) == 60
-    assert compacted_drop([100] * 6, None) == 0
+    assert compacted_drop(100, [100, 100, 80, 80, 40, 40], 2) == 20  # a later stage drops more: those layers use less
+    assert compacted_drop(100, [100, 100, 80, 80, 40, 40], 4) == 60
+    assert compacted_drop(100, [100] * 6, None) == 0
+    # A stage before the first layer (the random rule): every layer holds fewer rows than the prompt.
+    assert compacted_drop(100, [70] * 6, 4) == 30
+    assert request_blocks(100, [70] * 6, 0, 10, 4) == [10, 10, 7]
+    with pytest.raises(ValueError, match=r"layer_tokens must be <= prompt_len \(100\), got 120"):
+        compacted_drop(100, [120] * 6, 4)
     with pytest.raises(ValueError, match=r"start must be a layer index in \[0, 5\], got 6"):
-        compacted_drop([100] * 6, 6)
+        compacted_drop(100, [100] * 6, 6)
 
 
 def test_the_first_compacted_layer():
@@ -88,6 +93,6 @@ def test_the_first_compacted_layer():
 
 def test_bad_sizes_are_refused_by_name():
     with pytest.raises(ValueError, match="block_size must be >= 1 and generated >= 0"):
-        request_blocks([10] * 6, -1, 32, 4)
+        request_blocks(10, [10] * 6, -1, 32, 4)
     with pytest.raises(ValueError, match="num_layers must be >= 1"):
         kv_groups(0, None)

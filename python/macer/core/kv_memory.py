@@ -25,15 +25,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def compacted_drop(layer_tokens: Sequence[int], start: int | None) -> int:
+def compacted_drop(prompt_len: int, layer_tokens: Sequence[int], start: int | None) -> int:
     """``D``: the prompt rows a request's compacted KV cache groups do not hold, the fewest its stages have dropped in
-    any layer from ``start`` on (``layer_tokens[0]`` is the prompt's length; a request that drops more in later layers
-    uses fewer of the same blocks there). 0 when ``start`` is None (nothing compacted)."""
+    any layer from ``start`` on (``layer_tokens``: the prompt rows entering each decoder layer, which for a stage
+    before the first layer, the random rule's, is fewer than ``prompt_len`` from layer 0 on; a request that drops more
+    in later layers uses fewer of the same blocks there). 0 when ``start`` is None (nothing compacted)."""
     if start is None:
         return 0
     if not 0 <= start < len(layer_tokens):
         raise ValueError(f"compacted_drop: start must be a layer index in [0, {len(layer_tokens) - 1}], got {start}")
-    return layer_tokens[0] - max(layer_tokens[start:])
+    if max(layer_tokens) > prompt_len:
+        raise ValueError(f"compacted_drop: layer_tokens must be <= prompt_len ({prompt_len}), got {max(layer_tokens)}")
+    return prompt_len - max(layer_tokens[start:])
 
 
 def kv_groups(num_layers: int, start: int | None) -> list[list[int]]:
@@ -55,22 +58,24 @@ def kv_groups(num_layers: int, start: int | None) -> list[list[int]]:
     return groups
 
 
-def request_blocks(layer_tokens: Sequence[int], generated: int, block_size: int, start: int | None) -> list[int]:
-    """Blocks a request holds in each KV cache group (``kv_groups`` order) after its prompt of ``layer_tokens[0]``
-    tokens and ``generated`` more."""
+def request_blocks(prompt_len: int, layer_tokens: Sequence[int], generated: int, block_size: int,
+                   start: int | None) -> list[int]:
+    """Blocks a request holds in each KV cache group (``kv_groups`` order) after its prompt of ``prompt_len`` tokens
+    (``layer_tokens`` of them entering each layer) and ``generated`` more."""
     if block_size < 1 or generated < 0:
         raise ValueError(f"request_blocks: block_size must be >= 1 and generated >= 0, got {block_size}, {generated}")
-    tokens = layer_tokens[0] + generated
-    drop = compacted_drop(layer_tokens, start)
+    tokens = prompt_len + generated
+    drop = compacted_drop(prompt_len, layer_tokens, start)
     return [_cdiv(tokens - (drop if start is not None and layers[0] >= start else 0), block_size)
             for layers in kv_groups(len(layer_tokens), start)]
 
 
-def request_pages(layer_tokens: Sequence[int], generated: int, block_size: int, start: int | None) -> int:
+def request_pages(prompt_len: int, layer_tokens: Sequence[int], generated: int, block_size: int,
+                  start: int | None) -> int:
     """Pages (one layer's K and V for ``block_size`` tokens) a request's blocks span: its blocks in every group times
     the layer slots of a group, padding included."""
     size = max(len(layers) for layers in kv_groups(len(layer_tokens), start))
-    return size * sum(request_blocks(layer_tokens, generated, block_size, start))
+    return size * sum(request_blocks(prompt_len, layer_tokens, generated, block_size, start))
 
 
 def vanilla_pages(prompt_len: int, num_layers: int, generated: int, block_size: int) -> int:

@@ -117,7 +117,7 @@ def compacted_start(policy: Policy, num_layers: int) -> int | None:
 
 def compacted_drop(layout: RequestLayout, start: int | None) -> int:
     """``D_r`` of a request (``macer.core.kv_memory.compacted_drop`` of its layout; 0 for an unpruned one)."""
-    return kv_memory.compacted_drop(layout.layer_tokens, start) if layout.pruned else 0
+    return kv_memory.compacted_drop(layout.prompt_len, layout.layer_tokens, start) if layout.pruned else 0
 
 
 def declare_compacted(attns: Sequence[Any]) -> None:
