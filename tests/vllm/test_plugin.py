@@ -111,7 +111,7 @@ def test_bad_values_give_make_policys_errors(settings):
     ({"policy": "full", **LABELS}, OMNI_THINKER_ARCHITECTURE, r"are settings of MacerQwen2ForCausalLM"),
     ({"policy": "random", "keep_ratio": 0.5, "end_of_turn_token_id": 2, **LABELS}, LABELLED_ARCHITECTURE,
      r"policy 'random' has no setting 'end_of_turn_token_id'; allowed: \['policy', 'keep_ratio', 'seed', "
-     r"'audio_token_ids', 'video_token_ids'\]"),
+     r"'audio_token_ids', 'video_token_ids', 'free_kv'\]"),
     ({"keep_ratio": 0.5, "audio_layer": 2, "video_layer": 3, "end_of_turn_token_id": 600, **LABELS},
      LABELLED_ARCHITECTURE, r"end_of_turn_token_id\"\]=600 is outside this model's vocabulary \(vocab_size=512\)"),
 ])
