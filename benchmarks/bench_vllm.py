@@ -33,6 +33,14 @@ host time of its per-step plan (``prepare_ms_per_step``: reading the step's requ
 metadata) and of planning new requests (``plan_ms_per_request``); ``speedup_req`` and ``cpu_speedup_req`` against
 ``vllm`` at the same point. Results: ``bench_vllm_<mode>_sweep.{csv,json}``.
 
+``--admission`` (issue 29) measures what freeing the dropped rows' KV memory buys: per provider (``vllm``, ``full``,
+``macer`` at keep 0.25 and ``macer_0.1``) one engine with a fixed KV cache (``kv_cache_memory_bytes``, the same
+bytes for every provider) on the 7B thinker's layer layout (28 layers, stages after 3 and 5), every request a long
+clip, all submitted at once and served to the end (``macer.vllm.testing.admission``). Per provider: ``admitted``,
+the most requests running at once before vLLM's first preemption, beside ``predicted_admitted`` from the formula
+(``macer.core.kv_memory``: usable blocks over the blocks one clip holds at its prefill); ``preempted``; ``req_s`` and
+``tok_s``; ``admitted_vs_vllm`` and ``req_s_vs_vllm``. Results: ``bench_vllm_<mode>_admission.{csv,json}``.
+
 The GPU mode uses the Qwen2.5-Omni-7B thinker's text shape (28 layers, hidden 3584, GQA 28/4, head 128) in bf16
 with random weights written in code and the paper's clip counts (1460 audio + 864 video tokens); it has not run
 (no GPU here had vLLM installed). Results go to ``benchmarks/results/bench_vllm_<mode>.{csv,json}`` with the
@@ -73,28 +81,36 @@ SWEEP = {
 }
 
 
+ADMISSION_PROVIDERS = ("vllm", "full", "macer", "macer_0.1")
+ADMISSION = {
+    # The Qwen2.5-Omni-7B thinker's layer layout (28 layers; MACER's stages after layers 3 and 5), narrow enough for
+    # 2 CPU cores; an 825-token clip; a KV cache of about 6 such clips in vLLM's own model.
+    "cpu": {"checkpoint": {"num_layers": 28, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 2,
+                           "intermediate_size": 512, "vocab_size": 512},
+            "clip": {"n_audio": 200, "n_video": 600, "question": 8}, "kv_cache_mib": 150, "requests": 40,
+            "answer_tokens": 32, "max_model_len": 1024, "batched_tokens": 16384, "max_num_seqs": 64},
+    # The 7B thinker's shape in bf16 and the paper's clip (2348 tokens); 4 GiB of KV cache, about 30 such clips.
+    "gpu": {"checkpoint": MODES["gpu"]["checkpoint"], "clip": MODES["gpu"]["clip"], "kv_cache_mib": 4096,
+            "requests": 192, "answer_tokens": 64, "max_model_len": 4096, "batched_tokens": 65536,
+            "max_num_seqs": 256},
+}
+
+
 def prompt_ids(n_audio: int, n_video: int, question: int, seed: int = 0) -> list[int]:
     """The ``macer.vllm.testing.clip_prompt`` layout with ids drawn with replacement (any block length)."""
-    import torch
-    from macer.vllm.testing import AUDIO_IDS, END_OF_TURN, VIDEO_IDS
+    from macer.vllm.testing import drawn_clip_prompt
 
-    generator = torch.Generator().manual_seed(seed)
-
-    def draw(ids: range, count: int) -> list[int]:
-        return [ids.start + int(i) for i in torch.randint(len(ids), (count,), generator=generator)]
-
-    head = [1, 11, 10, *draw(range(16, 100), 4), END_OF_TURN, 10, 1, 12, 10]
-    tail = [END_OF_TURN, 10, 1, 13, 10]
-    return head + draw(AUDIO_IDS, n_audio) + draw(VIDEO_IDS, n_video) + draw(range(16, 100), question) + tail
+    return drawn_clip_prompt(n_audio=n_audio, n_video=n_video, question=question, seed=seed)
 
 
-def write_checkpoint(directory: Path, mode: str) -> Path:
-    """The random checkpoint of ``mode`` (CPU: ``macer.vllm.testing.write_checkpoint``; GPU: built on the GPU in
-    bf16, the 7B shape would take minutes and 30 GB in fp32 on the host)."""
+def write_checkpoint(directory: Path, mode: str, spec: dict | None = None) -> Path:
+    """The random checkpoint of ``mode`` (``spec``: its shape, default ``MODES[mode]``'s; CPU:
+    ``macer.vllm.testing.write_checkpoint``; GPU: built on the GPU in bf16, the 7B shape would take minutes and 30 GB
+    in fp32 on the host)."""
     import torch
     from macer.vllm import testing
 
-    spec = MODES[mode]["checkpoint"]
+    spec = spec or MODES[mode]["checkpoint"]
     if mode == "cpu":
         return testing.write_checkpoint(directory, **spec)
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -131,9 +147,15 @@ def _engine_args(checkpoint: str, provider: str, mode: str) -> dict:
     if provider == "vllm":
         engine["hf_overrides"] = {"architectures": ["Qwen2ForCausalLM"]}
     else:
-        settings = {"policy": "full"} if provider == "full" else dict(MACER)
-        engine["additional_config"] = {"macer": {**settings, **labels}}
+        engine["additional_config"] = {"macer": {**_settings(provider), **labels}}
     return engine
+
+
+def _settings(provider: str) -> dict:
+    """The plugin's settings of a provider (``macer_0.1``: MACER at keep ratio 0.1)."""
+    if provider == "full":
+        return {"policy": "full"}
+    return {**MACER, "keep_ratio": 0.1} if provider == "macer_0.1" else dict(MACER)
 
 
 def run_provider(checkpoint: str, provider: str, mode: str) -> dict:
@@ -271,6 +293,46 @@ def run_sweep(checkpoint: str, provider: str, mode: str) -> list[dict]:
     return rows
 
 
+def run_admission(checkpoint: str, provider: str, mode: str, block_size: int | None = None) -> dict:
+    """The admission measurement of one provider in this process (``--admission``; one engine, then exit): every
+    request submitted at once to an engine with a fixed KV cache (``kv_cache_memory_bytes``), served to the end."""
+    from macer.core.kv_memory import choose_start, request_blocks
+    from macer.core.policies import make_policy
+    from macer.vllm.testing import admission
+    from vllm import LLM, SamplingParams
+
+    spec = ADMISSION[mode]
+    engine = _engine_args(checkpoint, provider, mode)
+    engine.update(max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["batched_tokens"],
+                  max_num_seqs=spec["max_num_seqs"], kv_cache_memory_bytes=spec["kv_cache_mib"] << 20)
+    if block_size is not None:
+        engine["block_size"] = block_size
+    llm = LLM(**engine)
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    prompts = [prompt_ids(**spec["clip"], seed=i) for i in range(spec["requests"])]
+    params = SamplingParams(max_tokens=spec["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    admission(llm, prompts[:2], params)  # warm-up
+    run = admission(llm, prompts, params)
+    # The prediction from the formula (macer.core.kv_memory): vLLM's usable blocks (all but the null block) over the
+    # blocks one clip holds at its prefill, summed over the KV cache groups.
+    n, clip = len(prompts[0]), spec["clip"]
+    blocks = -(-n // block)
+    keep = None
+    if provider.startswith("macer"):
+        settings = _settings(provider)
+        keep = settings["keep_ratio"]
+        policy = make_policy("macer", **{k: v for k, v in settings.items() if k != "policy"})
+        layers = spec["checkpoint"]["num_layers"]
+        tokens = policy.layer_tokens(n - clip["n_audio"] - clip["n_video"], clip["n_audio"], clip["n_video"], layers)
+        blocks = sum(request_blocks(n, tokens, 0, block, choose_start(layers, settings["video_layer"], keep)))
+    return {"provider": provider, "keep_ratio": keep, "kv_cache_mib": spec["kv_cache_mib"],
+            "num_blocks": run["num_blocks"], "block_size": block, "prompt_tokens": n, "blocks_per_request": blocks,
+            "predicted_admitted": (run["num_blocks"] - 1) // blocks, "admitted": run["admitted"],
+            "preempted": run["preempted"], "requests": len(prompts), "finished": run["finished"],
+            "answer_tokens": spec["answer_tokens"], "steps": run["steps"], "wall_s": run["wall_s"],
+            "req_s": run["finished"] / run["wall_s"], "tok_s": run["output_tokens"] / run["wall_s"]}
+
+
 def _machine() -> dict:
     info: dict = {"cpus": os.cpu_count(), "load_average_at_start": list(os.getloadavg())}
     try:
@@ -285,17 +347,29 @@ def _machine() -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--mode", choices=sorted(MODES), default="cpu")
-    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--providers", nargs="+", choices=ADMISSION_PROVIDERS, default=None,
+                        help=f"default: {' '.join(PROVIDERS)} ({' '.join(ADMISSION_PROVIDERS)} with --admission)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    parser.add_argument("--sweep", action="store_true", help="the concurrency sweep (1, 4, 8, 16 requests in flight)")
-    parser.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)  # internal: one engine, then exit
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--sweep", action="store_true", help="the concurrency sweep (1, 4, 8, 16 requests in flight)")
+    which.add_argument("--admission", action="store_true",
+                        help="the most concurrent long clips in a fixed KV cache, and their throughput (issue 29)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="--admission: the KV cache block size (default: vLLM's for the platform, 128 on CPU)")
+    # internal: one engine, then exit
+    parser.add_argument("--provider", choices=ADMISSION_PROVIDERS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.block_size is not None and (not args.admission or args.block_size < 1):
+        parser.error(f"--block-size must be a positive integer and goes with --admission, got {args.block_size}")
     if args.provider:
         # A file, not stdout: vLLM logs to stdout.
-        run = run_sweep if args.sweep else run_provider
-        args.result.write_text(json.dumps(run(args.checkpoint, args.provider, args.mode)))
+        if args.admission:
+            got = run_admission(args.checkpoint, args.provider, args.mode, args.block_size)
+        else:
+            got = (run_sweep if args.sweep else run_provider)(args.checkpoint, args.provider, args.mode)
+        args.result.write_text(json.dumps(got))
         return
 
     import torch
@@ -309,10 +383,14 @@ def main(argv: list[str] | None = None) -> None:
             "mode": args.mode, **{k: v for k, v in MODES[args.mode].items()}, "macer": MACER}
     if args.sweep:
         meta["sweep"] = {"concurrency": SWEEP["concurrency"], **SWEEP[args.mode]}
+    if args.admission:
+        meta["admission"] = ADMISSION[args.mode]
+    providers = args.providers or list(ADMISSION_PROVIDERS if args.admission else PROVIDERS)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = write_checkpoint(Path(tmp) / "ckpt", args.mode)
-        for provider in args.providers:
+        checkpoint = write_checkpoint(Path(tmp) / "ckpt", args.mode,
+                                      ADMISSION[args.mode]["checkpoint"] if args.admission else None)
+        for provider in providers:
             print(f"bench_vllm: {provider} ...", file=sys.stderr, flush=True)
             result = Path(tmp) / f"{provider}.json"
             # Every provider on the V1 model runner, the one the plugin supports (vLLM's GPU default is V2), with
@@ -320,12 +398,25 @@ def main(argv: list[str] | None = None) -> None:
             env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
             done = subprocess.run([sys.executable, "-m", "benchmarks.bench_vllm", "--mode", args.mode, "--provider",
                                    provider, "--checkpoint", str(checkpoint), "--result", str(result),
-                                   *(["--sweep"] if args.sweep else [])], capture_output=True, text=True, env=env)
+                                   *(["--sweep"] if args.sweep else []),
+                                   *(["--admission"] if args.admission else []),
+                                   *(["--block-size", str(args.block_size)] if args.block_size else [])],
+                                  capture_output=True, text=True, env=env)
             if done.returncode:
                 raise SystemExit(f"bench_vllm: the {provider} engine failed:\n{(done.stdout + done.stderr)[-4000:]}")
             got = json.loads(result.read_text())
             rows.extend(got if args.sweep else [got])
     meta["load_average_at_end"] = list(os.getloadavg())
+    if args.admission:
+        base = next((r for r in rows if r["provider"] == "vllm"), None)
+        for row in rows:
+            row["admitted_vs_vllm"] = row["admitted"] / base["admitted"] if base else None
+            row["req_s_vs_vllm"] = row["req_s"] / base["req_s"] if base else None
+        print_table(rows)
+        name = f"bench_vllm_{args.mode}_admission" + (f"_block{args.block_size}" if args.block_size else "")
+        for path in write_results(name, rows, meta, args.out):
+            print(f"wrote {path}")
+        return
     if args.sweep:
         _sweep_speedups(rows)
         print_table(rows)

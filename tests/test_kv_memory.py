@@ -6,7 +6,6 @@ own function and the block counts against a running engine."""
 from __future__ import annotations
 
 import pytest
-
 from macer.core.kv_memory import (
     choose_start,
     compacted_drop,

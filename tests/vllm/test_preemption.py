@@ -2,7 +2,8 @@
 preempt running requests and bring them back as one whole-sequence step of prompt + generated tokens. The request's
 state (its layout from the prompt alone, and the rows its stages kept) survives the preemption, so the recompute
 re-applies the same keeps to the prompt rows and keeps every generated row: each request produces exactly the tokens
-and kept rows it gets alone, and is recorded once."""
+and kept rows it gets alone, and is recorded once. The engine frees the dropped rows' KV memory (``free_kv``, the
+default; issue 29 item 2d): the recompute's compacted layers hold only the kept rows in their own KV cache group."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def engine(tiny_checkpoint):
 
 
 def test_preempted_requests_are_recomputed_with_their_own_rows(engine):
+    assert engine.model.macer.kv_start == 4  # freeing the dropped rows' KV memory (issue 29 item 2d): layers 4-5
     alone = [generate(engine, [(prompt, None)], max_tokens=TOKENS)[0] for prompt in PROMPTS]
     records.clear()
     together = generate(engine, [(prompt, None) for prompt in PROMPTS], max_tokens=TOKENS)
