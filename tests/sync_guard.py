@@ -79,6 +79,34 @@ def counting(name: str, original, window: list[int], found: list, skip: str):
     return wrapped
 
 
+def count_engine_reads(monkeypatch, macer, skip: str) -> list[tuple[str, str]]:
+    """Count the model layer's host reads inside a vLLM engine's staged decoder ``macer``: ``READ_METHODS`` of
+    ``torch.Tensor`` are counted (``counting``) while its step plan and metadata (``prepare``) or its forward run,
+    except inside a request's planning (``plan``: its host prompt ids may be read). Returns the list the reads are
+    appended to, as ``(method, module:line)``; ``skip`` is the calling test's ``__name__``."""
+    found: list[tuple[str, str]] = []
+    window = [0]
+
+    def windowed(method, delta):
+        @functools.wraps(method)
+        def wrapped(*args, **kwargs):
+            window[0] += delta
+            try:
+                return method(*args, **kwargs)
+            finally:
+                window[0] -= delta
+
+        return wrapped
+
+    for name in READ_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, counting(f"Tensor.{name}", getattr(torch.Tensor, name), window, found,
+                                                         skip))
+    monkeypatch.setattr(macer, "prepare", windowed(macer.prepare, 1))
+    monkeypatch.setattr(macer, "forward", windowed(macer.forward, 1))
+    monkeypatch.setattr(macer, "plan", windowed(macer.plan, -1))
+    return found
+
+
 def _is_cpu(device) -> bool:
     return isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu"
 

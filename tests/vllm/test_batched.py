@@ -21,7 +21,7 @@ pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .
 from macer.vllm import records  # noqa: E402
 from macer.vllm.request_settings import request_overrides, request_policy  # noqa: E402
 from macer.vllm.testing import ARCHITECTURE, clip_prompt  # noqa: E402
-from sync_guard import READ_METHODS, counting  # noqa: E402
+from sync_guard import count_engine_reads  # noqa: E402
 from vllm_cases import STEPS, generate, generate_staggered, hf_run, kv_pages, tail_is_zero  # noqa: E402
 
 NAN_ID = 509  # a text id only the NaN request's prompt holds; its embedding row is made NaN
@@ -187,26 +187,7 @@ def test_no_host_reads_in_mixed_and_decode_only_steps(engine, monkeypatch):
     """Guards the hot-path rule in a batch: the step's plan and metadata (``prepare``) and the forward read no tensor
     back on the host from macer's code, in steps that mix prefills and decodes and in decode-only steps (only a
     request's planning from its host prompt ids may)."""
-    macer = engine.model.macer
-    found: list[tuple[str, str]] = []
-    window = [0]
-
-    def windowed(method, delta):
-        def wrapped(*args, **kwargs):
-            window[0] += delta
-            try:
-                return method(*args, **kwargs)
-            finally:
-                window[0] -= delta
-
-        return wrapped
-
-    for name in READ_METHODS:
-        monkeypatch.setattr(torch.Tensor, name,
-                            counting(f"Tensor.{name}", getattr(torch.Tensor, name), window, found, __name__))
-    monkeypatch.setattr(macer, "prepare", windowed(macer.prepare, 1))
-    monkeypatch.setattr(macer, "forward", windowed(macer.forward, 1))
-    monkeypatch.setattr(macer, "plan", windowed(macer.plan, -1))
+    found = count_engine_reads(monkeypatch, engine.model.macer, __name__)
     generate_staggered(engine, [(prompt, extra) for name, prompt, extra in REQUESTS[:6]], every=3, per=2)
     kinds = [step["kinds"] for step in engine.steps]
     assert any("prefill" in k and "decode" in k for k in kinds) and any(set(k) == {"decode"} for k in kinds)

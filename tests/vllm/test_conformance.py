@@ -26,7 +26,7 @@ pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .
 from macer.vllm import records  # noqa: E402
 from macer.vllm.settings import policy_from_settings  # noqa: E402
 from macer.vllm.testing import ARCHITECTURE, MACER_SETTINGS, clip_prompt  # noqa: E402
-from sync_guard import READ_METHODS, counting  # noqa: E402
+from sync_guard import count_engine_reads  # noqa: E402
 from vllm_cases import STEPS, generate, hf_run, kv_pages, macer_log, tail_is_zero  # noqa: E402
 
 LAYERS = {"audio_layer": 2, "video_layer": 4}
@@ -172,26 +172,7 @@ def test_no_host_reads_in_stages_or_decode_steps(engine, prompt, monkeypatch):
     readouts, selections, gathers) read no tensor back on the host from macer's code (a GPU synchronisation each),
     in the prefill step and every decode step; only a request's planning (``plan``: its host prompt ids) may. On CPU
     nothing synchronises, so the calls that would are counted."""
-    macer = engine.model.macer
-    found: list[tuple[str, str]] = []
-    window = [0]
-
-    def windowed(method, delta):
-        def wrapped(*args, **kwargs):
-            window[0] += delta
-            try:
-                return method(*args, **kwargs)
-            finally:
-                window[0] -= delta
-
-        return wrapped
-
-    for name in READ_METHODS:
-        monkeypatch.setattr(torch.Tensor, name,
-                            counting(f"Tensor.{name}", getattr(torch.Tensor, name), window, found, __name__))
-    monkeypatch.setattr(macer, "prepare", windowed(macer.prepare, 1))
-    monkeypatch.setattr(macer, "forward", windowed(macer.forward, 1))
-    monkeypatch.setattr(macer, "plan", windowed(macer.plan, -1))
+    found = count_engine_reads(monkeypatch, engine.model.macer, __name__)
     served = generate(engine, [(prompt, None)])[0]
     assert served.record.layer_tokens[-1] < len(prompt) and len(engine.steps) == STEPS
     assert found == []
