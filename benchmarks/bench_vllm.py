@@ -380,7 +380,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "gpu" and not torch.cuda.is_available():
         raise SystemExit("bench_vllm --mode gpu needs a CUDA GPU (and vLLM built for it)")
     meta = {**environment("cuda" if args.mode == "gpu" else "cpu"), **_machine(), "vllm": vllm.__version__,
-            "mode": args.mode, **{k: v for k, v in MODES[args.mode].items()}, "macer": MACER}
+            "mode": args.mode, "macer": MACER}
+    if not args.admission:  # the admission run has a checkpoint and clip of its own (meta["admission"])
+        meta.update(MODES[args.mode])
     if args.sweep:
         meta["sweep"] = {"concurrency": SWEEP["concurrency"], **SWEEP[args.mode]}
     if args.admission:
