@@ -34,7 +34,7 @@ metadata) and of planning new requests (``plan_ms_per_request``); ``speedup_req`
 ``vllm`` at the same point. Results: ``bench_vllm_<mode>_sweep.{csv,json}``.
 
 ``--admission`` (issue 29) measures what freeing the dropped rows' KV memory buys: per provider (``vllm``, ``full``,
-``macer`` at keep 0.25 and ``macer_0.1``) one engine with a fixed KV cache (``kv_cache_memory_bytes``, the same
+``macer_kept_kv``: MACER at keep 0.25 with ``free_kv`` off, ``macer`` at keep 0.25 and ``macer_0.1``) one engine with a fixed KV cache (``kv_cache_memory_bytes``, the same
 bytes for every provider) on the 7B thinker's layer layout (28 layers, stages after 3 and 5), every request a long
 clip, all submitted at once and served to the end (``macer.vllm.testing.admission``). Per provider: ``admitted``,
 the most requests running at once before vLLM's first preemption, beside ``predicted_admitted`` from the formula
@@ -81,7 +81,7 @@ SWEEP = {
 }
 
 
-ADMISSION_PROVIDERS = ("vllm", "full", "macer", "macer_0.1")
+ADMISSION_PROVIDERS = ("vllm", "full", "macer_kept_kv", "macer", "macer_0.1")
 ADMISSION = {
     # The Qwen2.5-Omni-7B thinker's layer layout (28 layers; MACER's stages after layers 3 and 5), narrow enough for
     # 2 CPU cores; an 825-token clip; a KV cache of about 6 such clips in vLLM's own model.
@@ -152,9 +152,12 @@ def _engine_args(checkpoint: str, provider: str, mode: str) -> dict:
 
 
 def _settings(provider: str) -> dict:
-    """The plugin's settings of a provider (``macer_0.1``: MACER at keep ratio 0.1)."""
+    """The plugin's settings of a provider (``macer_0.1``: MACER at keep ratio 0.1; ``macer_kept_kv``: MACER with
+    ``free_kv`` off, every layer holding the whole prompt's blocks, as before issue 29)."""
     if provider == "full":
         return {"policy": "full"}
+    if provider == "macer_kept_kv":
+        return {**MACER, "free_kv": False}
     return {**MACER, "keep_ratio": 0.1} if provider == "macer_0.1" else dict(MACER)
 
 
@@ -317,15 +320,15 @@ def run_admission(checkpoint: str, provider: str, mode: str, block_size: int | N
     # blocks one clip holds at its prefill, summed over the KV cache groups.
     n, clip = len(prompts[0]), spec["clip"]
     blocks = -(-n // block)
-    keep = None
-    if provider.startswith("macer"):
-        settings = _settings(provider)
-        keep = settings["keep_ratio"]
-        policy = make_policy("macer", **{k: v for k, v in settings.items() if k != "policy"})
+    settings = _settings(provider)
+    keep = settings.get("keep_ratio")
+    if provider.startswith("macer") and settings.get("free_kv", True):
+        policy = make_policy("macer", **{k: v for k, v in settings.items() if k not in ("policy", "free_kv")})
         layers = spec["checkpoint"]["num_layers"]
         tokens = policy.layer_tokens(n - clip["n_audio"] - clip["n_video"], clip["n_audio"], clip["n_video"], layers)
         blocks = sum(request_blocks(n, tokens, 0, block, choose_start(layers, settings["video_layer"], keep)))
-    return {"provider": provider, "keep_ratio": keep, "kv_cache_mib": spec["kv_cache_mib"],
+    return {"provider": provider, "keep_ratio": keep, "free_kv": settings.get("free_kv", provider != "vllm"),
+            "kv_cache_mib": spec["kv_cache_mib"],
             "num_blocks": run["num_blocks"], "block_size": block, "prompt_tokens": n, "blocks_per_request": blocks,
             "predicted_admitted": (run["num_blocks"] - 1) // blocks, "admitted": run["admitted"],
             "preempted": run["preempted"], "requests": len(prompts), "finished": run["finished"],
