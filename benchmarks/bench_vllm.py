@@ -34,12 +34,13 @@ metadata) and of planning new requests (``plan_ms_per_request``); ``speedup_req`
 ``vllm`` at the same point. Results: ``bench_vllm_<mode>_sweep.{csv,json}``.
 
 ``--admission`` (issue 29) measures what freeing the dropped rows' KV memory buys: per provider (``vllm``, ``full``,
-``macer_kept_kv``: MACER at keep 0.25 with ``free_kv`` off, ``macer`` at keep 0.25 and ``macer_0.1``) one engine with a fixed KV cache (``kv_cache_memory_bytes``, the same
-bytes for every provider) on the 7B thinker's layer layout (28 layers, stages after 3 and 5), every request a long
-clip, all submitted at once and served to the end (``macer.vllm.testing.admission``). Per provider: ``admitted``,
-the most requests running at once before vLLM's first preemption, beside ``predicted_admitted`` from the formula
-(``macer.core.kv_memory``: usable blocks over the blocks one clip holds at its prefill); ``preempted``; ``req_s`` and
-``tok_s``; ``admitted_vs_vllm`` and ``req_s_vs_vllm``. Results: ``bench_vllm_<mode>_admission.{csv,json}``.
+``macer_kept_kv``: MACER at keep 0.25 with ``free_kv`` off, ``macer`` at keep 0.25 and ``macer_0.1``) one engine
+with a fixed KV cache (``kv_cache_memory_bytes``, the same bytes for every provider) on the 7B thinker's layer layout
+(28 layers, stages after 3 and 5), every request a long clip, all submitted at once and served to the end
+(``macer.vllm.testing.admission``). Per provider: ``admitted``, the most requests running at once before vLLM's first
+preemption, beside ``predicted_admitted`` from the formula (``macer.core.kv_memory``: usable blocks over the blocks
+one clip holds at its prefill); ``preempted``; ``req_s`` and ``tok_s``; ``admitted_vs_vllm`` and ``req_s_vs_vllm``.
+Results: ``bench_vllm_<mode>_admission.{csv,json}``.
 
 The GPU mode uses the Qwen2.5-Omni-7B thinker's text shape (28 layers, hidden 3584, GQA 28/4, head 128) in bf16
 with random weights written in code and the paper's clip counts (1460 audio + 864 video tokens); it has not run
