@@ -321,7 +321,7 @@ def run_admission(checkpoint: str, provider: str, mode: str, block_size: int | N
     # blocks one clip holds at its prefill, summed over the KV cache groups.
     n, clip = len(prompts[0]), spec["clip"]
     blocks = -(-n // block)
-    settings = _settings(provider)
+    settings = _settings(provider) if provider != "vllm" else {}
     keep = settings.get("keep_ratio")
     if provider.startswith("macer") and settings.get("free_kv", True):
         policy = make_policy("macer", **{k: v for k, v in settings.items() if k not in ("policy", "free_kv")})
