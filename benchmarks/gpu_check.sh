@@ -120,7 +120,18 @@ flash_attention() {
             --warmup 1 --profile-reps 1 --naive-lengths --out "$FILES" --name bench_e2e_flash_attention_2
 }
 
-export -f sanitize environment build flash_attention
+# vLLM serving with MACER on a GPU (issue 29's admission benchmark: the most concurrent long clips in a 4 GiB KV cache
+# and their throughput, vLLM's own model against MACER), where vLLM is importable (the device image has none). Five
+# engine starts: select it alone (GPU_CHECK_STEPS=vllm_admission) with a budget of its own.
+vllm_admission() {
+    if ! "$PY" -c "import vllm; print('vllm', vllm.__version__)"; then
+        echo "vLLM is not importable here: the serving benchmark is skipped (make test-vllm runs the plugin on CPU)"
+        return 0
+    fi
+    VLLM_USE_V2_MODEL_RUNNER=0 "$PY" -m benchmarks.bench_vllm --mode gpu --admission --out "$FILES"
+}
+
+export -f sanitize environment build flash_attention vllm_admission
 export PY FILES
 export PATH=$PATH:/usr/local/cuda/bin$(for d in /opt/nvidia/nsight-compute/*/; do [[ -x $d/ncu ]] && printf ":%s" "${d%/}"; done)
 
@@ -184,6 +195,7 @@ step bench_e2e_decode_eager 90 "$PY" benchmarks/bench_e2e.py --mode gpu --attn e
     --no-plot --out "$FILES" --name bench_e2e_decode_eager
 
 step bench_batch 120 "$PY" -m benchmarks.bench_batch --mode gpu --batch-sizes 1 4 8 --out "$FILES"
+step vllm_admission 420 vllm_admission
 
 printf '%-26s %ds in all\n' total "$(($(date +%s) - START))" | tee -a "$SUMMARY"
 tar czf "$OUT_DIR/gpu_check.tar.gz" -C "$OUT_DIR" files
