@@ -297,7 +297,8 @@ def run_sweep(checkpoint: str, provider: str, mode: str) -> list[dict]:
     return rows
 
 
-def run_admission(checkpoint: str, provider: str, mode: str, block_size: int | None = None) -> dict:
+def run_admission(checkpoint: str, provider: str, mode: str, block_size: int | None = None,
+                  kv_cache_mib: int | None = None) -> dict:
     """The admission measurement of one provider in this process (``--admission``; one engine, then exit): every
     request submitted at once to an engine with a fixed KV cache (``kv_cache_memory_bytes``), served to the end."""
     from macer.core.kv_memory import choose_start, request_blocks
@@ -305,7 +306,7 @@ def run_admission(checkpoint: str, provider: str, mode: str, block_size: int | N
     from macer.vllm.testing import admission
     from vllm import LLM, SamplingParams
 
-    spec = ADMISSION[mode]
+    spec = {**ADMISSION[mode], **({"kv_cache_mib": kv_cache_mib} if kv_cache_mib else {})}
     engine = _engine_args(checkpoint, provider, mode)
     engine.update(max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["batched_tokens"],
                   max_num_seqs=spec["max_num_seqs"], kv_cache_memory_bytes=spec["kv_cache_mib"] << 20)
@@ -360,17 +361,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="the most concurrent long clips in a fixed KV cache, and their throughput (issue 29)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="--admission: the KV cache block size (default: vLLM's for the platform, 128 on CPU)")
+    parser.add_argument("--kv-cache-mib", type=int, default=None,
+                        help="--admission: the KV cache size in MiB, the same for every provider (default: 150 on CPU, "
+                        "4096 on a GPU)")
     # internal: one engine, then exit
     parser.add_argument("--provider", choices=ADMISSION_PROVIDERS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.block_size is not None and (not args.admission or args.block_size < 1):
-        parser.error(f"--block-size must be a positive integer and goes with --admission, got {args.block_size}")
+    for flag, value in (("--block-size", args.block_size), ("--kv-cache-mib", args.kv_cache_mib)):
+        if value is not None and (not args.admission or value < 1):
+            parser.error(f"{flag} must be a positive integer and goes with --admission, got {value}")
     if args.provider:
         # A file, not stdout: vLLM logs to stdout.
         if args.admission:
-            got = run_admission(args.checkpoint, args.provider, args.mode, args.block_size)
+            got = run_admission(args.checkpoint, args.provider, args.mode, args.block_size, args.kv_cache_mib)
         else:
             got = (run_sweep if args.sweep else run_provider)(args.checkpoint, args.provider, args.mode)
         args.result.write_text(json.dumps(got))
@@ -390,7 +395,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         meta["sweep"] = {"concurrency": SWEEP["concurrency"], **SWEEP[args.mode]}
     if args.admission:
-        meta["admission"] = ADMISSION[args.mode]
+        meta["admission"] = dict(ADMISSION[args.mode])
+        if args.kv_cache_mib:
+            meta["admission"]["kv_cache_mib"] = args.kv_cache_mib
     providers = args.providers or list(ADMISSION_PROVIDERS if args.admission else PROVIDERS)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -406,7 +413,8 @@ def main(argv: list[str] | None = None) -> None:
                                    provider, "--checkpoint", str(checkpoint), "--result", str(result),
                                    *(["--sweep"] if args.sweep else []),
                                    *(["--admission"] if args.admission else []),
-                                   *(["--block-size", str(args.block_size)] if args.block_size else [])],
+                                   *(["--block-size", str(args.block_size)] if args.block_size else []),
+                                   *(["--kv-cache-mib", str(args.kv_cache_mib)] if args.kv_cache_mib else [])],
                                   capture_output=True, text=True, env=env)
             if done.returncode:
                 raise SystemExit(f"bench_vllm: the {provider} engine failed:\n{(done.stdout + done.stderr)[-4000:]}")
@@ -419,7 +427,8 @@ def main(argv: list[str] | None = None) -> None:
             row["admitted_vs_vllm"] = row["admitted"] / base["admitted"] if base else None
             row["req_s_vs_vllm"] = row["req_s"] / base["req_s"] if base else None
         print_table(rows)
-        name = f"bench_vllm_{args.mode}_admission" + (f"_block{args.block_size}" if args.block_size else "")
+        name = (f"bench_vllm_{args.mode}_admission" + (f"_block{args.block_size}" if args.block_size else "")
+                + (f"_kv{args.kv_cache_mib}mib" if args.kv_cache_mib else ""))
         for path in write_results(name, rows, meta, args.out):
             print(f"wrote {path}")
         return
