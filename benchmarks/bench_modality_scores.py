@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,11 +30,10 @@ import torch
 from benchmarks.common import (
     copy_bandwidth_gbs,
     environment,
-    median_time_us,
     print_table,
-    profile_call,
     runnable_backends,
-    wall_time_us,
+    slug,
+    time_provider,
     write_results,
 )
 from macer_kernels import modality_scores, use_backend
@@ -97,22 +95,16 @@ def run(seq_lens, device: torch.device, dtype: torch.dtype, layout: str, shapes:
         naive_us = None
         for name, fn in providers.items():
             err = ((fn().double() - expected).norm() / expected.norm()).item()
-            us = median_time_us(fn, device)
+            times = time_provider(fn, device, quick=quick, per_kernel=True)
+            us = times["median_us"]
             naive_us = us if name == "naive" else naive_us
-            wall = wall_time_us(fn, device, **({"budget_s": 0.02, "min_reps": 1} if quick else {}))
-            counts = profile_call(fn, device, per_kernel=True)
-            rows.append({"provider": name, "N": n, "median_us": us, "wall_us": wall, **counts,
-                         "k_gbs": key_bytes / (us * 1e-6) / 1e9,
+            rows.append({"provider": name, "N": n, **times, "k_gbs": key_bytes / (us * 1e-6) / 1e9,
                          "copy_gbs": bandwidth, "x_k_read": us / read_k_us, "speedup": naive_us / us,
                          "rel_err": err})
         del query, key, modality, expected
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
 
 
 def main(argv: list[str] | None = None) -> None:

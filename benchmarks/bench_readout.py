@@ -32,15 +32,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_modality_scores import slug
 from benchmarks.bench_select import naive_coverage, naive_topk
 from benchmarks.common import (
     environment,
     median_time_us,
     print_table,
-    profile_call,
     runnable_backends,
-    wall_time_us,
+    slug,
+    time_provider,
     write_results,
 )
 from macer_kernels import (
@@ -141,11 +140,11 @@ def run(prompt: dict[str, int], device: torch.device, *, quick: bool = False, **
     for name, fn in providers(device).items():
         keep, _ = fn(x)
         call = functools.partial(fn, x)
-        us = median_time_us(call, device, warmup=3, reps=20)
+        times = time_provider(call, device, quick=quick, warmup=3, reps=20)
+        us = times["median_us"]
         naive_us = us if name == "naive" else naive_us
-        wall = wall_time_us(call, device, **({"budget_s": 0.02, "min_reps": 1} if quick else {}))
-        rows.append({"provider": name, "tokens": x["key"].shape[2], "kept": keep.numel(), "median_us": us,
-                     "wall_us": wall, **profile_call(call, device), "speedup": naive_us / us,
+        rows.append({"provider": name, "tokens": x["key"].shape[2], "kept": keep.numel(), **times,
+                     "speedup": naive_us / us,
                      "exact": bool(torch.equal(keep, expected))})
     return rows
 

@@ -26,17 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_modality_scores import slug
-from benchmarks.common import (
-    PROFILE_COLUMNS,
-    environment,
-    median_time_us,
-    print_table,
-    profile_call,
-    runnable_backends,
-    wall_time_us,
-    write_results,
-)
+from benchmarks.common import environment, print_table, runnable_backends, slug, time_provider, write_results
 from macer_kernels import coverage_select, temporal_chunks, topk_indices, use_backend
 from macer_kernels.reference import coverage_greedy_picks
 
@@ -86,13 +76,12 @@ def run(sizes, device: torch.device, *, quick: bool = False) -> list[dict]:
             expected = _backend_fn("torch", fn, *args)()
             naive_us = None
             for name, provider in providers.items():
-                us = median_time_us(provider, device)
-                naive_us = us if name == "naive" else naive_us
-                wall = wall_time_us(provider, device, **({"budget_s": 0.02, "min_reps": 1} if quick else {}))
                 # The literal greedy's k steps of launches would flood the profiler; its counts say nothing new.
                 literal = name == "naive" and op == "coverage_select"
-                counts = dict.fromkeys(PROFILE_COLUMNS) if literal else profile_call(provider, device)
-                rows.append({"op": op, "provider": name, "n": n, "k": k, "median_us": us, "wall_us": wall, **counts,
+                times = time_provider(provider, device, quick=quick, profile=not literal)
+                us = times["median_us"]
+                naive_us = us if name == "naive" else naive_us
+                rows.append({"op": op, "provider": name, "n": n, "k": k, **times,
                              "speedup": naive_us / us if naive_us else float("nan"),
                              "exact": bool(torch.equal(provider(), expected))})
     return rows

@@ -236,6 +236,27 @@ def profile_call(fn: Callable[[], object], device: torch.device | str, *, calls:
     return counts
 
 
+QUICK_WALL = {"budget_s": 0.02, "min_reps": 1}
+"""``wall_time_us`` settings of a benchmark's ``--quick`` smoke run: a few calls per provider, not a time budget."""
+
+
+def time_provider(fn: Callable[[], object], device: torch.device | str, *, quick: bool = False, warmup: int = 5,
+                  reps: int = 50, profile: bool = True, per_kernel: bool = False) -> dict[str, float | str | None]:
+    """One provider's columns of a benchmark row: ``median_us`` (``median_time_us`` with ``warmup`` / ``reps``),
+    ``wall_us`` (``wall_time_us``, ``QUICK_WALL`` under ``quick``) and the ``profile_call`` counts (``per_kernel``
+    adds ``kernels``); ``profile=False`` leaves the counts None, for a provider whose launches would flood the
+    profiler."""
+    row: dict[str, float | str | None] = {
+        "median_us": median_time_us(fn, device, warmup=warmup, reps=reps),
+        "wall_us": wall_time_us(fn, device, **(QUICK_WALL if quick else {})),
+    }
+    if profile:
+        row.update(profile_call(fn, device, per_kernel=per_kernel))
+    else:
+        row.update(dict.fromkeys(PROFILE_COLUMNS + (("kernels",) if per_kernel else ())))
+    return row
+
+
 def copy_bandwidth_gbs(device: torch.device | str, nbytes: int = 1 << 30) -> float:
     """Measured device-to-device copy bandwidth (bytes read + bytes written per second), in GB/s."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
@@ -256,6 +277,11 @@ def write_results(name: str, rows: list[dict], meta: dict, out_dir: Path | None 
             writer.writerows(rows)
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     return csv_path, json_path
+
+
+def slug(text: str) -> str:
+    """``text`` (a device name) as a file-name part: lower case, runs of other characters as one ``_``."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
 
 
 def print_table(rows: list[dict], skip: tuple[str, ...] = ()) -> None:

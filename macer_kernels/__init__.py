@@ -18,9 +18,12 @@ No op synchronises with the host on CUDA tensors: shapes, dtypes, devices and st
 (label and position ranges, NaN scores, sorted keep indices, chunk ids) are checked on CUDA tensors only in
 validation mode (``validation()``, ``set_validation(True)`` or ``MACER_VALIDATE=1``); CPU tensors are always
 value-checked. See ``macer_kernels._validate``.
+
+``check_count`` and ``check_real``, the ops' checks of Python scalars (errors name the parameter and the allowed
+range), are public so that the model layer (``macer.core.checks``) checks its own arguments with the same code.
 """
 
-from macer_kernels._validate import set_validation, validation, validation_enabled
+from macer_kernels._validate import check_count, check_real, set_validation, validation, validation_enabled
 from macer_kernels.backend import available_backends, backend_status, current_backend, use_backend
 from macer_kernels.compact import compact, compact_many
 from macer_kernels.modality_scores import MAX_MODALITIES, PAD_LABEL, modality_scores
@@ -39,6 +42,8 @@ __all__ = [
     "StageModality",
     "available_backends",
     "backend_status",
+    "check_count",
+    "check_real",
     "compact",
     "compact_many",
     "coverage_select",

@@ -103,7 +103,7 @@ def check_count(name: str, value: object) -> int:
 def check_real(
     name: str, value: object, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False
 ) -> float:
-    """A finite real number in the interval given by ``lo``, ``hi`` and the open flags."""
+    """A real number (not NaN) in the interval given by ``lo``, ``hi`` and the open flags."""
     interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
         raise ValueError(f"{name} must be a real number in {interval}, got {value!r}")

@@ -72,6 +72,30 @@ def test_wall_time_fits_the_budget_and_environment_names_threads():
     assert env["threads"] == torch.get_num_threads() and env["git_sha"] and env["columns"]["wall_us"]
 
 
+def test_time_provider_gives_a_rows_timing_columns(monkeypatch):
+    """``time_provider``, the timing part of every microbenchmark's row: the settings reach the timers, ``quick``
+    shortens the wall-time run, ``profile=False`` leaves the counts None without profiling; on CPU for real too."""
+    seen = []
+    monkeypatch.setattr(common, "median_time_us", lambda fn, device, **kw: seen.append(("median", kw)) or 2.0)
+    monkeypatch.setattr(common, "wall_time_us", lambda fn, device, **kw: seen.append(("wall", kw)) or 3.0)
+    monkeypatch.setattr(common, "profile_call", lambda fn, device, **kw: seen.append(("profile", kw)) or {
+        **dict.fromkeys(common.PROFILE_COLUMNS, 1.0), **({"kernels": "k=1.0"} if kw["per_kernel"] else {})})
+    row = common.time_provider(lambda: None, "cpu", quick=True, warmup=3, reps=20, per_kernel=True)
+    assert row == {"median_us": 2.0, "wall_us": 3.0, **dict.fromkeys(common.PROFILE_COLUMNS, 1.0), "kernels": "k=1.0"}
+    assert list(row)[:2] == ["median_us", "wall_us"]
+    assert seen == [("median", {"warmup": 3, "reps": 20}), ("wall", common.QUICK_WALL),
+                    ("profile", {"per_kernel": True})]
+    seen.clear()
+    row = common.time_provider(lambda: None, "cpu", profile=False)
+    assert row == {"median_us": 2.0, "wall_us": 3.0, **dict.fromkeys(common.PROFILE_COLUMNS)}
+    assert seen == [("median", {"warmup": 5, "reps": 50}), ("wall", {})]
+    monkeypatch.undo()
+    calls = []
+    row = common.time_provider(lambda: calls.append(1), "cpu", quick=True, warmup=1, reps=2)
+    assert row["median_us"] >= 0 and row["wall_us"] >= 0 and calls
+    assert {key: row[key] for key in common.PROFILE_COLUMNS} == dict.fromkeys(common.PROFILE_COLUMNS)
+
+
 def test_sanitizer_driver_runs_every_case_and_reports_a_mismatch(capsys, monkeypatch):
     """benchmarks/sanitize_ops.py (what gpu_check.sh runs under compute-sanitizer), on CPU with the PyTorch backend:
     every case's inputs are valid; a backend whose result differs from PyTorch's is reported and fails the run."""

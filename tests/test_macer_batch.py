@@ -48,6 +48,21 @@ def _alone(model, config, prompt, new_tokens):
     return record, logits, tokens
 
 
+def check_batch_against_each_prompt_alone(model, config, prompts, label: str, *, also=None, new_tokens: int = 4):
+    """``prompts`` as one left-padded batch under ``compress``: the prefill, then greedy decoding of ``new_tokens``,
+    then ``also(batch, logits)`` in the same context if given; each sample must be its prompt alone
+    (``check_each_sample_alone``). Returns the trace, the batch, its samples and its prefill logits."""
+    batch = batch_inputs(prompts)
+    with torch.no_grad(), macer.compress(model, config) as trace:
+        logits = model(**batch).logits
+        samples = trace.samples
+        tokens = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False)[:, -new_tokens:]
+        if also is not None:
+            also(batch, logits)
+    check_each_sample_alone(model, config, prompts, batch, samples, logits, tokens, label)
+    return trace, batch, samples, logits
+
+
 def check_each_sample_alone(model, config, prompts, batch, samples, logits, tokens, label: str) -> None:
     """Per sample of a batch run under ``compress``: the record (padding, kept sets, question rows, budget, layer and
     cache lengths), the prefill logits (1e-4) and the greedy tokens equal the prompt run alone under ``compress``,
@@ -86,14 +101,8 @@ POLICIES = {
 def test_batch_matches_each_prompt_alone(attn, layout, policy):
     model = _thinker(attn)
     prompts = _block_prompts(model) if layout == "block" else _interleaved_prompts(model)
-    config = POLICIES[policy](model)
-    batch = batch_inputs(prompts)
-    new_tokens = 4
-    with torch.no_grad(), macer.compress(model, config) as trace:
-        logits = model(**batch).logits
-        samples = trace.samples
-        tokens = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False)[:, -new_tokens:]
-    check_each_sample_alone(model, config, prompts, batch, samples, logits, tokens, f"{attn}, {layout}, {policy}")
+    trace, _, samples, _ = check_batch_against_each_prompt_alone(model, POLICIES[policy](model), prompts,
+                                                                 f"{attn}, {layout}, {policy}")
     assert any(s.pruned for s in samples)
     with pytest.raises(ValueError, match=r"trace\.samples"):
         _ = trace.audio_kept
@@ -147,9 +156,15 @@ def test_mixed_layouts_are_refused(flag):
     interleaved = clip_inputs(model, frames=4, grid_hw=(8, 8), audio_tokens=100, seed=4, **SMALL)
     video_only = clip_inputs(model, frames=4, grid_hw=(8, 8), audio_tokens=0, use_audio_in_video=False, seed=2,
                              **SMALL)
-    batch = batch_inputs([dict(interleaved, use_audio_in_video=flag), dict(video_only, use_audio_in_video=flag)])
+    check_mixed_layouts_refused(model, POLICIES["macer"](model), interleaved, video_only, flag)
+
+
+def check_mixed_layouts_refused(model, config, interleaved, block, flag: bool) -> None:
+    """An interleaved and a block-layout prompt in one batch under one ``use_audio_in_video=flag``: refused, naming
+    the sample whose layout the flag does not describe."""
+    batch = batch_inputs([dict(interleaved, use_audio_in_video=flag), dict(block, use_audio_in_video=flag)])
     sample = 1 if flag else 0
-    with macer.compress(model, POLICIES["macer"](model)), torch.no_grad(), \
+    with macer.compress(model, config), torch.no_grad(), \
             pytest.raises(ValueError, match=f"sample {sample} of the batch.*use_audio_in_video={flag}"):
         model(**batch)
 

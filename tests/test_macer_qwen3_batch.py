@@ -19,7 +19,7 @@ import pytest
 import torch
 from macer.testing import SYNTHETIC_TOKENS, batch_inputs
 from macer.testing_qwen3 import build_qwen3_omni_model, build_qwen3_thinker, qwen3_clip_inputs
-from test_macer_batch import check_each_sample_alone, check_expanded_rows
+from test_macer_batch import check_batch_against_each_prompt_alone, check_expanded_rows, check_mixed_layouts_refused
 
 TOK = SYNTHETIC_TOKENS
 SMALL = {"question_tokens": 6, "system_tokens": 4}
@@ -73,17 +73,14 @@ POLICIES = {
 def test_batch_matches_each_prompt_alone(attn, layout, policy):
     model = _thinker(attn)
     prompts = _block_prompts(model) if layout == "block" else _interleaved_prompts(model)
-    config = POLICIES[policy]()
-    batch = batch_inputs(prompts)
-    new_tokens = 4
-    with torch.no_grad(), macer.compress(model, config) as trace:
-        logits = model(**batch).logits
-        samples = trace.samples
-        tokens = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False)[:, -new_tokens:]
+
+    def again(batch, logits):
         # A prompt alone and the batch again in the same context: no deepstack rows leak between prefills.
         model(**prompts[0])
         assert torch.equal(model(**batch).logits, logits), (attn, layout, policy)
-    check_each_sample_alone(model, config, prompts, batch, samples, logits, tokens, f"{attn}, {layout}, {policy}")
+
+    _, batch, samples, logits = check_batch_against_each_prompt_alone(model, POLICIES[policy](), prompts,
+                                                                      f"{attn}, {layout}, {policy}", also=again)
     visual = [s for s in samples if s.n_video]
     assert visual and all(len(s.video_kept) < s.n_video for s in visual), "the visual rows must be pruned"
     if layout == "interleaved":
@@ -104,11 +101,7 @@ def test_mixed_layouts_are_refused(flag):
     model = _thinker("sdpa")
     interleaved = qwen3_clip_inputs(model, frames=4, grid_hw=(8, 8), seconds=4.0, seed=4, **SMALL)
     block = qwen3_clip_inputs(model, frames=4, grid_hw=(8, 8), seconds=4.0, use_audio_in_video=False, seed=2, **SMALL)
-    batch = batch_inputs([dict(interleaved, use_audio_in_video=flag), dict(block, use_audio_in_video=flag)])
-    sample = 1 if flag else 0
-    with macer.compress(model, POLICIES["among"]()), torch.no_grad(), \
-            pytest.raises(ValueError, match=f"sample {sample} of the batch.*use_audio_in_video={flag}"):
-        model(**batch)
+    check_mixed_layouts_refused(model, POLICIES["among"](), interleaved, block, flag)
 
 
 def test_full_model_through_thinker_batch():

@@ -125,51 +125,16 @@ def thinker_config(
         num_layers, hidden_size = shape["num_layers"], shape["hidden_size"]
         num_heads, num_kv_heads = shape["num_heads"], shape["num_kv_heads"]
         intermediate_size = shape["intermediate_size"]
-    if vocab_size < 64:
-        raise ValueError(f"vocab_size must be >= 64, got {vocab_size}")
-    if hidden_size % num_heads or (hidden_size // num_heads) % 2 or num_heads % num_kv_heads:
-        raise ValueError(
-            f"hidden_size ({hidden_size}) / num_heads ({num_heads}) must be an even integer and num_heads a "
-            f"multiple of num_kv_heads ({num_kv_heads})"
-        )
-    head_dim = hidden_size // num_heads
+    _check_decoder_shape(vocab_size, hidden_size, num_heads, num_kv_heads)
     tok = SYNTHETIC_TOKENS
-    enc_heads = max(1, encoder_hidden_size // 16)
-    text = {
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size or 2 * hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "max_position_embeddings": 32768,
-        "rope_parameters": {
-            "rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": _mrope_section(head_dim)},
-        "eos_token_id": tok.im_end,
-        "pad_token_id": 0,
-    }
-    audio = {
-        "num_mel_bins": 128,
-        "encoder_layers": encoder_layers,
-        "encoder_attention_heads": enc_heads,
-        "encoder_ffn_dim": 2 * encoder_hidden_size,
-        "d_model": encoder_hidden_size,
-        "output_dim": hidden_size,
-        "n_window": 100,
-        "max_source_positions": 1500,
-    }
-    vision = {
-        "depth": encoder_layers,
-        "hidden_size": encoder_hidden_size,
-        "intermediate_size": 2 * encoder_hidden_size,
-        "num_heads": enc_heads,
-        "out_hidden_size": hidden_size,
-        "fullatt_block_indexes": [encoder_layers - 1],
-    }
+    text = _text_config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        mrope_section=_mrope_section(hidden_size // num_heads))
+    audio, vision = _encoder_configs(encoder_hidden_size, encoder_layers, hidden_size)
     config = Qwen2_5OmniThinkerConfig(
         text_config=text,
-        audio_config=audio,
-        vision_config=vision,
+        audio_config={**audio, "n_window": 100},
+        vision_config={**vision, "fullatt_block_indexes": [encoder_layers - 1]},
         audio_token_index=tok.audio,
         image_token_index=tok.image,
         video_token_index=tok.video,
@@ -177,7 +142,51 @@ def thinker_config(
         audio_end_token_id=tok.audio_end,
         user_token_id=tok.user,
     )
-    # Read by get_rope_index but not a declared field of the thinker config: set it explicitly.
+    return _set_undeclared_ids(config, attn_implementation)
+
+
+def _check_decoder_shape(vocab_size: int, hidden_size: int, num_heads: int, num_kv_heads: int) -> None:
+    if vocab_size < 64:
+        raise ValueError(f"vocab_size must be >= 64, got {vocab_size}")
+    if hidden_size % num_heads or (hidden_size // num_heads) % 2 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) / num_heads ({num_heads}) must be an even integer and num_heads a "
+            f"multiple of num_kv_heads ({num_kv_heads})"
+        )
+
+
+def _text_config(*, vocab_size: int, hidden_size: int, intermediate_size: int | None, num_layers: int,
+                 num_heads: int, num_kv_heads: int, mrope_section: list[int]) -> dict[str, Any]:
+    """The text-model fields both Qwen-Omni thinkers share (Qwen3-Omni adds its MoE fields and interleaving)."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size or 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": mrope_section},
+        "eos_token_id": SYNTHETIC_TOKENS.im_end,
+        "pad_token_id": 0,
+    }
+
+
+def _encoder_configs(width: int, depth: int, hidden_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The audio and vision encoder fields both Qwen-Omni thinkers share: ``depth`` layers of ``width``, output
+    projected to the decoder's ``hidden_size`` (each family adds its own windowing and vision fields)."""
+    heads = max(1, width // 16)
+    audio = {"num_mel_bins": 128, "encoder_layers": depth, "encoder_attention_heads": heads,
+             "encoder_ffn_dim": 2 * width, "d_model": width, "output_dim": hidden_size, "max_source_positions": 1500}
+    vision = {"depth": depth, "hidden_size": width, "intermediate_size": 2 * width, "num_heads": heads,
+              "out_hidden_size": hidden_size}
+    return audio, vision
+
+
+def _set_undeclared_ids(config: Any, attn_implementation: str) -> Any:
+    """``config`` with the fields both thinkers read but their config classes do not declare, and the attention."""
+    tok = SYNTHETIC_TOKENS
+    # Read by get_rope_index but not declared fields of the thinker config: set them explicitly.
     config.vision_start_token_id = tok.vision_start
     config.vision_end_token_id = tok.vision_end
     # Names the synthetic <|im_end|>, from which the adapter defaults MacerConfig.end_of_turn_token_id (the real
@@ -245,8 +254,14 @@ def build_omni_model(
     attn = thinker.config.text_config._attn_implementation
     config.thinker_config._attn_implementation = attn
     config.thinker_config.text_config._attn_implementation = attn
+    return _around_thinker(Qwen2_5OmniForConditionalGeneration, config, thinker)
+
+
+def _around_thinker(cls: type, config: Any, thinker: Any):
+    """``cls(config)``, a full Omni model, with ``thinker`` as its ``.thinker`` (config included), in eval mode. Built
+    on the meta device: the thinker it would build is replaced, and the talker is off."""
     with torch.device("meta"):
-        model = Qwen2_5OmniForConditionalGeneration(config)
+        model = cls(config)
     model.thinker = thinker
     model.config.thinker_config = thinker.config
     return model.eval()
@@ -306,16 +321,11 @@ def clip_inputs(
         present, ``pixel_values_videos``, ``video_grid_thw``, ``video_second_per_grid``, ``input_features``,
         ``feature_attention_mask``, and ``use_audio_in_video``.
     """
-    config = getattr(model_or_config, "config", model_or_config)
-    config = getattr(config, "thinker_config", config)
+    config = _thinker_config_of(model_or_config)
     tok = SYNTHETIC_TOKENS
-    vocab_size = config.text_config.vocab_size
-    if frames < 0 or frames % 2:
-        raise ValueError(f"frames must be an even integer >= 0, got {frames}")
+    _check_clip(frames, grid_hw)
     if audio_tokens < 0:
         raise ValueError(f"audio_tokens must be >= 0, got {audio_tokens}")
-    if grid_hw[0] % 2 or grid_hw[1] % 2 or min(grid_hw) < 2:
-        raise ValueError(f"grid_hw must be two even integers >= 2, got {grid_hw}")
     if use_audio_in_video and not (frames and audio_tokens):
         raise ValueError("use_audio_in_video=True needs both frames > 0 and audio_tokens > 0")
     generator = torch.Generator().manual_seed(seed)
@@ -349,30 +359,73 @@ def clip_inputs(
         if audio_tokens:
             media += [tok.audio_start, *audio_ids, tok.audio_end]
 
+    inputs = _chat_inputs(config, generator, media, system_tokens=system_tokens, question_tokens=question_tokens,
+                         use_audio_in_video=use_audio_in_video, device=device)
+    if frames:
+        inputs.update(_video_inputs(config, generator, grids, grid_hw, second_per_grid, device=device, dtype=dtype))
+    if audio_tokens:
+        # 4 mel frames per token: two stride-2 reductions in the audio encoder's length rule
+        inputs.update(_audio_inputs(config, generator, 4 * audio_tokens, device=device, dtype=dtype))
+    return inputs
+
+
+def _thinker_config_of(model_or_config: Any) -> Any:
+    """The thinker config of a model built here (thinker or full model) or of a config (full or thinker)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "thinker_config", None) or config
+
+
+def _check_clip(frames: int, grid_hw: tuple[int, int]) -> None:
+    """The clip arguments of ``clip_inputs`` / ``qwen3_clip_inputs``: an even frame count, a grid of even sides."""
+    if frames < 0 or frames % 2:
+        raise ValueError(f"frames must be an even integer >= 0, got {frames}")
+    _check_grid("grid_hw", grid_hw)
+
+
+def _check_grid(name: str, hw: tuple[int, int]) -> None:
+    if hw[0] % 2 or hw[1] % 2 or min(hw) < 2:
+        raise ValueError(f"{name} must be two even integers >= 2, got {hw}")
+
+
+def _chat_inputs(config: Any, generator: torch.Generator, media: list[int], *, system_tokens: int,
+                question_tokens: int, use_audio_in_video: bool, device: str | torch.device) -> dict[str, Any]:
+    """``input_ids``, ``attention_mask`` and ``use_audio_in_video`` of the chat-templated prompt around ``media``
+    (``clip_inputs``' layout), with random system and question text drawn from ``generator``."""
+    tok = SYNTHETIC_TOKENS
+    vocab_size = config.text_config.vocab_size
     ids = [tok.im_start, tok.system, tok.newline, *_text(generator, system_tokens, vocab_size), tok.im_end, tok.newline,
            tok.im_start, tok.user, tok.newline, *media, *_text(generator, question_tokens, vocab_size), tok.im_end,
            tok.newline, tok.im_start, tok.assistant, tok.newline]
     input_ids = torch.tensor([ids], dtype=torch.long)
-    inputs: dict[str, Any] = {
+    return {
         "input_ids": input_ids.to(device),
         "attention_mask": torch.ones_like(input_ids).to(device),
         "use_audio_in_video": use_audio_in_video,
     }
-    if frames:
-        patch = config.vision_config.patch_size
-        temporal = config.vision_config.temporal_patch_size
-        channels = config.vision_config.in_channels
-        n_patches = grids * grid_hw[0] * grid_hw[1]
-        inputs["pixel_values_videos"] = torch.randn(
-            n_patches, channels * temporal * patch * patch, generator=generator).to(device=device, dtype=dtype)
-        inputs["video_grid_thw"] = torch.tensor([[grids, grid_hw[0], grid_hw[1]]], device=device)
-        inputs["video_second_per_grid"] = torch.tensor([second_per_grid], device=device)
-    if audio_tokens:
-        mel_frames = 4 * audio_tokens  # two stride-2 reductions in the audio encoder's length rule
-        inputs["input_features"] = torch.randn(1, config.audio_config.num_mel_bins, mel_frames,
-                                               generator=generator).to(device=device, dtype=dtype)
-        inputs["feature_attention_mask"] = torch.ones(1, mel_frames, dtype=torch.long, device=device)
-    return inputs
+
+
+def _video_inputs(config: Any, generator: torch.Generator, grids: int, grid_hw: tuple[int, int],
+                 second_per_grid: float, *, device: str | torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """A random video of ``grids`` temporal grids of ``grid_hw`` patches: ``pixel_values_videos``,
+    ``video_grid_thw``, ``video_second_per_grid``."""
+    vision = config.vision_config
+    row = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    return {
+        "pixel_values_videos": torch.randn(grids * grid_hw[0] * grid_hw[1], row, generator=generator).to(
+            device=device, dtype=dtype),
+        "video_grid_thw": torch.tensor([[grids, grid_hw[0], grid_hw[1]]], device=device),
+        "video_second_per_grid": torch.tensor([second_per_grid], device=device),
+    }
+
+
+def _audio_inputs(config: Any, generator: torch.Generator, mel_frames: int, *, device: str | torch.device,
+                 dtype: torch.dtype) -> dict[str, Any]:
+    """A random audio track of ``mel_frames`` mel frames: ``input_features``, ``feature_attention_mask``."""
+    return {
+        "input_features": torch.randn(1, config.audio_config.num_mel_bins, mel_frames, generator=generator).to(
+            device=device, dtype=dtype),
+        "feature_attention_mask": torch.ones(1, mel_frames, dtype=torch.long, device=device),
+    }
 
 
 def macer_config_for(model: Any, **overrides: Any):

@@ -31,7 +31,21 @@ from typing import Any
 
 import torch
 
-from macer.testing import SYNTHETIC_TOKENS, seeded_thinker
+from macer.testing import (
+    SYNTHETIC_TOKENS,
+    _around_thinker,
+    _audio_inputs,
+    _chat_inputs,
+    _check_clip,
+    _check_decoder_shape,
+    _check_grid,
+    _encoder_configs,
+    _set_undeclared_ids,
+    _text_config,
+    _thinker_config_of,
+    _video_inputs,
+    seeded_thinker,
+)
 
 __all__ = ["audio_token_count", "build_qwen3_omni_model", "build_qwen3_thinker", "qwen3_clip_inputs",
            "qwen3_thinker_config"]
@@ -88,57 +102,22 @@ def qwen3_thinker_config(
     """
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
 
-    if vocab_size < 64:
-        raise ValueError(f"vocab_size must be >= 64, got {vocab_size}")
-    if hidden_size % num_heads or (hidden_size // num_heads) % 2 or num_heads % num_kv_heads:
-        raise ValueError(f"hidden_size ({hidden_size}) / num_heads ({num_heads}) must be an even integer and "
-                         f"num_heads a multiple of num_kv_heads ({num_kv_heads})")
+    _check_decoder_shape(vocab_size, hidden_size, num_heads, num_kv_heads)
     if deepstack_layers < 1 or deepstack_layers > num_layers:
         raise ValueError(f"deepstack_layers must be in [1, num_layers={num_layers}], got {deepstack_layers}")
     tok = SYNTHETIC_TOKENS
-    enc_heads = max(1, encoder_hidden_size // 16)
-    text = {
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size or 2 * hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "max_position_embeddings": 32768,
-        "num_experts": num_experts,
-        "num_experts_per_tok": num_experts_per_tok,
-        "moe_intermediate_size": moe_intermediate_size or hidden_size // 2,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": list(mlp_only_layers),
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0,
-                            "mrope_section": _mrope_section(hidden_size // num_heads), "interleaved": True},
-        "eos_token_id": tok.im_end,
-        "pad_token_id": 0,
-    }
-    audio = {
-        "num_mel_bins": 128,
-        "encoder_layers": 1,
-        "encoder_attention_heads": enc_heads,
-        "encoder_ffn_dim": 2 * encoder_hidden_size,
-        "d_model": encoder_hidden_size,
-        "output_dim": hidden_size,
-        "downsample_hidden_size": 8,
-        "n_window": 50,
-        "n_window_infer": 800,
-        "max_source_positions": 1500,
-    }
-    vision = {
-        "depth": deepstack_layers,
-        "hidden_size": encoder_hidden_size,
-        "intermediate_size": 2 * encoder_hidden_size,
-        "num_heads": enc_heads,
-        "out_hidden_size": hidden_size,
-        "patch_size": 4,
-        "temporal_patch_size": 2,
-        "spatial_merge_size": 2,
-        "num_position_embeddings": 64,
-        "deepstack_visual_indexes": list(range(deepstack_layers)),
-    }
+    text = _text_config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        mrope_section=_mrope_section(hidden_size // num_heads))
+    text.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                moe_intermediate_size=moe_intermediate_size or hidden_size // 2, decoder_sparse_step=1,
+                mlp_only_layers=list(mlp_only_layers))
+    text["rope_parameters"]["interleaved"] = True
+    audio, vision = _encoder_configs(encoder_hidden_size, 1, hidden_size)
+    audio.update(downsample_hidden_size=8, n_window=50, n_window_infer=800)
+    # The vision encoder has one block per deepstack level, each one's merged output a level.
+    vision.update(depth=deepstack_layers, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                  num_position_embeddings=64, deepstack_visual_indexes=list(range(deepstack_layers)))
     config = Qwen3OmniMoeThinkerConfig(
         text_config=text,
         audio_config=audio,
@@ -150,15 +129,8 @@ def qwen3_thinker_config(
         user_token_id=tok.user,
         position_id_per_seconds=POSITION_ID_PER_SECONDS,
     )
-    # Read by get_rope_index but not declared fields of the thinker config: set them explicitly.
-    config.vision_start_token_id = tok.vision_start
-    config.vision_end_token_id = tok.vision_end
-    config.audio_end_token_id = tok.audio_end
-    # The synthetic <|im_end|>, read by the adapter as the end-of-turn token (the real id is outside the vocabulary).
-    config.im_end_token_id = tok.im_end
-    config._attn_implementation = attn_implementation
-    config.text_config._attn_implementation = attn_implementation
-    return config
+    config.audio_end_token_id = tok.audio_end  # read by get_rope_index, not declared here (Qwen2.5-Omni's is)
+    return _set_undeclared_ids(config, attn_implementation)
 
 
 def build_qwen3_thinker(
@@ -194,15 +166,7 @@ def build_qwen3_omni_model(
                                 im_start_token_id=tok.im_start, im_end_token_id=tok.im_end,
                                 system_token_id=tok.system, user_token_id=tok.user,
                                 assistant_token_id=tok.assistant)
-    with torch.device("meta"):
-        model = Qwen3OmniMoeForConditionalGeneration(config)
-    model.thinker = thinker
-    model.config.thinker_config = thinker.config
-    return model.eval()
-
-
-def _text(generator: torch.Generator, n: int, vocab_size: int) -> list[int]:
-    return torch.randint(SYNTHETIC_TOKENS.first_ordinary, vocab_size, (n,), generator=generator).tolist()
+    return _around_thinker(Qwen3OmniMoeForConditionalGeneration, config, thinker)
 
 
 def _interleave(video_times: list[float], audio_tokens: int) -> list[int]:
@@ -254,15 +218,11 @@ def qwen3_clip_inputs(
     Returns:
         ``dict`` for ``model(**inputs)`` / ``model.generate(**inputs)``.
     """
-    config = getattr(model_or_config, "config", model_or_config)
-    config = getattr(config, "thinker_config", None) or config
+    config = _thinker_config_of(model_or_config)
     tok = SYNTHETIC_TOKENS
-    if frames < 0 or frames % 2:
-        raise ValueError(f"frames must be an even integer >= 0, got {frames}")
-    if grid_hw[0] % 2 or grid_hw[1] % 2 or min(grid_hw) < 2:
-        raise ValueError(f"grid_hw must be two even integers >= 2, got {grid_hw}")
-    if image_grid_hw is not None and (image_grid_hw[0] % 2 or image_grid_hw[1] % 2 or min(image_grid_hw) < 2):
-        raise ValueError(f"image_grid_hw must be two even integers >= 2, got {image_grid_hw}")
+    _check_clip(frames, grid_hw)
+    if image_grid_hw is not None:
+        _check_grid("image_grid_hw", image_grid_hw)
     if not seconds > 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
     if use_audio_in_video and not (frames and audio):
@@ -294,29 +254,16 @@ def qwen3_clip_inputs(
         if audio:
             media += [tok.audio_start, *[tok.audio] * n_audio, tok.audio_end]
 
-    vocab_size = config.text_config.vocab_size
-    ids = [tok.im_start, tok.system, tok.newline, *_text(generator, system_tokens, vocab_size), tok.im_end, tok.newline,
-           tok.im_start, tok.user, tok.newline, *media, *_text(generator, question_tokens, vocab_size), tok.im_end,
-           tok.newline, tok.im_start, tok.assistant, tok.newline]
-    input_ids = torch.tensor([ids], dtype=torch.long)
-    inputs: dict[str, Any] = {
-        "input_ids": input_ids.to(device),
-        "attention_mask": torch.ones_like(input_ids).to(device),
-        "use_audio_in_video": use_audio_in_video,
-    }
-    vision = config.vision_config
-    row = vision.in_channels * temporal_patch * vision.patch_size**2
+    inputs = _chat_inputs(config, generator, media, system_tokens=system_tokens, question_tokens=question_tokens,
+                          use_audio_in_video=use_audio_in_video, device=device)
     if image_grid_hw is not None:
+        vision = config.vision_config
+        row = vision.in_channels * temporal_patch * vision.patch_size**2
         inputs["pixel_values"] = torch.randn(image_grid_hw[0] * image_grid_hw[1], row,
                                              generator=generator).to(device=device, dtype=dtype)
         inputs["image_grid_thw"] = torch.tensor([[1, image_grid_hw[0], image_grid_hw[1]]], device=device)
     if frames:
-        inputs["pixel_values_videos"] = torch.randn(grids * grid_hw[0] * grid_hw[1], row,
-                                                    generator=generator).to(device=device, dtype=dtype)
-        inputs["video_grid_thw"] = torch.tensor([[grids, grid_hw[0], grid_hw[1]]], device=device)
-        inputs["video_second_per_grid"] = torch.tensor([second_per_grid], device=device)
+        inputs.update(_video_inputs(config, generator, grids, grid_hw, second_per_grid, device=device, dtype=dtype))
     if audio:
-        inputs["input_features"] = torch.randn(1, config.audio_config.num_mel_bins, mel_frames,
-                                               generator=generator).to(device=device, dtype=dtype)
-        inputs["feature_attention_mask"] = torch.ones(1, mel_frames, dtype=torch.long, device=device)
+        inputs.update(_audio_inputs(config, generator, mel_frames, device=device, dtype=dtype))
     return inputs

@@ -17,6 +17,9 @@ tests of the real thinker architectures (``test_omni_baseline.py``).
 * ``chat_prompt(processor, content)``: the prompt text of one user turn (the checkpoint's chat template), with the
   generation prompt.
 * ``load_hf_thinker(path)``: transformers' thinker with the checkpoint's weights.
+* ``check_head_size``, ``save_checkpoint``, ``quiet_transformers``: what ``write_qwen25_omni`` and
+  ``qwen3_omni_checkpoints.write_qwen3_omni`` share (the head-size check, seeded weights and the files written,
+  transformers' warnings silenced).
 * ``vllm_interleaved_positions`` / ``vllm_positions``: vLLM 0.32.0's M-RoPE positions of a Qwen2.5-Omni prompt with
   interleaved audio (one token off against transformers'), and transformers' thinker run with them.
 
@@ -42,10 +45,13 @@ __all__ = [
     "SAMPLE_RATE",
     "chat_prompt",
     "chat_template",
+    "check_head_size",
     "load_hf_thinker",
     "omni_processor",
     "omni_tokenizer",
     "pcm16",
+    "quiet_transformers",
+    "save_checkpoint",
     "video_data_url",
     "video_frames",
     "vllm_interleaved_positions",
@@ -163,11 +169,43 @@ def omni_processor():
     )
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' logging at errors only inside the block (the Omni configs' unused talker defaults name token ids
+    outside its vocabulary and warn about them)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def check_head_size(caller: str, hidden_size: int, num_heads: int) -> None:
+    """Refuse a language-model head size vLLM's CPU attention lacks (``caller`` names the writer)."""
+    if hidden_size % num_heads or (hidden_size // num_heads) not in (32, 64, 80, 96, 112, 128):
+        raise ValueError(f"{caller}: hidden_size / num_heads must be a head size vLLM's CPU attention "
+                         f"supports (32, 64, 80, 96, 112, 128), got {hidden_size} / {num_heads}")
+
+
+def save_checkpoint(directory: str | Path, model_class: type, config: Any, processor: Any, *, seed: int) -> Path:
+    """``model_class(config)`` with weights drawn from ``seed`` alone, saved with ``processor``'s files to
+    ``directory`` (fp32 safetensors)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config).eval()
+    path = Path(directory)
+    model.save_pretrained(path, safe_serialization=True)
+    processor.save_pretrained(path)
+    return path
+
+
 def _omni_config(*, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, encoder_hidden_size: int,
                  init_std: float):
     from macer.testing import thinker_config
     from transformers import Qwen2_5OmniConfig
-    from transformers.utils import logging as hf_logging
 
     tok = QWEN25_OMNI_TOKENS
     thinker = thinker_config(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
@@ -183,12 +221,8 @@ def _omni_config(*, num_layers: int, hidden_size: int, num_heads: int, num_kv_he
                                   initializer_range=init_std, tie_word_embeddings=False)
     for encoder in ("audio_config", "vision_config"):
         thinker[encoder]["initializer_range"] = init_std
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the default talker config warns about its token ids; it is never built
-    try:
+    with quiet_transformers():  # the default talker config warns about its token ids; it is never built
         return Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False)
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 def write_qwen25_omni(directory: str | Path, *, num_layers: int = 4, hidden_size: int = 64, num_heads: int = 2,
@@ -203,18 +237,10 @@ def write_qwen25_omni(directory: str | Path, *, num_layers: int = 4, hidden_size
     """
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    if hidden_size % num_heads or (hidden_size // num_heads) not in (32, 64, 80, 96, 112, 128):
-        raise ValueError(f"write_qwen25_omni: hidden_size / num_heads must be a head size vLLM's CPU attention "
-                         f"supports (32, 64, 80, 96, 112, 128), got {hidden_size} / {num_heads}")
+    check_head_size("write_qwen25_omni", hidden_size, num_heads)
     config = _omni_config(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
                           num_kv_heads=num_kv_heads, encoder_hidden_size=encoder_hidden_size, init_std=init_std)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2_5OmniForConditionalGeneration(config).eval()
-    path = Path(directory)
-    model.save_pretrained(path, safe_serialization=True)
-    omni_processor().save_pretrained(path)
-    return path
+    return save_checkpoint(directory, Qwen2_5OmniForConditionalGeneration, config, omni_processor(), seed=seed)
 
 
 def load_hf_thinker(path: str | Path, *, attn_implementation: str = "sdpa"):
@@ -223,14 +249,9 @@ def load_hf_thinker(path: str | Path, *, attn_implementation: str = "sdpa"):
     also want the talker's speaker file, ``spk_dict.pt``, which a thinker-only checkpoint has no use for."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, Qwen2_5OmniThinkerForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the unused talker config's default token ids lie outside its vocabulary
-    try:
+    with quiet_transformers():  # the unused talker config's default token ids lie outside its vocabulary
         config = AutoConfig.from_pretrained(path).thinker_config
-    finally:
-        hf_logging.set_verbosity(verbosity)
     config._attn_implementation = attn_implementation
     for sub in (config.text_config, config.audio_config, config.vision_config):
         sub._attn_implementation = attn_implementation

@@ -7,18 +7,22 @@ own thinkers against transformers') and ``test_omni_macer.py`` (the MACER thinke
   as ``multi_modal_data``); ``hf_inputs(processor, clip)``: the same processor's tensors for transformers.
 * ``in_process_engine(checkpoint, **kwargs)``: an ``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), fp32,
   eager, no chunked prefill, no prefix caching, no multimodal processor cache (docs/serving.md says why).
+* ``write_test_checkpoint(family, directory)`` / ``greedy_hf_thinker(family, checkpoint)``: the two modules'
+  checkpoint of a family and transformers' thinker on it, set up as the engine decodes.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from omni_checkpoints import SAMPLE_RATE, chat_prompt, pcm16, video_frames, waveform
 
-__all__ = ["CLIPS", "QUESTION", "STEPS", "Clip", "engine_request", "greedy", "hf_inputs", "in_process_engine"]
+__all__ = ["CLIPS", "QUESTION", "STEPS", "Clip", "engine_request", "greedy", "greedy_hf_thinker", "hf_inputs",
+           "in_process_engine", "write_test_checkpoint"]
 
 STEPS = 16
 """Greedy tokens per request."""
@@ -63,6 +67,22 @@ CLIPS = {
         Clip("text"),
     )
 }
+
+
+def write_test_checkpoint(family: Any, directory: Path) -> Path:
+    """``family.write`` (``write_qwen25_omni`` / ``write_qwen3_omni``) to ``directory`` at the tests' size: 4 layers of
+    width 128, 4 heads, 2 KV heads. init_std 0.08: peaked attention, so that a wrong position or row changes the
+    scores and tokens (at transformers' 0.02 the random model repeats one or two tokens whatever its input)."""
+    return family.write(directory, num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.08)
+
+
+def greedy_hf_thinker(family: Any, checkpoint: Path):
+    """transformers' thinker on ``checkpoint`` (``family.load``), generating ``STEPS`` tokens whatever they are, as
+    ``ignore_eos`` in the engine (``greedy``)."""
+    model = family.load(checkpoint)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = model.config.text_config.pad_token_id
+    return model
 
 
 def in_process_engine(checkpoint, **kwargs: Any):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omni_checkpoints import omni_tokenizer
+from omni_checkpoints import check_head_size, omni_tokenizer, quiet_transformers, save_checkpoint
 
 __all__ = ["QWEN3_OMNI_TOKENS", "load_hf_qwen3_thinker", "qwen3_omni_processor", "write_qwen3_omni"]
 
@@ -81,7 +81,6 @@ def _qwen3_config(*, num_layers: int, hidden_size: int, num_heads: int, num_kv_h
                   deepstack_layers: int, init_std: float):
     from macer.testing_qwen3 import qwen3_thinker_config
     from transformers import Qwen3OmniMoeConfig
-    from transformers.utils import logging as hf_logging
 
     tok = QWEN3_OMNI_TOKENS
     thinker = qwen3_thinker_config(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
@@ -105,14 +104,10 @@ def _qwen3_config(*, num_layers: int, hidden_size: int, num_heads: int, num_kv_h
     thinker["vision_config"].update(patch_size=PATCH_SIZE, initializer_range=init_std, image_size=side * PATCH_SIZE,
                                     apply_vit_abs_pos_embed=True)
     thinker["audio_config"]["initializer_range"] = init_std
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the default talker config warns about its token ids; it is never built
-    try:
+    with quiet_transformers():  # the default talker config warns about its token ids; it is never built
         return Qwen3OmniMoeConfig(thinker_config=thinker, enable_audio_output=False, im_start_token_id=tok.im_start,
                                   im_end_token_id=tok.im_end, system_token_id=8948, user_token_id=872,
                                   assistant_token_id=77091)
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 def write_qwen3_omni(directory: str | Path, *, num_layers: int = 4, hidden_size: int = 128, num_heads: int = 4,
@@ -126,34 +121,21 @@ def write_qwen3_omni(directory: str | Path, *, num_layers: int = 4, hidden_size:
     """
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    if hidden_size % num_heads or (hidden_size // num_heads) not in (32, 64, 80, 96, 112, 128):
-        raise ValueError(f"write_qwen3_omni: hidden_size / num_heads must be a head size vLLM's CPU attention "
-                         f"supports (32, 64, 80, 96, 112, 128), got {hidden_size} / {num_heads}")
+    check_head_size("write_qwen3_omni", hidden_size, num_heads)
     config = _qwen3_config(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, num_experts=num_experts, deepstack_layers=deepstack_layers,
                            init_std=init_std)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3OmniMoeForConditionalGeneration(config).eval()
-    path = Path(directory)
-    model.save_pretrained(path, safe_serialization=True)
-    qwen3_omni_processor().save_pretrained(path)
-    return path
+    return save_checkpoint(directory, Qwen3OmniMoeForConditionalGeneration, config, qwen3_omni_processor(), seed=seed)
 
 
 def load_hf_qwen3_thinker(path: str | Path, *, attn_implementation: str = "sdpa"):
     """transformers' ``Qwen3OmniMoeThinkerForConditionalGeneration`` with the checkpoint's ``thinker.`` weights, fp32,
     in eval mode (loaded through the full model's ``from_pretrained``, which maps the saved layout back)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
+    with quiet_transformers():
         model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
             path, dtype=torch.float32, attn_implementation=attn_implementation, output_loading_info=True)
-    finally:
-        hf_logging.set_verbosity(verbosity)
     left = {name: keys for name, keys in info.items() if keys}
     if left:
         raise RuntimeError(f"load_hf_qwen3_thinker: the checkpoint did not load exactly: {left}")

@@ -57,8 +57,10 @@ from omni_prompts import (  # noqa: E402
     Clip,
     engine_request,
     greedy,
+    greedy_hf_thinker,
     hf_inputs,
     in_process_engine,
+    write_test_checkpoint,
 )
 from qwen3_omni_checkpoints import QWEN3_OMNI_TOKENS, load_hf_qwen3_thinker, write_qwen3_omni  # noqa: E402
 
@@ -97,10 +99,7 @@ def family(request) -> Family:
 
 @pytest.fixture(scope="module")
 def checkpoint(family, tmp_path_factory):
-    # init_std 0.08: peaked attention, so that a wrong position or row changes the tokens (at transformers' 0.02 the
-    # random model repeats one or two tokens whatever its input).
-    return family.write(tmp_path_factory.mktemp(family.name), num_layers=4, hidden_size=128, num_heads=4,
-                        num_kv_heads=2, init_std=0.08)
+    return write_test_checkpoint(family, tmp_path_factory.mktemp(family.name))
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +111,7 @@ def processor(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf_thinker(family, checkpoint):
-    model = family.load(checkpoint)
-    model.generation_config.eos_token_id = None  # 16 tokens whatever they are, as ignore_eos in the engine
-    model.generation_config.pad_token_id = family.tokens.endoftext
-    return model
+    return greedy_hf_thinker(family, checkpoint)
 
 
 class _Recorder:

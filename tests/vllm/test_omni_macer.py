@@ -53,7 +53,17 @@ from macer.core.policy import AUDIO, TEXT, VISUAL  # noqa: E402
 from macer.vllm import records  # noqa: E402
 from macer.vllm.settings import policy_from_settings  # noqa: E402
 from omni_checkpoints import load_hf_thinker, vllm_positions, write_qwen25_omni  # noqa: E402
-from omni_prompts import CLIPS, STEPS, Clip, engine_request, greedy, hf_inputs, in_process_engine  # noqa: E402
+from omni_prompts import (  # noqa: E402
+    CLIPS,
+    STEPS,
+    Clip,
+    engine_request,
+    greedy,
+    greedy_hf_thinker,
+    hf_inputs,
+    in_process_engine,
+    write_test_checkpoint,
+)
 from qwen3_omni_checkpoints import load_hf_qwen3_thinker, write_qwen3_omni  # noqa: E402
 
 from macer_kernels.reference import split_budget_ref  # noqa: E402
@@ -100,9 +110,7 @@ def family(request) -> Family:
 
 @pytest.fixture(scope="module")
 def checkpoint(family, tmp_path_factory):
-    # The baseline's checkpoint: init_std 0.08 gives peaked attention, so a wrong row changes scores and tokens.
-    return family.write(tmp_path_factory.mktemp(f"macer_{family.name}"), num_layers=4, hidden_size=128, num_heads=4,
-                        num_kv_heads=2, init_std=0.08)
+    return write_test_checkpoint(family, tmp_path_factory.mktemp(f"macer_{family.name}"))  # the baseline's
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +122,7 @@ def processor(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf_thinker(family, checkpoint):
-    model = family.load(checkpoint)
-    model.generation_config.eos_token_id = None  # 16 tokens whatever they are, as ignore_eos in the engine
-    model.generation_config.pad_token_id = model.config.text_config.pad_token_id
-    return model
+    return greedy_hf_thinker(family, checkpoint)
 
 
 @pytest.fixture(scope="module")

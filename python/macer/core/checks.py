@@ -1,32 +1,17 @@
-"""Argument checks of the model layer. Every error names the parameter and what is allowed."""
+"""Argument checks of the model layer. Every error names the parameter and what is allowed.
+
+``check_count`` and ``check_real`` are the ops' own (``macer_kernels``), so a count or a real number is refused with
+the same message in both layers.
+"""
 
 from __future__ import annotations
 
 import math
 import numbers
 
+from macer_kernels import check_count, check_real
 
-def check_count(name: str, value: object) -> int:
-    """A non-negative Python integer (bool is rejected)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value}")
-    return int(value)
-
-
-def check_real(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False,
-               hi_open: bool = False) -> float:
-    """A real number (not NaN) in the interval given by ``lo``, ``hi`` and the open flags."""
-    interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-        raise ValueError(f"{name} must be a real number in {interval}, got {value!r}")
-    value = float(value)
-    below = value <= lo if lo_open else value < lo
-    above = value >= hi if hi_open else value > hi
-    if below or above:
-        raise ValueError(f"{name} must be in {interval}, got {value}")
-    return value
+__all__ = ["check_count", "check_real", "field_bool", "field_choice", "field_int", "field_real"]
 
 
 def field_int(owner: str, name: str, value: object, lo: int) -> int:
