@@ -282,3 +282,21 @@ def test_prepare_avutbench_passes_over_json_files_that_are_not_questions(tmp_pat
         prepare.main(["avutbench", "--root", str(root), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "other.jsonl" in err and "test.json" in err and "pass --qa" in err
+
+
+def test_a_new_results_file_counts_whatever_time_it_carries(tmp_path):
+    """Guards reading this run's results by comparing file times with the clock: file systems stamp files with a
+    coarser clock than ``time.time()`` (CI saw a file written just after a row started stamped before it, and the row
+    marked failed). A file that is new, or changed, since the snapshot counts; an unchanged one does not."""
+    old = tmp_path / "model" / "old_results.json"
+    old.parent.mkdir()
+    old.write_text(json.dumps({"results": {"dailyomni": {"accuracy,none": 99.0}}}))
+    before = table.result_files(tmp_path)
+    with pytest.raises(FileNotFoundError, match="from this run"):
+        table.scores(tmp_path, before=before)
+    new = tmp_path / "model" / "new_results.json"
+    new.write_text(json.dumps({"results": {"dailyomni": {"accuracy,none": 40.0}}}))
+    os.utime(new, (1, 1))  # stamped long before the snapshot was taken
+    assert table.scores(tmp_path, before=before) == {"dailyomni": 40.0}
+    os.utime(old, (2, 2))  # rewritten by this run (a changed time), and newer than the other
+    assert table.scores(tmp_path, before=before) == {"dailyomni": 99.0}

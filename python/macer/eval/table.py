@@ -29,7 +29,6 @@ import json
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,13 +152,21 @@ def command(row: Row, args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def scores(row_dir: Path, since: float | None = None) -> dict[str, float]:
-    """``{task: score}`` from the newest ``*results.json`` lmms-eval wrote under ``row_dir`` (at or after the time
-    ``since``, so that an earlier run's file in the same folder is not taken for this run's)."""
-    found = sorted((p for p in row_dir.rglob("*results.json") if since is None or p.stat().st_mtime >= since),
-                   key=lambda p: p.stat().st_mtime)
+def result_files(row_dir: Path) -> dict[Path, int]:
+    """The ``*results.json`` files under ``row_dir`` with their modification times (ns)."""
+    return {p: p.stat().st_mtime_ns for p in row_dir.rglob("*results.json")} if row_dir.exists() else {}
+
+
+def scores(row_dir: Path, before: dict[Path, int] | None = None) -> dict[str, float]:
+    """``{task: score}`` from the newest ``*results.json`` lmms-eval wrote under ``row_dir``, leaving out the files
+    ``before`` lists unchanged (``result_files`` taken before the run), so that an earlier run's file in the same
+    folder is not taken for this run's. Files are told apart by path and modification time, not by comparing a file's
+    time with the clock: the file system's timestamps are coarser than ``time.time()``, and a file written just after
+    the run started may carry an earlier time."""
+    found = sorted((p for p, mtime in result_files(row_dir).items() if before is None or before.get(p) != mtime),
+                   key=lambda p: p.stat().st_mtime_ns)
     if not found:
-        raise FileNotFoundError(f"no lmms-eval results under {row_dir}" + ("" if since is None else
+        raise FileNotFoundError(f"no lmms-eval results under {row_dir}" + ("" if before is None else
                                                                            " from this run"))
     results = json.loads(found[-1].read_text())["results"]
     return {task: float(results[task][metric]) for task, (_, metric) in BENCHMARKS.items() if task in results}
@@ -231,10 +238,10 @@ def run_row(row: Row, args: argparse.Namespace) -> RowResult:
     """Run one row's lmms-eval process and read what it wrote; a failure is recorded, not raised."""
     cmd = command(row, args)
     row_dir = Path(args.out) / row.name
-    start = time.time()
+    before = result_files(row_dir)
     code = subprocess.run(cmd).returncode
     try:
-        got = scores(row_dir, since=start)
+        got = scores(row_dir, before=before)
     except FileNotFoundError:
         got = {}
     missing = [b for b in args.benchmarks if b not in got]
