@@ -16,7 +16,7 @@ from vllm.model_executor.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerFo
 from vllm.sequence import IntermediateTensors
 
 from macer.vllm.checks import check_engine, no_pipeline
-from macer.vllm.prompt import omni_prompt_labels
+from macer.vllm.prompt import engine_prompt_labels
 from macer.vllm.settings import policy_from_config
 from macer.vllm.staged import StagedDecoder
 
@@ -31,9 +31,10 @@ class MacerQwen2_5OmniThinkerForConditionalGeneration(Qwen2_5OmniThinkerForCondi
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         check_engine(vllm_config)
-        policy, _ = policy_from_config(vllm_config)
+        policy, labels = policy_from_config(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.macer = StagedDecoder(self.language_model.model, policy, omni_prompt_labels(self.config), vllm_config)
+        self.macer = StagedDecoder(self.language_model.model, policy, engine_prompt_labels(vllm_config, labels),
+                                   vllm_config)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None,

@@ -25,9 +25,8 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_omni_moe_thinker import Qwen3OmniMoeThinkerForConditionalGeneration
 from vllm.sequence import IntermediateTensors
 
-from macer.core.families import QWEN3_OMNI
 from macer.vllm.checks import check_engine, no_pipeline
-from macer.vllm.prompt import omni_prompt_labels
+from macer.vllm.prompt import engine_prompt_labels
 from macer.vllm.settings import policy_from_config
 from macer.vllm.staged import StagedDecoder
 
@@ -42,10 +41,10 @@ class MacerQwen3OmniMoeThinkerForConditionalGeneration(Qwen3OmniMoeThinkerForCon
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         check_engine(vllm_config)
-        policy, _ = policy_from_config(vllm_config)
+        policy, labels = policy_from_config(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._deepstack: IntermediateTensors | None = None  # this step's levels, during forward only
-        self.macer = StagedDecoder(self.language_model.model, policy, omni_prompt_labels(self.config, QWEN3_OMNI),
+        self.macer = StagedDecoder(self.language_model.model, policy, engine_prompt_labels(vllm_config, labels),
                                    vllm_config, after_layer=self._add_deepstack)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,

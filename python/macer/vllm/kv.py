@@ -167,11 +167,11 @@ class SchedulerKV:
         from macer.vllm.settings import SETTINGS_KEY, policy_from_config
 
         model_config = vllm_config.model_config
-        policy, _ = policy_from_config(vllm_config)
+        policy, labels = policy_from_config(vllm_config)
         settings = (vllm_config.additional_config or {}).get(SETTINGS_KEY)
         self.vllm_config = vllm_config
         self.policies = RequestPolicies(settings, model_config.hf_config, model_config.architecture, policy)
-        self.prompt = engine_prompt_labels(vllm_config)
+        self.prompt = engine_prompt_labels(vllm_config, labels)
         self.num_layers = decoder_depth(model_config.hf_config)
         self.start = compacted_start(policy, self.num_layers)
         self.drops: dict[str, int] = {}

@@ -23,7 +23,7 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.sequence import IntermediateTensors
 
 from macer.vllm.checks import check_engine, no_pipeline
-from macer.vllm.prompt import PromptLabels
+from macer.vllm.prompt import engine_prompt_labels
 from macer.vllm.settings import policy_from_config
 from macer.vllm.staged import StagedDecoder
 
@@ -38,7 +38,7 @@ class MacerQwen2ForCausalLM(Qwen2ForCausalLM):
         check_engine(vllm_config)
         policy, labels = policy_from_config(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.macer = StagedDecoder(self.model, policy, PromptLabels(labels.labels), vllm_config)
+        self.macer = StagedDecoder(self.model, policy, engine_prompt_labels(vllm_config, labels), vllm_config)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None,

@@ -40,17 +40,18 @@ def omni_prompt_labels(thinker_config: Any, family: QwenOmni = QWEN2_5_OMNI) -> 
     return PromptLabels(labels, family.end_of_turn_token_id(thinker_config))
 
 
-def engine_prompt_labels(vllm_config: Any) -> PromptLabels:
-    """The labels of an engine's architecture from its config alone, as its model class builds them: a thinker's
-    from its config's token ids, the labelled architecture's from the settings' token-id sets (the scheduler of a
-    freeing engine plans each request's layout with them, in a process that holds no model)."""
-    from macer.vllm.settings import policy_from_config, thinker_family
+def engine_prompt_labels(vllm_config: Any, labels: Any) -> PromptLabels:
+    """The labels of an engine's architecture from its config alone: a thinker's from its config's token ids, the
+    labelled architecture's from the settings' token-id sets (``labels``, the ``LabelSpec`` of
+    ``macer.vllm.settings.policy_from_config``; None on a thinker). Every MACER model class builds its labels with
+    it, and so does the scheduler of an engine that frees KV memory, which plans each request's layout in a process
+    that holds no model: one function, so the two label every prompt alike."""
+    from macer.vllm.settings import thinker_family
 
     model_config = vllm_config.model_config
     family = thinker_family(model_config.architecture)
     if family is not None:
         return omni_prompt_labels(model_config.hf_config.thinker_config, family)
-    _, labels = policy_from_config(vllm_config)
     return PromptLabels(labels.labels)
 
 
