@@ -301,7 +301,7 @@ def run_admission(checkpoint: str, provider: str, mode: str, block_size: int | N
                   kv_cache_mib: int | None = None) -> dict:
     """The admission measurement of one provider in this process (``--admission``; one engine, then exit): every
     request submitted at once to an engine with a fixed KV cache (``kv_cache_memory_bytes``), served to the end."""
-    from macer.core.kv_memory import choose_start, request_blocks
+    from macer.core.kv_memory import compacted_start, request_blocks
     from macer.core.policies import make_policy
     from macer.vllm.testing import admission
     from vllm import LLM, SamplingParams
@@ -328,7 +328,7 @@ def run_admission(checkpoint: str, provider: str, mode: str, block_size: int | N
         policy = make_policy("macer", **{k: v for k, v in settings.items() if k not in ("policy", "free_kv")})
         layers = spec["checkpoint"]["num_layers"]
         tokens = policy.layer_tokens(n - clip["n_audio"] - clip["n_video"], clip["n_audio"], clip["n_video"], layers)
-        blocks = sum(request_blocks(n, tokens, 0, block, choose_start(layers, settings["video_layer"], keep)))
+        blocks = sum(request_blocks(n, tokens, 0, block, compacted_start(policy, layers)))
     return {"provider": provider, "keep_ratio": keep, "free_kv": settings.get("free_kv", provider != "vllm"),
             "kv_cache_mib": spec["kv_cache_mib"],
             "num_blocks": run["num_blocks"], "block_size": block, "prompt_tokens": n, "blocks_per_request": blocks,

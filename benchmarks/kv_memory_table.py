@@ -11,7 +11,7 @@ ratio, which is how many more such requests fit in the same KV cache. Arithmetic
 
 from __future__ import annotations
 
-from macer.core.kv_memory import choose_start, kv_groups, request_pages, vanilla_pages
+from macer.core.kv_memory import compacted_start, kv_groups, request_pages, vanilla_pages
 from macer.core.policies import make_policy
 
 MODELS = {
@@ -36,7 +36,7 @@ def rows() -> list[dict]:
             vanilla = vanilla_pages(n, layers, ANSWER, BLOCK) * page
             for keep in (0.25, 0.1):
                 policy = make_policy("macer", keep_ratio=keep, end_of_turn_token_id=2, **settings)
-                start = choose_start(layers, settings["video_layer"], keep)
+                start = compacted_start(policy, layers)
                 tokens = policy.layer_tokens(text, audio, video, layers)
                 macer = request_pages(n, tokens, ANSWER, BLOCK, start) * page
                 groups = kv_groups(layers, start)

@@ -9,6 +9,7 @@ import pytest
 from macer.core.kv_memory import (
     choose_start,
     compacted_drop,
+    compacted_start,
     kv_groups,
     request_blocks,
     request_pages,
@@ -95,3 +96,15 @@ def test_bad_sizes_are_refused_by_name():
         request_blocks(10, [10] * 6, -1, 32, 4)
     with pytest.raises(ValueError, match="num_layers must be >= 1"):
         kv_groups(0, None)
+
+
+def test_the_first_compacted_layer_of_a_policy():
+    """``compacted_start``: from the policy's last stage (MACER's video layer, FastV's layer), layer 1 for a stage
+    before the first layer (the random rule), None where nothing is dropped."""
+    assert compacted_start(_macer(), 28) == 5
+    assert compacted_start(make_policy("macer", keep_ratio=0.25, audio_layer=4, video_layer=7,
+                                       end_of_turn_token_id=2), 36) == 9
+    assert compacted_start(make_policy("fastv", keep_ratio=0.25, layer=2), 6) == 2
+    assert compacted_start(make_policy("random", keep_ratio=0.25), 6) == 1
+    assert compacted_start(make_policy("full"), 28) is None
+    assert compacted_start(_macer(keep=1.0), 28) is None

@@ -17,8 +17,13 @@ The model (vLLM 0.32's, which ``tests/vllm/test_kv.py`` checks against vLLM's ow
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["choose_start", "compacted_drop", "kv_groups", "request_blocks", "request_pages", "vanilla_pages"]
+if TYPE_CHECKING:
+    from macer.core.policy import Policy
+
+__all__ = ["choose_start", "compacted_drop", "compacted_start", "kv_groups", "request_blocks", "request_pages",
+           "vanilla_pages"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -104,3 +109,15 @@ def choose_start(num_layers: int, last_stage: int, keep_ratio: float) -> int | N
         return size * (full + keep_ratio * (len(groups) - full)), size * len(groups), first
 
     return min(range(start, num_layers), key=cost)
+
+
+def compacted_start(policy: Policy, num_layers: int) -> int | None:
+    """The first decoder layer (0-based) of the compacted KV cache groups of an engine serving ``policy``, or None
+    (nothing to compact: the ``full`` policy, a keep ratio of 1, a last stage past the last layer): ``choose_start``
+    from the policy's last stage, whose dropped rows are gone from that layer on (``layers[l_v:]`` for MACER). A
+    stage before the first layer (the random rule) counts as layer 1: layer 0 stays in a full group. The vLLM
+    plugin's model and scheduler, the admission benchmark and the docs' memory table all take it from here."""
+    layers = [spec.layer for spec in policy.stage_specs(1, 1)]
+    if not layers:
+        return None
+    return choose_start(num_layers, max(layers), getattr(policy, "keep_ratio", 1.0))

@@ -2,15 +2,16 @@
 
 vLLM's KV cache manager gives every KV cache group of a request the same number of token slots. With
 ``additional_config["macer"]["free_kv"]`` on (the default) the decoder layers after the engine policy's last stage
-(``compacted_start``: ``layers[l_v:]`` for MACER) declare a KV cache spec of their own, ``MacerCompactedSpec``, so
-vLLM puts them in KV cache groups of their own, managed by ``MacerCompactedManager``: it gives a request
-``cdiv(num_tokens - D_r, block_size)`` blocks, where ``D_r`` is the number of prompt rows the request's stages dropped
-before the first compacted layer. ``D_r`` comes from the prompt alone, when the request reaches the scheduler
-(``SchedulerKV.arrive``, through ``macer.vllm.state.request_layout``, the function the worker plans the request
-with), before any block is allocated: admission, the full-sequence gate and preemption all count the smaller number.
-The worker already writes those layers' K/V at compacted indices (kept prompt row ``k`` at ``k``, position ``p >= N``
-at ``p - D``; ``macer.core.steps``), so the smaller allocation holds exactly what they write. The layers before the
-first compacted one keep the whole prompt's blocks (an earlier stage's compacted layers use the first part of them).
+(``macer.core.kv_memory.compacted_start``: ``layers[l_v:]`` for MACER) declare a KV cache spec of their own,
+``MacerCompactedSpec``, so vLLM puts them in KV cache groups of their own, managed by ``MacerCompactedManager``: it
+gives a request ``cdiv(num_tokens - D_r, block_size)`` blocks, where ``D_r`` is the number of prompt rows the
+request's stages dropped before the first compacted layer. ``D_r`` comes from the prompt alone, when the request
+reaches the scheduler (``SchedulerKV.arrive``, through ``macer.vllm.state.request_layout``, the function the worker
+plans the request with), before any block is allocated: admission, the full-sequence gate and preemption all count the
+smaller number. The worker already writes those layers' K/V at compacted indices (kept prompt row ``k`` at ``k``,
+position ``p >= N`` at ``p - D``; ``macer.core.steps``), so the smaller allocation holds exactly what they write. The
+layers before the first compacted one keep the whole prompt's blocks (an earlier stage's compacted layers use the
+first part of them).
 
 A request that drops nothing (keep ratio 1, text only, a prompt the plan refuses, the ``full`` policy) has
 ``D_r = 0`` and gets vLLM's own count in every group. ``D_r`` survives preemption (the recompute writes the same
@@ -46,11 +47,10 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from macer.core import kv_memory
-from macer.core.layout import RequestLayout
 from macer.core.policy import Policy
 
-__all__ = ["MacerCompactedManager", "MacerCompactedSpec", "SchedulerKV", "check_groups", "compacted_drop",
-           "compacted_start", "declare_compacted", "follow_default", "register_kv"]
+__all__ = ["MacerCompactedManager", "MacerCompactedSpec", "SchedulerKV", "check_groups", "declare_compacted",
+           "follow_default", "register_kv"]
 
 
 
@@ -103,23 +103,6 @@ def register_kv() -> None:
 
 
 # ----------------------------------------------------------------------------------------- which layers
-def compacted_start(policy: Policy, num_layers: int) -> int | None:
-    """The first decoder layer (0-based) of the compacted KV cache groups, or None (nothing to compact: the ``full``
-    policy, a keep ratio of 1, a last stage past the last layer): at or after the engine policy's last stage, whose
-    dropped rows are gone from that layer on (``layers[l_v:]`` for MACER), where vLLM's grouping needs the fewest
-    pages (``macer.core.kv_memory.choose_start``). A stage before the first layer (the random rule) counts as layer
-    1: layer 0 stays in a full group."""
-    layers = [spec.layer for spec in policy.stage_specs(1, 1)]
-    if not layers:
-        return None
-    return kv_memory.choose_start(num_layers, max(layers), getattr(policy, "keep_ratio", 1.0))
-
-
-def compacted_drop(layout: RequestLayout, start: int | None) -> int:
-    """``D_r`` of a request (``macer.core.kv_memory.compacted_drop`` of its layout; 0 for an unpruned one)."""
-    return kv_memory.compacted_drop(layout.prompt_len, layout.layer_tokens, start) if layout.pruned else 0
-
-
 def declare_compacted(attns: Sequence[Any]) -> None:
     """Make the attention modules ``attns`` declare ``MacerCompactedSpec`` (their KV cache format otherwise as vLLM
     declares it): vLLM asks each module for its spec when it sizes the KV cache."""
@@ -173,7 +156,7 @@ class SchedulerKV:
         self.policies = RequestPolicies(settings, model_config.hf_config, model_config.architecture, policy)
         self.prompt = engine_prompt_labels(vllm_config, labels)
         self.num_layers = decoder_depth(model_config.hf_config)
-        self.start = compacted_start(policy, self.num_layers)
+        self.start = kv_memory.compacted_start(policy, self.num_layers)
         self.drops: dict[str, int] = {}
         for manager in managers:
             manager.drops = self.drops
@@ -192,7 +175,7 @@ class SchedulerKV:
 
         _, _, layout = request_layout(list(prompt_ids), None, extra_args, self.policies, self.prompt,
                                       self.num_layers)
-        return compacted_drop(layout, self.start)
+        return kv_memory.compacted_drop(layout.prompt_len, layout.layer_tokens, self.start)  # 0 if unpruned
 
     def arrive(self, request: Any) -> None:
         """A new request (vLLM's ``Request``), before any of its blocks is allocated."""

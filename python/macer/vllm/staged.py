@@ -81,7 +81,8 @@ def _compacted(attns: list[nn.Module], policy: Policy, settings: Any) -> int | N
     to declare so; None where the engine does not free KV memory (``free_kv`` off, or nothing to compact)."""
     if not free_kv(settings):
         return None
-    from macer.vllm.kv import compacted_start, declare_compacted
+    from macer.core.kv_memory import compacted_start
+    from macer.vllm.kv import declare_compacted
 
     start = compacted_start(policy, len(attns))
     if start is not None:
