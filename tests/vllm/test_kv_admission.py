@@ -24,7 +24,7 @@ pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .
 from macer.core.kv_memory import compacted_drop, kv_groups, request_blocks, request_pages, vanilla_pages  # noqa: E402
 from macer.core.policies import make_policy  # noqa: E402
 from macer.vllm.testing import MACER_SETTINGS, admission, drawn_clip_prompt, write_checkpoint  # noqa: E402
-from vllm_cases import in_process_llm  # noqa: E402
+from vllm_cases import BlockLog, in_process_llm, scheduler_of  # noqa: E402
 
 LAYERS, BLOCK, ANSWER = 28, 32, 4
 STAGES = {"audio_layer": 3, "video_layer": 5}  # Qwen2.5-Omni-7B's l_a, l_v
@@ -65,7 +65,7 @@ def _layout(keep: float) -> tuple[int, tuple[int, ...]]:
 
 
 def _usable(llm) -> int:
-    return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1  # null
+    return scheduler_of(llm).kv_cache_manager.block_pool.num_gpu_blocks - 1  # all but the null block
 
 
 def test_the_clip_crosses_no_block_while_it_answers():
@@ -116,35 +116,21 @@ def test_a_request_that_drops_nothing_holds_vllms_blocks_on_the_7b_layout(vanill
     """Item 2f on the 28-layer layout: a keep-ratio-1 request and a text-only one on the freeing engine hold vLLM's
     own block count in each of the 6 groups; in bytes that is 30 layer slots per block against 28 (the 23 compacted
     layers fill 5 groups of 5: vLLM pads the last two), which docs/serving.md states (an engine whose own policy drops
-    nothing has no compacted group: ``macer.core.kv_memory.choose_start``)."""
+    nothing has no compacted group: ``macer.core.kv_memory.compacted_start``)."""
     from vllm import SamplingParams
-
-    scheduler = freeing.llm_engine.engine_core.engine_core.scheduler
-    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    held: dict[str, list[int]] = {}
-    schedule = scheduler.schedule
-
-    def logged(*args, **kwargs):
-        out = schedule(*args, **kwargs)
-        for request in scheduler.running:
-            held[request.request_id] = [len(m.req_to_blocks.get(request.request_id, ())) for m in managers]
-        return out
 
     keep_one = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                               extra_args={"macer_keep_ratio": 1.0})
     clip = drawn_clip_prompt(**CLIP, seed=99)
     text = drawn_clip_prompt(n_audio=0, n_video=0, question=300, seed=98)
-    scheduler.schedule = logged
-    try:
+    with BlockLog(freeing) as log:
         engine = freeing.llm_engine
         engine.add_request("keep-one", {"prompt_token_ids": clip}, keep_one)
         engine.add_request("text", {"prompt_token_ids": text}, _params())
         while engine.has_unfinished_requests():
             engine.step()
-    finally:
-        del scheduler.schedule
-    by_name = {name: blocks for request_id, blocks in held.items() for name in ("keep-one", "text")
-               if request_id.startswith(name)}  # vLLM adds a suffix to the ids
+    by_name = {name: blocks for request_id, _, blocks in log.rows for name in ("keep-one", "text")
+               if request_id.startswith(name)}  # vLLM adds a suffix to the ids; the last step's blocks
     assert by_name["keep-one"] == [-(-len(clip) // BLOCK)] * 6
     assert by_name["text"] == [-(-len(text) // BLOCK)] * 6
     page = BLOCK * 2 * 1 * 32 * 4  # tokens x (K, V) x KV heads x head size x fp32
