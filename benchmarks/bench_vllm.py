@@ -97,13 +97,6 @@ ADMISSION = {
 }
 
 
-def prompt_ids(n_audio: int, n_video: int, question: int, seed: int = 0) -> list[int]:
-    """The ``macer.vllm.testing.clip_prompt`` layout with ids drawn with replacement (any block length)."""
-    from macer.vllm.testing import drawn_clip_prompt
-
-    return drawn_clip_prompt(n_audio=n_audio, n_video=n_video, question=question, seed=seed)
-
-
 def write_checkpoint(directory: Path, mode: str, spec: dict | None = None) -> Path:
     """The random checkpoint of ``mode`` (``spec``: its shape, default ``MODES[mode]``'s; CPU:
     ``macer.vllm.testing.write_checkpoint``; GPU: built on the GPU in bf16, the 7B shape would take minutes and 30 GB
@@ -165,10 +158,11 @@ def _settings(provider: str) -> dict:
 def run_provider(checkpoint: str, provider: str, mode: str) -> dict:
     """Time one provider in this process (the ``--provider`` entry: one engine, then exit). The engine runs in this
     process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``main``), so the process CPU time covers its work."""
+    from macer.vllm.testing import drawn_clip_prompt
     from vllm import LLM, SamplingParams
 
     spec = MODES[mode]
-    prompt = prompt_ids(**spec["clip"])
+    prompt = drawn_clip_prompt(**spec["clip"])
     engine = _engine_args(checkpoint, provider, mode)
     started = time.perf_counter()
     llm = LLM(**engine)
@@ -266,6 +260,7 @@ def closed_loop(llm, prompts: list[list[int]], concurrency: int, tokens: int) ->
 
 def run_sweep(checkpoint: str, provider: str, mode: str) -> list[dict]:
     """The concurrency sweep of one provider in this process (``--sweep``; one engine, then exit)."""
+    from macer.vllm.testing import drawn_clip_prompt
     from vllm import LLM
 
     spec, sweep = MODES[mode], SWEEP[mode]
@@ -278,7 +273,7 @@ def run_sweep(checkpoint: str, provider: str, mode: str) -> list[dict]:
         tokens = sweep[workload]
         for concurrency in SWEEP["concurrency"]:
             count = max(2 * concurrency, 8)
-            prompts = [prompt_ids(**spec["clip"], seed=1000 * concurrency + i) for i in range(count)]
+            prompts = [drawn_clip_prompt(**spec["clip"], seed=1000 * concurrency + i) for i in range(count)]
             closed_loop(llm, prompts[:concurrency], concurrency, tokens)  # warm-up at this concurrency
             timer.reset()
             run = closed_loop(llm, prompts, concurrency, tokens)
@@ -303,7 +298,7 @@ def run_admission(checkpoint: str, provider: str, mode: str, block_size: int | N
     request submitted at once to an engine with a fixed KV cache (``kv_cache_memory_bytes``), served to the end."""
     from macer.core.kv_memory import compacted_start, request_blocks
     from macer.core.policies import make_policy
-    from macer.vllm.testing import admission
+    from macer.vllm.testing import admission, drawn_clip_prompt
     from vllm import LLM, SamplingParams
 
     spec = {**ADMISSION[mode], **({"kv_cache_mib": kv_cache_mib} if kv_cache_mib else {})}
@@ -314,7 +309,7 @@ def run_admission(checkpoint: str, provider: str, mode: str, block_size: int | N
         engine["block_size"] = block_size
     llm = LLM(**engine)
     block = llm.llm_engine.vllm_config.cache_config.block_size
-    prompts = [prompt_ids(**spec["clip"], seed=i) for i in range(spec["requests"])]
+    prompts = [drawn_clip_prompt(**spec["clip"], seed=i) for i in range(spec["requests"])]
     params = SamplingParams(max_tokens=spec["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
     admission(llm, prompts[:2], params)  # warm-up
     run = admission(llm, prompts, params)
