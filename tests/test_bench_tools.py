@@ -4,6 +4,7 @@ the call marking), wall time and the environment record, and the compute-sanitiz
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -127,3 +128,19 @@ def test_host_profile_driver_runs_both_readouts_on_cpu(capsys):
     out = capsys.readouterr().out
     assert out.count("same kept rows as the first: True") == 2 and out.count("Self CPU time total") == 2
     assert "host_profile done: 2 readouts" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-size", "32"], r"--block-size must be a positive integer and goes with --admission, got 32"),
+    (["--admission", "--block-size", "0"], r"--block-size must be a positive integer and goes with --admission, got 0"),
+    (["--kv-cache-mib", "100"], r"--kv-cache-mib must be a positive integer and goes with --admission, got 100"),
+    (["--admission", "--sweep"], r"not allowed with argument"),
+])
+def test_bench_vllm_refuses_admission_flags_by_name(argv, message, capsys):
+    """benchmarks/bench_vllm.py's admission flags are checked before any engine (or vLLM import): usage errors."""
+    from benchmarks import bench_vllm
+
+    with pytest.raises(SystemExit) as info:
+        bench_vllm.main(argv)
+    assert info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -238,3 +238,55 @@ def test_a_prompt_the_scheduler_cuts_is_sized_unpruned():
         scheduler.macer_kv = SimpleNamespace(cut=cuts.append)
         assert scheduler._try_schedule_encoder_inputs(request, computed, 100 - computed, 10)[1] == scheduled
         assert cuts == cut, (scheduled, computed)
+
+
+def test_the_workers_checks_of_the_kv_groups_name_what_disagrees():
+    """The worker's guards against a scheduler that sized a request otherwise than the worker plans it, and a
+    grouping vLLM made otherwise than the plugin declared: each raises naming what it found (these are invariants,
+    so they are built by hand here rather than provoked through an engine)."""
+    import numpy as np
+    import torch
+    from macer.vllm.backend import StageMetadata
+    from macer.vllm.kv import MacerCompactedSpec, check_groups, declare_compacted
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
+    fields = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    groups = [SimpleNamespace(kv_cache_spec=FullAttentionSpec(**fields), layer_names=names[0:4:2]),
+              SimpleNamespace(kv_cache_spec=FullAttentionSpec(**fields), layer_names=names[1:4:2]),
+              SimpleNamespace(kv_cache_spec=MacerCompactedSpec(**fields), layer_names=names[4:])]
+    config = SimpleNamespace(kv_cache_groups=groups)
+    check_groups(config, names, 4)
+    with pytest.raises(RuntimeError, match=r"the compacted KV cache groups hold layers .* \(2\), not the 3 layers"):
+        check_groups(config, names, 3)
+
+    metadata = StageMetadata.__new__(StageMetadata)  # only what check_owned reads
+    metadata.names, metadata.group_of = names, {name: gid for gid, g in enumerate(groups) for name in g.layer_names}
+    owned = [np.array([4, 2]), np.array([4, 2]), np.array([1, 1])]  # blocks per request row, per group
+    metadata.runner = SimpleNamespace(input_batch=SimpleNamespace(block_table=[
+        SimpleNamespace(num_blocks_per_row=blocks, block_size=BLOCK) for blocks in owned]))
+    metadata.check_owned(SimpleNamespace(segments=[SimpleNamespace(start=4)]), [100, 60])  # groups 0 and 1 only
+    with pytest.raises(RuntimeError, match=r"request row 1 writes 65 slots in KV cache group 0 but owns 64"):
+        metadata.check_owned(SimpleNamespace(segments=[SimpleNamespace(start=4)]), [100, 65])
+    with pytest.raises(RuntimeError, match=r"request row 0 writes 100 slots in KV cache group 2 but owns 32"):
+        metadata.check_owned(SimpleNamespace(segments=[]), [100, 30])  # a plain step writes every layer's group
+
+    attn = SimpleNamespace(get_kv_cache_spec=lambda vllm_config: None)  # a layer vLLM gives no attention spec
+    declare_compacted([attn])
+    with pytest.raises(RuntimeError, match=r"vLLM declared a NoneType for a compacted layer, not an attention spec"):
+        attn.get_kv_cache_spec(None)
+
+
+def test_use_policy_on_a_freeing_engine_needs_its_scheduler_in_process():
+    """``StagedDecoder.use_policy`` (test-only) must switch the scheduler's sizing with the worker's plan; with no
+    scheduler of that engine in this process it refuses rather than let the two disagree."""
+    from macer.core.policies import make_policy
+    from macer.vllm.prompt import PromptLabels
+    from macer.vllm.staged import StagedDecoder
+
+    decoder = SimpleNamespace(layers=[None] * 6, prompt=PromptLabels(lambda ids: ids, 2), kv_start=4,
+                              vllm_config=object())
+    policy = make_policy("macer", keep_ratio=0.5, audio_layer=2, video_layer=4, end_of_turn_token_id=2)
+    with pytest.raises(RuntimeError, match=r"use_policy on an engine that frees KV memory \(free_kv\) needs the "
+                                           r"engine's scheduler in this process"):
+        StagedDecoder.use_policy(decoder, policy)
