@@ -74,6 +74,8 @@ def test_the_clip_crosses_no_block_while_it_answers():
     assert request_blocks(n, tokens, ANSWER - 1, BLOCK, 5) == request_blocks(n, tokens, 0, BLOCK, 5)
     assert vanilla_pages(n, LAYERS, ANSWER - 1, BLOCK) == vanilla_pages(n, LAYERS, 0, BLOCK)
     assert (n, compacted_drop(n, tokens, 5), kv_groups(LAYERS, 5)[0]) == (825, 600, [0, 1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"n_audio and n_video must be >= 0 and question >= 1, got -1, 600, 8"):
+        drawn_clip_prompt(**{**CLIP, "n_audio": -1})
 
 
 @pytest.fixture(scope="module")
