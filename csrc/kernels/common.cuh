@@ -107,4 +107,22 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Programmatic dependent launch (sm_90+; the prepared stage chains its kernels this way). A kernel launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization may start while its predecessor on the stream still runs: every
+// kernel of a chain calls grid_dependency_wait() before its first global read of anything a predecessor wrote (and
+// before its first global write that a predecessor may still read), and may call launch_dependents() once its own
+// successor can start its prologue. Both compile to nothing below sm_90, and the wait returns at once for a kernel
+// launched without the attribute (its predecessor is complete), so every kernel calls them unconditionally.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 }  // namespace macer
