@@ -208,3 +208,26 @@ def test_layer_cache_appends_to_its_own_layer():
     assert cache.layers[0].get_seq_length() == 0
     assert LayerCache(cache, 2).get_seq_length(2) == 3  # everything else reads the whole cache
     assert dataclasses.is_dataclass(macer.MacerConfig)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_left_padded_batch_compiled_equals_eager(attn):
+    """A batch of prompts of different lengths (left padding, re-packed after every stage: the batch's masks and
+    shapes change between layers) and its decode steps, compiled and eager."""
+    from macer.testing import batch_inputs, build_thinker, clip_inputs, macer_config_for
+
+    model = build_thinker(num_layers=4, hidden_size=64, attn_implementation=attn, seed=7)
+    config = macer_config_for(model, keep_ratio=0.3, audio_layer=1, video_layer=2)
+    prompts = [clip_inputs(model, frames=4, grid_hw=(8, 8), audio_tokens=100, seed=4),
+               clip_inputs(model, frames=6, grid_hw=(4, 8), audio_tokens=150, seed=6)]
+    batch = batch_inputs(prompts)
+    outcomes = []
+    for compile in (False, AOT):
+        with torch.no_grad(), macer.compress(model, config, compile=compile) as trace:
+            logits = model(**batch).logits
+            kept = [(list(s.audio_kept), list(s.video_kept), list(s.layer_tokens)) for s in trace.samples]
+            tokens = model.generate(**batch, max_new_tokens=4, do_sample=False)
+        outcomes.append((logits, kept, tokens))
+    (logits, kept, tokens), (c_logits, c_kept, c_tokens) = outcomes
+    torch.testing.assert_close(c_logits, logits, rtol=1e-5, atol=1e-6)
+    assert c_kept == kept and torch.equal(c_tokens, tokens)
