@@ -24,7 +24,6 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
-from macer.core import prompt
 from macer.core.prompt import (
     PlanCache,
     Runs,
@@ -35,6 +34,7 @@ from macer.core.prompt import (
     random_picks,
     runs_of,
 )
+from macer.core.prompt import member_mask as host_member_mask
 from macer_kernels import Budget, temporal_chunks
 
 __all__ = [
@@ -147,7 +147,7 @@ class PromptFacts:
             total += counts[m]
         return total
 
-    # Host views, computed once per prompt (the dataclass is frozen; ``cached_property`` stores them beside it).
+    # Host views, computed once per prompt (the dataclass is frozen; ``computed_once`` stores them beside it).
     @computed_once
     def host_labels(self) -> np.ndarray:
         """``labels`` as a numpy array (a view of a CPU tensor)."""
@@ -211,13 +211,15 @@ class Policy(abc.ABC):
 
 
 def _layer_tokens(specs: Sequence[StageSpec], n_text: int, n_audio: int, n_video: int, num_layers: int) -> list[int]:
+    """Layer ``i`` sees the length after every stage at a layer <= ``i`` (one stage per layer: the last spec given
+    for it)."""
     tokens, length = [], n_text + n_audio + n_video
     stages = {spec.layer: spec for spec in specs}
     counts = {AUDIO: n_audio, VISUAL: n_video}
-    for i in range(num_layers):
-        if i in stages:
-            length = _after(stages[i], counts, length)
-        tokens.append(length)
+    for layer in sorted(layer for layer in stages if 0 <= layer < num_layers):
+        tokens += [length] * (layer - len(tokens))
+        length = _after(stages[layer], counts, length)
+    tokens += [length] * (num_layers - len(tokens))
     return tokens
 
 
@@ -338,11 +340,13 @@ class Plan:
 
 class PolicyLayout(NamedTuple):
     """What a policy plans from a prompt's counts alone: the length entering each layer, the budget (None without
-    audio/video) and the stages."""
+    audio/video), the stages, whether a stage reads the question rows and the modality sets a coverage rule chunks."""
 
     layer_tokens: tuple[int, ...]
     budget: Budget | None
     specs: tuple[StageSpec, ...]
+    asks_question: bool = False
+    covered: tuple[tuple[int, ...], ...] = ()
 
 
 def _make_layout(policy: Policy, n_text: int, n_audio: int, n_video: int, num_layers: int) -> PolicyLayout:
@@ -353,7 +357,9 @@ def _make_layout(policy: Policy, n_text: int, n_audio: int, n_video: int, num_la
         layer_tokens = tuple(policy.layer_tokens(n_text, n_audio, n_video, num_layers))
     if not n_audio + n_video:
         return PolicyLayout(layer_tokens, None, ())
-    return PolicyLayout(layer_tokens, policy.budget(n_audio, n_video), tuple(specs))
+    covered = dict.fromkeys(sel.modalities for spec in specs for sel in spec.selections if sel.rule == "coverage")
+    return PolicyLayout(layer_tokens, policy.budget(n_audio, n_video), tuple(specs), _asks_question(specs),
+                        tuple(covered))
 
 
 _cached_layout = functools.lru_cache(maxsize=1024)(_make_layout)
@@ -429,14 +435,10 @@ def plan_prefill(policy: Policy, facts: PromptFacts, *, cache: bool = True) -> P
     layout = policy_layout(policy, n - n_audio - n_video, n_audio, n_video, facts.num_layers, cache=cache)
     if not n_audio + n_video:
         return Plan(facts, None, [], list(layout.layer_tokens))
-    end = _question_end(facts, policy.query_tokens, policy.question_span) if _asks_question(layout.specs) else None
+    end = _question_end(facts, policy.query_tokens, policy.question_span) if layout.asks_question else None
     _check_last_row(facts, layout.layer_tokens)
     # The tokens each coverage selection chunks, and their temporal positions (the key's last part).
-    covered: dict[tuple[int, ...], tuple[np.ndarray, Runs | None]] = {}  # modalities -> (mask, temporal runs)
-    for spec in layout.specs:
-        for sel in spec.selections:
-            if sel.rule == "coverage" and sel.modalities not in covered:
-                covered[sel.modalities] = _coverage_input(facts, sel.modalities)
+    covered = {m: _coverage_input(facts, m) for m in layout.covered}  # modalities -> (mask, temporal runs)
     key = None
     if cache and facts.temporal.dtype in _NUMPY_KEYED:
         key = (type(policy), policy, facts.num_layers, facts.runs.key(), end,
@@ -456,7 +458,7 @@ def _coverage_input(facts: PromptFacts, modalities: tuple[int, ...]) -> tuple[np
     if facts.temporal.numel() != facts.length:
         raise ValueError(f"PromptFacts.temporal must hold one position per prompt token ({facts.length}), got "
                          f"{facts.temporal.numel()}")
-    mask = prompt.member_mask(facts.host_labels, modalities)
+    mask = host_member_mask(facts.host_labels, modalities)
     if facts.temporal.dtype not in _NUMPY_KEYED:
         return mask, None
     return mask, runs_of(facts.host_temporal[mask])
@@ -484,7 +486,7 @@ def _plan_entry(facts: PromptFacts, layout: PolicyLayout, media: tuple[int, int]
                 if any(counts[m] != prompt_counts[m] for m in sel.modalities):
                     raise ValueError("the random rule draws from the prompt's tokens: it must run before any other "
                                      "stage prunes its modalities")
-                positions = np.nonzero(prompt.member_mask(facts.host_labels, sel.modalities))[0]
+                positions = np.nonzero(host_member_mask(facts.host_labels, sel.modalities))[0]
                 picks.append(random_picks(positions, sel.k, sel.seed))
             else:
                 picks.append(None)
