@@ -12,11 +12,12 @@ computed again, as at the start of a real prefill), in three settings:
   key built and stored: a prompt whose layout (policy, counts, label runs, question end, chunked times) is new;
 * ``cached``: the same layout planned before: the key built, the plan's tensors copied from the cache.
 
-Timing: ``time.perf_counter_ns`` around each call, ``--calls`` calls after ``--warmup``; the table shows the median and
-the 90th percentile (the machine is shared: the median is the number to read), and the process's CPU time per call
-over the same calls. Targets (issue 37): <= 100 us at the 2.4k clip, <= 300 us at 16.3k, printed beside the measured
-median. The token layout and temporal row come from a tiny random thinker's own ``get_rope_index`` (only the layout
-matters to a plan).
+Timing: ``time.perf_counter_ns`` around each call, ``--calls`` calls after ``--warmup``; the table shows the median,
+the 90th percentile, the best of five consecutive batches' means (``best_batch_us``: timeit's estimate of the time on
+an idle machine, for a shared one) and the process's CPU time per call over the same calls. Targets: issue 37's
+<= 100 us at the 2.4k clip and <= 300 us at 16.3k (``target_us``, judged on the median), and the kernel plan's cold
+targets (``../shared/notes/kernel-plan.md`` 5.4: <= 150 us / <= 400 us for a layout not seen before). The token
+layout and temporal row come from a tiny random thinker's own ``get_rope_index`` (only the layout matters to a plan).
 
 The same file times the implementation before the rewrite (commit fd836a2, no cache) when run against that tree:
 ``PYTHONPATH=<old tree>/python:<old tree> python benchmarks/bench_plan.py --name bench_plan_cpu_before`` (the settings
@@ -42,6 +43,9 @@ from benchmarks.e2e import output
 
 TARGET_US = {"paper": 100.0, "long": 300.0}
 """Issue 37's bounds for ``plan_prefill`` per clip, on one CPU thread."""
+
+COLD_TARGET_US = {"paper": 150.0, "long": 400.0}
+"""The kernel plan's bounds for a plan whose layout is new (settings ``nocache`` and ``cold``)."""
 
 POLICIES = ("macer", "fastv", "random")
 
@@ -102,9 +106,12 @@ def time_plans(policy: Any, facts: Any, setting: str, calls: int, warmup: int) -
         if i >= warmup:
             walls.append((t1 - t0) / 1e3)
             cpu += c1 - c0
+    # timeit's rule for a shared machine: the best of several batches' means estimates the time without the others.
+    size = max(1, len(walls) // 5)
+    best = min(statistics.fmean(walls[i: i + size]) for i in range(0, len(walls) - size + 1, size))
     walls.sort()
     return {"median_us": statistics.median(walls), "p90_us": walls[int(0.9 * (len(walls) - 1))],
-            "cpu_us_per_call": 1e6 * cpu / calls}
+            "best_batch_us": best, "cpu_us_per_call": 1e6 * cpu / calls}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,9 +131,12 @@ def run(args: argparse.Namespace) -> int:
             for setting in _settings_of_this_tree():
                 times = time_plans(policy, facts, setting, args.calls, args.warmup)
                 target = TARGET_US[clip]
+                cold = COLD_TARGET_US[clip] if setting != "cached" else None
                 rows.append({"clip": clip, "tokens": facts.length, "audio": n_audio, "video": n_video,
                              "policy": name, "setting": setting, **{k: round(v, 1) for k, v in times.items()},
-                             "target_us": target, "within_target": times["median_us"] <= target})
+                             "target_us": target, "within_target": times["median_us"] <= target,
+                             "cold_target_us": cold,
+                             "within_cold_target": None if cold is None else times["median_us"] <= cold})
     meta = {"machine": machine, "settings": {"calls": args.calls, "warmup": args.warmup,
                                              "num_layers": args.num_layers, "torch_threads": 1},
             "timing": "perf_counter_ns around each plan_prefill call on a fresh PromptFacts; median and p90 of "
