@@ -13,8 +13,8 @@ computed again, as at the start of a real prefill), in three settings:
 * ``cached``: the same layout planned before: the key built, the plan's tensors copied from the cache.
 
 Timing: ``time.perf_counter_ns`` around each call, ``--calls`` calls after ``--warmup``; the table shows the median,
-the 90th percentile, the best of five consecutive batches' means (``best_batch_us``: timeit's estimate of the time on
-an idle machine, for a shared one) and the process's CPU time per call over the same calls. Targets: issue 37's
+the 90th percentile, the best of five consecutive batches' medians (``best_batch_us``: an estimate of the time on an
+idle machine, for a shared one) and the process's CPU time per call over the same calls. Targets: issue 37's
 <= 100 us at the 2.4k clip and <= 300 us at 16.3k (``target_us``, judged on the median), and the kernel plan's cold
 targets (``../shared/notes/kernel-plan.md`` 5.4: <= 150 us / <= 400 us for a layout not seen before). The token
 layout and temporal row come from a tiny random thinker's own ``get_rope_index`` (only the layout matters to a plan).
@@ -106,9 +106,10 @@ def time_plans(policy: Any, facts: Any, setting: str, calls: int, warmup: int) -
         if i >= warmup:
             walls.append((t1 - t0) / 1e3)
             cpu += c1 - c0
-    # timeit's rule for a shared machine: the best of several batches' means estimates the time without the others.
+    # On a shared machine the quietest stretch estimates the time without the other processes: the best of five
+    # consecutive batches' medians (a mean would carry each batch's preemptions).
     size = max(1, len(walls) // 5)
-    best = min(statistics.fmean(walls[i: i + size]) for i in range(0, len(walls) - size + 1, size))
+    best = min(statistics.median(walls[i: i + size]) for i in range(0, len(walls) - size + 1, size))
     walls.sort()
     return {"median_us": statistics.median(walls), "p90_us": walls[int(0.9 * (len(walls) - 1))],
             "best_batch_us": best, "cpu_us_per_call": 1e6 * cpu / calls}
