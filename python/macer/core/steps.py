@@ -13,8 +13,10 @@ A step is a flattened batch of requests in the engine's order. Each request cont
 ``layer_tokens[l]`` is the number of prompt rows entering decoder layer ``l`` (``macer.core.layout``); the prompt
 rows a request's stages dropped before layer ``l`` are ``D(l) = prompt_len - layer_tokens[l]``. The layers split
 into **segments** at every layer where some request's ``layer_tokens`` changes (layer 0 counts when a stage prunes
-before the first layer). Inside a segment every request has the same rows in every layer, so one attention metadata
-serves the segment's layers. Per request and segment, with ``K = layer_tokens[first layer]``, ``D = P - K``:
+before the first layer; ``layer_bounds``), and at any further layer the caller names (``boundaries``: an engine
+whose CUDA graphs were captured with one metadata per segment of a fixed layout). Inside a segment every request has
+the same rows in every layer, so one attention metadata serves the segment's layers. Per request and segment, with
+``K = layer_tokens[first layer]``, ``D = P - K``:
 
 | row kind | query rows ``q_s`` | sequence length ``seq_s`` |
 |---|---|---|
@@ -33,10 +35,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["CHUNK", "DECODE", "KINDS", "PREFILL", "Piece", "Row", "Segment", "StepPlan", "plan_step", "row_kind"]
+__all__ = ["CHUNK", "DECODE", "KINDS", "PREFILL", "Piece", "Row", "Segment", "StepPlan", "layer_bounds", "plan_step",
+           "row_kind"]
 
 PREFILL, DECODE, CHUNK = "prefill", "decode", "chunk"
 KINDS = (PREFILL, DECODE, CHUNK)
+
+
+def layer_bounds(prompt_len: int, layer_tokens: tuple[int, ...]) -> tuple[int, ...]:
+    """The layers where a request's prompt rows change (layer 0 when a stage prunes before the first layer): where a
+    segment must start for it. Empty for an unpruned request. A function of the request's layout only, so an engine
+    computes it once per request and hands it to every ``Row`` of it."""
+    bounds, previous = [], prompt_len
+    for layer, tokens in enumerate(layer_tokens):
+        if tokens != previous:
+            bounds.append(layer)
+        previous = tokens
+    return tuple(bounds)
 
 
 @dataclass(frozen=True)
@@ -48,16 +63,23 @@ class Row:
         layer_tokens: prompt rows entering each decoder layer (``(P,) * L`` for an unpruned request).
         computed: tokens already in the request's cache before this step.
         query: rows this step feeds the request.
+        bounds: ``layer_bounds(prompt_len, layer_tokens)``, computed here when not given (an engine passes the one it
+            keeps per request, so a step does not walk every request's layers again).
     """
 
     prompt_len: int
     layer_tokens: tuple[int, ...]
     computed: int
     query: int
+    bounds: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.bounds is None:
+            object.__setattr__(self, "bounds", layer_bounds(self.prompt_len, self.layer_tokens))
 
     @property
     def pruned(self) -> bool:
-        return any(tokens != self.prompt_len for tokens in self.layer_tokens)
+        return bool(self.bounds)
 
 
 def row_kind(computed: int, query: int, prompt_len: int) -> str:
@@ -141,27 +163,19 @@ class StepPlan:
         return self.segments[-1].num_tokens if self.segments else self.num_tokens
 
 
-def _boundaries(rows: list[Row], num_layers: int) -> list[int]:
-    bounds = set()
-    for row in rows:
-        if not row.pruned:
-            continue
-        previous = row.prompt_len
-        for layer, tokens in enumerate(row.layer_tokens):
-            if tokens != previous:
-                bounds.add(layer)
-            previous = tokens
-    return sorted(bounds)
-
-
-def plan_step(rows: list[Row]) -> StepPlan:
+def plan_step(rows: list[Row], boundaries: tuple[int, ...] = ()) -> StepPlan:
     """The step's plan (module docstring). ``rows``: the step's requests in row order; every ``layer_tokens`` has
-    the decoder's depth. ``ValueError`` for a chunk of a pruned request, or speculative rows."""
+    the decoder's depth. ``boundaries``: layers where a segment starts even if no request's rows change there (an
+    engine whose CUDA graphs were captured with one metadata per segment of a fixed layout passes that layout's
+    starts; such a segment just repeats the rows of the one before). ``ValueError`` for a chunk of a pruned request,
+    speculative rows, or a boundary outside the decoder."""
     if not rows:
         raise ValueError("plan_step: a step has at least one request")
     num_layers = len(rows[0].layer_tokens)
     if any(len(row.layer_tokens) != num_layers for row in rows):
         raise ValueError("plan_step: every request's layer_tokens must have the decoder's depth")
+    if any(not 0 <= bound < num_layers for bound in boundaries):
+        raise ValueError(f"plan_step: boundaries must be layer indices in [0, {num_layers - 1}], got {boundaries}")
     kinds = [row_kind(row.computed, row.query, row.prompt_len) for row in rows]
     for row, kind in zip(rows, kinds, strict=True):
         if kind == CHUNK and row.pruned:
@@ -171,7 +185,7 @@ def plan_step(rows: list[Row]) -> StepPlan:
     starts = [0]
     for row in rows:
         starts.append(starts[-1] + row.query)
-    bounds = _boundaries(rows, num_layers)
+    bounds = sorted(set(boundaries).union(*(row.bounds for row in rows)))
     segments: list[Segment] = []
     previous_start, previous_tokens = starts, [row.prompt_len for row in rows]
     for j, first in enumerate(bounds):
