@@ -233,6 +233,32 @@ def test_compacted_metadata_describes_the_kept_rows(engine):
         assert seen[1][names[layer]] == (1, k + 1, 1, [0, 1], [k + 1], 1)
 
 
+def test_compacted_metadata_takes_the_steps_longest_query(engine):
+    """Guards a compacted layer's ``max_query_len`` taken from the step's first request instead of its longest
+    (FLASH_ATTN and TRITON_ATTN size their kernels by it; the CPU kernel ignores it, so tokens would not show it): two
+    new pruned prefills in one step, the shorter first."""
+    short, long = REQUESTS[4][1], REQUESTS[3][1]
+    seen: list = []
+    record_step = engine.model.macer.on_step
+
+    def snapshot(step, runner):
+        record_step(step, runner)
+        seen.append((step.plan, {name: m.max_query_len for name, (m, _) in step.metadata.items()}))
+
+    engine.model.macer.on_step = snapshot
+    try:
+        generate(engine, [(short, None), (long, None)], max_tokens=2)
+    finally:
+        engine.model.macer.on_step = record_step
+    plan, lengths = seen[0]
+    assert plan.kinds == ["prefill", "prefill"] and len(lengths) == 4
+    for segment in plan.segments:
+        first, longest = segment.query_lens[0], max(segment.query_lens)
+        assert first < longest
+        for name in engine.model.macer.names[segment.start: segment.stop]:
+            assert lengths[name] == longest, name
+
+
 def test_records_reach_the_output_and_none_come_from_warm_up(engine, alone):
     """Guards records only in the worker's log: each request's output carries its record, with vLLM's request ids;
     engine start (profiling, warm-up) made none and planned no request; n=2 gives each child its own record."""

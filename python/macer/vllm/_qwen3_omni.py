@@ -54,11 +54,11 @@ class MacerQwen3OmniMoeThinkerForConditionalGeneration(Qwen3OmniMoeThinkerForCon
         if inputs_embeds is None:
             return self.macer.forward(input_ids, positions, None)
         # As vLLM's forward: this step's rows of the buffer embed_input_ids filled (zeros on a step without images or
-        # videos), cleared after the step.
+        # videos), cleared after the step; vLLM's own forward of the language model adds them when no stage runs.
         rows = inputs_embeds.size(0)
         self._deepstack = self._get_deepstack_input_embeds(rows)
         try:
-            hidden = self.macer.forward(input_ids, positions, inputs_embeds)
+            hidden = self.macer.forward(input_ids, positions, inputs_embeds, deepstack_input_embeds=self._deepstack)
         finally:
             self._deepstack = None
         self._clear_deepstack_input_embeds(rows)

@@ -15,9 +15,12 @@ subclassed; the private runner names the decoder reads are checked when it binds
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 from macer.vllm import records
+
+logger = logging.getLogger("vllm.macer")
 
 # MacerCPUWorker and MacerGPUWorker are attributes too, built on first access (``__getattr__``).
 __all__ = ["MacerWorkerMixin", "configure_engine", "worker_problems"]
@@ -128,14 +131,18 @@ def configure_engine(vllm_config: Any) -> None:
     """The config hook's part for batched serving (after ``worker_problems``): the MACER worker (``--worker-cls``)
     and scheduler (``--scheduler-cls``: it attaches each request's record to its output); the engine's settings kept
     in this process for the per-request admission check."""
+    from vllm.platforms import current_platform
+
     from macer.vllm.request_settings import remember_engine
+    from macer.vllm.runner import would_use_v2
     from macer.vllm.settings import SETTINGS_KEY
 
     parallel = vllm_config.parallel_config
     if parallel.worker_cls == "auto":
-        from vllm.platforms import current_platform
-
         parallel.worker_cls = _WORKERS["cpu" if current_platform.is_cpu() else "gpu"]
+    if not current_platform.is_cpu() and not vllm_config.use_v2_model_runner and would_use_v2(vllm_config):
+        logger.info("macer: %s runs on vLLM's V1 model runner (the compacted layers' metadata is built for it; "
+                    "vLLM's default here would be Model Runner V2)", vllm_config.model_config.architecture)
     vllm_config.scheduler_config.scheduler_cls = _SCHEDULER
     additional = vllm_config.additional_config or {}
     remember_engine(additional.get(SETTINGS_KEY) if hasattr(additional, "get") else None,
