@@ -12,8 +12,9 @@ Why each setting is refused (docs/serving.md has the long form):
 
 * chunked prefill: the question rows must be in the same forward as the audio/video rows they score.
 * prefix caching: a cached prefix's KV was written by another request's compaction (or none).
-* CUDA graphs / ``torch.compile``: the compacted forward has data-dependent row gathers and rebuilt attention
-  metadata, which a captured graph or a traced graph would freeze.
+* Inductor graph partition with CUDA graphs (``use_inductor_graph_partition``): the KV-cache writes then sit inside
+  the captured piecewise graphs, at the slots of the capture, while a compacted layer writes its own slots each step.
+  (``torch.compile`` and CUDA graphs themselves are served: ``macer.vllm.staged``.)
 * tensor / pipeline parallel > 1: each rank sees only its heads, and the scores must be summed over ranks before the
   selection (not implemented).
 * prefill / decode context parallel > 1: each rank holds a shard of the prompt, the stage would rank a shard.
@@ -21,7 +22,9 @@ Why each setting is refused (docs/serving.md has the long form):
 * micro-batching (dual-batch overlap, ``ubatch_size > 1``): micro-batches run in threads against one request state.
 * prompt embeddings: audio/video rows are labelled by their token ids, which embeddings do not carry.
 * sliding-window layers: the window counts key slots, and a compacted layer's slots are kept tokens, not positions.
-* Model Runner V2 (vLLM 0.32's default where Triton runs, i.e. on GPUs): the plugin has run on the V1 runner only.
+* Model Runner V2 asked for with ``VLLM_USE_V2_MODEL_RUNNER=1`` (or by a feature that needs it): the compacted
+  layers' metadata is built for the V1 runner; without the variable the MACER architectures choose V1 themselves
+  (``macer.vllm.runner.prefer_v1_runner``).
 * speculative decoding: a verify step feeds several tokens per request; the decode shifts assume one.
 * LoRA: the LoRA layers' per-token adapter mapping has the step's N rows; the compacted layers see K.
 * KV transfer connectors (disaggregated prefill, offloading): compacted pages hold kept tokens at slots 0..K-1.
@@ -137,16 +140,14 @@ def engine_problems(vllm_config: Any) -> list[str]:
                         "with --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))")
     model_config = vllm_config.model_config
     compilation = vllm_config.compilation_config
-    # None = not resolved yet (the config hook runs before vLLM resolves them): vLLM's default, which compiles and,
-    # on a GPU, captures graphs, unless TORCH_COMPILE_DISABLE=1.
-    compiled = _mode_name(compilation.mode) != "NONE" and not (
-        compilation.mode is None and os.environ.get("TORCH_COMPILE_DISABLE") == "1")
-    graphs = _mode_name(compilation.cudagraph_mode) != "NONE"
-    if not model_config.enforce_eager and (compiled or graphs):
-        problems.append(f"{who}: the compacted forward gathers a data-dependent set of rows and rebuilds the attention "
-                        "metadata, which CUDA graphs and torch.compile would freeze (compilation mode "
-                        f"{_mode_name(compilation.mode)}, cudagraph mode {_mode_name(compilation.cudagraph_mode)}): "
-                        "run eager with --enforce-eager (LLM(..., enforce_eager=True))")
+    # None = not resolved yet (the config hook runs before vLLM resolves them): vLLM's default captures graphs on a
+    # GPU, and never partitions with Inductor.
+    graphs = not model_config.enforce_eager and _mode_name(compilation.cudagraph_mode) != "NONE"
+    if graphs and getattr(compilation, "use_inductor_graph_partition", False):
+        problems.append(f"{who}: Inductor graph partition with CUDA graphs (cudagraph mode "
+                        f"{_mode_name(compilation.cudagraph_mode)}) captures the KV-cache writes inside piecewise "
+                        "graphs at the slots of the capture, and the compacted layers write their own slots every "
+                        "step: drop use_inductor_graph_partition from --compilation-config (vLLM's default)")
     if getattr(model_config, "enable_prompt_embeds", False):
         problems.append(f"{who}: prompt embeddings carry no token ids, and MACER labels audio/video rows by their ids: "
                         "drop --enable-prompt-embeds")
@@ -176,9 +177,9 @@ def engine_problems(vllm_config: Any) -> list[str]:
                         "(micro-batches run in threads against one request's stage state): drop --enable-dbo and "
                         "--ubatch-size")
     if getattr(vllm_config, "use_v2_model_runner", False):
-        problems.append(f"{who} has run on vLLM's V1 model runner only (the compacted layers' metadata is rebuilt for "
-                        "it), and this engine would use Model Runner V2 (vLLM's default where Triton runs): set "
-                        "VLLM_USE_V2_MODEL_RUNNER=0")
+        problems.append(f"{who} runs on vLLM's V1 model runner (the compacted layers' metadata is built for it; it "
+                        "chooses V1 by itself), and this engine asks for Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, "
+                        "or a feature that needs V2): unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
     if getattr(vllm_config, "speculative_config", None) is not None:
         problems.append(f"{who}: speculative decoding is not supported (a verify step feeds several tokens per "
                         "request, the compacted layers' decode shifts assume one): drop --speculative-config")
