@@ -244,6 +244,7 @@ class StageMetadata:
         self.arena = _Arena(1 << 16, runner.device)
         self.graph_arena: _Arena | None = None  # made at the first capture
         self._pairs: dict[tuple[int, int], _Pair] = {}
+        self.captured: dict[str, tuple[Any, torch.Tensor]] = {}  # the last capture's metadata (what graphs read)
         self._zeros: torch.Tensor | None = None
 
     # --------------------------------------------------------------------------------------- builder copies
@@ -344,6 +345,7 @@ class StageMetadata:
                         built = self._build(copy, common_s, cached, gid, capture=True)
                         out.update({name: (built, common_s.slot_mapping) for name in names})
         arena.upload()
+        self.captured = out
         return out
 
     def _make_graph_arena(self) -> None:

@@ -90,6 +90,7 @@ class StepPlanner:
         self.policies, self.prompt, self.num_layers, self.device = policies, prompt, num_layers, device
         self.capture_bounds = tuple(capture_bounds)
         self.states = RequestStates()
+        self.quiet: set[str] = set()  # request ids planned without a record (the load-time graph check's)
 
     def plan(self, runner: Any) -> PreparedStep:
         """The step the runner is about to run (module docstring); host values only."""
@@ -145,7 +146,7 @@ class StepPlanner:
         state = plan_request(request_id, request.prompt_token_ids, None if mrope is None else mrope[0],
                              getattr(params, "extra_args", None), self.policies, self.prompt, self.num_layers,
                              self.device, whole=whole)
-        if previous is not None and previous.recorded:
+        if (previous is not None and previous.recorded) or request_id in self.quiet:
             state.recorded = True
         elif not state.layout.pruned:
             state.record_unpruned()

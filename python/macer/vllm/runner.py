@@ -77,11 +77,11 @@ class RunnerBinding:
     def _hook_dispatch(self, dispatcher: Any) -> None:
         from vllm.config import CUDAGraphMode
 
-        dispatch = dispatcher.dispatch
+        self.dispatch = dispatcher.dispatch  # vLLM's (an attribute: the graph tests emulate one on CPU)
 
         def planned_dispatch(*args: Any, **kwargs: Any) -> Any:
             if not self.in_step:
-                return dispatch(*args, **kwargs)
+                return self.dispatch(*args, **kwargs)
             step = self.prepared
             if step is None:
                 step = self.prepared = self.planner.plan(self.runner)
@@ -89,7 +89,7 @@ class RunnerBinding:
                 kwargs["valid_modes"] = {CUDAGraphMode.NONE}
             elif not (step.graphable and self.full_graphs):
                 kwargs["invalid_modes"] = {*(kwargs.get("invalid_modes") or ()), CUDAGraphMode.FULL}
-            mode, descriptor = dispatch(*args, **kwargs)
+            mode, descriptor = self.dispatch(*args, **kwargs)
             step.graph = mode == CUDAGraphMode.FULL
             step.num_tokens_padded = descriptor.num_tokens
             return mode, descriptor

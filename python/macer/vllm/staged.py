@@ -41,6 +41,7 @@ refills in place.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,6 +60,8 @@ from macer.vllm.settings import SETTINGS_KEY, free_kv
 from macer.vllm.state import RequestState
 
 __all__ = ["AfterLayer", "PreparedStep", "StagedDecoder", "capture_bounds"]
+
+logger = logging.getLogger("vllm.macer")
 
 AfterLayer = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 """``after_layer(index, hidden, rows) -> hidden``: called with the hidden states ``[R, hidden]`` that
@@ -190,6 +193,21 @@ class StagedDecoder:
 
     def _capture(self, common: Any) -> dict[str, Any]:
         return self.metadata.capture(common)
+
+    def check_graphs(self, worker: Any) -> None:
+        """After the engine captured its CUDA graphs (the worker): if FULL decode graphs were captured with the
+        compacted layers' buffers, prove them against the same decode without them
+        (``macer.vllm.graphcheck.check_decode_graphs``); on any difference serve without FULL graphs, saying why."""
+        if self.metadata is None or self.metadata.graph_arena is None:
+            return
+        from macer.vllm.graphcheck import check_decode_graphs
+
+        reason = check_decode_graphs(worker, self)
+        if reason is not None:
+            self.binding.full_graphs = False
+            logger.warning("macer: FULL decode CUDA graphs are off for %s's steps with compacted layers: %s; they "
+                           "run with piecewise CUDA graphs or none (please report this)",
+                           self.vllm_config.model_config.architecture, reason)
 
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,

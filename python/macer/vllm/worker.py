@@ -1,9 +1,11 @@
-"""The MACER worker: vLLM's own worker (``CPUWorker``, or ``Worker`` on a GPU) with three additions, installed by the
+"""The MACER worker: vLLM's own worker (``CPUWorker``, or ``Worker`` on a GPU) with four additions, installed by the
 config hook through ``parallel_config.worker_cls`` (the public ``--worker-cls``):
 
 * once the KV cache exists (``initialize_from_config``) it hands the V1 model runner to the model's staged decoder
   (``StagedDecoder.bind``: the request order, prompt ids, per-request settings and block tables of each step, all on
   the host; copies of the runner's attention groups; the load-time self-test);
+* once vLLM compiled the model and captured its CUDA graphs (``compile_or_warm_up_model``) it has the decoder prove
+  the FULL decode graphs against the same decode without them (``macer.vllm.graphcheck``);
 * each step (``execute_model``) it drops the state of the requests vLLM finished or aborted, and marks the step, so
   that only a step the scheduler made is planned (profiling, warm-up and graph-capture runs never are);
 * after the step's sampler (``sample_tokens``) it finishes the step's records (``macer.vllm.records``).
@@ -46,6 +48,13 @@ class MacerWorkerMixin:
             # Builders made under the engine's config, as the runner makes its own (FlashInfer's __init__ reads it).
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
                 decoder.bind(self.model_runner)  # type: ignore[attr-defined]
+
+    def compile_or_warm_up_model(self) -> Any:
+        out = super().compile_or_warm_up_model()  # type: ignore[misc]
+        decoder = self._macer()
+        if decoder is not None:
+            decoder.check_graphs(self)  # FULL decode CUDA graphs, proven before any request (macer.vllm.graphcheck)
+        return out
 
     def execute_model(self, scheduler_output: Any) -> Any:
         records.finish_pending()
