@@ -13,7 +13,8 @@
 # 2.4k and 16.3k clips, full vs MACER at rho = 0.25), Nsight Compute's Speed Of Light over each hot-path kernel
 # (benchmarks/ncu_hot_path.py), FlashAttention-2's GPU test and end-to-end run where flash-attn is importable (else
 # skipped with a message), eager decode steps full vs MACER (issue 23 item 5), and the batch throughput benchmark
-# (batch 1 / 4 / 8, full vs MACER, issue 11).
+# (batch 1 / 4 / 8, full vs MACER, issue 11). Where vLLM is importable: its admission benchmark (issue 29) and the
+# compiled forward with FULL decode CUDA graphs (issue 36: tests/vllm/test_graphs_gpu.py, bench_vllm --serving).
 # Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default 90), GPU_CHECK_BUDGET_S, GPU_CHECK_INSTALL_FLASH_ATTN,
 # GPU_CHECK_STEPS (step names to run, default all: a rerun after fixes runs only what they touch) and
 # GPU_CHECK_TESTS (test paths for the two pytest steps, default all).
@@ -131,7 +132,21 @@ vllm_admission() {
     VLLM_USE_V2_MODEL_RUNNER=0 "$PY" -m benchmarks.bench_vllm --mode gpu --admission --out "$FILES"
 }
 
-export -f sanitize environment build flash_attention vllm_admission
+# MACER's compiled forward and FULL decode CUDA graphs in vLLM (issue 36), where vLLM is importable: the GPU test
+# (per attention backend, the engine's load-time graph check, then FULL decodes against piecewise ones) and the
+# compiled-vs-eager serving rows (vLLM's own model and MACER, 1 and 8 in flight). Four engine starts with graph capture
+# for the benchmark, two for the test: select it alone (GPU_CHECK_STEPS=vllm_graphs) with a budget of its own.
+vllm_graphs() {
+    if ! "$PY" -c "import vllm; print('vllm', vllm.__version__)"; then
+        echo "vLLM is not importable here: the compiled-serving checks are skipped (make test-vllm runs them on CPU)"
+        return 0
+    fi
+    "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/vllm/test_graphs_gpu.py \
+        --junitxml="$FILES/pytest_vllm_graphs.xml" &&
+        "$PY" -m benchmarks.bench_vllm --mode gpu --serving --out "$FILES"
+}
+
+export -f sanitize environment build flash_attention vllm_admission vllm_graphs
 export PY FILES
 export PATH=$PATH:/usr/local/cuda/bin$(for d in /opt/nvidia/nsight-compute/*/; do [[ -x $d/ncu ]] && printf ":%s" "${d%/}"; done)
 
@@ -196,6 +211,7 @@ step bench_e2e_decode_eager 90 "$PY" benchmarks/bench_e2e.py --mode gpu --attn e
 
 step bench_batch 120 "$PY" -m benchmarks.bench_batch --mode gpu --batch-sizes 1 4 8 --out "$FILES"
 step vllm_admission 420 vllm_admission
+step vllm_graphs 420 vllm_graphs
 
 printf '%-26s %ds in all\n' total "$(($(date +%s) - START))" | tee -a "$SUMMARY"
 tar czf "$OUT_DIR/gpu_check.tar.gz" -C "$OUT_DIR" files
