@@ -102,7 +102,7 @@ def emulated_full_graphs(engine: Engine, sizes: tuple[int, ...] = GRAPH_SIZES) -
     try:
         runner._dummy_run(sizes[-1], cudagraph_runtime_mode=CUDAGraphMode.FULL, uniform_decode=True,
                           is_graph_capturing=True)
-        yield dict(macer.metadata.captured)
+        yield dict(macer.metadata.graphs.captured)
     finally:
         binding.dispatch = real
 

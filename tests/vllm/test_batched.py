@@ -334,6 +334,7 @@ def test_a_changed_metadata_layout_fails_the_load_time_self_test(engine, monkeyp
     self-test that runs when the model binds to the runner names the field."""
     import dataclasses
 
+    from macer.vllm.backend import self_test
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
     build = CPUAttentionMetadataBuilder.build
@@ -341,11 +342,11 @@ def test_a_changed_metadata_layout_fails_the_load_time_self_test(engine, monkeyp
     def dropping(self, *args, **kwargs):
         return dataclasses.replace(build(self, *args, **kwargs), seq_lens=None)
 
-    engine.model.macer.metadata.self_test("0.32.0")
+    self_test(engine.model.macer.metadata, "0.32.0")
     monkeypatch.setattr(CPUAttentionMetadataBuilder, "build", dropping)
     with pytest.raises(RuntimeError, match=r"self-test of vLLM 0.32.0's attention metadata failed: "
                                            r"CPUAttentionMetadata.seq_lens is None where the stage metadata set"):
-        engine.model.macer.metadata.self_test("0.32.0")
+        self_test(engine.model.macer.metadata, "0.32.0")
 
 
 def test_an_attention_backend_without_stage_metadata_is_refused_by_name():

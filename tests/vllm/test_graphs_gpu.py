@@ -49,7 +49,7 @@ def monkeypatch_module():
 def test_full_decode_graphs_pass_the_load_time_check_and_serve_what_piecewise_steps_serve(graphed):
     macer = graphed.model.macer
     assert graphed.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name == "FULL_AND_PIECEWISE"
-    assert macer.metadata.graph_arena is not None and macer.binding.full_graphs
+    assert macer.metadata.graphs is not None and macer.binding.full_graphs
     full = generate(graphed, REQUESTS)
     logits = list(graphed.logits)
     assert any(step["step"].graph for step in graphed.steps)

@@ -42,4 +42,4 @@ def register() -> None:
 
     register_architectures(ARCHITECTURES)
     register_kv()  # the compacted layers' KV cache spec (issue 29), in every process that groups or manages KV
-    prefer_v1_runner()  # the MACER architectures choose vLLM's V1 model runner, in every process that reads it
+    prefer_v1_runner(ARCHITECTURES)  # they choose vLLM's V1 model runner, in every process that reads the choice

@@ -13,9 +13,9 @@ runner). The layer loop (``macer.vllm.staged``) reaches them through this module
   ``update_block_table`` where the backend has it, as the runner does), with slots from the runner's host block table
   (``block * block_size + index % block_size`` at each row's compacted index: no slot history). A step's small arrays
   (query starts, sequence lengths, slots, tail slots) are written into one pinned host buffer and reach the device in
-  one copy (``_Arena``). A step that replays a FULL CUDA graph writes them in place into the buffers the graph was
-  captured with (one set per segment of the engine's layout, ``capture``), padded as the runner pads its own: query
-  starts repeat the last, sequence lengths 0, slots -1;
+  one copy (``macer.vllm.buffers``). A step that replays a FULL CUDA graph writes them in place into the buffers the
+  graph was captured with (one set per segment of the engine's layout, ``capture``), padded as the runner pads its
+  own: query starts repeat the last, sequence lengths 0, slots -1;
 * the zero-KV writes of a prefill's unused tail slots, for the backends whose kernels read whole blocks past a
   sequence's end (``needs_tails``);
 * ``installed``: the forward context's metadata and slot mapping with a step's entries, for one forward;
@@ -35,9 +35,10 @@ import torch
 from torch import nn
 
 from macer.core.steps import DECODE, Segment, StepPlan
+from macer.vllm.buffers import Arena, ArenaFull, CaptureBuffers
 
 __all__ = ["BACKENDS", "StageMetadata", "attention_modules", "check_backends", "installed", "needs_tails",
-           "readout", "slots_at"]
+           "readout", "self_test", "slots_at"]
 
 BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
 """Attention backends whose metadata the compacted layers build (CPU_ATTN ran; the others are written for, unrun)."""
@@ -47,7 +48,6 @@ BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
 # one fails loudly here instead of being dropped.
 _DROPPED = ("logits_indices_padded", "encoder_seq_lens", "dcp_local_seq_lens", "mm_req_doc_ranges",
             "rswa_prefix_lens", "replayssm_decode_base_cpu")
-_NUMPY = {torch.int32: np.int32, torch.int64: np.int64}
 _PAD_SLOT = -1  # vLLM's PAD_SLOT_ID: the cache writers skip such a slot
 
 
@@ -121,77 +121,6 @@ def installed(context: Any, metadata: dict[str, tuple[Any, torch.Tensor]]) -> It
         context.attn_metadata, context.slot_mapping = saved
 
 
-class _ArenaFull(Exception):
-    """A step needs more of a growable ``_Arena`` than it has (``StageMetadata.build`` grows it and builds again)."""
-
-    def __init__(self, needed: int):
-        super().__init__(needed)
-        self.needed = needed
-
-
-class _Arena:
-    """Host and device memory of a step's small arrays: typed views at byte offsets of one pinned host buffer and one
-    device buffer, filled on the host and sent with one non-blocking copy of the used bytes (``upload``). On CPU the
-    two are one tensor. ``reserve`` gives fixed views (the buffers a CUDA graph reads: the same address every step);
-    ``take`` gives views in the part after them, handed out afresh each step (``begin``). Only an arena with no fixed
-    view grows when a step needs more."""
-
-    def __init__(self, nbytes: int, device: torch.device):
-        from vllm.utils.platform_utils import is_pin_memory_available
-
-        self.device, self.nbytes = device, nbytes
-        with torch.inference_mode(False):  # runtime state, written in and outside inference mode
-            self.host = torch.zeros(nbytes, dtype=torch.uint8,
-                                    pin_memory=device.type != "cpu" and is_pin_memory_available())
-            self.dev = self.host if device.type == "cpu" else torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.bytes = self.host.numpy()  # the host buffer as numpy, made once: typed views of it are numpy slices
-        self.fixed = 0
-        self.used = 0
-
-    def _view(self, start: int, dtype: torch.dtype, count: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-        size = count * dtype.itemsize
-        host = self.host[start: start + size].view(dtype)
-        dev = host if self.dev is self.host else self.dev[start: start + size].view(dtype)
-        return self.bytes[start: start + size].view(_NUMPY[dtype]), host, dev
-
-    def _claim(self, dtype: torch.dtype, count: int) -> int:
-        start = -(-self.used // 8) * 8
-        end = start + count * dtype.itemsize
-        if end > self.nbytes:
-            if self.fixed:
-                raise RuntimeError(f"macer: a step's metadata needs {end} bytes of the {self.nbytes} reserved for "
-                                   "the captured CUDA graphs' buffers (please report this)")
-            raise _ArenaFull(end)
-        self.used = end
-        return start
-
-    def grow(self, needed: int) -> None:
-        """Room for ``needed`` bytes (an arena with no fixed view; the views handed out before are void)."""
-        grown = _Arena(max(needed, 2 * self.nbytes), self.device)
-        self.__dict__.update(host=grown.host, dev=grown.dev, bytes=grown.bytes, nbytes=grown.nbytes, used=0)
-
-    def reserve(self, dtype: torch.dtype, count: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-        """A fixed view of ``count`` elements (before any ``take``)."""
-        if self.used != self.fixed:
-            raise RuntimeError("macer: _Arena.reserve after take")
-        view = self._view(self._claim(dtype, count), dtype, count)
-        self.fixed = self.used
-        return view
-
-    def begin(self) -> None:
-        """A new step: the views ``take`` handed out before are free again."""
-        self.used = self.fixed
-
-    def take(self, dtype: torch.dtype, count: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-        """``(host numpy, host tensor, device tensor)`` views of ``count`` elements, valid for this step."""
-        return self._view(self._claim(dtype, count), dtype, count)
-
-    def upload(self) -> None:
-        """One non-blocking copy of the bytes written this step (stream-ordered before the step's forward)."""
-        if self.dev is not self.host and self.used:
-            self.dev[: self.used].copy_(self.host[: self.used], non_blocking=True)
-
-
 def slots_at(table: np.ndarray, owned: np.ndarray, block_size: int, request: np.ndarray,
              index: np.ndarray) -> np.ndarray:
     """Slot of compacted cache index ``index[k]`` of request row ``request[k]``: vLLM's own rule
@@ -203,16 +132,6 @@ def slots_at(table: np.ndarray, owned: np.ndarray, block_size: int, request: np.
         raise RuntimeError(f"macer: compacted index {int(index[bad])} of request row {int(request[bad])} lies outside "
                            f"its {int(owned[request[bad]])} blocks of {block_size} (please report this)")
     return table[request, blocks].astype(np.int64) * block_size + index % block_size
-
-
-@dataclasses.dataclass
-class _Pair:
-    """The fixed buffers of one (segment, KV cache group) of the captured layout: what its layers' captured kernels
-    read (query starts, sequence lengths, slots)."""
-
-    query_start: tuple[np.ndarray, torch.Tensor, torch.Tensor]
-    seq_lens: tuple[np.ndarray, torch.Tensor, torch.Tensor]
-    slots: tuple[np.ndarray, torch.Tensor, torch.Tensor]
 
 
 class StageMetadata:
@@ -241,10 +160,8 @@ class StageMetadata:
                          for name, attn in zip(names, attns, strict=True)]
         self.index_of = {name: i for i, name in enumerate(names)}
         self._copies: dict[tuple[int, int], list[Any]] = {}
-        self.arena = _Arena(1 << 16, runner.device)
-        self.graph_arena: _Arena | None = None  # made at the first capture
-        self._pairs: dict[tuple[int, int], _Pair] = {}
-        self.captured: dict[str, tuple[Any, torch.Tensor]] = {}  # the last capture's metadata (what graphs read)
+        self.arena = Arena(1 << 16, runner.device)
+        self.graphs: CaptureBuffers | None = None  # made at the first FULL capture
         self._zeros: torch.Tensor | None = None
 
     # --------------------------------------------------------------------------------------- builder copies
@@ -276,7 +193,7 @@ class StageMetadata:
             if getattr(common, name, None) is not None:
                 raise RuntimeError(f"macer: the step's attention metadata sets {name!r}, which the compacted layers' "
                                    "metadata does not carry (a configuration the plugin should have refused)")
-        arena = self.graph_arena if step.graph else self.arena
+        arena = self.arena if not step.graph else None if self.graphs is None else self.graphs.arena
         if arena is None:
             raise RuntimeError("macer: a step replays a CUDA graph that was captured without the compacted layers' "
                                "buffers (please report this)")
@@ -284,12 +201,12 @@ class StageMetadata:
             try:
                 self._build_step(arena, step, common)
                 break
-            except _ArenaFull as full:  # a step larger than any before: a bigger arena, and build again
+            except ArenaFull as full:  # a step larger than any before: a bigger arena, and build again
                 arena.grow(full.needed)
         arena.upload()
         self.zero_tails(step.tails)
 
-    def _build_step(self, arena: _Arena, step: Any, common: Any) -> None:
+    def _build_step(self, arena: Arena, step: Any, common: Any) -> None:
         plan: StepPlan = step.plan
         arena.begin()
         # Padding (CUDA graphs): the runner's request count and the forward's rows; a staged step is never padded.
@@ -319,9 +236,9 @@ class StageMetadata:
         -1 (nothing is written). Every later FULL step rewrites those buffers in place (``build``)."""
         if not self.capture_bounds:
             return {}
-        if self.graph_arena is None:
-            self._make_graph_arena()
-        arena = self.graph_arena
+        if self.graphs is None:
+            self._make_graph_buffers()
+        arena = self.graphs.arena
         arena.begin()
         n_pad, rows_pad = common.num_reqs, common.num_actual_tokens
         out: dict[str, tuple[Any, torch.Tensor]] = {}
@@ -330,12 +247,12 @@ class StageMetadata:
             layers = self.names[start:stop]
             cached: dict[tuple[Any, type], Any] = {}
             for gid in sorted({self.group_of[name] for name in layers}):
-                pair = self._pairs[(start, gid)]
+                pair = self.graphs.pair((start, gid))
                 qsl = pair.query_start[0][: n_pad + 1]
                 qsl[:] = common.query_start_loc_cpu[: n_pad + 1].numpy()
                 pair.seq_lens[0][:n_pad] = common.seq_lens_cpu_upper_bound[:n_pad].numpy()
                 pair.slots[0][:rows_pad] = _PAD_SLOT
-                common_s = self._common(pair.query_start, pair.seq_lens, pair.slots, n_pad, rows_pad, rows_pad,
+                common_s = _common(pair.query_start, pair.seq_lens, pair.slots, n_pad, rows_pad, rows_pad,
                                         common.max_query_len, common.max_seq_len,
                                         self.runner.input_batch.block_table[gid].get_device_tensor(n_pad),
                                         common.is_prefilling)
@@ -345,30 +262,23 @@ class StageMetadata:
                         built = self._build(copy, common_s, cached, gid, capture=True)
                         out.update({name: (built, common_s.slot_mapping) for name in names})
         arena.upload()
-        self.captured = out
+        self.graphs.captured = out
         return out
 
-    def _make_graph_arena(self) -> None:
+    def _make_graph_buffers(self) -> None:
         compilation = self.runner.vllm_config.compilation_config
         reqs = max(self.max_reqs, compilation.max_cudagraph_capture_size or 0)
         starts = [*self.capture_bounds, len(self.names)]
         pairs = [(start, gid) for start, stop in itertools.pairwise(starts)
                  for gid in sorted({self.group_of[name] for name in self.names[start:stop]})]
         block = max(self.runner.input_batch.block_table[gid].block_size for _, gid in pairs)
-        fixed = len(pairs) * (8 * (reqs + 1) + 8 * reqs + 8 * reqs + 24)
-        tails = (len(pairs) + len(self.spec_of)) * reqs * block * 8  # a decode row's tail: the rest of its block
-        arena = _Arena(fixed + tails + 64, self.runner.device)
-        for key in pairs:
-            self._pairs[key] = _Pair(arena.reserve(torch.int32, reqs + 1), arena.reserve(torch.int32, reqs),
-                                     arena.reserve(torch.int64, reqs))
-        self.graph_arena = arena
+        # A FULL step's tails: at most the rest of a block per decode row, per region and KV cache group.
+        tails = (len(pairs) + len(self.spec_of)) * reqs * block * 8
+        self.graphs = CaptureBuffers(pairs, reqs, tails, self.runner.device)
 
-    def _arrays(self, arena: _Arena, key: tuple[int, int] | None, n_pad: int,
-                rows: int) -> tuple[Any, Any, Any]:
+    def _arrays(self, arena: Arena, key: tuple[int, int] | None, n_pad: int, rows: int) -> tuple[Any, Any, Any]:
         if key is not None:
-            pair = self._pairs.get(key)
-            if pair is None:
-                raise RuntimeError(f"macer: segment {key} is not one of the captured layout's (please report this)")
+            pair = self.graphs.pair(key)
             return pair.query_start, pair.seq_lens, pair.slots
         return arena.take(torch.int32, n_pad + 1), arena.take(torch.int32, n_pad), arena.take(torch.int64, rows)
 
@@ -392,20 +302,8 @@ class StageMetadata:
         rows = max(padded_rows, count)
         out[count:rows] = _PAD_SLOT
         # Under a FULL graph the runner's own metadata counts the padded rows too (its pad_attn).
-        return self._common(query_start, seq_lens, slots, n_pad, rows if graph else count, rows,
+        return _common(query_start, seq_lens, slots, n_pad, rows if graph else count, rows,
                             segment.max_query_len, segment.max_seq_len, table.get_device_tensor(n_pad), is_prefilling)
-
-    @staticmethod
-    def _common(query_start: Any, seq_lens: Any, slots: Any, n_pad: int, num_tokens: int, slot_rows: int,
-                max_query_len: int, max_seq_len: int, block_table: torch.Tensor,
-                is_prefilling: torch.Tensor | None) -> Any:
-        from vllm.v1.attention.backend import CommonAttentionMetadata
-
-        return CommonAttentionMetadata(
-            query_start_loc=query_start[2][: n_pad + 1], query_start_loc_cpu=query_start[1][: n_pad + 1],
-            seq_lens=seq_lens[2][:n_pad], seq_lens_cpu_upper_bound=seq_lens[1][:n_pad], num_reqs=n_pad,
-            num_actual_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            block_table_tensor=block_table, slot_mapping=slots[2][:slot_rows], causal=True, is_prefilling=is_prefilling)
 
     def _build(self, copy: Any, common: Any, cached: dict[tuple[Any, type], Any], gid: int, *,
                capture: bool = False) -> Any:
@@ -424,7 +322,7 @@ class StageMetadata:
         return built
 
     # --------------------------------------------------------------------------------------- tails
-    def _tail_slots(self, arena: _Arena, plan: StepPlan, seq_lens: list[int]) -> dict[str, torch.Tensor]:
+    def _tail_slots(self, arena: Arena, plan: StepPlan, seq_lens: list[int]) -> dict[str, torch.Tensor]:
         """``{layer name: slots}`` to zero before the forward (``zero_tails``), for the layers whose backend reads
         past a sequence's end (``needs_tails``): the rest of the last block holding a prefilled request's rows, and
         of a block a decode row starts. ``seq_lens``: the step's sequence lengths (of the layers before the first
@@ -479,39 +377,50 @@ class StageMetadata:
                                    f"but owns {int(owned[row])} (the scheduler and the worker planned it "
                                    "differently; please report this)")
 
-    # --------------------------------------------------------------------------------------- load-time self-test
-    def self_test(self, version: str) -> None:
-        """Build stage metadata for a made-up step (a decode shifted by 2, then a prefill keeping 3 of its 5 rows: the
-        longer query second, so a maximum taken from the first request shows) with every builder copy of the first
-        layer's KV group and check the fields the compacted layers rely on; a changed metadata layout (another vLLM
-        release) fails here, naming the field, before any request is served."""
-        gid = self.group_of[self.names[0]]
-        table = self.runner.input_batch.block_table[gid]
-        width = table.block_table.gpu.shape[1]
-        arena = _Arena(1 << 12, self.runner.device)
-        query_start, seq_lens = [0, 1, 4], [10, 3]
-        slots = np.asarray([9, 0, 1, 2], dtype=np.int64)
-        views = arena.take(torch.int32, 3), arena.take(torch.int32, 2), arena.take(torch.int64, 4)
-        views[0][0][:], views[1][0][:], views[2][0][:] = query_start, seq_lens, slots
-        arena.upload()
-        with torch.inference_mode(False):
-            blocks = torch.zeros(2, width, dtype=table.block_table.gpu.dtype, device=self.runner.device)
-        common = self._common(*views, 2, 4, 4, 3, 10, blocks, None)
-        want = {"query_start_loc": query_start, "seq_lens": seq_lens, "slot_mapping": slots.tolist(),
-                "max_query_len": 3, "max_seq_len": 10, "num_actual_tokens": 4}
-        for copy in self.copies(-1, gid):
-            built = copy.build_metadata(common)
-            for field, value in want.items():
-                got = getattr(built, field, None)
-                got = got.tolist() if isinstance(got, torch.Tensor) else got
-                if got != value:
-                    raise RuntimeError(f"macer: the load-time self-test of vLLM {version}'s attention metadata failed: "
-                                       f"{type(built).__name__}.{field} is {got!r} where the stage metadata set "
-                                       f"{value!r}; the compacted layers cannot run on this vLLM release")
-            if not isinstance(getattr(built, "block_table", None), torch.Tensor):
+def self_test(metadata: StageMetadata, version: str) -> None:
+    """Build stage metadata for a made-up step (a decode shifted by 2, then a prefill keeping 3 of its 5 rows: the
+    longer query second, so a maximum taken from the first request shows) with every builder copy of the first
+    layer's KV group and check the fields the compacted layers rely on; a changed metadata layout (another vLLM
+    release) fails here, naming the field, before any request is served."""
+    gid = metadata.group_of[metadata.names[0]]
+    table = metadata.runner.input_batch.block_table[gid]
+    width = table.block_table.gpu.shape[1]
+    arena = Arena(1 << 12, metadata.runner.device)
+    query_start, seq_lens = [0, 1, 4], [10, 3]
+    slots = np.asarray([9, 0, 1, 2], dtype=np.int64)
+    views = arena.take(torch.int32, 3), arena.take(torch.int32, 2), arena.take(torch.int64, 4)
+    views[0][0][:], views[1][0][:], views[2][0][:] = query_start, seq_lens, slots
+    arena.upload()
+    with torch.inference_mode(False):
+        blocks = torch.zeros(2, width, dtype=table.block_table.gpu.dtype, device=metadata.runner.device)
+    common = _common(*views, 2, 4, 4, 3, 10, blocks, None)
+    want = {"query_start_loc": query_start, "seq_lens": seq_lens, "slot_mapping": slots.tolist(),
+            "max_query_len": 3, "max_seq_len": 10, "num_actual_tokens": 4}
+    for copy in metadata.copies(-1, gid):
+        built = copy.build_metadata(common)
+        for field, value in want.items():
+            got = getattr(built, field, None)
+            got = got.tolist() if isinstance(got, torch.Tensor) else got
+            if got != value:
                 raise RuntimeError(f"macer: the load-time self-test of vLLM {version}'s attention metadata failed: "
-                                   f"{type(built).__name__} has no block_table tensor")
-        self._copies.pop((-1, gid), None)
+                                   f"{type(built).__name__}.{field} is {got!r} where the stage metadata set "
+                                   f"{value!r}; the compacted layers cannot run on this vLLM release")
+        if not isinstance(getattr(built, "block_table", None), torch.Tensor):
+            raise RuntimeError(f"macer: the load-time self-test of vLLM {version}'s attention metadata failed: "
+                               f"{type(built).__name__} has no block_table tensor")
+    metadata._copies.pop((-1, gid), None)
+
+
+def _common(query_start: Any, seq_lens: Any, slots: Any, n_pad: int, num_tokens: int, slot_rows: int,
+            max_query_len: int, max_seq_len: int, block_table: torch.Tensor,
+            is_prefilling: torch.Tensor | None) -> Any:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    return CommonAttentionMetadata(
+        query_start_loc=query_start[2][: n_pad + 1], query_start_loc_cpu=query_start[1][: n_pad + 1],
+        seq_lens=seq_lens[2][:n_pad], seq_lens_cpu_upper_bound=seq_lens[1][:n_pad], num_reqs=n_pad,
+        num_actual_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        block_table_tensor=block_table, slot_mapping=slots[2][:slot_rows], causal=True, is_prefilling=is_prefilling)
 
 
 def _segment_slots(segment: Segment, table: Any) -> np.ndarray:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from macer.core.steps import CHUNK, PREFILL, Row, StepPlan, plan_step, row_kind
+from macer.core.steps import CHUNK, DECODE, PREFILL, Row, StepPlan, plan_step, row_kind
 from macer.vllm.prompt import PromptLabels
 from macer.vllm.request_settings import RequestPolicies
 from macer.vllm.state import RequestState, RequestStates, plan_request
@@ -102,14 +102,18 @@ class StepPlanner:
         rows, states, fresh = [], [], []
         capture = set(self.capture_bounds)
         graphable = True
+        requests, known = runner.requests, self.states.get
         for i, request_id in enumerate(batch.req_ids[:n]):
-            request = runner.requests[request_id]
+            request = requests[request_id]
             prompt_len, query = len(request.prompt_token_ids), query_start[i + 1] - query_start[i]
-            try:
-                kind = row_kind(computed[i], query, prompt_len)
-            except ValueError as error:
-                raise RuntimeError(f"macer: {error}") from None
-            state = self.states.get(request_id)
+            if query == 1 and computed[i] >= prompt_len:
+                kind = DECODE  # most rows of most steps: row_kind's answer without the call
+            else:
+                try:
+                    kind = row_kind(computed[i], query, prompt_len)
+                except ValueError as error:
+                    raise RuntimeError(f"macer: {error}") from None
+            state = known(request_id)
             grown = state is not None and state.layout.prompt_len != prompt_len
             if state is None or grown or (kind == CHUNK and state.layout.pruned):
                 state = self._replan(request_id, request, kind, state, grown)

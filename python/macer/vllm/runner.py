@@ -147,11 +147,9 @@ class RunnerBinding:
 
 
 # ----------------------------------------------------------------------------------------- the runner asked for
-def _is_macer(vllm_config: Any) -> bool:
-    from macer.vllm import ARCHITECTURES
-
+def _is_macer(vllm_config: Any, architectures: Iterable[str]) -> bool:
     model_config = getattr(vllm_config, "model_config", None)
-    return model_config is not None and getattr(model_config, "architecture", None) in ARCHITECTURES
+    return model_config is not None and getattr(model_config, "architecture", None) in architectures
 
 
 def _forces_v2(vllm_config: Any) -> bool:
@@ -169,8 +167,8 @@ def would_use_v2(vllm_config: Any) -> bool:
 _ORIGINAL: list[property] = []
 
 
-def prefer_v1_runner() -> None:
-    """Make ``VllmConfig.use_v2_model_runner`` false for the MACER architectures unless ``VLLM_USE_V2_MODEL_RUNNER``
+def prefer_v1_runner(architectures: Iterable[str]) -> None:
+    """Make ``VllmConfig.use_v2_model_runner`` false for the MACER ``architectures`` unless ``VLLM_USE_V2_MODEL_RUNNER``
     is set (vLLM 0.32 reads it, through that property, in every process it starts; the plugin's entry point calls
     this in each of them, and the config hook says so once, at INFO: ``macer.vllm.worker.configure_engine``). Other
     architectures get vLLM's own choice. Idempotent."""
@@ -180,9 +178,10 @@ def prefer_v1_runner() -> None:
         return
     original = VllmConfig.__dict__["use_v2_model_runner"]
     _ORIGINAL.append(original)
+    names = frozenset(architectures)
 
     def use_v2_model_runner(self: Any) -> bool:
-        if _is_macer(self) and os.environ.get(_V2_ENV) is None and not _forces_v2(self):
+        if _is_macer(self, names) and os.environ.get(_V2_ENV) is None and not _forces_v2(self):
             return False
         return original.fget(self)
 

@@ -50,7 +50,7 @@ from torch import nn
 
 from macer.core.kv_memory import compacted_start
 from macer.core.policy import Policy
-from macer.vllm.backend import StageMetadata, attention_modules, check_backends, installed, readout
+from macer.vllm.backend import StageMetadata, attention_modules, check_backends, installed, readout, self_test
 from macer.vllm.checks import check_policy, refuse
 from macer.vllm.plan import PreparedStep, StepPlanner
 from macer.vllm.prompt import PromptLabels
@@ -142,7 +142,7 @@ class StagedDecoder:
         self.binding.bind(runner)
         self.metadata = StageMetadata(runner, self.names, self.attns, self.bounds)
         try:
-            self.metadata.self_test(vllm.__version__)
+            self_test(self.metadata, vllm.__version__)
         except RuntimeError as error:
             refuse([str(error)], f"{self.vllm_config.model_config.architecture} (macer)")
 
@@ -198,7 +198,7 @@ class StagedDecoder:
         """After the engine captured its CUDA graphs (the worker): if FULL decode graphs were captured with the
         compacted layers' buffers, prove them against the same decode without them
         (``macer.vllm.graphcheck.check_decode_graphs``); on any difference serve without FULL graphs, saying why."""
-        if self.metadata is None or self.metadata.graph_arena is None:
+        if self.metadata is None or self.metadata.graphs is None:
             return
         from macer.vllm.graphcheck import check_decode_graphs
 
