@@ -18,6 +18,10 @@ also tells the compacted KV cache groups' managers each request's ``D_r`` when t
 (``_free_blocks``, private; not on preemption: the recompute needs the same count), and sets it to 0 when vLLM cuts a
 multimodal prompt before an item (``_try_schedule_encoder_inputs``, private: the worker serves such a prompt
 unpruned).
+
+A turn of a streaming-input session (vLLM's ``resumable`` requests) gets parameters marked for serving unpruned when
+it arrives (``add_request``; ``macer.vllm.request_settings.session_params``): its prompt grows under one request id,
+and MACER prunes a whole prompt once.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from macer.vllm import records
+from macer.vllm.request_settings import session_params
 
 __all__ = ["MacerSchedulerMixin", "make_scheduler"]
 
@@ -40,6 +45,10 @@ class MacerSchedulerMixin:
         self.macer_kv = SchedulerKV.attach(self)  # None: no compacted KV cache group in this engine
 
     def add_request(self, request: Any) -> None:
+        if getattr(request, "resumable", False):
+            # A turn of a streaming-input session (the first or a later one: vLLM copies a later turn's parameters
+            # into the session): served unpruned, said in its record (macer.vllm.request_settings.session_params).
+            request.sampling_params = session_params(request.sampling_params)
         if self.macer_kv is not None and request.request_id not in self.requests:  # type: ignore[attr-defined]
             self.macer_kv.arrive(request)
         super().add_request(request)  # type: ignore[misc]
