@@ -253,6 +253,10 @@ def engine(**changes):
     ({"model_config.is_encoder_decoder": True}, r"an encoder-decoder model is not supported .*encoder_seq_lens"),
     ({"model_config.is_mm_prefix_lm": True}, r"bidirectionally \(is_mm_prefix_lm\) is not supported .*mm_req_doc"),
     ({"model_config.rswa_window": 128}, r"reference sliding-window attention \(rswa_window=128\) .*rswa_prefix_lens"),
+    ({"model_config.runner_type": "pooling", "model_config.convert_type": "embed"},
+     r"a pooling runner \(--runner pooling / --convert embed\) is not supported \(a pooler reads the hidden states"),
+    ({"aux_output_config": SimpleNamespace(enable_return_routed_experts=True)},
+     r"--enable-return-routed-experts is not supported \(it records the experts of the rows each layer holds"),
     ({"scheduler_config.disable_hybrid_kv_cache_manager": True},
      r'freeing the dropped rows\' KV memory \(additional_config\["macer"\]\["free_kv"\], on by default\) needs '
      r"vLLM's hybrid KV cache manager .*drop that flag, or set additional_config\[\"macer\"\]\[\"free_kv\"\] to false"),
@@ -290,6 +294,27 @@ def test_every_metadata_field_the_compacted_layers_drop_has_its_refusal():
     for field, changes in on.items():
         (problem,) = engine_problems(engine(**changes))
         assert field in problem and problem == DROPPED_FIELDS[field](engine(**changes), problem.split(":")[0])
+
+
+@pytest.mark.parametrize("kind", ["XPU", "TPU", "OOT"])
+def test_platforms_other_than_cpu_and_cuda_are_refused_with_the_settings(kind, monkeypatch):
+    """Guards a platform without a MACER worker crashing at start (review finding 11: every non-CPU platform got the
+    CUDA worker): an XPU, TPU or out-of-tree platform (vLLM's ``Platform`` with that enum; none can run here) is
+    refused while the config is built, by name; CPU, CUDA and ROCm are not."""
+    import vllm.platforms
+    from macer.vllm.checks import platform_problem
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    def platform(name: str):
+        fields = {"_enum": PlatformEnum[name], "device_name": name.lower()}
+        return type(f"{name.title()}Platform", (Platform,), fields)()
+
+    for ok in ("CPU", "CUDA", "ROCM"):
+        assert platform_problem(platform(ok), "who") is None
+    monkeypatch.setattr(vllm.platforms, "_current_platform", platform(kind))
+    (problem,) = engine_problems(engine())
+    assert problem.startswith(f"MacerQwen2ForCausalLM (macer): the {kind.lower()} platform ({kind.title()}Platform) "
+                              "is not supported: the MACER worker is vLLM's CPU worker or its GPU worker")
 
 
 def test_free_kv_is_a_bool_and_needs_the_hybrid_kv_cache_manager():
@@ -398,6 +423,19 @@ def test_flags_that_split_a_prompt_or_fill_dropped_metadata_are_refused_through_
     for needle in ("--long-prefill-token-threshold=32 gives a prompt at most 32 tokens a step",
                    "drop --kv-sharing-fast-prefill"):
         assert needle in str(error) and needle in seen[0]
+
+
+@pytest.mark.parametrize(("engine_args", "flags"), [
+    ({"runner": "pooling", "convert": "embed"}, "--runner pooling / --convert embed"),
+    ({"convert": "classify"}, "--runner pooling / --convert classify")])
+def test_pooling_runners_are_refused_through_llm(checkpoint, monkeypatch, engine_args, flags):
+    """Guards a pooling runner serving MACER's zeroed dropped rows to its pooler (review finding 9: vLLM accepted
+    ``--runner pooling --convert embed`` on the MACER architecture, and MEAN/ALL pooling read zeros): refused while the
+    config is built, naming the flags."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    error, seen = logged_refusal(lambda: build(checkpoint, {"macer": {**LAYERS, **LABELS}}, **engine_args),
+                                 monkeypatch)
+    assert f"a pooling runner ({flags}) is not supported" in str(error) and seen
 
 
 def test_the_servers_command_line_refuses_them_too(checkpoint, tmp_path):

@@ -33,6 +33,12 @@ Why each setting is refused (docs/serving.md has the long form):
   bidirectional image spans, reference sliding windows, ReplaySSM): the runtime guard of ``macer.vllm.backend``
   raises on exactly these fields (``_DROPPED``; a test keeps the two lists equal), so a setting refused here never
   reaches it.
+* a pooling runner (``--runner pooling``, ``--convert embed|classify|...``): the pooler reads the hidden states of
+  every prompt row, and the rows a stage drops are zero after it.
+* routed-expert capture (``--enable-return-routed-experts``): it records the experts of the rows a layer holds, which
+  after a stage are the kept rows, not the step's tokens.
+* a platform other than CPU and CUDA / ROCm: the MACER worker is built on vLLM's CPU worker or its GPU worker, and
+  another platform's worker would be replaced by the GPU one.
 * an untested vLLM release: the compacted forward rebuilds vLLM's attention metadata, whose layout changes between
   releases (``MACER_VLLM_ALLOW_UNTESTED=1`` runs it anyway, with a warning).
 * ``prompt_logprobs``: the dropped rows leave the later layers, so their logits do not exist.
@@ -81,6 +87,7 @@ __all__ = [
     "engine_problems",
     "guarded_hook",
     "no_pipeline",
+    "platform_problem",
     "refuse",
     "version_problem",
 ]
@@ -190,6 +197,18 @@ fill it (``check(vllm_config, who)``: the refusal's line, or None). One entry pe
 refusal and the runtime guard name the same fields (``tests/vllm/test_refusals.py`` compares the two)."""
 
 
+def platform_problem(platform: Any, who: str) -> str | None:
+    """The refusal of a platform the MACER worker does not serve (vLLM's ``current_platform``), or None: the worker is
+    vLLM's CPU worker or its GPU worker (CUDA, ROCm) with MACER's additions, and on any other platform (XPU, TPU, an
+    out-of-tree one) it would replace that platform's own worker."""
+    if platform.is_cpu() or platform.is_cuda_alike():
+        return None
+    name = getattr(platform, "device_name", None) or type(platform).__name__
+    return (f"{who}: the {name} platform ({type(platform).__name__}) is not supported: the MACER worker is vLLM's CPU "
+            "worker or its GPU worker with MACER's additions, which would replace this platform's own worker; serve "
+            "on a CPU, or a CUDA or ROCm GPU")
+
+
 def engine_problems(vllm_config: Any) -> list[str]:
     """Every engine setting a MACER architecture cannot run under (see the module docstring), one line each naming
     the flag and the fix. Reads ``vllm_config``'s scheduler, cache, compilation, parallel and model configs only."""
@@ -212,6 +231,18 @@ def engine_problems(vllm_config: Any) -> list[str]:
         problems.append(f"{who}: prefix caching would reuse KV written under another prompt's compaction: turn it off "
                         "with --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))")
     model_config = vllm_config.model_config
+    runner = getattr(model_config, "runner_type", "generate")
+    if runner != "generate":
+        convert = getattr(model_config, "convert_type", "none")
+        flags = f"--runner {runner}" + (f" / --convert {convert}" if convert not in (None, "none") else "")
+        problems.append(f"{who}: a {runner} runner ({flags}) is not supported (a pooler reads the hidden states of "
+                        "every prompt row, and the rows a stage drops are zero after it): serve text generation "
+                        "(--runner generate, no --convert), or pool with vLLM's own architecture")
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if getattr(aux, "enable_return_routed_experts", False):
+        problems.append(f"{who}: --enable-return-routed-experts is not supported (it records the experts of the rows "
+                        "each layer holds, which after a stage are the kept rows, not the step's tokens): drop "
+                        "--enable-return-routed-experts")
     compilation = vllm_config.compilation_config
     # None = not resolved yet (the config hook runs before vLLM resolves them): vLLM's default, which compiles and,
     # on a GPU, captures graphs, unless TORCH_COMPILE_DISABLE=1.
@@ -271,6 +302,11 @@ def engine_problems(vllm_config: Any) -> list[str]:
         problems.append(f"{who}: KV transfer connectors are not supported (the compacted layers' pages hold the kept "
                         "tokens in slots 0..K-1, which a connector would ship as positions 0..K-1): drop "
                         "--kv-transfer-config")
+    from vllm.platforms import current_platform
+
+    platform = platform_problem(current_platform, who)
+    if platform is not None:
+        problems.append(platform)
     version = version_problem(vllm.__version__)
     if version is not None:
         problems.append(version)

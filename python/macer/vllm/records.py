@@ -19,6 +19,10 @@ Where a user reads it:
 * **in-process** (tests, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``RECORDS`` (the last ``MAX_RECORDS``), ``last()``,
   ``by_request(request_id)``.
 
+A request has one record. Its first is kept: a later one for the same request id (a recompute after preemption
+that the scheduler cut before a multimodal item and the worker served unpruned, a later turn of a streaming-input
+session) never replaces it, and its note, when it says something new, is appended to the first's (``record``).
+
 The kept positions are device data. The model starts one non-blocking copy of them (and of the stages' non-finite
 flags) after the request's last stage; the record is finished on the host after the step's sampler
 (``finish_pending``, called by the MACER worker), or when the scheduler asks for it (``take``).
@@ -26,6 +30,7 @@ flags) after the request's last stage; the record is finished on the host after 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -38,9 +43,9 @@ import torch
 from macer.core.policy import AUDIO, MODALITY_NAMES, VISUAL, PromptFacts
 from macer_kernels import Budget
 
-__all__ = ["MAX_RECORDS", "RECORDS", "RequestRecord", "by_request", "clear", "drain", "external_id", "finish_pending",
-           "format_layers", "kept_rows", "last", "nonfinite_note", "prompt_counts", "receive", "record",
-           "start_pending", "take"]
+__all__ = ["LATER", "MAX_RECORDS", "RECORDS", "RequestRecord", "by_request", "clear", "drain", "external_id",
+           "finish_pending", "format_layers", "kept_rows", "last", "nonfinite_note", "prompt_counts", "receive",
+           "record", "start_pending", "take"]
 
 # A child of vLLM's "vllm" logger, so the line goes through vLLM's handler and level (VLLM_LOGGING_LEVEL) in every
 # process of the engine; a logger of our own would have no handler there and drop INFO.
@@ -170,12 +175,41 @@ def record(request_id: str | None, budget: Budget | None, kept: Mapping[str, Seq
     entry = RequestRecord(request_id, external_id(request_id), policy, keep_ratio, budget, dict(prompt),
                           {name: len(positions) for name, positions in rows.items()}, rows,
                           tuple(int(n) for n in layer_tokens), note)
+    first = _earlier(request_id)
+    if first is not None:
+        return _append_note(first, note)
     RECORDS.append(entry)
     if request_id is not None:
         receive([entry.as_dict()])
         _OUTBOX.append(entry.as_dict())
         del _OUTBOX[:-MAX_RECORDS]
     logger.log(logging.WARNING if note else logging.INFO, "%s", entry.line())
+    return entry
+
+
+LATER = "then, in a later pass of this request (a recompute after preemption, a session's next turn): "
+"""How ``record`` introduces the note of a request's later record, appended to its first record's note."""
+
+
+def _earlier(request_id: str | None) -> RequestRecord | None:
+    """The first record of ``request_id`` made in this process (among the last ``MAX_RECORDS``), or None."""
+    if request_id is None:
+        return None
+    return next((entry for entry in RECORDS if entry.request_id == request_id), None)
+
+
+def _append_note(first: RequestRecord, note: str | None) -> RequestRecord:
+    """``first`` with ``note`` appended to its note (unchanged when ``note`` says nothing new), stored and sent in its
+    place, and logged as a WARNING."""
+    if not note or (first.note is not None and note in first.note):
+        return first
+    later = f"{LATER}{note}"
+    entry = dataclasses.replace(first, note=later if first.note is None else f"{first.note}; {later}")
+    RECORDS[RECORDS.index(first)] = entry
+    receive([entry.as_dict()])
+    _OUTBOX.append(entry.as_dict())
+    del _OUTBOX[:-MAX_RECORDS]
+    logger.warning("%s", entry.line())
     return entry
 
 
