@@ -6,7 +6,7 @@ A request seen for the first time is planned (``macer.vllm.state.plan_request``)
 changed (a streaming-input session grows its prompt under the same id: the plan of its earlier turn says nothing about
 the new one) and one presented as a chunk while its plan prunes (the scheduler cut a recompute before a multimodal
 item: served unpruned from then on, as the scheduler sized its KV blocks; its first record stays the request's
-record). The step's rows then go to ``macer.core.steps.plan_step``.
+record, with the new note appended: ``macer.vllm.records``). The step's rows then go to ``macer.core.steps.plan_step``.
 
 What the step needs from the forward follows from the plan alone (``PreparedStep``):
 
@@ -138,19 +138,18 @@ class StepPlanner:
                                f"{len(request.prompt_token_ids)} tokens after its pruned prefill; its compacted "
                                "layers hold the kept rows of the old prompt (the scheduler serves such requests "
                                "unpruned; please report this)")
-        return self.states.add(self.plan_request(request_id, request, whole=kind != CHUNK, previous=previous))
+        return self.states.add(self.plan_request(request_id, request, whole=kind != CHUNK))
 
-    def plan_request(self, request_id: str, request: Any, whole: bool = True,
-                     previous: RequestState | None = None) -> RequestState:
-        """A request's state from the runner's host copy of it (``CachedRequestState``); the record of one served
-        unpruned (host values only: complete now), unless the request had a state with a record already
-        (``previous``: its first record stays the request's record)."""
+    def plan_request(self, request_id: str, request: Any, whole: bool = True) -> RequestState:
+        """A request's state from the runner's host copy of it (``CachedRequestState``), and the record of one served
+        unpruned (host values only: complete now; a request planned again keeps its first record, to which
+        ``macer.vllm.records.record`` appends what the new one says)."""
         mrope = getattr(request, "mrope_positions", None)
         params = getattr(request, "sampling_params", None)
         state = plan_request(request_id, request.prompt_token_ids, None if mrope is None else mrope[0],
                              getattr(params, "extra_args", None), self.policies, self.prompt, self.num_layers,
                              self.device, whole=whole)
-        if (previous is not None and previous.recorded) or request_id in self.quiet:
+        if request_id in self.quiet:
             state.recorded = True
         elif not state.layout.pruned:
             state.record_unpruned()
