@@ -355,6 +355,12 @@ def shared_engine(tiny_checkpoint) -> Engine:
 
 
 @pytest.fixture(scope="session")
+def not_freeing_engine(tiny_checkpoint) -> Engine:
+    """The shared engine's settings with ``free_kv`` off (every layer in one KV cache group)."""
+    return make_engine(tiny_checkpoint, {**engine_settings(), "free_kv": False}, **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_checkpoint):
     import torch
     from transformers import Qwen2ForCausalLM

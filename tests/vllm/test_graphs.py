@@ -158,3 +158,33 @@ def test_the_load_time_graph_check_passes_and_catches_wrong_refills(shared_engin
         generate(shared_engine, REQUESTS[:2], max_tokens=4)
         assert not any(entry["step"].graph for entry in shared_engine.steps)
     macer.binding.full_graphs = True
+
+
+def test_without_freed_kv_memory_the_compacted_layers_keep_buffers_of_their_own(not_freeing_engine):
+    """``free_kv`` off: every layer sits in KV cache group 0, so the compacted layers read group 0's block table; their
+    lengths, slots and builders are still their own per segment of the layout, and FULL steps serve the unemulated
+    engine's tokens from the captured addresses."""
+    engine = not_freeing_engine
+    macer = engine.model.macer
+    assert len(macer.runner.kv_cache_config.kv_cache_groups) == 1
+    plain = generate(engine, REQUESTS[:3], max_tokens=6)
+    full = []
+    record_step = macer.on_step
+
+    def snapshot(step, runner):
+        record_step(step, runner)
+        if step.graph:
+            full.append({name: _pointers(metadata, slots) for name, (metadata, slots) in step.metadata.items()})
+
+    with emulated_full_graphs(engine) as captured:
+        macer.on_step = snapshot
+        try:
+            served = generate(engine, REQUESTS[:3], max_tokens=6)
+        finally:
+            macer.on_step = record_step
+    assert [s.tokens for s in served] == [s.tokens for s in plain]
+    table = macer.runner.input_batch.block_table[0].block_table.gpu.data_ptr()
+    assert full and all(pointers == _pointers(*captured[name]) for step in full for name, pointers in step.items())
+    assert {pointers[3] for step in full for pointers in step.values()} == {table}  # group 0's block table
+    assert len({pointers[0] for pointers in full[0].values()}) == len(macer.bounds)  # one length buffer per segment
+

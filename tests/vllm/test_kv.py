@@ -30,10 +30,8 @@ from macer.vllm.testing import clip_prompt  # noqa: E402
 from vllm_cases import (  # noqa: E402
     ENGINE_ARGS,
     BlockLog,
-    engine_settings,
     generate,
     generate_staggered,
-    make_engine,
     sampling,
     scheduler_of,
 )
@@ -73,8 +71,8 @@ def freeing(shared_engine):
 
 
 @pytest.fixture(scope="module")
-def not_freeing(tiny_checkpoint):
-    return make_engine(tiny_checkpoint, {**engine_settings(), "free_kv": False}, **ENGINE_ARGS)
+def not_freeing(not_freeing_engine):
+    return not_freeing_engine
 
 
 def _compacted(engine) -> list[bool]:

@@ -334,9 +334,14 @@ class StageMetadata:
         out: dict[str, torch.Tensor] = {}
         for start, stop, lens in regions:
             layers = [i for i in range(start, stop) if self.tails_of[i]]
+            if not layers:
+                continue
+            ends, found = np.asarray(lens, dtype=np.int64), {}
             for gid in sorted({self.group_of[self.names[i]] for i in layers}):
                 table = batch.block_table[gid]
-                index, request = _tail_index(kinds, np.asarray(lens, dtype=np.int64), table.block_size)
+                if table.block_size not in found:  # the same rows in every group of one block size
+                    found[table.block_size] = _tail_index(kinds, ends, table.block_size)
+                index, request = found[table.block_size]
                 if not len(index):
                     continue
                 view = arena.take(torch.int64, len(index))

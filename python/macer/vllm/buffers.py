@@ -48,12 +48,20 @@ class Arena:
         self.bytes = self.host.numpy()  # the host buffer as numpy, made once: typed views of it are numpy slices
         self.fixed = 0
         self.used = 0
+        # Steps of the same shape lay their arrays out alike: their views are made once.
+        self._views: dict[tuple[int, torch.dtype, int], View] = {}
 
     def _view(self, start: int, dtype: torch.dtype, count: int) -> View:
-        size = count * dtype.itemsize
-        host = self.host[start: start + size].view(dtype)
-        dev = host if self.dev is self.host else self.dev[start: start + size].view(dtype)
-        return self.bytes[start: start + size].view(_NUMPY[dtype]), host, dev
+        key = (start, dtype, count)
+        view = self._views.get(key)
+        if view is None:
+            size = count * dtype.itemsize
+            host = self.host[start: start + size].view(dtype)
+            dev = host if self.dev is self.host else self.dev[start: start + size].view(dtype)
+            view = self._views[key] = (self.bytes[start: start + size].view(_NUMPY[dtype]), host, dev)
+            if len(self._views) > 4096:  # shapes seen once: forget the oldest
+                del self._views[next(iter(self._views))]
+        return view
 
     def _claim(self, dtype: torch.dtype, count: int) -> int:
         start = -(-self.used // 8) * 8
@@ -69,7 +77,8 @@ class Arena:
     def grow(self, needed: int) -> None:
         """Room for ``needed`` bytes (an arena with no fixed view; the views handed out before are void)."""
         grown = Arena(max(needed, 2 * self.nbytes), self.device)
-        self.__dict__.update(host=grown.host, dev=grown.dev, bytes=grown.bytes, nbytes=grown.nbytes, used=0)
+        self.__dict__.update(host=grown.host, dev=grown.dev, bytes=grown.bytes, nbytes=grown.nbytes, used=0,
+                             _views={})
 
     def reserve(self, dtype: torch.dtype, count: int) -> View:
         """A fixed view of ``count`` elements (before any ``take``)."""
