@@ -193,8 +193,10 @@ class StageMetadata:
             if getattr(common, name, None) is not None:
                 raise RuntimeError(f"macer: the step's attention metadata sets {name!r}, which the compacted layers' "
                                    "metadata does not carry (a configuration the plugin should have refused)")
-        arena = self.arena if not step.graph else None if self.graphs is None else self.graphs.arena
-        if arena is None:
+        # A FULL step refills the captured buffers; one without segments (an engine whose policy prunes nothing: no
+        # captured layout) has only tails, zeroed before the replay from any buffer.
+        arena = self.graphs.arena if step.graph and self.graphs is not None else self.arena
+        if step.graph and step.plan.segments and self.graphs is None:
             raise RuntimeError("macer: a step replays a CUDA graph that was captured without the compacted layers' "
                                "buffers (please report this)")
         while True:
