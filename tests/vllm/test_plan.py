@@ -49,14 +49,20 @@ def _prefilled(planner, request_id, prompt, extra=None, **others):
     requests = {request_id: (prompt, extra), **others}
     step = planner.plan(runner({rid: (ids, 0, len(ids), more) for rid, (ids, more) in requests.items()}))
     for state in step.states:
-        state.prefilled = state.recorded = True
+        state.prefilled = True
+        if state.layout.pruned and not state.recorded:  # the forward's record, its stages' kept rows stood in for
+            kept = range(state.layout.layer_tokens[-1])
+            records.record(state.request_id, state.layout.budget, records.kept_rows(state.facts.labels, kept),
+                           state.layout.layer_tokens, policy=state.policy.name, keep_ratio=state.policy.keep_ratio,
+                           prompt=records.prompt_counts(state.facts))
+            state.recorded = True
     return step, step.states[0]
 
 
 def test_a_cut_recompute_is_served_unpruned_and_keeps_its_first_record(planner):
     """Guards a pruned request whose recompute after preemption the scheduler cut before a multimodal item keeping
     its pruned plan (``plan_step`` then raises and the engine stops): it is planned again unpruned, as the scheduler
-    sized its blocks (D_r = 0 at the cut), and its first record stays its record."""
+    sized its blocks (D_r = 0 at the cut), and its first record stays its record, saying what happened later."""
     first, state = _prefilled(planner, "plan-cut", CLIP)
     assert first.staged and state.layout.pruned and first.fresh == [0]
     made = len(records.RECORDS)
@@ -65,7 +71,10 @@ def test_a_cut_recompute_is_served_unpruned_and_keeps_its_first_record(planner):
     assert replanned is not state and not replanned.layout.pruned
     assert "split the prompt over several steps" in replanned.layout.note
     assert step.plan.plain and not step.rows[0].pruned and not step.staged and step.fresh == []
-    assert replanned.recorded and len(records.RECORDS) == made  # no second record
+    assert replanned.recorded and len(records.RECORDS) == made  # no second record: the first, with a note added
+    record = records.by_request("plan-cut")
+    assert record.layer_tokens == state.layout.layer_tokens
+    assert record.note.startswith(records.LATER) and "split the prompt over several steps" in record.note
 
 
 def test_a_grown_prompt_is_planned_again_from_its_new_length(planner):
