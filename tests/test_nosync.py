@@ -98,6 +98,7 @@ def test_values_checked_on_cpu_always_on_devices_only_in_validation_mode(monkeyp
 
     monkeypatch.delenv("MACER_VALIDATE", raising=False)
     monkeypatch.setattr(_validate, "_process_setting", None)
+    monkeypatch.setattr(_validate, "_env_setting", None)
     with FakeTensorMode():
         fake_cuda = torch.empty(3, device="cuda")  # a CUDA tensor's metadata, on a CPU-only build
     cpu, meta = torch.empty(3), torch.empty(3, device="meta")
@@ -111,6 +112,8 @@ def test_values_checked_on_cpu_always_on_devices_only_in_validation_mode(monkeyp
         assert mk.validation_enabled()
     assert not mk.validation_enabled()
     monkeypatch.setenv("MACER_VALIDATE", "1")
+    assert not mk.validation_enabled()  # the environment is read once, not on every call
+    mk.set_validation(None)  # ... and again after set_validation(None)
     assert mk.validation_enabled() and _validate.values_checked(fake_cuda)
     mk.set_validation(False)  # the process setting beats the environment
     assert not mk.validation_enabled()
@@ -123,10 +126,14 @@ def test_values_checked_on_cpu_always_on_devices_only_in_validation_mode(monkeyp
         worker.start()
         worker.join()
     assert seen == [True]  # blocks are per thread; the process setting is shared
-    mk.set_validation(None)
     monkeypatch.setenv("MACER_VALIDATE", "maybe")
+    mk.set_validation(None)
     with pytest.raises(ValueError, match="MACER_VALIDATE must be 0 or 1"):
         mk.validation_enabled()
+    with pytest.raises(ValueError, match="MACER_VALIDATE must be 0 or 1"):  # a bad value is not cached
+        mk.validation_enabled()
+    monkeypatch.setenv("MACER_VALIDATE", "off")
+    assert not mk.validation_enabled()
     with pytest.raises(TypeError, match="enabled must be True or False"):
         with mk.validation(1):
             pass
