@@ -62,7 +62,7 @@ class PreparedStage:
     def __init__(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, spec: StageSpec, out_len: int,
                  keeps: torch.Tensor | None, positions: torch.Tensor, rows: range | None, scale: float, eps: float,
                  chunk_ids: torch.Tensor | None, gather: list[torch.Tensor], dims: list[int],
-                 checks: tuple) -> None:
+                 checks: tuple, chain: bool = True) -> None:
         self.spec, self.out_len = spec, out_len
         self.batch, self.num_keys = labels.shape
         self._keeps, self._positions, self._rows = keeps, positions, rows
@@ -81,7 +81,7 @@ class PreparedStage:
         if cuda_stage.prepared_on_cuda(labels, self._coverage):
             self.cuda = cuda_stage.StageHandle(query, key, labels, spec, out_len, keeps, positions,
                                                0 if rows is None else rows.start, scale, eps, chunk_ids, gather,
-                                               dims)
+                                               dims, chain)
 
     def allocate(self) -> tuple[torch.Tensor, ...]:
         """New output buffers ``(keep, flags, *gathered)`` for ``out=`` (a caller that keeps them across calls
@@ -172,7 +172,8 @@ def _out_shape(t: torch.Tensor, dim: int, length: int) -> tuple[int, ...]:
 def prepare_stage(query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, modalities: Sequence[StageModality],
                   *, chunk_ids: torch.Tensor | None = None, query_rows: range | None = None,
                   scale: float | None = None, eps: float = 1e-6, padding: Counts = 0,
-                  gather: Sequence[torch.Tensor] = (), gather_dims: Sequence[int] = ()) -> PreparedStage:
+                  gather: Sequence[torch.Tensor] = (), gather_dims: Sequence[int] = (),
+                  chain: bool = True) -> PreparedStage:
     """Check a stage once and prepare it for its shape (see the module docstring).
 
     The arguments are ``select_stage``'s, given as example tensors (only their metadata is read, except where values
@@ -186,6 +187,8 @@ def prepare_stage(query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, 
         gather, gather_dims: tensors compacted with the stage's keep in the same call, each with a batch dim of
             size B just before its sequence dim ``gather_dims[i]`` (of size N): e.g. the prompt positions, labels
             and chunk ids of the rows entering the stage, which become those of the next stage.
+        chain: on the CUDA backend, chain the launches with programmatic dependent launch where the device allows
+            it (sm_90+); False launches them one after the other (the benchmark's comparison).
     """
     b_q, _, rows_in_query, _ = check_tensor("query", query, 4).shape
     n = check_tensor("key", key, 4).shape[2]
@@ -233,5 +236,7 @@ def prepare_stage(query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, 
          0 if m.coverage_weight is None else m.num_chunks)
         for m, keep in zip(mods, keeps, strict=True))
     table = _keeps_table(keeps, labels.device) if any(len(set(k)) > 1 for k in keeps) else None
+    if not isinstance(chain, bool):
+        raise ValueError(f"chain must be a bool, got {chain!r}")
     return PreparedStage(query, key, labels, spec, out_len, table, positions, rows, scale, eps, chunk_ids, gather,
-                         dims, (mods, counts, pads))
+                         dims, (mods, counts, pads), chain)

@@ -31,6 +31,7 @@ import macer_kernels as mk
 from macer_kernels import StageModality as Mod
 from macer_kernels import _validate, backend, compact_many, select_stage, use_backend
 from macer_kernels.prepared import prepare_stage
+from macer_kernels.reference import stage_select_ref
 
 
 def _fresh_seed() -> int:
@@ -405,7 +406,8 @@ def test_chain_kernels_wait_for_their_predecessor_before_any_global_access():
 
 @pytest.mark.cuda
 def test_cuda_prepared_stage_exact_no_sync_five_kernels_and_graph_replay():
-    """The prepared stage on a GPU: equal to the PyTorch backend, no synchronisation (torch's sync debug mode raises
+    """The prepared stage on a GPU: bitwise equal to the same kernels run op by op (the selection exact against the
+    float64 oracle on its scores), no synchronisation (torch's sync debug mode raises
     on one), five kernels (three scoring, one selection, one gather), chained with PDL on sm_90, and a CUDA graph of
     it replayed on fresh inputs equal to eager."""
     seed = _fresh_seed()
@@ -443,10 +445,14 @@ def test_cuda_prepared_stage_exact_no_sync_five_kernels_and_graph_replay():
     assert prepared.cuda.chained == (major >= 9)
 
     def reference(x):
-        with use_backend("torch"):
-            keep, flags = select_stage(x[0][:, :, rows.start:rows.stop], x[1], x[2], mods, chunk_ids=x[3],
-                                       query_positions=torch.arange(1190, 1194, device="cuda")[None],
-                                       return_flags=True)
+        """The same kernels launched one op at a time (bitwise the same results), and the selection's exactness on
+        the scores against the float64 oracle."""
+        with use_backend("cuda"):
+            keep, scores, flags = select_stage(x[0][:, :, rows.start:rows.stop], x[1], x[2], mods, chunk_ids=x[3],
+                                               query_positions=torch.arange(1190, 1194, device="cuda")[None],
+                                               return_scores=True, return_flags=True)
+            assert torch.equal(prepared.last_scores, scores), f"seed={seed}"
+            assert torch.equal(keep.cpu(), stage_select_ref(scores.cpu(), x[2].cpu(), mods, x[3].cpu()))
             return [keep, flags, *compact_many(x[4], keep, [1, 1, 1, 1])]
 
     for got, want in zip(out, reference(x), strict=True):
