@@ -91,6 +91,7 @@ void stage_launch(const StagePlan& plan, const StageCall& call) {
   const DeviceGuard device_guard = use_device(plan.scores.device, kOp);
   ChainScope chain(plan.chain);
   modality_scores(scores);
+  chain.started();
   select_cta(select);
   compact_many(gather);
 }

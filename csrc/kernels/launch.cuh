@@ -47,6 +47,12 @@ class ChainScope {
   ChainScope(const ChainScope&) = delete;
   ChainScope& operator=(const ChainScope&) = delete;
   int launched() const { return chain_state().launched; }
+  // After a launcher that may launch through a path of its own (its kernels wait for their predecessor all the
+  // same): the launches that follow in the chain are not its first.
+  void started() {
+    ChainState& s = chain_state();
+    if (s.launched == 0) s.launched = 1;
+  }
 };
 
 template <typename... Params, typename... Args>
