@@ -58,7 +58,21 @@ def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
         "keep": keep,
         "t_float": torch.arange(30, dtype=torch.float32) * 0.5,
         "t_int": torch.arange(30) * 3,
+        # a stage's labels with the counts its modalities say (6 of label 1, 10 of label 2 per sample)
+        "stage_labels": torch.tensor([0] * 8 + [1] * 6 + [2] * 10).expand(2, n).contiguous(),
+        "stage_chunks": (torch.arange(n) // 4).expand(2, n).contiguous(),
     }
+
+
+def _prepared_stage(a: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """``prepare_stage`` then one call: the prepared stage's host path (the CUDA chain itself, whose launch reads
+    nothing, is tested against a recording module in test_prepared_stage.py)."""
+    from macer_kernels.prepared import prepare_stage
+
+    mods = [mk.StageModality(1, 6, 2), mk.StageModality(2, 10, 3, coverage_weight=0.2)]
+    stage = prepare_stage(a["q"], a["k"], a["stage_labels"], mods, chunk_ids=a["stage_chunks"],
+                          gather=[a["stage_labels"], a["x"]], gather_dims=[1, 1])
+    return list(stage(a["q"], a["k"], a["stage_labels"], a["stage_chunks"], [a["stage_labels"], a["x"]]))
 
 
 # op -> (call on the inputs, expected output shape(s), whether it has value checks)
@@ -72,6 +86,7 @@ OPS = {
     "compact": (lambda a: mk.compact(a["x"], a["keep"], 1), [(2, 10, 6)], True),
     "compact_many": (lambda a: mk.compact_many([a["x"], a["cos"], a["pos_ids"]], a["keep"], [1, -2, 2]),
                      [(2, 10, 6), (2, 10, 8), (3, 2, 10)], True),
+    "prepared_stage": (_prepared_stage, [(2, 13), (2,), (2, 13), (2, 13, 6)], True),
     "temporal_chunks(float)": (lambda a: mk.temporal_chunks(a["t_float"], 4), [(30,)], True),
     "temporal_chunks(int)": (lambda a: mk.temporal_chunks(a["t_int"], 4), [(30,)], False),
 }
@@ -238,6 +253,7 @@ class _RecordingExt:
     """Stands in for ``macer_kernels._C``: records every call; query functions return plausible sizes."""
 
     MAX_COMPACT_TENSORS = 8
+    MAX_STAGE_MODALITIES = 8
 
     def __init__(self):
         self.calls: list[str] = []
