@@ -89,7 +89,12 @@ class PreparedStage:
         device = self._metas["labels"][3]
         keep = torch.empty(self.batch, self.out_len, dtype=torch.long, device=device)
         flags = torch.empty(self.batch, dtype=torch.bool, device=device)
-        return keep, flags, *(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._outs)
+        return keep, flags, *self.allocate_gathered()
+
+    def allocate_gathered(self, start: int = 0) -> list[torch.Tensor]:
+        """New buffers for the gathered tensors ``gather[start:]`` alone (``allocate()[2 + start:]``)."""
+        device = self._metas["labels"][3]
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._outs[start:]]
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor,
                  chunk_ids: torch.Tensor | None = None, gather: Sequence[torch.Tensor] = (), *,

@@ -467,3 +467,69 @@ def test_cuda_prepared_stage_exact_no_sync_five_kernels_and_graph_replay():
     torch.cuda.synchronize()
     for got, want in zip(out, reference(x), strict=True):
         assert torch.equal(got, want), f"seed={seed} (graph replay)"
+
+
+def _engine_tensors(n, seed):
+    """A transformers layer's per-token inputs: hidden states, RoPE cos, M-RoPE position ids, cache positions."""
+    g = torch.Generator().manual_seed(seed)
+    return ([torch.randn(1, n, 12, generator=g), torch.randn(1, n, 16, generator=g),
+             torch.randint(0, 99, (3, 1, n), generator=g), torch.arange(n)], [1, 1, 2, 0])
+
+
+def test_a_deferred_stage_compacts_the_engines_tensors_in_its_own_call():
+    """``PrefillState(defer=True)``: the readout is kept until the next layer, where ``apply`` scores, selects and
+    compacts the engine's tensors (a 1-D ``cache_position`` included) in the stage's call; keep, tables, flags and
+    tensors equal those of an eager prefill followed by ``compact_many``."""
+    from macer.core.prefill import PrefillState
+
+    plan = _core_prefill(keep_ratio=0.35)
+    eager, deferred = PrefillState(plan, torch.device("cpu")), PrefillState(plan, torch.device("cpu"), defer=True)
+    for i, stage in enumerate(plan.stages):
+        readout = _readout(stage.tokens_before, i)
+        tensors, dims = _engine_tensors(stage.tokens_before, i)
+        eager.run(*readout, None, 1e-6)
+        before = eager.current
+        keep, want = eager.apply(tensors, dims)
+        assert torch.equal(eager.current, before[keep])
+        for got, t, d in zip(want, tensors, dims, strict=True):
+            assert torch.equal(got, t.index_select(d, keep))
+        deferred.run(*readout, None, 1e-6)
+        assert deferred.pending is None and deferred.has_pending() and len(deferred.nonfinite) == i
+        got_keep, got = deferred.apply(tensors, dims)
+        assert not deferred.has_pending() and torch.equal(got_keep, keep)
+        assert torch.equal(deferred.current, eager.current) and len(deferred.nonfinite) == i + 1
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and torch.equal(g, w)
+
+
+def test_a_deferred_stage_is_one_launch_with_the_engines_tensors(recording_stage, monkeypatch):
+    """On the (recorded) CUDA path a deferred stage's ``apply`` is one ``StagePlan.launch`` gathering the tables and
+    the engine's tensors; inside it only the compacted tensors are allocated (model activations) and views made."""
+    from collections import OrderedDict
+
+    from macer.core import stage as core_stage
+    from macer.core.prefill import PrefillState
+
+    monkeypatch.setattr(core_stage, "_PREPARED", OrderedDict())
+    fake = recording_stage
+    plan = _core_prefill()
+    for prefill in range(2):
+        state = PrefillState(plan, torch.device("cpu"), defer=True)
+        for i, stage in enumerate(plan.stages):
+            tensors, dims = _engine_tensors(stage.tokens_before, i)
+            launches = len(fake.launches())
+            state.run(*_readout(stage.tokens_before, i), None, 1e-6)
+            assert len(fake.launches()) == launches  # deferred: nothing launched at the readout
+            with no_host_reads(), NoAtenOps() as ops:
+                keep, compacted = state.apply(tensors, dims)
+            assert len(fake.launches()) == launches + 1
+            launch = fake.launches()[-1]
+            assert launch[8][3:] == [t.data_ptr() for t in tensors]  # after the three tables
+            assert launch[9][3:] == [t.data_ptr() for t in compacted]
+            assert [tuple(t.shape) for t in compacted] == [(1, stage.tokens_after, 12), (1, stage.tokens_after, 16),
+                                                            (3, 1, stage.tokens_after), (stage.tokens_after,)]
+            if prefill:
+                allocations = [op for op in ops.ops if "empty" in op]
+                assert len(allocations) == 4, ops.ops
+                assert set(ops.ops) - set(allocations) <= {"aten.unsqueeze.default", "aten.squeeze.dim"}, ops.ops
+            assert keep.data_ptr() == state._outs[i][0][0].data_ptr()

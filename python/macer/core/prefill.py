@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from macer.core.policy import AUDIO, VISUAL, Plan
-from macer.core.stage import StageRows, fused, run_stage
+from macer.core.stage import StageRows, batched, fused, run_stage
 from macer.core.transfer import to_device
+from macer_kernels import compact_many
 
 __all__ = ["PrefillState", "nonfinite_hits", "question_range", "stage_buffers"]
 
@@ -72,8 +73,12 @@ class PrefillState:
     An engine adds its own cache and layer inputs around it (``macer.hf.prefill.PromptPrefill``, the vLLM plugin's
     ``macer.vllm.staged.StagedDecoder``)."""
 
-    def __init__(self, plan: Plan, device: torch.device):
+    def __init__(self, plan: Plan, device: torch.device, *, defer: bool = False):
         self.plan = plan
+        # defer: the engine compacts its per-token tensors with ``apply`` (never reading ``pending`` itself), so a
+        # fused stage's readout is kept until then and its launch gathers those tensors too.
+        self.defer = defer
+        self._deferred: tuple | None = None
         n = plan.facts.length
         host = [plan.facts.labels]
         host += [pick for stage in plan.stages for pick in stage.picks if pick is not None]
@@ -107,7 +112,7 @@ class PrefillState:
         return self.plan.layer_tokens
 
     def has_pending(self) -> bool:
-        return self.pending is not None
+        return self.pending is not None or self._deferred is not None
 
     def enter(self, index: int) -> None:
         """``layers[index]`` runs on the current rows (they become its cache rows)."""
@@ -140,22 +145,49 @@ class PrefillState:
         if stage.tokens_after == stage.tokens_before:
             self._rows, self._rows_for = rows, i + 1
             return  # the plan says nothing is dropped (keep ratio 1): no device work
-        out = self._outs[i]
-        keep, flag, self._rows = run_stage(stage, query, key, rows, self._questions[i], self.picks[i],
-                                           prompt_length=self.plan.facts.length, scale=scale, eps=eps,
-                                           out=None if out is None else out[0])
+        if self.defer and self._outs[i] is not None:  # a fused stage: run by apply, with the engine's tensors
+            self._deferred = (i, query, key, scale, eps, rows)
+            return
+        self._run(i, rows, query, key, scale, eps)
+
+    def _run(self, i: int, rows: StageRows, query: torch.Tensor | None, key: torch.Tensor | None,
+             scale: float | None, eps: float, extra: list[torch.Tensor] | None = None,
+             extra_dims: list[int] | None = None) -> list[torch.Tensor]:
+        stage, out = self.plan.stages[i], self._outs[i]
+        keep, flag, self._rows, compacted = run_stage(
+            stage, query, key, rows, self._questions[i], self.picks[i], prompt_length=self.plan.facts.length,
+            scale=scale, eps=eps, out=None if out is None else out[0], extra=extra or (), extra_dims=extra_dims or ())
         self._rows_for = i + 1
         self.pending, self._next_current = (keep[0], self._rows.current[0]) if out is None else out[1]
         if flag is not None:
             self.nonfinite.append((stage.spec.layer, [0], flag))
+        return compacted
 
     def take_pending(self) -> torch.Tensor:
         """The pending rows to keep (``[tokens_after]``, of the current sequence), applied: ``current`` becomes their
         prompt positions, which the stage gathered itself (an engine that indexes ``current[keep]`` gets the same
-        rows with one more launch)."""
+        rows with one more launch). A deferred stage runs now."""
+        if self._deferred is not None:
+            return self.apply([], [])[0]
         keep, self.pending = self.pending, None
         self.current = self._next_current
         return keep
+
+    def apply(self, tensors: list[torch.Tensor], dims: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Before the next layer: ``(keep, compacted)``, the pending stage applied (as ``take_pending``) and the
+        engine's per-token tensors (hidden states, RoPE tables, position ids: sequence dim ``dims[i]``) compacted to
+        the kept rows. A deferred fused stage (``defer=True``) scores, selects and compacts them in its one call;
+        otherwise one ``compact_many``."""
+        if self._deferred is None:
+            keep = self.take_pending()
+            return keep, compact_many(tensors, keep, dims) if tensors else []
+        i, query, key, scale, eps, rows = self._deferred
+        self._deferred = None
+        views, view_dims, inserted = batched(tensors, dims)
+        compacted = self._run(i, rows, query, key, scale, eps, views, view_dims)
+        keep, self.pending = self.pending, None
+        self.current = self._next_current
+        return keep, [t.squeeze(d - 1) if add else t for t, d, add in zip(compacted, view_dims, inserted, strict=True)]
 
     def _rebuild_rows(self) -> StageRows:
         """The tables of the current rows from the prompt's (after a stage that a batch ran itself)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from macer.core.policy import PlannedStage, Scoring, member_mask
 from macer_kernels import StageModality, compact_many, coverage_select, modality_scores, topk_indices
 from macer_kernels.prepared import PreparedStage, prepare_stage
 
-__all__ = ["CACHE_SIZE", "StageRows", "fused", "positions_where", "prepared_stage", "run_stage", "score"]
+__all__ = ["CACHE_SIZE", "StageRows", "batched", "fused", "positions_where", "prepared_stage", "run_stage", "score"]
 
 CACHE_SIZE = 16
 """Prepared stages kept (least recently used dropped first); each holds a scoring workspace and ``[N]`` scores per
@@ -87,14 +88,33 @@ def fused(stage: PlannedStage) -> bool:
                                                 for s in stage.spec.selections)
 
 
+def batched(tensors: Sequence[torch.Tensor], dims: Sequence[int]) -> tuple[list[torch.Tensor], list[int], list[bool]]:
+    """Views of ``tensors`` with a batch dim of size 1 just before each sequence dim ``dims[i]`` (inserted where the
+    dim before it is not of size 1, e.g. a 1-D ``cache_position``): the layout a stage's gather takes. Returns the
+    views, their sequence dims and whether a dim was inserted (the compacted view then drops it again)."""
+    views, new_dims, inserted = [], [], []
+    for t, d in zip(tensors, dims, strict=True):
+        d %= t.dim()
+        add = d == 0 or t.shape[d - 1] != 1
+        if add:
+            t, d = t.unsqueeze(d), d + 1
+        views.append(t)
+        new_dims.append(d)
+        inserted.append(add)
+    return views, new_dims, inserted
+
+
 def prepared_stage(stage: PlannedStage, query: torch.Tensor, key: torch.Tensor, rows: StageRows, question: range,
-                   *, scale: float | None, eps: float) -> PreparedStage:
+                   *, scale: float | None, eps: float, extra: Sequence[torch.Tensor] = (),
+                   extra_dims: Sequence[int] = ()) -> PreparedStage:
     """The prepared form of a fused stage for these inputs' shapes (cached: ``CACHE_SIZE``). The cache key is what
     the preparation depends on: the stage's selections, counts and lengths, the question rows, the tables gathered,
-    the heads, head size, dtype and device (the tensors' strides are read per call)."""
+    the heads, head size, dtype and device (the query's and key's strides are read per call), and the layout of each
+    ``extra`` tensor gathered with the tables (``batched`` views, sequence dims ``extra_dims``)."""
     key_ = (stage.spec.selections, stage.members, stage.tokens_before, stage.tokens_after, question.start,
             question.stop, rows.chunks is not None, query.shape[1], key.shape[1], query.shape[3], query.dtype,
-            query.device, scale, eps)
+            query.device, scale, eps, tuple(extra_dims),
+            *((t.shape, t.stride(), t.dtype) for t in extra))
     prepared = _PREPARED.get(key_)
     if prepared is not None:
         _PREPARED.move_to_end(key_)
@@ -106,7 +126,8 @@ def prepared_stage(stage: PlannedStage, query: torch.Tensor, key: torch.Tensor, 
     coverage = any(sel.rule == "coverage" for sel in stage.spec.selections)
     tables = rows.tables
     prepared = prepare_stage(query, key, rows.labels, modalities, chunk_ids=rows.chunks if coverage else None,
-                             query_rows=question, scale=scale, eps=eps, gather=tables, gather_dims=[1] * len(tables))
+                             query_rows=question, scale=scale, eps=eps, gather=[*tables, *extra],
+                             gather_dims=[1] * len(tables) + list(extra_dims))
     _PREPARED[key_] = prepared
     while len(_PREPARED) > CACHE_SIZE:
         _PREPARED.popitem(last=False)
@@ -115,11 +136,14 @@ def prepared_stage(stage: PlannedStage, query: torch.Tensor, key: torch.Tensor, 
 
 def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor | None, rows: StageRows,
               question: range, picks: tuple[torch.Tensor | None, ...], *, prompt_length: int, scale: float | None,
-              eps: float, out: tuple[torch.Tensor, ...] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor | None, StageRows]:
-    """``(keep, nonfinite, next_rows)``: the rows of the current sequence a stage keeps (``[1, tokens_after]``,
-    sorted), a ``[1]`` bool device tensor, whether a token the stage ranks has a non-finite score (None for a stage
-    without scores; the caller reads the flags once, at the prefill's end), and the tables of the kept rows.
+              eps: float, out: tuple[torch.Tensor, ...] | None = None, extra: Sequence[torch.Tensor] = (),
+              extra_dims: Sequence[int] = ()
+              ) -> tuple[torch.Tensor, torch.Tensor | None, StageRows, list[torch.Tensor]]:
+    """``(keep, nonfinite, next_rows, compacted)``: the rows of the current sequence a stage keeps
+    (``[1, tokens_after]``, sorted), a ``[1]`` bool device tensor, whether a token the stage ranks has a non-finite
+    score (None for a stage without scores; the caller reads the flags once, at the prefill's end), the tables of the
+    kept rows, and ``extra`` compacted to the kept rows (each with a batch dim of size 1 just before its sequence dim
+    ``extra_dims[i]``, as ``batched`` gives them): on a fused stage in the stage's own gather launch.
 
     Args:
         rows: the tables of the rows entering the stage (``[1, tokens_before]`` each).
@@ -127,18 +151,22 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
         picks: the random rule's picks (prompt positions, device); prompt_length: the prompt's token count.
         query, key: the readout layer's post-RoPE queries ``[1, Hq, n, D]`` and keys (None without scores).
         out: for a fused stage, ``(keep, flags, *next tables)`` buffers to write (``PreparedStage.allocate``
-            shapes); None: new tensors.
+            shapes; the compacted ``extra`` tensors are new tensors, model activations); None: new tensors.
 
     Both paths take their sizes from the host plan and read nothing back; both rank a NaN score below every number
     (ties to the lower index).
     """
     spec = stage.spec
     if fused(stage):
-        prepared = prepared_stage(stage, query, key, rows, question, scale=scale, eps=eps)
+        prepared = prepared_stage(stage, query, key, rows, question, scale=scale, eps=eps, extra=extra,
+                                  extra_dims=extra_dims)
         coverage = any(sel.rule == "coverage" for sel in spec.selections)
-        keep, flags, *tables = prepared.run(query, key, rows.labels, rows.chunks if coverage else None, rows.tables,
-                                            out=out)
-        return keep, flags, StageRows(tables[0], tables[1], tables[2] if len(tables) > 2 else None)
+        if out is not None and extra:
+            out = (*out, *prepared.allocate_gathered(len(out) - 2))  # the caller's buffers, new activations
+        keep, flags, *tables = prepared.run(query, key, rows.labels, rows.chunks if coverage else None,
+                                            [*rows.tables, *extra], out=out)
+        n = len(rows.tables)
+        return keep, flags, StageRows(tables[0], tables[1], tables[2] if n > 2 else None), tables[n:]
     labels = rows.labels[0]
     scores, flag = None, None
     if spec.needs_scores:
@@ -169,10 +197,7 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
             chosen = members[picked]
         keep[chosen] = True
     kept = positions_where(keep, stage.tokens_after)[None]
-    return kept, flag, StageRows(*_gather(rows, kept))
-
-
-def _gather(rows: StageRows, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The tables of the kept rows, in one ``compact_many``."""
-    tables = compact_many(rows.tables, kept, [1] * len(rows.tables))
-    return tables[0], tables[1], tables[2] if len(tables) > 2 else None
+    n = len(rows.tables)
+    # The tables and the extra tensors of the kept rows, in one compact_many.
+    tables = compact_many([*rows.tables, *extra], kept, [1] * n + list(extra_dims))
+    return kept, flag, StageRows(tables[0], tables[1], tables[2] if n > 2 else None), tables[n:]
