@@ -16,6 +16,9 @@
 
 namespace py = pybind11;
 
+// The prepared stage's class and functions (csrc/stage_bindings.cpp).
+void macer_bind_stage(py::module_& m);
+
 namespace {
 
 template <typename T>
@@ -299,4 +302,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("device_report", &device_report, "CUDA device count, error, capability, runtime and driver versions");
   m.def("compiled_archs", &macer::compiled_archs, "SM versions with SASS in this module");
   m.def("ptx_arch", &macer::ptx_arch, "SM version of the embedded PTX");
+  macer_bind_stage(m);
 }
