@@ -124,8 +124,13 @@ SelectCtaPlan select_cta_plan(int64_t n, bool coverage, bool wide, int64_t dynam
     const int64_t bytes = cta::make_layout(cap, kind, wide, table).bytes;
     return bytes <= dynamic_bytes ? SelectCtaPlan{c, cap, kind, table, bytes} : none;
   };
-  if (!coverage) {  // top-K: the smallest cluster that holds the row (one CTA up to its shared memory)
-    for (int c = 1; c <= max_cluster; ++c) {
+  if (!coverage) {  // top-K: one CTA up to kSingleTopKMax, above it about kClusterTopKTokens per CTA, else what fits
+    const int64_t want = n > cta::kSingleTopKMax ? ceil_div(n, cta::kClusterTopKTokens) : 1;
+    for (int c = static_cast<int>(std::min<int64_t>(want, max_cluster)); c <= max_cluster; ++c) {
+      const SelectCtaPlan p = plan(c, cta::kLayoutTopK);
+      if (p.cluster > 0) return p;
+    }
+    for (int c = 1; c < std::min<int64_t>(want, max_cluster); ++c) {
       const SelectCtaPlan p = plan(c, cta::kLayoutTopK);
       if (p.cluster > 0) return p;
     }
@@ -182,6 +187,8 @@ std::vector<std::pair<std::string, int64_t>> select_cta_constants() {
       {"code_kept", cta::kCodeKept},
       {"code_pad", cta::kCodePad},
       {"chunk_overflow", cta::kChunkOverflow},
+      {"single_topk_max", cta::kSingleTopKMax},
+      {"cluster_topk_tokens", cta::kClusterTopKTokens},
       {"single_coverage_max", cta::kSingleCoverageMax},
       {"cluster_coverage_tokens", cta::kClusterCoverageTokens},
       {"max_cluster_coverage_n", cta::kMaxClusterCoverageN},

@@ -48,6 +48,7 @@ SELECT_BITS, SELECT_BINS = K["kSelectBits"], K["kSelectBins"]
 SORT_BITS, SORT_BINS = K["kSortBits"], K["kSortBins"]
 SMALL, MAX_TABLE, MAX_CLUSTER, COMPOSITE_BITS = K["kSmall"], K["kMaxTable"], K["kMaxCluster"], K["kCompositeBits"]
 CODE_KEPT, CODE_PAD, CHUNK_OVERFLOW = K["kCodeKept"], K["kCodePad"], K["kChunkOverflow"]
+SINGLE_TOPK_MAX, CLUSTER_TOPK_TOKENS = K["kSingleTopKMax"], K["kClusterTopKTokens"]
 SINGLE_COVERAGE_MAX, CLUSTER_COVERAGE_TOKENS = K["kSingleCoverageMax"], K["kClusterCoverageTokens"]
 MAX_CLUSTER_COVERAGE_N, MAX_STAGE_MODALITIES = K["kMaxClusterCoverageN"], K["kMaxStageModalities"]
 NAN_KEY32, NAN_KEY64 = np.uint32(K["kNanKey32"]), np.uint64(K["kNanKey64"])
@@ -127,7 +128,9 @@ def plan(n: int, coverage: bool, wide: bool, dynamic_bytes: int, max_cluster: in
         return (c, cap, kind, table, nbytes) if nbytes <= dynamic_bytes else none
 
     if not coverage:
-        return next((p for c in range(1, max_cluster + 1) if (p := fit(c, LAYOUT_TOPK))[0]), none)
+        want = -(-n // CLUSTER_TOPK_TOKENS) if n > SINGLE_TOPK_MAX else 1
+        order = [*range(min(want, max_cluster), max_cluster + 1), *range(1, min(want, max_cluster))]
+        return next((p for c in order if (p := fit(c, LAYOUT_TOPK))[0]), none)
     clusters = max_cluster >= 2 and n <= MAX_CLUSTER_COVERAGE_N
     if clusters and n > SINGLE_COVERAGE_MAX:
         want = max(2, -(-n // CLUSTER_COVERAGE_TOKENS))

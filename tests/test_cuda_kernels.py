@@ -247,23 +247,23 @@ def test_limits_and_plan_are_the_replays_on_this_device():
         assert _cta_limit(coverage, wide) == R.max_n(coverage, wide, avail, clusters), (coverage, wide)
         for n in (864, 2400, 4096, 4097, 20000, 100000):
             assert _plan(n, coverage, wide) == R.plan(n, coverage, wide, avail, clusters), (n, coverage, wide)
-    if major >= 9:  # the paper's sizes: a 20k coverage row is a cluster, a 20k top-K one CTA
-        assert _plan(20000, True)[0] >= 2 and _plan(20000, False)[0] == 1 and _cta_limit(True) >= 60000
+    if major >= 9:  # the paper's sizes: 20k-token rows take clusters, a 2.4k stage one CTA
+        assert _plan(20000, True)[0] >= 2 and _plan(20000, False)[0] >= 2 and _plan(2400, True)[0] == 1
+        assert _cta_limit(True) >= 60000 and _cta_limit(False) >= 300000
 
 
 @pytest.mark.parametrize("coverage", [False, True])
 def test_selection_on_both_sides_of_each_limit(coverage):
-    """At the one-CTA limit and one above (sm_90: a cluster from there; coverage also at kSingleCoverageMax, where
-    it turns to a cluster), and at the kernel's own limit and one above (the multi-CTA CUB chain from there)."""
+    """At the one-CTA limit and one above, at the plan's single-CTA threshold and one above (sm_90: clusters from
+    there), and at the kernel's own limit and one above (the multi-CTA CUB chain from there)."""
     import select_replay as R
 
     from macer_kernels.cuda._ext import ext
 
     avail, _ = ext().select_cta_device_limits(torch.cuda.current_device())
     single = R.max_n(coverage, False, avail, 1)
-    edges = {single, single + 1, _cta_limit(coverage), _cta_limit(coverage) + 1}
-    if coverage:
-        edges |= {R.SINGLE_COVERAGE_MAX, R.SINGLE_COVERAGE_MAX + 1}
+    threshold = R.SINGLE_COVERAGE_MAX if coverage else R.SINGLE_TOPK_MAX
+    edges = {single, single + 1, threshold, threshold + 1, _cta_limit(coverage), _cta_limit(coverage) + 1}
     for n in sorted(edges):
         g = torch.Generator(device=DEV).manual_seed(n)
         for ties in (False, True):

@@ -286,11 +286,13 @@ def test_launch_plan_and_limits():
     assert R.max_n(False, True, SM90_AVAIL, 8) == 183792
     assert (R.max_n(False, False, SM89_AVAIL, 1), R.max_n(True, False, SM89_AVAIL, 1)) == (15508, 6344)
     assert R.max_n(False, True, SM89_AVAIL, 1) == 8804
-    # the paper's shapes: one CTA for a 2.4k stage and a 20k top-K; a cluster of 5 for a 20k coverage row on sm_90
-    assert R.cluster_for(2400, True) == 1 and R.cluster_for(20000, False) == 1
-    assert R.cluster_for(20000, True) == 5 and R.cluster_for(100000, False) == 3
+    # the paper's shapes on sm_90: one CTA for a 2.4k stage; clusters of 3 (top-K) and 8 (coverage) for 20k rows
+    assert R.cluster_for(2400, True) == 1 and R.cluster_for(2400, False) == 1
+    assert R.cluster_for(20000, False) == 3 and R.cluster_for(20000, True) == 8 and R.cluster_for(100000, False) == 8
     assert R.cluster_for(4096, True) == 1 and R.cluster_for(4097, True) == 2
-    assert R.plan(20000, True, False, SM90_AVAIL, 8)[:3] == (5, 4000, R.LAYOUT_COVERAGE_CLUSTER)
+    assert R.cluster_for(8192, False) == 1 and R.cluster_for(8193, False) == 2
+    assert R.cluster_for(15000, False, arch=89) == 1 and R.cluster_for(6000, True, arch=89) == 1  # no clusters
+    assert R.plan(20000, True, False, SM90_AVAIL, 8)[:3] == (8, 2500, R.LAYOUT_COVERAGE_CLUSTER)
     for coverage, wide in ((False, False), (True, False), (False, True)):
         for avail, clusters in ((SM90_AVAIL, 8), (SM90_AVAIL, 1), (SM89_AVAIL, 1), (4096, 1), (4096, 8)):
             top = R.max_n(coverage, wide, avail, clusters)
@@ -308,21 +310,23 @@ def test_launch_plan_and_limits():
 @pytest.mark.parametrize("arch", [89, 90])
 @pytest.mark.parametrize("coverage", [False, True])
 def test_rows_on_both_sides_of_the_one_cta_limit(coverage, arch, seed):
-    """n at the largest one-CTA row and one above: on sm_90 the plan turns to a cluster there (coverage already
-    above kSingleCoverageMax), on sm_89 (no clusters) the row above does not fit (the callers take the multi-CTA
-    chain). The replay of each row that fits, with the cluster the launcher picks, gives the references' picks."""
+    """n at the largest one-CTA row and one above, and at the single-CTA thresholds of sm_90's plan
+    (kSingleTopKMax / kSingleCoverageMax) and one above: on sm_90 rows above the threshold take a cluster, on sm_89
+    (no clusters) the row above the one-CTA limit does not fit (the callers take the multi-CTA chain). The replay of
+    each row that fits, with the cluster the launcher picks, gives the references' picks."""
     from greedy_oracle import coverage_greedy_order
 
     avail = R.OPTIN_BYTES[arch] - R.STATIC_SMEM[arch]
     limit = R.max_n(coverage, False, avail, 1)
-    edges = [limit, limit + 1] + ([R.SINGLE_COVERAGE_MAX, R.SINGLE_COVERAGE_MAX + 1] if coverage else [])
+    threshold = R.SINGLE_COVERAGE_MAX if coverage else R.SINGLE_TOPK_MAX
+    edges = [limit, limit + 1, threshold, threshold + 1]
     rng = np.random.default_rng(seed)
     for n in edges:
         c = R.plan(n, coverage, False, avail, R.MAX_CLUSTER if arch >= 90 else 1)[0]
         if arch < 90:
             assert (c == 1) == (n <= limit), n
         else:
-            assert (c == 1) == (n <= (R.SINGLE_COVERAGE_MAX if coverage else limit)) and c >= 1, n
+            assert (c == 1) == (n <= threshold) and c >= 1, n
         if c == 0:
             continue
         scores = _scores(rng, n, ties=n % 2 == 0)
@@ -706,7 +710,8 @@ def test_replay_matches_the_built_module(seed):
     mine = {"threads": R.THREADS, "warps": R.WARPS, "select_bits": R.SELECT_BITS, "sort_bits": R.SORT_BITS,
             "small": R.SMALL, "max_table": R.MAX_TABLE, "max_cluster": R.MAX_CLUSTER,
             "composite_bits": R.COMPOSITE_BITS, "code_kept": R.CODE_KEPT, "code_pad": R.CODE_PAD,
-            "chunk_overflow": R.CHUNK_OVERFLOW, "single_coverage_max": R.SINGLE_COVERAGE_MAX,
+            "chunk_overflow": R.CHUNK_OVERFLOW, "single_topk_max": R.SINGLE_TOPK_MAX,
+            "cluster_topk_tokens": R.CLUSTER_TOPK_TOKENS, "single_coverage_max": R.SINGLE_COVERAGE_MAX,
             "cluster_coverage_tokens": R.CLUSTER_COVERAGE_TOKENS,
             "max_cluster_coverage_n": R.MAX_CLUSTER_COVERAGE_N, "max_stage_modalities": R.MAX_STAGE_MODALITIES,
             "static_smem_bytes": STATIC_SMEM_BYTES}

@@ -45,7 +45,7 @@ def test_selection_kernels_fit_the_instruction_cache_and_read_global_memory_only
     out-of-line direct rank count; the 64-bit (float64 top-K) kernels have no coverage code at all."""
     kernels = RECORDED["kernels"][arch]
     single = kernels[f"{KERNEL}<u32, single>"]
-    assert single["instructions"] <= 9000 < OLD_ONE_CTA_KERNEL["instructions"] / 2.5
+    assert single["instructions"] <= 8500 < OLD_ONE_CTA_KERNEL["instructions"] / 2.5
     assert single["global_loads"] <= 64 < OLD_ONE_CTA_KERNEL["global_loads"] / 25
     for kernel in KERNELS:
         info = kernels[kernel]
@@ -53,16 +53,15 @@ def test_selection_kernels_fit_the_instruction_cache_and_read_global_memory_only
             continue
         assert info["instructions"] <= 13000 and info["global_loads"] <= 64, kernel
         if kernel.startswith(f"{KERNEL}<u64"):
-            assert info["instructions"] <= 4500 and info["global_loads"] <= 16, kernel
+            assert info["instructions"] <= 5000 and info["global_loads"] <= 16, kernel
 
 
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90", "sm_90a"])
 def test_registers_spills_shared_memory_and_occupancy(arch):
     """1024 threads, __launch_bounds__(1024, 1): at most 64 registers, one CTA (32 warps) per SM, the whole opt-in
-    shared memory but ~20 KB of static state for the per-token arrays. The float64 top-K kernels do not spill. The
-    32-bit kernels spill at most 32 bytes: registers saved around the out-of-line float64 bonus (ranks past the
-    table) at the modality loop, not inside a per-token loop (tests/select_replay.py's table misses say when that
-    call runs at all)."""
+    shared memory but ~20 KB of static state for the per-token arrays; no spills, no stack, no local memory. (The
+    float64 bonus past the table is an out-of-line call; an earlier layout of the candidate sweeps spilled 28 bytes
+    around it, so this is watched.)"""
     for kernel, info in RECORDED["kernels"][arch].items():
         if not _real(arch, kernel):
             continue
@@ -70,10 +69,8 @@ def test_registers_spills_shared_memory_and_occupancy(arch):
         assert info["occupancy"]["warps_per_sm"] == 32, kernel
         assert info["static_smem"] == R.STATIC_SMEM[int(arch[3:5])], kernel
         assert info["occupancy"]["dynamic_smem_per_cta"] == R.OPTIN_BYTES[int(arch[3:5])] - info["static_smem"]
-        if "u64" in kernel:
-            assert info["spill_stores"] == info["spill_loads"] == info["local_loads"] == 0, kernel
-        else:
-            assert info["spill_stores"] <= 32 and info["stack_frame"] <= 32, kernel
+        assert info["spill_stores"] == info["spill_loads"] == info["stack_frame"] == 0, kernel
+        assert info["local_loads"] == info["local_stores"] == 0, kernel
 
 
 def test_recorded_limits_are_the_replays():
@@ -113,3 +110,19 @@ def test_the_built_module_is_the_recorded_code():
         sass = sass_stats(so, arch)
         for kernel, counts in sass.items():
             assert counts == {name: recorded[kernel][name] for name in counts}, (arch, kernel)
+
+
+def test_the_sanitizer_driver_runs_on_cpu():
+    """benchmarks/sanitize_select.py (what gpu_check.sh runs under racecheck and synccheck) builds every case -- the
+    split sizes one above sm_90's single-CTA thresholds, the clusters, the select's ends, the stage rows -- and runs
+    it on the torch backend here; on a GPU each case is the CUDA kernel against that backend."""
+    import subprocess
+    import sys
+
+    from benchmarks import sanitize_select
+
+    assert sanitize_select.CPU_SPLIT_SIZES == {"coverage": R.SINGLE_COVERAGE_MAX + 1, "top-K": R.SINGLE_TOPK_MAX + 1}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.sanitize_select", "--device", "cpu"], capture_output=True,
+                         text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "sanitize pass select" in run.stdout

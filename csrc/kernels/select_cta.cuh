@@ -59,11 +59,14 @@ constexpr int kCompositeBits = 96;
 constexpr unsigned kCodeKept = 8;  // a label >= 0 that no modality selects (codes 0..7 are modality slots)
 constexpr unsigned kCodePad = 9;   // a label < 0: padding
 constexpr unsigned kChunkOverflow = 255;
-// Launch plan (csrc/select_cta.cu): coverage rows above kSingleCoverageMax tokens take a cluster where one exists,
-// about kClusterCoverageTokens tokens per CTA; a cluster's coverage items hold the token in 24 bits and its rank in a
-// 16-bit slot, hence kMaxClusterCoverageN.
+// Launch plan (csrc/select_cta.cu), where clusters exist: top-K rows above kSingleTopKMax tokens take a cluster of
+// about kClusterTopKTokens tokens per CTA, coverage rows above kSingleCoverageMax one of about kClusterCoverageTokens
+// (estimates of where a CTA's serial work outweighs a few cluster barriers; the GPU run tunes them). A cluster's
+// coverage items hold the token in 24 bits and its rank in a 16-bit slot, hence kMaxClusterCoverageN.
+constexpr int64_t kSingleTopKMax = 8192;
+constexpr int64_t kClusterTopKTokens = 8192;
 constexpr int64_t kSingleCoverageMax = 4096;
-constexpr int64_t kClusterCoverageTokens = 4096;
+constexpr int64_t kClusterCoverageTokens = 2560;
 constexpr int64_t kMaxClusterCoverageN = 65536;
 static_assert(kMaxStageModalities <= 8, "codes 0..7 are modality slots");
 
@@ -554,45 +557,28 @@ __device__ void select_best(Ctx<KeyT, kCluster>& c, unsigned slot, int need, con
     __syncthreads();
     const int low = pass_low(p, kBits), width = pass_width(p, kBits);
     const int next_low = pass_low(p + 1, kBits), next_width = pass_width(p + 1, kBits);
-    if (p == 0) {  // filter the members: lower bins taken, the bin's members become the candidates
-      for (int base = 0; base < c.len; base += kThreads) {
-        const int i = base + static_cast<int>(threadIdx.x);
-        const bool member = i < c.len && c.code()[i] == slot;
-        Composite x{0, 0};
-        unsigned d = kSelectBins;
-        if (member) {
-          x = source(i);
-          d = digit_of(x, low, width);
-        }
-        const bool take = member && (d < b || (kind == kAll && d == b));
-        const bool keep = member && kind != kAll && d == b;
-        if (keep && kind == kNext) atomicAdd(&sh.u.hist[par ^ 1][digit_of(x, next_low, next_width)], 1u);
-        const unsigned take_bits = __ballot_sync(~0u, take), keep_bits = __ballot_sync(~0u, keep);
-        if (lane == 0 && base + 32 * static_cast<int>(warp) < c.len) {
-          c.kept()[(base >> 5) + warp] |= take_bits;
-          c.mark()[(base >> 5) + warp] = keep_bits;
-        }
+    // Filter the candidates (pass 0: the members; later: the mark bitmap) token by token, 32 consecutive tokens per
+    // warp: lower bins are taken, the bin's candidates stay marked. Warp w owns word base / 32 + w of both bitmaps in
+    // an iteration (no atomics), and the work is spread over every thread whatever the candidates' density.
+    for (int base = 0; base < c.len; base += kThreads) {
+      const int i = base + static_cast<int>(threadIdx.x);
+      const int word = (base >> 5) + static_cast<int>(warp);
+      const bool live = base + 32 * static_cast<int>(warp) < c.len;  // the warp's word exists
+      bool candidate = false;
+      if (i < c.len) candidate = p == 0 ? c.code()[i] == slot : ((c.mark()[word] >> lane) & 1u) != 0;
+      Composite x{0, 0};
+      unsigned d = kSelectBins;
+      if (candidate) {
+        x = source(i);
+        d = digit_of(x, low, width);
       }
-    } else {  // filter the candidates (the mark bitmap), a word per thread
-      const int words = (c.len + 31) >> 5;
-      for (int w = threadIdx.x; w < words; w += kThreads) {
-        unsigned bits = c.mark()[w];
-        if (bits == 0) continue;
-        unsigned take = 0, keep = 0;
-        while (bits != 0) {
-          const int j = __ffs(bits) - 1;
-          bits &= bits - 1u;
-          const Composite x = source((w << 5) + j);
-          const unsigned d = digit_of(x, low, width);
-          if (d < b || (kind == kAll && d == b)) {
-            take |= 1u << j;
-          } else if (d == b) {
-            keep |= 1u << j;
-            if (kind == kNext) atomicAdd(&sh.u.hist[par ^ 1][digit_of(x, next_low, next_width)], 1u);
-          }
-        }
-        c.mark()[w] = keep;
-        if (take != 0) c.kept()[w] |= take;
+      const bool take = candidate && (d < b || (kind == kAll && d == b));
+      const bool keep = candidate && kind != kAll && d == b;
+      if (keep && kind == kNext) atomicAdd(&sh.u.hist[par ^ 1][digit_of(x, next_low, next_width)], 1u);
+      const unsigned take_bits = __ballot_sync(~0u, take), keep_bits = __ballot_sync(~0u, keep);
+      if (lane == 0 && live) {
+        if (take_bits != 0) c.kept()[word] |= take_bits;
+        c.mark()[word] = keep_bits;
       }
     }
     if (kind == kNext) {
