@@ -403,8 +403,10 @@ def test_stage_select_emulated_kernel_and_torch_path_match_the_oracle(stage, b, 
         assert torch.equal(sorts, want), f"seed={seed}"
         mods = [(label, keep, weight) for label, keep, weight, _ in modalities]
         for row in range(b):
-            got = select_row(scores[row].numpy(), labels[row].numpy(), chunk_ids[row].numpy(), mods, out_len)
-            assert np.array_equal(got, want[row].numpy()), f"seed={seed} row={row}"
+            for cluster in (1, 3):
+                got = select_row(scores[row].numpy(), labels[row].numpy(), chunk_ids[row].numpy(), mods, out_len,
+                                 cluster=cluster)
+                assert np.array_equal(got, want[row].numpy()), f"seed={seed} row={row} cluster={cluster}"
 
 
 def test_stage_select_ignores_chunk_ids_of_other_tokens():
@@ -509,9 +511,10 @@ def _check_stage(scores, labels, chunk_ids, modalities, out_len, keeps, what):
         assert torch.equal(got, want), f"{what} (torch sorts, {dtype})"
     mods = [(label, keep, weight) for label, keep, weight, _ in modalities]
     for b in range(scores.shape[0]):
-        got = select_row(scores[b].numpy(), labels[b].numpy(), chunk_ids[b].numpy(), mods, out_len,
-                         None if keeps is None else keeps[b].numpy())
-        assert np.array_equal(got, want[b].numpy()), f"{what} (emulated kernel) row={b}"
+        for cluster in (1, 2):
+            got = select_row(scores[b].numpy(), labels[b].numpy(), chunk_ids[b].numpy(), mods, out_len,
+                             None if keeps is None else keeps[b].numpy(), cluster=cluster)
+            assert np.array_equal(got, want[b].numpy()), f"{what} (emulated kernel) row={b} cluster={cluster}"
     return want
 
 
