@@ -123,6 +123,32 @@ def test_emulated_radix_select_splits_a_tie_group_by_score():
     assert np.array_equal(select_row(scores, None, chunks, [(0, 1, 1.0)], 1), [2])
 
 
+@pytest.mark.parametrize("weight", [0.0, 0.2, 3.0])
+def test_emulated_coverage_equals_the_literal_loop_of_the_tie_rule(weight, seed):
+    """tests/test_coverage_tie_rule.py's cases through the replay: coarse scores (many exact ties), infinities, chunks
+    of uneven sizes, against its literal Python loop over the key (value, score, -index); and the absorbed score
+    differences (s + sqrt(0.2) equal for all four scores: the higher score wins, not the first index)."""
+    from test_coverage_tie_rule import _literal_greedy
+
+    g = torch.Generator().manual_seed(seed)
+    n = 60
+    scores = torch.randint(-3, 4, (n,), generator=g).to(torch.float32) / 4
+    scores[torch.randint(0, n, (3,), generator=g)] = float("-inf")
+    scores[torch.randint(0, n, (2,), generator=g)] = float("inf")
+    chunks = torch.randint(0, 5, (n,), generator=g) * 7
+    for cluster in (1, 3):
+        for k in (1, 17, n - 1):
+            want = _literal_greedy(scores.tolist(), chunks.tolist(), k, weight)
+            got = select_row(scores.numpy(), None, chunks.numpy(), [(0, k, weight)], k, cluster=cluster)
+            assert got.tolist() == want, (seed, k, cluster)
+    absorbed = np.array([1e-30, 1e-20, 3e-25, 0.0], dtype=np.float32)
+    for chunk_ids in ([0, 1, 2, 3], [5, 5, 5, 5]):
+        for k in (1, 3):
+            want = _literal_greedy(absorbed.tolist(), chunk_ids, k, 0.2)
+            assert select_row(absorbed, None, np.array(chunk_ids), [(0, k, 0.2)], k).tolist() == want
+    assert select_row(absorbed, None, np.array([5, 5, 5, 5]), [(0, 1, 0.2)], 1).tolist() == [1]
+
+
 # --- the rank sort: stable counting passes over (digit, CTA, warp) ---------------------------------------------------
 
 @pytest.mark.parametrize("cluster", [1, 2, 5, 8])
