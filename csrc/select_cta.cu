@@ -27,10 +27,17 @@ void* kernel_ptr() {
 }
 
 // The largest cluster (<= kMaxCluster) of CTAs with `bytes` of dynamic shared memory each that the device can run.
+// 1 below sm_90, and where the code the device runs was compiled below sm_90 (a build without sm_90 code, its PTX
+// JIT-compiled for a newer GPU): the cluster kernels are trap stubs there.
 int query_max_cluster(int device, int64_t bytes, const char* op) {
-  int major = 0;
+  int major = 0, minor = 0;
   MACER_CUDA_CHECK(op, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MACER_CUDA_CHECK(op, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   if (major < 9) return 1;
+  const int arch = 10 * major + minor;
+  const std::vector<int> sass = compiled_archs();
+  const int code_arch = std::find(sass.begin(), sass.end(), arch) != sass.end() ? arch : ptx_arch();
+  if (code_arch < 90) return 1;
   for (int c = cta::kMaxCluster; c >= 2; --c) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(static_cast<unsigned>(c));
