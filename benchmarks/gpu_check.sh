@@ -166,6 +166,15 @@ step pytest_cuda 200 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider --juni
         --leak-check no "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_prepared_stage.py &
     wait
 ) &
+# Issue 37 selection: the radix selection kernel's small (one CTA), split (a cluster of 2) and cluster shapes, the
+# select's ends, the direct rank count and a PDL launch, under racecheck and synccheck (benchmarks/sanitize_select.py,
+# every result compared with the torch backend; distributed shared memory included where the tools track it).
+(
+    for tool in racecheck synccheck; do
+        step "select_sanitize_$tool" 120 sanitize "$tool" -m benchmarks.sanitize_select &
+    done
+    wait
+) &
 # The offline sm_89/sm_90 compile test is left to CI's CPU run: it needs no GPU, and beside the sanitizers it took
 # longer than the step's limit (H200, 2026-11-27).
 step pytest_triton 200 "$PY" -m pytest -m "triton and not cuda" -q -rfEs -p no:cacheprovider \
@@ -176,6 +185,9 @@ DEFER_LOG=0
 for name in pytest_cuda sanitize_warmup sanitize_memcheck sanitize_racecheck sanitize_initcheck sanitize_synccheck \
     sanitize_scores_memcheck sanitize_scores_racecheck sanitize_scores_initcheck sanitize_prepared_memcheck \
     pytest_triton; do
+    [[ -f $FILES/$name.log ]] && { printf '\n=== %s\n' "$name"; cat "$FILES/$name.log"; } >>"$LOG"
+done
+for name in select_sanitize_racecheck select_sanitize_synccheck; do
     [[ -f $FILES/$name.log ]] && { printf '\n=== %s\n' "$name"; cat "$FILES/$name.log"; } >>"$LOG"
 done
 

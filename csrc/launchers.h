@@ -88,10 +88,11 @@ void topk_indices(const SelectParams& p);
 void coverage_select(const SelectParams& p);
 
 // ---------------------------------------------------------------------------------------------------------------
-// One-CTA selection (csrc/kernels/select_cta.cuh): one launch, one thread block per row, for n up to
-// select_cta_max_n(device, coverage). topk_indices and coverage_select are one row with labels == nullptr and one
-// modality; stage_select is B rows with up to kMaxStageModalities selected labels (each >= 0). Labels < 0 (PAD_LABEL
-// = -1, a batch's padding) are never candidates and never kept.
+// Radix selection in shared memory (csrc/kernels/select_cta.cuh): one launch, one CTA per row -- or, on sm_90, one
+// thread block cluster per row -- for n up to select_cta_max_n(device, coverage, wide). topk_indices and
+// coverage_select are one row with labels == nullptr and one modality; stage_select is B rows with up to
+// kMaxStageModalities selected labels (each >= 0). Labels < 0 (PAD_LABEL = -1, a batch's padding) are never
+// candidates and never kept.
 constexpr int kMaxStageModalities = 8;
 struct SelectCtaModality {
   int64_t label;           // tokens with this label are this modality's candidates
@@ -110,7 +111,6 @@ struct SelectCtaParams {
   int64_t scores_stride[2], labels_stride[2], chunk_stride[2];  // elements
   int64_t out_stride, out_len;
   int64_t batch, n;
-  int64_t key_capacity;  // set by the launcher: 64-bit keys in dynamic shared memory
   int num_modalities;
   SelectCtaModality modalities[kMaxStageModalities];
   // Per-row budgets, or nullptr (every row keeps modalities[m].keep): contiguous int32 [B, num_modalities] on the
@@ -122,20 +122,32 @@ struct SelectCtaParams {
   bool* nonfinite;
   int device;
   void* stream;
+  // 1: launch with programmatic stream serialization (a PDL chain: the kernel starts while its predecessor on the
+  // stream finishes and waits in griddepcontrol.wait before its first read); 0: a plain launch.
+  int pdl;
 };
-int64_t select_cta_max_n(int device, bool coverage);  // largest n of the one-CTA kernel on this device
+// Largest n select_cta takes on `device`: one CTA's shared memory, or a cluster's on sm_90. `wide`: float64 scores
+// (64-bit keys; coverage never takes them, the callers route float64 coverage to the multi-CTA chain).
+int64_t select_cta_max_n(int device, bool coverage, bool wide);
 void select_cta(const SelectCtaParams& p);
-// Host-side facts of the one-CTA kernel, for the CPU replay (tests/test_cuda_select_emulation.py) to check itself
-// against: its constants, its static shared memory, the launcher's n limit for `dynamic_bytes` of dynamic shared
-// memory (select_cta_max_n without the device query), and the order keys of scores given by their raw bits.
-struct SelectCtaFacts {
-  int threads, max_sort_items;
-  int64_t static_smem_bytes;
-  uint64_t never_key, nan_key64;
-  uint32_t nan_key32;
+// The launch plan for a row of n tokens, from the dynamic shared memory a CTA may use and the largest cluster the
+// device runs (1 without clusters): host arithmetic, the same the launcher does, exposed for the CPU replay.
+// cluster == 0: n does not fit.
+struct SelectCtaPlan {
+  int cluster;         // CTAs per row
+  int64_t cap;         // tokens per CTA: ceil(n / cluster)
+  int layout;          // 0: top-K, 1: coverage in one CTA, 2: coverage in a cluster (csrc/kernels/select_cta.cuh)
+  int table;           // float64 bonus table entries
+  int64_t bytes;       // dynamic shared memory per CTA
 };
-SelectCtaFacts select_cta_facts();
-int64_t select_cta_max_n_for(int64_t dynamic_bytes, bool coverage);
+SelectCtaPlan select_cta_plan(int64_t n, bool coverage, bool wide, int64_t dynamic_bytes, int max_cluster);
+// The device's inputs to the plan, asked once per device: (dynamic shared memory per CTA, largest cluster).
+std::pair<int64_t, int> select_cta_device_limits(int device);
+int64_t select_cta_max_n_for(int64_t dynamic_bytes, bool coverage, bool wide, int max_cluster);
+// Host-side facts of the kernel, for the CPU replay (tests/test_cuda_select_emulation.py) to check itself against:
+// (name, value) of every constant the algorithm depends on, its static shared memory, and the order keys of scores
+// given by their raw bits.
+std::vector<std::pair<std::string, int64_t>> select_cta_constants();
 uint32_t select_descending_key32(uint32_t float_bits);
 uint64_t select_descending_key64(uint64_t double_bits);
 

@@ -776,7 +776,7 @@ def test_module_rejects_bad_one_cta_arguments():
         (dict(mods=[(1, 5, 0.0, False)]), "keep must be in [0, n]"),
         (dict(mods=[(1, 2, -1.0, True)]), "coverage_weight must be >= 0"),
         (dict(mods=[(1, 2, 1.0, True)], chunks=0), "coverage needs chunk_ids with an integer dtype code"),
-        (dict(mods=[(1, 2, 1.0, True)], sd=3), "coverage in one CTA compares float32 score bits: float64 scores take"),
+        (dict(mods=[(1, 2, 1.0, True)], sd=3), "coverage compares 32-bit score keys: float64 scores take the"),
         (dict(labels=0, out_len=3), "without labels out_len must equal keep"),
         (dict(mods=[(-1, 2, 0.0, False)]), "modality labels must be >= 0 (label -1 is padding)"),
         (dict(labels=0, mods=[(0, 4, 0.0, False)], keeps=8), "per-row keeps need labels"),
