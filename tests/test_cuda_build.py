@@ -187,8 +187,9 @@ SCORES_ARGS = dict(sizes=(1, 4, 2, 64, 2, 16), q_stride=(512, 128, 64, 1), k_str
 
 def _scores_call(**overrides):
     a = {**SCORES_ARGS, "q_dtype": 2, "modality_dtype": 8, "positions_dtype": 8, **overrides}
-    _ext.ext().modality_scores(0, 0, 0, 0, 0, 0, a["q_dtype"], a["modality_dtype"], a["positions_dtype"], a["sizes"],
-                               a["q_stride"], a["k_stride"], a["mod_stride"], a["pos_stride"], 0.1, 1e-6, 0, 0)
+    _ext.ext().modality_scores(0, 0, 0, 0, 0, 0, 0, a["q_dtype"], a["modality_dtype"], a["positions_dtype"],
+                               a["sizes"], a["q_stride"], a["k_stride"], a["mod_stride"], a["pos_stride"], 0.1, 1e-6, 0,
+                               0)
 
 
 @needs_module
