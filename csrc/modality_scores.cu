@@ -129,7 +129,7 @@ void launch_sa(const ModalityScoresParams& p, const Workspace& w, const DeviceFa
   a.logits = w.logits;
   a.partial = w.partial;
   a.stats = w.stats;
-  a.counters = p.counters;
+  a.counters = p.counters + scores::kSbCounterWords;
   a.modality_dtype = p.modality_dtype;
   a.positions_dtype = p.positions_dtype;
   a.q_len = static_cast<int>(p.q_len);
@@ -261,7 +261,7 @@ int64_t modality_scores_counter_count(int64_t batch, int64_t q_heads, int64_t q_
   require(batch >= 0 && q_heads >= 1 && kv_heads >= 1 && q_heads % kv_heads == 0 && q_len >= 1, kOp,
           "counters: B >= 0, Lq >= 1 and Hq a positive multiple of Hkv");
   const int64_t units = batch * kv_heads * row_tiles_of(q_heads, q_len, kv_heads);
-  return std::max<int64_t>(2 * units, sm90a::scores_counter_count());
+  return scores::kSbCounterWords + 2 * units;
 }
 
 int64_t modality_scores_max_head_dim() { return scores::kMaxHeadDim; }
@@ -289,6 +289,7 @@ std::vector<std::pair<std::string, int64_t>> modality_scores_constants() {
           {"label_slots", scores::kLabelSlots},
           {"rescale_threshold", static_cast<int64_t>(scores::kRescaleThreshold)},
           {"chunk_bytes", scores::kChunkBytes},
+          {"pitch", scores::kPitch},
           {"stages", scores::kStages},
           {"max_splits", scores::kMaxSplits},
           {"combine_batch", scores::kCombineBatch},
@@ -371,7 +372,6 @@ namespace sm90a {
 bool scores_compiled() { return false; }
 std::string scores_ineligible(const ModalityScoresParams&) { return "not built with 90a in MACER_CUDA_ARCHS"; }
 size_t scores_workspace_bytes(int64_t, int64_t, int64_t, int64_t, int64_t) { return 0; }
-int64_t scores_counter_count() { return 0; }
 void scores_launch(const ModalityScoresParams&) {
   throw std::runtime_error("macer_kernels.modality_scores: S-B is not built (add 90a to MACER_CUDA_ARCHS)");
 }

@@ -17,9 +17,9 @@ bool scores_compiled();
 // (B = 1, <= 32 rows per KV head, D = 128, bf16/fp16, K rows 16-byte aligned, at most kMaxHeads KV heads), or the
 // cooperative grid does not fit.
 std::string scores_ineligible(const ModalityScoresParams& p);
-// Workspace and counters S-B needs (0 without 90a): the launcher's bounds take the larger of both paths.
+// Workspace S-B needs (0 without 90a or for a shape it never takes): the launcher's bound is the larger of both
+// paths. Its counters are the first scores::kSbCounterWords words of the counter buffer.
 size_t scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q_len, int64_t kv_heads, int64_t num_keys);
-int64_t scores_counter_count();
 void scores_launch(const ModalityScoresParams& p);
 
 }  // namespace sm90a

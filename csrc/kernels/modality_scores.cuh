@@ -42,22 +42,6 @@
 namespace macer {
 namespace scores {
 
-constexpr int kThreads = 128;  // 4 warps
-constexpr int kWarps = kThreads / 32;
-constexpr int kTileKeys = kWarps * kWarpKeys;  // 64
-constexpr int kChunkBytes = 128;               // bytes of one key row per pipeline stage
-// Shared-memory pitch of a chunk row: 16 bytes of padding make the 8 rows an ldmatrix (or a warp's float4 reads)
-// touches start in 8 different 16-byte bank groups, and keep every address a base plus an immediate offset.
-constexpr int kPitch = kChunkBytes + 16;
-constexpr int kStages = 4;                     // cp.async ring depth: 3 chunks in flight while one is computed
-constexpr int kStageBytes = kTileKeys * kPitch;   // 9 KB
-constexpr int kQChunkBytes = kRowTile * kPitch;   // 4.5 KB
-constexpr int kMaxHeadDim = 256;
-constexpr int kMaxSplits = 128;  // splits per (batch, KV head) at most: the workspace bound and the combine's reads
-constexpr int kCombineBatch = 16;  // splits the combine loads at once (8 x 16-byte loads per thread)
-constexpr int kLogitsPerTile = kTileKeys * kRowTile;  // fp32 per (unit, tile)
-constexpr int kMaskBroken = 1 << 16;  // in a unit's mask word: a split saw a non-finite visible logit
-
 // Shared-memory element type: half types stay half (tensor cores), fp32 and fp64 are computed in fp32.
 template <typename T>
 struct SmemOf {
@@ -77,7 +61,7 @@ struct TileArgs {
   const void* key;
   const void* modality;
   const void* positions;
-  float* logits;    // [units][tiles][kWarps][32 lanes][16]: the fragment's raw dot products, -inf where invisible
+  float* logits;    // [units][tiles][kWarps][4][32 lanes][4]: the fragment's raw dot products, -inf where invisible
   float2* partial;  // [units][kNumLabels][kRowTile][split_stride]: (nref, sum) per split
   float2* stats;    // [units][kNumLabels][kRowTile]: (-M_r,m clamped, W_r,m)
   int* counters;    // [units] arrivals, then [units] label masks; zero before the call and after it
@@ -91,36 +75,6 @@ struct TileArgs {
   float scale_log2;  // scale * log2(e)
   float eps;
 };
-
-// Unit u = (b, kvh, rt): one row tile of one KV head of one batch element. Units of batch b are contiguous.
-__host__ __device__ inline int unit_index(int b, int kvh, int rt, int kv_heads, int row_tiles) {
-  return (b * kv_heads + kvh) * row_tiles + rt;
-}
-__host__ __device__ inline int64_t logits_offset(int unit, int tile, int tiles, int warp, int lane) {
-  return ((static_cast<int64_t>(unit) * tiles + tile) * kWarps + warp) * (32 * kFragElems) + lane * kFragElems;
-}
-__host__ __device__ inline int64_t partial_offset(int unit, int label, int row, int split_stride) {
-  return ((static_cast<int64_t>(unit) * kNumLabels + label) * kRowTile + row) * split_stride;
-}
-__host__ __device__ inline int64_t stats_offset(int unit, int label, int row) {
-  return (static_cast<int64_t>(unit) * kNumLabels + label) * kRowTile + row;
-}
-
-// First tile of split `split` when `tiles` tiles go to `splits` splits (1 <= splits <= tiles), given
-// split_tiles = tiles / splits and split_extra = tiles % splits: the first split_extra splits get one tile more, so
-// lengths differ by at most one and every split has at least one tile; split `splits` begins at `tiles`.
-__host__ __device__ inline int64_t split_begin(int64_t split, int64_t split_tiles, int64_t split_extra) {
-  return split * split_tiles + (split < split_extra ? split : split_extra);
-}
-
-// Whether key n (label `label`) is visible to a query row whose causal limit is `pos`: it exists, is not after the
-// limit and its label is a label (0..kMaxModalities; PAD = -1 is not). The host build exposes it to the CPU replay.
-__host__ __device__ inline bool key_visible(int64_t n, int64_t num_keys, int64_t pos, int64_t label) {
-  return n < num_keys && n <= pos && label >= 0 && label < kNumLabels;
-}
-
-// Dynamic shared memory of scores_tile_kernel: the query tile (chunks x 4.5 KB) and the K ring (kStages x 9 KB).
-__host__ __device__ inline int tile_smem_bytes(int chunks) { return chunks * kQChunkBytes + kStages * kStageBytes; }
 
 template <typename S>
 __device__ __forceinline__ S to_smem(float x);
@@ -144,11 +98,6 @@ __device__ __forceinline__ S convert(T x) {
   } else {
     return to_smem<S>(static_cast<float>(x));
   }
-}
-
-// Byte offset, in a [keys or rows][kPitch] chunk buffer, of the 16-byte piece `piece` of row `r`.
-__host__ __device__ constexpr uint32_t piece_offset(int r, int piece) {
-  return static_cast<uint32_t>(r * kPitch + piece * 16);
 }
 
 // ---- K chunk loads ------------------------------------------------------------------------------------------------
@@ -298,40 +247,7 @@ __device__ __noinline__ void combine_unit(const float2* __restrict__ partial, fl
   __syncthreads();
   if (threadIdx.x >= kRowTile) return;
   const int r = threadIdx.x;
-  const bool real = rt * kRowTile + r < rows;
-  float row_max = -INFINITY;
-  for (int li = 0; li < labels; ++li) {
-    const float nr = tot[li * kRowTile + r].x;
-    if (nr != kEmptyNegRef) row_max = fmaxf(row_max, -nr);
-  }
-  float z = 0.0f;  // Z_r relative to row_max
-  for (int li = 0; li < labels; ++li) {
-    const float2 x = tot[li * kRowTile + r];
-    if (x.x != kEmptyNegRef) z += x.y * exp2f(-x.x - row_max);
-  }
-  unsigned bits = present;
-  for (int li = 0; li < labels; ++li) {
-    const int m = __ffs(bits) - 1;
-    bits &= bits - 1u;
-    const float2 x = tot[li * kRowTile + r];
-    float2 out;
-    if (!real) {
-      out = make_float2(0.0f, 0.0f);  // padding rows of the row tile add nothing in the reduce
-    } else if (broken) {
-      // The non-finite rule: NaN weights make every scored key of the batch element NaN in the reduce (0 * NaN for
-      // the keys this row does not see); text keys stay 0.
-      out = make_float2(x.x == kEmptyNegRef ? 0.0f : x.x, __int_as_float(0x7fc00000));
-    } else if (x.x == kEmptyNegRef) {
-      // No visible key of this label: every numerator is exactly 0, so the row contributes 0 (the reference's
-      // eps -> 0+ limit; eps = 0 must not turn 0 / 0 into NaN). -M = 0 keeps exp2(-inf * scale + 0) = 0.
-      out = make_float2(0.0f, 0.0f);
-    } else {
-      // An overflowing exp2 makes W = 0, the correct limit (eps * Z dominates the modality's mass).
-      const float eps_term = eps > 0.0f ? eps * z * exp2f(row_max + x.x) : 0.0f;
-      out = make_float2(x.x, 1.0f / (x.y + eps_term));
-    }
-    stats[stats_offset(unit, m, r)] = out;
-  }
+  row_stats(tot, present, r, rt * kRowTile + r < rows, broken, eps, stats + stats_offset(unit, 0, 0));
 }
 
 // ---- kernel 1 -----------------------------------------------------------------------------------------------------
@@ -463,7 +379,8 @@ __global__ void __launch_bounds__(kThreads) scores_tile_kernel(const TileArgs a)
       float* dst = a.logits + logits_offset(unit, ct, a.tiles, warp, lane);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        st_global_v4(dst + 4 * q, acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3], logit_policy);
+        st_global_v4(dst + kLogitsQStride * q, acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3],
+                     logit_policy);
       }
       seen |= mask;
       const bool select = !all_ok || __popc(mask) > 1;
@@ -556,7 +473,7 @@ __global__ void __launch_bounds__(kThreads) scores_reduce_kernel(const ReduceArg
     float v[kFragElems];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const float4 x = __ldcs(src + q);
+      const float4 x = __ldcs(src + q * (kLogitsQStride / 4));
       v[4 * q] = x.x;
       v[4 * q + 1] = x.y;
       v[4 * q + 2] = x.z;

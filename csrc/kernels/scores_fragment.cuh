@@ -25,6 +25,8 @@
 // subnormal results flushed -- a term 126 binary orders below its reference).
 #pragma once
 
+#include <climits>
+
 #include "common.cuh"
 
 namespace macer {
@@ -259,6 +261,105 @@ __device__ __forceinline__ uint64_t l2_evict_last_policy() {
   uint64_t policy;
   asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   return policy;
+}
+
+// ---- layout shared by S-A and S-B ----------------------------------------------------------------------------
+
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kTileKeys = kWarps * kWarpKeys;  // 64
+constexpr int kChunkBytes = 128;               // bytes of one key row per pipeline stage
+// Shared-memory pitch of a chunk row: 16 bytes of padding make the 8 rows an ldmatrix (or a warp's float4 reads)
+// touches start in 8 different 16-byte bank groups, and keep every address a base plus an immediate offset.
+constexpr int kPitch = kChunkBytes + 16;
+constexpr int kStages = 3;  // cp.async ring depth: 2 chunks in flight while one is computed (2 CTAs fit sm_89)
+constexpr int kStageBytes = kTileKeys * kPitch;   // 9 KB
+constexpr int kQChunkBytes = kRowTile * kPitch;   // 4.5 KB
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxSplits = 128;  // splits per (batch, KV head) at most: the workspace bound and the combine's reads
+constexpr int kCombineBatch = 16;  // splits the combine loads at once (8 x 16-byte loads per thread)
+constexpr int kLogitsPerTile = kTileKeys * kRowTile;  // fp32 per (unit, tile)
+constexpr int kMaskBroken = 1 << 16;  // in a unit's mask word: a split saw a non-finite visible logit
+// The counter buffer: S-B's words first (group and top arrivals, the barrier generation), then S-A's 2 per unit.
+constexpr int kSbCounterWords = 64;
+
+// Unit u = (b, kvh, rt): one row tile of one KV head of one batch element. Units of batch b are contiguous.
+__host__ __device__ inline int unit_index(int b, int kvh, int rt, int kv_heads, int row_tiles) {
+  return (b * kv_heads + kvh) * row_tiles + rt;
+}
+// Thread (warp, lane)'s elements 4 q .. 4 q + 3 of (unit, tile) are at logits_offset(...) + 128 q: each 16-byte store
+// instruction of a warp writes 512 contiguous bytes.
+__host__ __device__ inline int64_t logits_offset(int unit, int tile, int tiles, int warp, int lane) {
+  return ((static_cast<int64_t>(unit) * tiles + tile) * kWarps + warp) * (32 * kFragElems) + lane * 4;
+}
+constexpr int kLogitsQStride = 32 * 4;  // floats between a thread's element groups q and q + 1
+__host__ __device__ inline int64_t partial_offset(int unit, int label, int row, int split_stride) {
+  return ((static_cast<int64_t>(unit) * kNumLabels + label) * kRowTile + row) * split_stride;
+}
+__host__ __device__ inline int64_t stats_offset(int unit, int label, int row) {
+  return (static_cast<int64_t>(unit) * kNumLabels + label) * kRowTile + row;
+}
+
+// First tile of split `split` when `tiles` tiles go to `splits` splits (1 <= splits <= tiles), given
+// split_tiles = tiles / splits and split_extra = tiles % splits: the first split_extra splits get one tile more, so
+// lengths differ by at most one and every split has at least one tile; split `splits` begins at `tiles`.
+__host__ __device__ inline int64_t split_begin(int64_t split, int64_t split_tiles, int64_t split_extra) {
+  return split * split_tiles + (split < split_extra ? split : split_extra);
+}
+
+// Whether key n (label `label`) is visible to a query row whose causal limit is `pos`: it exists, is not after the
+// limit and its label is a label (0..kMaxModalities; PAD = -1 is not). The host build exposes it to the CPU replay.
+__host__ __device__ inline bool key_visible(int64_t n, int64_t num_keys, int64_t pos, int64_t label) {
+  return n < num_keys && n <= pos && label >= 0 && label < kNumLabels;
+}
+
+// Dynamic shared memory of scores_tile_kernel: the query tile (chunks x 4.5 KB) and the K ring (kStages x 9 KB).
+__host__ __device__ inline int tile_smem_bytes(int chunks) { return chunks * kQChunkBytes + kStages * kStageBytes; }
+
+// Byte offset, in a [keys or rows][kPitch] chunk buffer, of the 16-byte piece `piece` of row `r`.
+__host__ __device__ constexpr uint32_t piece_offset(int r, int piece) {
+  return static_cast<uint32_t>(r * kPitch + piece * 16);
+}
+
+// Row r's (-M_r,m, W_r,m) for each present label m (ascending; tot[li * 32 + r] = the merged (nref, sum) of the li-th
+// present label) into out[m * 32 + r]: M_r = max_m M_r,m, Z_r relative to it, W = 1 / (E' + eps Z exp2(M_r - M_r,m)).
+// Shared by S-A's combine and S-B's.
+__device__ __forceinline__ void row_stats(const float2* tot, unsigned present, int r, bool real, bool broken,
+                                          float eps, float2* out) {
+  const int labels = __popc(present);
+  float row_max = -INFINITY;
+  for (int li = 0; li < labels; ++li) {
+    const float nr = tot[li * kRowTile + r].x;
+    if (nr != kEmptyNegRef) row_max = fmaxf(row_max, -nr);
+  }
+  float z = 0.0f;  // Z_r relative to row_max
+  for (int li = 0; li < labels; ++li) {
+    const float2 x = tot[li * kRowTile + r];
+    if (x.x != kEmptyNegRef) z += x.y * exp2f(-x.x - row_max);
+  }
+  unsigned bits = present;
+  for (int li = 0; li < labels; ++li) {
+    const int m = __ffs(bits) - 1;
+    bits &= bits - 1u;
+    const float2 x = tot[li * kRowTile + r];
+    float2 w;
+    if (!real) {
+      w = make_float2(0.0f, 0.0f);  // padding rows of the row tile add nothing in the reduce
+    } else if (broken) {
+      // The non-finite rule: NaN weights make every scored key of the batch element NaN in the reduce (0 * NaN for
+      // the keys this row does not see); text keys stay 0.
+      w = make_float2(x.x == kEmptyNegRef ? 0.0f : x.x, __int_as_float(0x7fc00000));
+    } else if (x.x == kEmptyNegRef) {
+      // No visible key of this label: every numerator is exactly 0, so the row contributes 0 (the reference's
+      // eps -> 0+ limit; eps = 0 must not turn 0 / 0 into NaN). -M = 0 keeps exp2(-inf * scale + 0) = 0.
+      w = make_float2(0.0f, 0.0f);
+    } else {
+      // An overflowing exp2 makes W = 0, the correct limit (eps * Z dominates the modality's mass).
+      const float eps_term = eps > 0.0f ? eps * z * exp2f(row_max + x.x) : 0.0f;
+      w = make_float2(x.x, 1.0f / (x.y + eps_term));
+    }
+    out[m * kRowTile + r] = w;
+  }
 }
 
 }  // namespace scores
