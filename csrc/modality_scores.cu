@@ -295,7 +295,12 @@ std::vector<std::pair<std::string, int64_t>> modality_scores_constants() {
           {"combine_batch", scores::kCombineBatch},
           {"max_head_dim", scores::kMaxHeadDim},
           {"num_labels", kNumLabels},
-          {"mask_broken", scores::kMaskBroken}};
+          {"mask_broken", scores::kMaskBroken},
+          {"sb_consumers", scores::sb::kConsumers},
+          {"sb_group", scores::sb::kGroup},
+          {"sb_max_ctas", scores::sb::kMaxCtas},
+          {"sb_max_heads", scores::sb::kMaxHeads},
+          {"sb_counter_words", scores::kSbCounterWords}};
 }
 
 std::pair<std::string, std::string> modality_scores_path(const ModalityScoresParams& p) {

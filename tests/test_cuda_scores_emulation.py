@@ -43,6 +43,7 @@ THREADS, WARPS, TILE_KEYS, WARP_KEYS = K["threads"], K["warps"], K["tile_keys"],
 ROW_TILE, ROWS_PER_THREAD, FRAG = K["row_tile"], K["rows_per_thread"], K["frag_elems"]
 LABEL_SLOTS, THRESHOLD = K["label_slots"], K["rescale_threshold"]
 NUM_LABELS, MAX_SPLITS, COMBINE_BATCH = K["num_labels"], K["max_splits"], K["combine_batch"]
+SB_CONSUMERS, SB_GROUP = K["sb_consumers"], K["sb_group"]
 LOG2E = 1.4426950408889634
 F32 = np.float32
 NEG_INF = F32(-np.inf)
@@ -415,7 +416,6 @@ def combine_kernel(partial, stats, masks, units, splits, split_stride_, rows, ro
     """The last CTA of each unit (combine_unit): present labels ascending x 32 rows; splits in batches of
     COMBINE_BATCH (pairs of splits, then a pairwise tree), the batches in order; then per row M_r, Z_r and
     (-M_r,m, W_r,m)."""
-    eps = F32(eps)
     half = COMBINE_BATCH // 2
     for unit in range(units):
         rt = unit % row_tiles
@@ -443,27 +443,33 @@ def combine_kernel(partial, stats, masks, units, splits, split_stride_, rows, ro
                     width *= 2
                 nr, s = merge_pair(nr, s, bn[0], bs[0])
             tot[m] = (nr, s)
-        for r in range(ROW_TILE):
-            real = rt * ROW_TILE + r < rows
-            seen = [m for m in present if tot[m][0][r] != EMPTY]
-            row_max = max((F32(-tot[m][0][r]) for m in seen), default=NEG_INF)
-            z = F32(0)
-            for m in present:
-                if tot[m][0][r] != EMPTY:
-                    z = F32(z + tot[m][1][r] * np.exp2(F32(-tot[m][0][r] - row_max)))
-            for m in present:
-                nr, s = tot[m][0][r], tot[m][1][r]
-                if not real:
-                    out = (0, 0)
-                elif broken:
-                    out = (0 if nr == EMPTY else nr, np.nan)
-                elif nr == EMPTY:
-                    out = (0, 0)
-                else:
-                    with np.errstate(over="ignore"):
-                        eps_term = F32(eps * z * np.exp2(F32(row_max + nr))) if eps > 0 else F32(0)
-                    out = (nr, F32(1) / F32(s + eps_term))
-                stats[(unit * NUM_LABELS + m) * ROW_TILE + r] = out
+        row_stats(tot, present, rt, rows, broken, eps, stats, unit)
+
+
+def row_stats(tot, present, rt, rows, broken, eps, stats, unit):
+    """row_stats (scores_fragment.cuh): per row, M_r = max over present labels, Z_r, then (-M_r,m, W_r,m) into
+    stats[(unit * 9 + m) * 32 + r]. tot[m] = the merged (nref[32], sum[32]) of label m."""
+    eps = F32(eps)
+    for r in range(ROW_TILE):
+        real = rt * ROW_TILE + r < rows
+        seen = [m for m in present if tot[m][0][r] != EMPTY]
+        row_max = max((F32(-tot[m][0][r]) for m in seen), default=NEG_INF)
+        z = F32(0)
+        for m in seen:
+            z = F32(z + tot[m][1][r] * np.exp2(F32(-tot[m][0][r] - row_max)))
+        for m in present:
+            nr, s = tot[m][0][r], tot[m][1][r]
+            if not real:
+                out = (0, 0)
+            elif broken:
+                out = (0 if nr == EMPTY else nr, np.nan)
+            elif nr == EMPTY:
+                out = (0, 0)
+            else:
+                with np.errstate(over="ignore"):
+                    eps_term = F32(eps * z * np.exp2(F32(row_max + nr))) if eps > 0 else F32(0)
+                out = (nr, F32(1) / F32(s + eps_term))
+            stats[(unit * NUM_LABELS + m) * ROW_TILE + r] = out
 
 
 def reduce_kernel(logits, stats, labels, units_per_batch, tiles, scale_log2, inv_rows, out):
@@ -529,6 +535,88 @@ def replay(q, k, labels, positions, scale, eps, *, splits=None, wave=396):
         combine_kernel(partial, stats, masks, units, plan[1], stride, rows, row_tiles, eps)
         out = np.full((b_n, n), F32(np.nan))
         reduce_kernel(logits, stats, labels, hkv * row_tiles, tiles, scale_log2, F32(1.0 / (hq * lq)), out)
+    return out
+
+
+def replay_sb(q, k, labels, positions, scale, eps, *, ctas):
+    """S-B (modality_scores_sm90a.cuh) on fp32 numpy arrays, B = 1: CTA c owns tiles split_begin(c, T // ctas, T % ctas)
+    .. of every KV head; its consumer warpgroup w takes the tiles j = w, w + 2, ... of its range, heads in order, with
+    S-A's epilogue per warp (warp of the warpgroup = the fragment's warp); at each head's end the 8 consumer warps'
+    accumulators merge in warp order into the CTA's partial of that head. Then the last CTA of each group of
+    SB_GROUP merges the group's partials (all 9 labels, CTAs in order), the last group merger merges the groups (in
+    group order) for the present labels and writes the statistics; phase 2 is S-A's reduce over units = heads
+    (the values a unit keeps on chip or spills are the same numbers)."""
+    b_n, hq, lq, _ = q.shape
+    assert b_n == 1
+    hkv, n = k.shape[1], k.shape[2]
+    rows = hq // hkv * lq
+    assert rows <= ROW_TILE
+    tiles = -(-n // TILE_KEYS)
+    ctas = min(ctas, tiles)
+    scale_log2 = F32(np.float64(scale) * LOG2E)
+    logits = np.full(hkv * tiles * TILE_KEYS * ROW_TILE, F32(np.nan))
+    stats = np.full((hkv * NUM_LABELS * ROW_TILE, 2), F32(np.nan))
+    partial = np.full((hkv, NUM_LABELS * ROW_TILE, ctas, 2), F32(np.nan))
+    masks = np.zeros(ctas, np.int64)
+    rr = np.arange(ROW_TILE)
+    real = rr < rows
+    group = hq // hkv
+    pos = np.where(real, positions[0, rr % lq], -1)
+    min_pos = int(pos[real].min())
+    with np.errstate(invalid="ignore", over="ignore"):
+        for c in range(ctas):
+            t0 = split_begin(c, tiles // ctas, tiles % ctas)
+            nt = split_begin(c + 1, tiles // ctas, tiles % ctas) - t0
+            warps = [Warp() for _ in range(SB_CONSUMERS * WARPS)]
+            for h in range(hkv):
+                hh = np.minimum(h * group + rr // lq, hq - 1)
+                qtile = np.where(real[:, None], q[0, hh, rr % lq], F32(0)).astype(F32)
+                for cw in range(SB_CONSUMERS):
+                    for j in range(cw, nt, SB_CONSUMERS):
+                        tile = t0 + j
+                        keys_n = tile * TILE_KEYS + np.arange(TILE_KEYS)
+                        exists = keys_n < n
+                        ktile = np.zeros((TILE_KEYS, q.shape[-1]), F32)
+                        ktile[exists] = k[0, h, keys_n[exists]]
+                        dots = (ktile @ qtile.T).astype(F32)
+                        lab_all = np.full(TILE_KEYS, -1)
+                        lab_all[exists] = labels[0, keys_n[exists]]
+                        for wq in range(WARPS):
+                            _warp_epilogue(warps[cw * WARPS + wq], wq, tile, dots, lab_all, keys_n, n, pos, min_pos,
+                                           scale_log2, logits, h, tiles)
+                for warp in warps:
+                    warp.flush_all()
+                for p in range(NUM_LABELS * ROW_TILE):
+                    m, r = divmod(p, ROW_TILE)
+                    nr, s = warps[0].acc[0, m, r], warps[0].acc[1, m, r]
+                    for w in range(1, len(warps)):
+                        nr, s = merge_pair(nr, s, warps[w].acc[0, m, r], warps[w].acc[1, m, r])
+                    partial[h, p, c] = (nr, s)
+                for warp in warps:
+                    warp.acc[0], warp.acc[1] = EMPTY, 0
+            bad = any(np.isnan(warp.z).any() for warp in warps)
+            masks[c] = int(np.bitwise_or.reduce([warp.seen for warp in warps])) | (K["mask_broken"] if bad else 0)
+        groups = -(-ctas // SB_GROUP)
+        gpart = np.full((groups, hkv, NUM_LABELS * ROW_TILE, 2), F32(np.nan))
+        for g in range(groups):
+            members = range(g * SB_GROUP, min(ctas, (g + 1) * SB_GROUP))
+            nr, s = np.full((hkv, NUM_LABELS * ROW_TILE), EMPTY), np.zeros((hkv, NUM_LABELS * ROW_TILE), F32)
+            for c in members:
+                nr, s = merge_pair(nr, s, partial[:, :, c, 0], partial[:, :, c, 1])
+            gpart[g, ..., 0], gpart[g, ..., 1] = nr, s
+        mask = int(np.bitwise_or.reduce(masks))
+        present = [m for m in range(NUM_LABELS) if mask >> m & 1]
+        for h in range(hkv):
+            tot = {}
+            for m in present:
+                nr, s = np.full(ROW_TILE, EMPTY), np.zeros(ROW_TILE, F32)
+                for g in range(groups):
+                    sl = slice(m * ROW_TILE, (m + 1) * ROW_TILE)
+                    nr, s = merge_pair(nr, s, gpart[g, h, sl, 0], gpart[g, h, sl, 1])
+                tot[m] = (nr, s)
+            row_stats(tot, present, 0, rows, bool(mask & K["mask_broken"]), eps, stats, h)
+        out = np.full((1, n), F32(np.nan))
+        reduce_kernel(logits, stats, labels, hkv, tiles, scale_log2, F32(1.0 / (hq * lq)), out)
     return out
 
 
@@ -607,6 +695,8 @@ CASES = {  # (b, hq, hkv, lq, n, d, case options)
 def test_replay_matches_the_reference(seed, case):
     b, hq, hkv, lq, n, d, opts = CASES[case]
     q, k, lab, positions = make_case(seed, b, hq, hkv, lq, n, d, **opts)
+    for i in range(b):  # one row per sample sees every key: every split's partial counts
+        positions[i, 0] = np.nonzero(lab[i] != -1)[0].max()
     scale = d ** -0.5
     ref = pad_oracle(q, k, lab, positions, scale, 1e-6)
     # The reference itself takes PAD keys (label -1) too: both oracles agree, and the replay is checked against both.
@@ -722,6 +812,41 @@ def test_replay_follows_the_non_finite_rule(seed):
         assert np.isnan(out[0][lab[0] > 0]).all() and np.all(out[0][lab[0] == 0] == 0), f"seed={seed} {poison}"
         ref1 = pad_oracle(qq[1:], clean_k[1:], lab[1:], positions[1:], 0.3, 1e-6)
         check(seed, f"non-finite {poison}", out[1:], ref1, lab[1:])
+
+
+SB_CASES = {  # (hq, hkv, lq, n, d, ctas, case options)
+    "7B group 28 rows, 13 CTAs: two combine groups": (7, 1, 4, 1000, 16, 13, {"runs": 90, "labels": 3}),
+    "4 KV heads, odd tiles per CTA": (8, 4, 3, 700, 8, 4, {}),
+    "one tile per CTA, 25 CTAs (3 groups)": (4, 2, 2, 1600, 8, 25, {"labels": 9}),
+    "more CTAs asked than tiles, N = 100": (4, 1, 1, 100, 8, 132, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(SB_CASES))
+def test_sb_replay_matches_the_reference(seed, case):
+    """S-B's partition (CTA tile ranges, alternating consumer warpgroups, heads in order), its per-head merge of the 8
+    consumer warps, the two-level combine and phase 2, against the float64 reference; and against S-A's replay on the
+    same inputs (both within fp32 rounding of the reference)."""
+    hq, hkv, lq, n, d, ctas, opts = SB_CASES[case]
+    q, k, lab, positions = make_case(seed, 1, hq, hkv, lq, n, d, **opts)
+    positions[0, 0] = n - 1  # one row sees every key (the question ends the prompt), so every CTA's keys count
+    scale = d ** -0.5
+    ref = pad_oracle(q, k, lab, positions, scale, 1e-6)
+    out = replay_sb(q, k, lab, positions, scale, 1e-6, ctas=ctas)
+    check(seed, f"S-B {case}", out, ref, lab)
+
+
+def test_sb_replay_follows_the_non_finite_rule_and_eps(seed):
+    """A NaN key seen by the rows breaks the sample (scored keys NaN, text 0); eps = 0 and 0.5 on an unseen label."""
+    q, k, lab, _ = make_case(seed, 1, 4, 2, 2, 400, 8, labels=4)
+    positions = np.array([[300, 350]])
+    lab[0, 390:] = 3  # past every position: label 3 unseen
+    for eps in (0.0, 0.5):
+        ref = pad_oracle(q, k, lab, positions, 0.3, eps)
+        check(seed, f"S-B eps {eps}", replay_sb(q, k, lab, positions, 0.3, eps, ctas=5), ref, lab)
+    k[0, 1, 100, 2] = np.nan
+    out = replay_sb(q, k, lab, positions, 0.3, 1e-6, ctas=5)
+    assert np.isnan(out[0][lab[0] > 0]).all() and np.all(out[0][lab[0] == 0] == 0), f"seed={seed}"
 
 
 def test_planted_fragment_map_bug_fails_the_replay(seed, monkeypatch):

@@ -34,8 +34,9 @@ namespace scores {
 namespace sb {
 
 constexpr int kThreads = 384;  // warpgroup 0: the producer (one thread issues TMA); warpgroups 1, 2: consumers
-constexpr int kConsumerThreads = 256;
-constexpr int kConsumerWarps = 8;
+constexpr int kConsumerThreads = kConsumers * 128;
+constexpr int kConsumerWarps = kConsumers * 4;
+static_assert(kThreads == 128 * (1 + kConsumers), "a producer warpgroup and the consumers");
 constexpr int kStages = 4;
 constexpr int kHeadDim = 128;
 constexpr int kBoxBytes = 64 * 128;          // 64 rows x 64 d x 2 B: one TMA box, one 128-byte swizzle span wide
@@ -43,10 +44,6 @@ constexpr int kStageBytes = 2 * kBoxBytes;   // a 64-key tile, D = 128
 constexpr int kQBoxBytes = kRowTile * 128;   // 32 rows x 64 d x 2 B
 constexpr int kQHeadBytes = 2 * kQBoxBytes;  // 8 KB per KV head
 constexpr int kUnitBytes = kTileKeys * kRowTile * 4;  // one (head, tile)'s fp32 logits: 8 KB
-constexpr int kMaxHeads = 8;
-constexpr int kGroup = 12;      // CTAs per first-level combine group
-constexpr int kMaxCtas = 256;
-constexpr int kMaxGroups = (kMaxCtas + kGroup - 1) / kGroup;  // 22
 constexpr int kPairs = kNumLabels * kRowTile;                 // (label, row) pairs per head
 // Counter words (the first kSbCounterWords of the counter buffer): group arrivals, top arrivals, generation.
 constexpr int kTopCounter = 32;
@@ -255,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1) scores_sb_kernel(const __grid_con
     float z = 0.0f;
     unsigned seen = 0u;
     for (int h = 0; h < a.kv_heads; ++h) {
-      for (int j = cw; j < nt; j += 2) {
+      for (int j = cw; j < nt; j += kConsumers) {
         const int seq = h * nt + j, s = seq % kStages;
         const int tile = t0 + j, n_w = tile * kTileKeys + kWarpKeys * wq;
         const int lab = lane < kWarpKeys && n_w + lane < a.num_keys
@@ -423,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1) scores_sb_kernel(const __grid_con
   for (int i = ctid; i < a.kv_heads * kPairs; i += kConsumerThreads) table[i] = __ldcg(a.stats + i);
   consumer_barrier();
   const int t = lane & 3;
-  for (int j = cw; j < nt; j += 2) {
+  for (int j = cw; j < nt; j += kConsumers) {
     const int tile = t0 + j, n_w = tile * kTileKeys + kWarpKeys * wq;
     const int lab = lane < kWarpKeys && n_w + lane < a.num_keys
                         ? static_cast<int>(load_int(a.modality, a.modality_dtype,

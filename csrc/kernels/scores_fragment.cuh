@@ -321,6 +321,16 @@ __host__ __device__ constexpr uint32_t piece_offset(int r, int piece) {
   return static_cast<uint32_t>(r * kPitch + piece * 16);
 }
 
+// S-B's partition and combine (csrc/kernels/modality_scores_sm90a.cuh), here so that the host build reports them to
+// the CPU replay whatever the architectures built.
+namespace sb {
+constexpr int kConsumers = 2;   // consumer warpgroups: consumer c takes the CTA's tiles j = c, c + 2, ...
+constexpr int kGroup = 12;      // CTAs per first-level combine group
+constexpr int kMaxCtas = 256;
+constexpr int kMaxHeads = 8;
+constexpr int kMaxGroups = (kMaxCtas + kGroup - 1) / kGroup;  // 22
+}  // namespace sb
+
 // Row r's (-M_r,m, W_r,m) for each present label m (ascending; tot[li * 32 + r] = the merged (nref, sum) of the li-th
 // present label) into out[m * 32 + r]: M_r = max_m M_r,m, Z_r relative to it, W = 1 / (E' + eps Z exp2(M_r - M_r,m)).
 // Shared by S-A's combine and S-B's.
