@@ -900,6 +900,14 @@ def test_cuda_split_kernels_small_case_for_the_sanitizer(seed, dtype, layout):
 
 
 @pytest.mark.cuda
+def test_cuda_sb_small_case_for_the_sanitizer(seed):
+    """The persistent S-B kernel (where built and eligible) on a small cooperative grid: 7B heads, N = 3000 (47 tiles,
+    so 47 CTAs, 4 combine groups, every unit on chip), label runs and scattered PAD keys, against the oracle; small
+    enough for racecheck and synccheck (benchmarks/gpu_check.sh)."""
+    _run_cuda(seed, torch.bfloat16, 1, 28, 4, 4, 3000, d=128, path="auto", labels=3, runs=120)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_paths_agree_at_the_7b_shapes(seed, dtype):
     """S-B (where built and eligible: sm_90a, B = 1) and S-A on the 7B shapes (28 / 4 heads, D = 128, Lq = 4) with

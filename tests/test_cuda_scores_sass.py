@@ -119,3 +119,22 @@ def test_the_table_names_every_kernel_and_arch(usage):
         assert ("S-A tile vec bf16", arch) in kinds and ("S-A reduce", arch) in kinds and ("stream K", arch) in kinds
     if "sm_90a" in _sb_archs(usage):
         assert ("S-B persistent bf16", "sm_90a") in kinds
+
+
+def test_l2_microbenchmark_compiles_and_refuses_bad_arguments(tmp_path):
+    """benchmarks/l2_setaside.cu (gpu_check.sh's first timed step) builds warning-free for sm_90 with the toolkit
+    here; its argument checks run before any CUDA call."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).exists():
+        pytest.skip("nvcc not found")
+    exe = tmp_path / "l2_setaside"
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "l2_setaside.cu"
+    subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90", "--Werror=all-warnings",
+                    "-Xcompiler=-Wall,-Wextra,-Werror", str(src), "-o", str(exe)], check=True, capture_output=True)
+    assert "usage: l2_setaside" in subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
+    bad = subprocess.run([exe, "--sizes", "0"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "--sizes must be positive MB values" in bad.stderr
