@@ -171,6 +171,8 @@ void launch_sa(const ModalityScoresParams& p, const Workspace& w, const DeviceFa
   r.num_keys = a.num_keys;
   r.tiles = a.tiles;
   r.units_per_batch = a.kv_heads * a.row_tiles;
+  r.rows = a.rows;
+  r.row_tiles = a.row_tiles;
   r.scale_log2 = a.scale_log2;
   r.inv_rows = static_cast<float>(1.0 / static_cast<double>(p.q_heads * p.q_len));
   launch("launch of scores_reduce_kernel", scores::scores_reduce_kernel,

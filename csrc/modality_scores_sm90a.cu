@@ -80,18 +80,22 @@ Layout layout_for(const ModalityScoresParams& p, const Facts& f) {
   return l;
 }
 
+// Whether an S-B CTA can be resident on `device` with the device's largest dynamic shared memory (then with any
+// smaller amount too): asked once per (device, dtype), which also opts the kernel in to that shared memory.
 template <typename T>
-int resident_blocks(int smem) {
-  static std::once_flag once;
-  static cudaError_t opt_in = cudaSuccess;
-  std::call_once(once, [] {
-    opt_in = cudaFuncSetAttribute(sb::scores_sb_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448);
-  });
-  MACER_CUDA_CHECK(kOp, opt_in);
-  int blocks = 0;
-  MACER_CUDA_CHECK(kOp, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, sb::scores_sb_kernel<T>,
-                                                                      sb::kThreads, smem));
-  return blocks;
+bool resident(int device, int smem_optin) {
+  static std::mutex mutex;
+  static int cache[kMaxDevices];  // 0 = not asked, 1 = yes, -1 = no
+  std::lock_guard<std::mutex> lock(mutex);
+  if (cache[device] == 0) {
+    MACER_CUDA_CHECK(kOp, cudaFuncSetAttribute(sb::scores_sb_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               smem_optin));
+    int blocks = 0;
+    MACER_CUDA_CHECK(kOp, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, sb::scores_sb_kernel<T>,
+                                                                        sb::kThreads, smem_optin));
+    cache[device] = blocks >= 1 ? 1 : -1;
+  }
+  return cache[device] > 0;
 }
 
 struct SbWorkspace {
@@ -181,8 +185,8 @@ void launch(const ModalityScoresParams& p, const Facts& f) {
   // so it is only attached then.
   size_t persisting = 0;
   const int64_t spilled_units = std::max<int64_t>(0, p.kv_heads * ((a.tiles + l.ctas - 1) / l.ctas) - l.slots);
-  if (spilled_units > 0 && cudaDeviceGetLimit(&persisting, cudaLimitPersistingL2CacheSize) == cudaSuccess &&
-      persisting > 0) {
+  if (spilled_units > 0) MACER_CUDA_CHECK(kOp, cudaDeviceGetLimit(&persisting, cudaLimitPersistingL2CacheSize));
+  if (spilled_units > 0 && persisting > 0) {
     attrs[n].id = cudaLaunchAttributeAccessPolicyWindow;
     attrs[n].val.accessPolicyWindow.base_ptr = w.spill;
     attrs[n].val.accessPolicyWindow.num_bytes =
@@ -192,7 +196,6 @@ void launch(const ModalityScoresParams& p, const Facts& f) {
     attrs[n].val.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
     ++n;
   }
-  cudaGetLastError();  // a failed limit query is not sticky
   cfg.attrs = attrs;
   cfg.numAttrs = n;
   check_cuda(cudaLaunchKernelEx(&cfg, sb::scores_sb_kernel<T>, map, a), kOp, "launch of scores_sb_kernel");
@@ -217,8 +220,10 @@ std::string scores_ineligible(const ModalityScoresParams& p) {
   if (!f.cooperative) return "the device has no cooperative launch";
   const Layout l = layout_for(p, f);
   if (l.smem > f.smem_optin) return "S-B's shared memory does not fit this device";
-  const int blocks = p.q_dtype == kBFloat16 ? resident_blocks<__nv_bfloat16>(l.smem) : resident_blocks<__half>(l.smem);
-  if (blocks < 1) return "an S-B CTA cannot be resident on this device (cooperative grid)";
+  const DeviceGuard device_guard = use_device(p.device, kOp);
+  const bool fits = p.q_dtype == kBFloat16 ? resident<__nv_bfloat16>(p.device, f.smem_optin)
+                                           : resident<__half>(p.device, f.smem_optin);
+  if (!fits) return "an S-B CTA cannot be resident on this device (cooperative grid)";
   return "";
 }
 

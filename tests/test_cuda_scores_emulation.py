@@ -347,7 +347,7 @@ def tile_kernel(q, k, labels, positions, scale_log2, plan, logits, partial, mask
                         lab_all[exists] = labels[b, keys_n[exists]]
                         for w, warp in enumerate(warps):
                             _warp_epilogue(warp, w, t, dots, lab_all, keys_n, n, pos, min_pos, scale_log2, logits,
-                                           unit, tiles)
+                                           unit, tiles, min(ROW_TILE, rows - rt * ROW_TILE))
                     for warp in warps:
                         warp.flush_all()
                     bad = any(np.isnan(warp.z).any() for warp in warps)
@@ -364,7 +364,7 @@ def tile_kernel(q, k, labels, positions, scale_log2, plan, logits, partial, mask
                             partial[at + splits] = (EMPTY, 0)
 
 
-def _warp_epilogue(warp, w, t, dots, lab_all, keys_n, n, pos, min_pos, scale_log2, logits, unit, tiles):
+def _warp_epilogue(warp, w, t, dots, lab_all, keys_n, n, pos, min_pos, scale_log2, logits, unit, tiles, rows_here):
     """The epilogue of tile t for warp w: visibility, the non-finite check, the stores, the label updates."""
     acc = dots[KEY[w], ROW]  # [32 lanes, 16]: the fragment
     lab = lab_all[WARP_KEYS * w:WARP_KEYS * (w + 1)]
@@ -390,7 +390,9 @@ def _warp_epilogue(warp, w, t, dots, lab_all, keys_n, n, pos, min_pos, scale_log
                 warp.z = np.where(vis[:, e], fma(acc[:, e], F32(0), warp.z), warp.z)
             v = np.where(vis, acc, NEG_INF).astype(F32)
     at = ((unit * tiles + t) * WARPS + w) * 32 * FRAG
-    logits[at:at + 32 * FRAG] = v.reshape(32, 4, 4).transpose(1, 0, 2).ravel()  # [q][lane][4]: coalesced stores
+    stored = _group_stored(rows_here)  # [q, lane]: groups of padding rows are never stored
+    block = logits[at:at + 32 * FRAG].reshape(4, 32, 4)  # [q][lane][4]: coalesced stores
+    block[stored] = v.reshape(32, 4, 4).transpose(1, 0, 2)[stored]
     warp.seen |= mask
     select = (not all_ok) or bin(mask).count("1") > 1
     if not select and warp.label[0] >= 0 and mask == 1 << warp.label[0]:
@@ -400,6 +402,12 @@ def _warp_epilogue(warp, w, t, dots, lab_all, keys_n, n, pos, min_pos, scale_log
         if mask >> m & 1:
             warp.bring_to_front(m)
             warp.update(v, select, lab_a == m, lab_b == m, scale_log2)
+
+
+def _group_stored(rows_here: int) -> np.ndarray:
+    """group_stored(q, lane, rows_here) (scores_fragment.cuh): [4, 32] bool, whether group q of a lane holds a real
+    row (8 q + 2 (lane % 4) < rows_here)."""
+    return 8 * np.arange(4)[:, None] + 2 * (LANES % 4)[None] < rows_here
 
 
 def _visible(keys: np.ndarray, key_labels: np.ndarray, n: int, rows_pos: np.ndarray) -> np.ndarray:
@@ -472,7 +480,7 @@ def row_stats(tot, present, rt, rows, broken, eps, stats, unit):
             stats[(unit * NUM_LABELS + m) * ROW_TILE + r] = out
 
 
-def reduce_kernel(logits, stats, labels, units_per_batch, tiles, scale_log2, inv_rows, out):
+def reduce_kernel(logits, stats, labels, units_per_batch, tiles, scale_log2, inv_rows, out, rows, row_tiles):
     """scores_reduce_kernel: per (tile, warp, lane) its two keys; units in order, row slots in order (fma into the
     key's running sum), then xor 1, 2 over the lanes sharing the keys; lane l < 16 writes key 16 w + l."""
     b_n, n = labels.shape
@@ -488,7 +496,9 @@ def reduce_kernel(logits, stats, labels, units_per_batch, tiles, scale_log2, inv
                 for kk in range(units_per_batch):
                     unit = b * units_per_batch + kk
                     at = ((unit * tiles + tile) * WARPS + w) * 32 * FRAG
-                    v = logits[at:at + 32 * FRAG].reshape(4, 32, 4).transpose(1, 0, 2).reshape(32, FRAG)
+                    stored = _group_stored(min(ROW_TILE, rows - (kk % row_tiles) * ROW_TILE))
+                    block = np.where(stored[..., None], logits[at:at + 32 * FRAG].reshape(4, 32, 4), NEG_INF)
+                    v = block.transpose(1, 0, 2).reshape(32, FRAG)
                     for ks, lab_k in ((0, lab_a), (1, lab_b)):
                         scored = (lab_k >= 1) & (lab_k < NUM_LABELS)
                         lab_c = np.clip(lab_k, 0, NUM_LABELS - 1)
@@ -534,7 +544,8 @@ def replay(q, k, labels, positions, scale, eps, *, splits=None, wave=396):
         tile_kernel(q, k, labels, positions, scale_log2, plan, logits, partial, masks, stride)
         combine_kernel(partial, stats, masks, units, plan[1], stride, rows, row_tiles, eps)
         out = np.full((b_n, n), F32(np.nan))
-        reduce_kernel(logits, stats, labels, hkv * row_tiles, tiles, scale_log2, F32(1.0 / (hq * lq)), out)
+        reduce_kernel(logits, stats, labels, hkv * row_tiles, tiles, scale_log2, F32(1.0 / (hq * lq)), out, rows,
+                      row_tiles)
     return out
 
 
@@ -583,7 +594,7 @@ def replay_sb(q, k, labels, positions, scale, eps, *, ctas):
                         lab_all[exists] = labels[0, keys_n[exists]]
                         for wq in range(WARPS):
                             _warp_epilogue(warps[cw * WARPS + wq], wq, tile, dots, lab_all, keys_n, n, pos, min_pos,
-                                           scale_log2, logits, h, tiles)
+                                           scale_log2, logits, h, tiles, rows)
                 for warp in warps:
                     warp.flush_all()
                 for p in range(NUM_LABELS * ROW_TILE):
@@ -616,7 +627,7 @@ def replay_sb(q, k, labels, positions, scale, eps, *, ctas):
                 tot[m] = (nr, s)
             row_stats(tot, present, 0, rows, bool(mask & K["mask_broken"]), eps, stats, h)
         out = np.full((1, n), F32(np.nan))
-        reduce_kernel(logits, stats, labels, hkv, tiles, scale_log2, F32(1.0 / (hq * lq)), out)
+        reduce_kernel(logits, stats, labels, hkv, tiles, scale_log2, F32(1.0 / (hq * lq)), out, rows, 1)
     return out
 
 

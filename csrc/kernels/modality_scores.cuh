@@ -283,6 +283,7 @@ __global__ void __launch_bounds__(kThreads) scores_tile_kernel(const TileArgs a)
 
   for (int rt = 0; rt < a.row_tiles; ++rt) {
     const int unit = unit_index(b, kvh, rt, a.kv_heads, a.row_tiles);
+    const int rows_here = min(kRowTile, a.rows - rt * kRowTile);
     if (tid < kRowTile) {
       const int rr = rt * kRowTile + tid;
       const bool real = rr < a.rows;
@@ -379,6 +380,7 @@ __global__ void __launch_bounds__(kThreads) scores_tile_kernel(const TileArgs a)
       float* dst = a.logits + logits_offset(unit, ct, a.tiles, warp, lane);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
+        if (!group_stored(q, lane, rows_here)) continue;
         st_global_v4(dst + kLogitsQStride * q, acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3],
                      logit_policy);
       }
@@ -446,6 +448,7 @@ struct ReduceArgs {
   int modality_dtype;
   int64_t mod_stride[2];
   int num_keys, tiles, units_per_batch;  // units_per_batch = Hkv * row_tiles
+  int rows, row_tiles;                   // query rows per KV head, row tiles per KV head
   float scale_log2, inv_rows;            // inv_rows = 1 / (Hq Lq)
 };
 
@@ -470,10 +473,13 @@ __global__ void __launch_bounds__(kThreads) scores_reduce_kernel(const ReduceArg
   for (int k = 0; k < a.units_per_batch; ++k) {
     const int unit = unit0 + k;
     const float4* src = reinterpret_cast<const float4*>(a.logits + logits_offset(unit, tile, a.tiles, warp, lane));
+    const int rows_here = min(kRowTile, a.rows - (k % a.row_tiles) * kRowTile);
     float v[kFragElems];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const float4 x = __ldcs(src + q * (kLogitsQStride / 4));
+      // Groups of padding rows were never stored: -inf (their weights are 0).
+      const float4 x = group_stored(q, lane, rows_here) ? __ldcs(src + q * (kLogitsQStride / 4))
+                                                        : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
       v[4 * q] = x.x;
       v[4 * q + 1] = x.y;
       v[4 * q + 2] = x.z;

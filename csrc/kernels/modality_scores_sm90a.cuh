@@ -315,6 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1) scores_sb_kernel(const __grid_con
           float* dst = a.spill + logits_offset(h, tile, a.tiles, wq, lane);
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
+            if (!group_stored(q, lane, a.rows)) continue;
             st_global_v4(dst + kLogitsQStride * q, acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3],
                          spill_policy);
           }
@@ -438,9 +439,11 @@ __global__ void __launch_bounds__(kThreads, 1) scores_sb_kernel(const __grid_con
         if (u < a.slots) {
           x = *reinterpret_cast<const float4*>(slots + static_cast<int64_t>(u) * (kUnitBytes / 4) +
                                                wq * (32 * kFragElems) + lane * 4 + kLogitsQStride * q);
-        } else {
+        } else if (group_stored(q, lane, a.rows)) {
           x = __ldcg(reinterpret_cast<const float4*>(a.spill + logits_offset(h, tile, a.tiles, wq, lane) +
                                                      kLogitsQStride * q));
+        } else {
+          x = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);  // padding rows: never stored, weight 0
         }
         v[4 * q] = x.x;
         v[4 * q + 1] = x.y;

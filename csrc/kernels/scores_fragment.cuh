@@ -293,6 +293,12 @@ __host__ __device__ inline int64_t logits_offset(int unit, int tile, int tiles, 
   return ((static_cast<int64_t>(unit) * tiles + tile) * kWarps + warp) * (32 * kFragElems) + lane * 4;
 }
 constexpr int kLogitsQStride = 32 * 4;  // floats between a thread's element groups q and q + 1
+// Whether a thread's element group q (n-tile q: rows 8 q + 2 (lane % 4) + 0, 1) holds a real row of a row tile with
+// rows_here real rows: the groups that hold only padding rows are never stored nor read (at the 7B shapes, 28 rows
+// per KV head, that is 1/8 of the logits' bytes).
+__host__ __device__ constexpr bool group_stored(int q, int lane, int rows_here) {
+  return 8 * q + 2 * (lane & 3) < rows_here;
+}
 __host__ __device__ inline int64_t partial_offset(int unit, int label, int row, int split_stride) {
   return ((static_cast<int64_t>(unit) * kNumLabels + label) * kRowTile + row) * split_stride;
 }
