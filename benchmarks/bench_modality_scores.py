@@ -141,7 +141,7 @@ def run(seq_lens, device: torch.device, dtype: torch.dtype, layout: str, shapes:
         if device.type == "cuda" and "cuda" in runnable_backends("modality_scores", device):
             from macer_kernels.cuda.modality_scores import stream_k_cuda
 
-            stream_us = graph_time_us(lambda k=key: stream_k_cuda(k, shapes["hq"], shapes["lq"]), device)
+            stream_us = graph_time_us(lambda k=key: stream_k_cuda(k), device)
         providers = _providers(query, key, modality, device)
         expected = providers["naive"]().double()
         naive_us = None

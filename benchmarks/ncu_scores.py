@@ -42,7 +42,7 @@ def calls(device: torch.device) -> list[tuple[str, object]]:
             out.append((f"modality_scores S-A N={n}",
                         lambda q=q, k=k, m=labels, p=pos: modality_scores_cuda(q, k, m, p, 128 ** -0.5, 1e-6,
                                                                                path="sa")))
-            out.append((f"stream_k N={n}", lambda k=k: stream_k_cuda(k, 28, 4)))
+            out.append((f"stream_k N={n}", lambda k=k: stream_k_cuda(k)))
     return out
 
 

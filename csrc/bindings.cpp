@@ -285,24 +285,22 @@ PYBIND11_MODULE(_C, m) {
         py::arg("warp"), py::arg("lane"), py::arg("e"));
   m.def(
       "modality_scores_stream_k",
-      [](std::uintptr_t key, std::uintptr_t out, int dtype, const std::array<int64_t, 6>& sizes,
+      [](std::uintptr_t key, std::uintptr_t out, int dtype, const std::array<int64_t, 4>& sizes,
          const std::array<int64_t, 3>& k_stride, int device, std::uintptr_t stream) {
         macer::StreamKParams p{};
         p.key = ptr<const void>(key);
         p.out = ptr<uint32_t>(out);
         p.dtype = dtype;
         p.batch = sizes[0];
-        p.q_heads = sizes[1];
-        p.q_len = sizes[2];
+        p.kv_heads = sizes[1];
+        p.num_keys = sizes[2];
         p.head_dim = sizes[3];
-        p.kv_heads = sizes[4];
-        p.num_keys = sizes[5];
         for (int i = 0; i < 3; ++i) p.k_stride[i] = k_stride[i];
         p.device = device;
         p.stream = stream_ptr(stream);
-        macer::modality_scores_stream_k(p);
+        return macer::modality_scores_stream_k(p);
       },
-      "Read K once with the scoring tile kernel's grid and loads (the benchmark's K-stream baseline)",
+      "Read K [B, Hkv, N, D] once with the scoring tile kernel's loads (the benchmark's K-stream baseline)",
       py::arg("key"), py::arg("out"), py::arg("dtype"), py::arg("sizes"), py::arg("k_stride"), py::arg("device"),
       py::arg("stream"));
   m.def("modality_scores_stream_k_words", &macer::modality_scores_stream_k_words, py::arg("batch"),

@@ -84,18 +84,19 @@ bool modality_scores_key_visible(int64_t n, int64_t num_keys, int64_t pos, int64
 std::pair<int, int> modality_scores_fragment(int warp, int lane, int e);
 std::vector<std::pair<std::string, int64_t>> modality_scores_constants();
 // The K-streaming baseline (bench_modality_scores' "read K once", on the scoring op's launch path): the tile
-// kernel's grid and loads over K, nothing else. out: modality_scores_stream_k_words(...) uint32.
+// kernel's per-thread loads over K on a grid the device holds at once, nothing else. out:
+// modality_scores_stream_k_words(...) uint32.
 struct StreamKParams {
   const void* key;  // [B, Hkv, N, D], 16-byte aligned rows (the scoring kernel's vectorised path)
   uint32_t* out;
   int dtype;
-  int64_t batch, kv_heads, num_keys, head_dim, q_heads, q_len;
+  int64_t batch, kv_heads, num_keys, head_dim;
   int64_t k_stride[3];
   int device;
   void* stream;
 };
 int64_t modality_scores_stream_k_words(int64_t batch, int64_t kv_heads, int64_t num_keys);
-void modality_scores_stream_k(const StreamKParams& p);
+int64_t modality_scores_stream_k(const StreamKParams& p);  // returns the number of words written (one per CTA)
 
 // ---------------------------------------------------------------------------------------------------------------
 // topk_indices and coverage_select (eq:chunk_coverage_greedy)

@@ -331,14 +331,16 @@ void modality_scores(const ModalityScoresParams& p) {
 }
 
 int64_t modality_scores_stream_k_words(int64_t batch, int64_t kv_heads, int64_t num_keys) {
-  return batch * kv_heads * std::min<int64_t>(std::max<int64_t>(tiles_of(num_keys), 1), scores::kMaxSplits);
+  return batch * kv_heads * std::max<int64_t>(tiles_of(num_keys), 1);
 }
 
-void modality_scores_stream_k(const StreamKParams& p) {
+// The K-streaming baseline's grid: one CTA per tile of each (batch, KV head) up to as many CTAs as the device holds
+// at once (SMs x resident stream_k CTAs per SM), so that its only limit is the memory system.
+int64_t modality_scores_stream_k(const StreamKParams& p) {
   require(p.dtype == kFloat32 || p.dtype == kFloat16 || p.dtype == kBFloat16, kOp,
           "stream_k: key dtype code must be float32, float16 or bfloat16");
   require(p.batch >= 1 && p.kv_heads >= 1 && p.num_keys >= 1 && p.num_keys <= INT_MAX - scores::kTileKeys &&
-              p.head_dim >= 1 && p.head_dim <= scores::kMaxHeadDim && p.q_heads % p.kv_heads == 0 && p.q_len >= 1,
+              p.head_dim >= 1 && p.head_dim <= scores::kMaxHeadDim,
           kOp, "stream_k: sizes out of range");
   const int64_t esize = p.dtype == kFloat32 ? 4 : 2;
   require(aligned16(p.key) && (p.head_dim * esize) % 16 == 0 && (p.k_stride[0] * esize) % 16 == 0 &&
@@ -347,27 +349,37 @@ void modality_scores_stream_k(const StreamKParams& p) {
           kOp, "stream_k: K must take the vectorised path (16-byte aligned rows and strides)");
   const DeviceGuard device_guard = use_device(p.device, kOp);
   const DeviceFacts f = device_facts(p.device);
-  const int64_t chunks = ceil_div(p.head_dim * esize, scores::kChunkBytes);
-  const int64_t wave = p.dtype == kFloat32 ? ctas_per_wave<float, true>(p.device, static_cast<int>(chunks))
-                       : p.dtype == kFloat16 ? ctas_per_wave<__half, true>(p.device, static_cast<int>(chunks))
-                                             : ctas_per_wave<__nv_bfloat16, true>(p.device, static_cast<int>(chunks));
-  const ScoresSplitPlan plan = modality_scores_split_plan(
-      p.batch, p.kv_heads, row_tiles_of(p.q_heads, p.q_len, p.kv_heads), p.num_keys, wave);
+  static std::mutex mutex;
+  static int resident[kMaxDevices];
+  int blocks = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (resident[p.device] == 0) {
+      MACER_CUDA_CHECK(kOp, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident[p.device],
+                                                                          scores::stream_k_kernel, scores::kThreads,
+                                                                          0));
+      resident[p.device] = std::max(resident[p.device], 1);
+    }
+    blocks = resident[p.device];
+  }
+  const int64_t tiles = tiles_of(p.num_keys);
+  const int64_t splits =
+      std::min<int64_t>(tiles, std::max<int64_t>(1, ceil_div(int64_t{f.sms} * blocks, p.kv_heads * p.batch)));
   scores::StreamArgs a{};
   a.key = p.key;
   a.out = p.out;
   a.num_keys = static_cast<int>(p.num_keys);
-  a.chunks = static_cast<int>(chunks);
-  a.split_tiles = static_cast<int>(plan.split_tiles);
-  a.split_extra = static_cast<int>(plan.split_extra);
+  a.chunks = static_cast<int>(ceil_div(p.head_dim * esize, scores::kChunkBytes));
+  a.split_tiles = static_cast<int>(tiles / splits);
+  a.split_extra = static_cast<int>(tiles % splits);
   a.k_row_bytes = static_cast<uint32_t>(p.k_stride[2] * esize);
   a.d_bytes = static_cast<uint32_t>(p.head_dim * esize);
   a.k_stride_bytes[0] = p.k_stride[0] * esize;
   a.k_stride_bytes[1] = p.k_stride[1] * esize;
   launch("launch of stream_k_kernel", scores::stream_k_kernel,
-         dim3(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch)),
-         0, static_cast<cudaStream_t>(p.stream), false, a);
-  (void)f;
+         dim3(static_cast<unsigned>(splits), static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch)), 0,
+         static_cast<cudaStream_t>(p.stream), false, a);
+  return splits * p.kv_heads * p.batch;
 }
 
 }  // namespace macer

@@ -520,12 +520,14 @@ __global__ void __launch_bounds__(kThreads) scores_reduce_kernel(const ReduceArg
 
 // ---- the K-streaming baseline -------------------------------------------------------------------------------------
 
-// Reads K once, [B, Hkv, N, D] through its strides, with the tile kernel's loads and grid (splits, Hkv, B), and
-// nothing else: each thread XORs the 16-byte pieces it would have copied into one word, and the CTA writes one word
-// (so no load is dead). The benchmark's measured "read K once", on the same launch path as the scoring op.
+// Reads K once, [B, Hkv, N, D] through its strides, with the tile kernel's per-thread pieces (key (tid >> 3) + 16 i,
+// 16 bytes at 16 (tid & 7) of each 128-byte chunk) and L2 evict-first loads, and nothing else: each thread XORs what
+// it read into one word, and the CTA writes one word (so no load is dead). 8 loads in flight per thread (two
+// chunks), the grid as large as the device holds (the launcher's choice): the benchmark's measured "read K once",
+// through the same wrapper, module call and launcher as the scoring op.
 struct StreamArgs {
   const void* key;
-  uint32_t* out;  // [splits * Hkv * B]
+  uint32_t* out;  // [B * Hkv * splits]
   int num_keys, chunks, split_tiles, split_extra;
   uint32_t k_row_bytes, d_bytes;
   int64_t k_stride_bytes[2];  // over B, Hkv
@@ -540,26 +542,26 @@ __global__ void __launch_bounds__(kThreads) stream_k_kernel(const StreamArgs a) 
       static_cast<const unsigned char*>(a.key) + b * a.k_stride_bytes[0] + kvh * a.k_stride_bytes[1];
   const uint64_t policy = l2_evict_first_policy();
   const uint32_t piece = static_cast<uint32_t>(tid & 7) * 16u;
+  const int key0 = tid >> 3;
   uint32_t x = 0u;
   for (int t = t_first; t < t_end; ++t) {
     const unsigned char* tile = base + static_cast<int64_t>(t) * kTileKeys * a.k_row_bytes;
-    for (int c = 0; c < a.chunks; ++c) {
-      uint4 v[4];
+    for (int c = 0; c < a.chunks; c += 2) {
+      uint4 v[8];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int key = (tid >> 3) + 16 * i;
-        const uint32_t byte = static_cast<uint32_t>(c) * kChunkBytes + piece;
-        if (t * kTileKeys + key < a.num_keys && byte < a.d_bytes) {
-          const unsigned char* src = tile + static_cast<uint32_t>(key) * a.k_row_bytes + byte;
+      for (int i = 0; i < 8; ++i) {
+        const int key = key0 + 16 * (i & 3);
+        const uint32_t byte = static_cast<uint32_t>(c + (i >> 2)) * kChunkBytes + piece;
+        if (c + (i >> 2) < a.chunks && t * kTileKeys + key < a.num_keys && byte < a.d_bytes) {
           asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                        : "=r"(v[i].x), "=r"(v[i].y), "=r"(v[i].z), "=r"(v[i].w)
-                       : "l"(src), "l"(policy));
+                       : "l"(tile + static_cast<uint32_t>(key) * a.k_row_bytes + byte), "l"(policy));
         } else {
           v[i] = make_uint4(0u, 0u, 0u, 0u);
         }
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) x ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
+      for (int i = 0; i < 8; ++i) x ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
     }
   }
   for (int off = 16; off > 0; off >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, off);

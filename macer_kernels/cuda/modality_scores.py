@@ -90,19 +90,20 @@ def scores_path(query: torch.Tensor, key: torch.Tensor, *, path: str = "auto") -
     return str(kind), str(why)
 
 
-def stream_k_cuda(key: torch.Tensor, q_heads: int, q_len: int) -> torch.Tensor:
-    """Read ``key`` ``[B, Hkv, N, D]`` once with the scoring tile kernel's grid and 16-byte loads, through the same
-    wrapper, module call and launcher as ``modality_scores_cuda``, and nothing else: the benchmark's measured "read
-    K once" (``bench_modality_scores``' ``stream_k_us``). Returns one int32 word per CTA (an XOR of what it read, so
-    no load is dead). K must take the vectorised path (16-byte aligned rows and strides, bf16 / fp16 / fp32)."""
+def stream_k_cuda(key: torch.Tensor) -> torch.Tensor:
+    """Read ``key`` ``[B, Hkv, N, D]`` once with the scoring tile kernel's per-thread 16-byte loads, on a grid the
+    device holds at once, through the same wrapper, module call and launcher as ``modality_scores_cuda``, and nothing
+    else: the benchmark's measured "read K once" (``bench_modality_scores``' ``stream_k_us``). Returns one int32 word
+    per CTA (an XOR of what it read, so no load is dead; the XOR of all of them is the XOR of K's words). K must take
+    the vectorised path (16-byte aligned rows and strides, bf16 / fp16 / fp32). One launch, nothing else: the output
+    is not zeroed."""
     check_cuda_tensor(_OP, "key", key)
     b, hkv, n, d = key.shape
-    words = int(ext().modality_scores_stream_k_words(b, hkv, n))
-    out = torch.empty(words, dtype=torch.int32, device=key.device)
+    out = torch.empty(int(ext().modality_scores_stream_k_words(b, hkv, n)), dtype=torch.int32, device=key.device)
     device, stream = launch_args(key)
-    ext().modality_scores_stream_k(key.data_ptr(), out.data_ptr(), dtype_code(_OP, "key", key),
-                                   (b, q_heads, q_len, d, hkv, n), key.stride()[:3], device, stream)
-    return out
+    written = ext().modality_scores_stream_k(key.data_ptr(), out.data_ptr(), dtype_code(_OP, "key", key),
+                                             (b, hkv, n, d), key.stride()[:3], device, stream)
+    return out[:written]
 
 
 register(_OP, "cuda")(modality_scores_cuda)
