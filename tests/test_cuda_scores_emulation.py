@@ -723,6 +723,31 @@ def test_replay_matches_the_reference(seed, case):
         check(seed, f"{case}, splits {splits}", out, ref, lab)
 
 
+def _two_x_rule(out: torch.Tensor, q, k, lab, positions, scale, eps, ref) -> tuple[float, float]:
+    """FlashAttention's rule for a fast path, in norms (stable for fp32 errors of ~1e-8): (its error, the bound
+    2 x the error PyTorch's own fp32 path makes on the same inputs + 2 fp32 ulp of the norm, the slack of the
+    approximate exp2 (MUFU.EX2, <= 2 ulp, as CUDA's exp2f))."""
+    from macer_kernels.modality_scores import _modality_scores_torch
+
+    inputs = [torch.as_tensor(x) for x in (q, k, lab, positions)]
+    pt = _modality_scores_torch(*inputs, scale, eps).double().cpu()
+    err = (out.double().cpu() - ref).norm().item()
+    return err, 2 * (pt - ref).norm().item() + 2 * 2.0 ** -23 * ref.norm().item()
+
+
+@pytest.mark.parametrize("case", ["gqa 8/2, Lq 3, N 200", "7B group 7 x 4 = 28 rows", "7B rows, label runs",
+                                  "36 rows: two row tiles", "bf16 values"])
+def test_replay_error_is_within_twice_pytorchs_fp32_error(seed, case):
+    """The per-(row, label) numerics in fp32: the replayed S-A error against the float64 reference is at most 2x the
+    error of PyTorch's own fp32 path on the same inputs (plus the exp2 slack)."""
+    b, hq, hkv, lq, n, d, opts = CASES[case]
+    q, k, lab, positions = make_case(seed, b, hq, hkv, lq, n, d, **opts)
+    ref = pad_oracle(q, k, lab, positions, d ** -0.5, 1e-6)
+    err, bound = _two_x_rule(torch.from_numpy(replay(q, k, lab, positions, d ** -0.5, 1e-6)), q, k, lab, positions,
+                             d ** -0.5, 1e-6, ref)
+    assert err <= bound, f"seed={seed} {case}: error {err:.3g} > 2x PyTorch fp32 + slack = {bound:.3g}"
+
+
 def test_replay_many_splits_per_combine_batch(seed):
     """More splits than one combine batch (17, 33: a partial last batch; 36 = every tile its own split, an even
     count), one row tile at the 7B group of 28 rows."""
@@ -925,6 +950,24 @@ def test_cuda_paths_agree_at_the_7b_shapes(seed, dtype):
     label runs: each against the oracle; on a device where S-B is ineligible both calls take S-A."""
     for path in ("auto", "sa"):
         _run_cuda(seed, dtype, 1, 28, 4, 4, 20000, d=128, path=path, labels=3, runs=120)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("path", ["auto", "sa"])
+def test_cuda_error_within_twice_pytorchs_fp32_error(seed, dtype, path):
+    """FlashAttention's 2x rule on the GPU at the 7B shapes (N = 20k, label runs): each path's error against the
+    float64 reference is at most 2x that of PyTorch's own fp32 path (the torch backend, same device, same inputs)
+    plus 2 fp32 ulp of the norm."""
+    from macer_kernels.cuda.modality_scores import modality_scores_cuda
+
+    q, k, lab, positions = make_case(seed, 1, 28, 4, 4, 20000, 128, labels=3, runs=120)
+    qt, kt = torch.from_numpy(q).to(dtype), torch.from_numpy(k).to(dtype)
+    ref = pad_oracle(qt.float().numpy(), kt.float().numpy(), lab, positions, 128 ** -0.5, 1e-6)
+    dev = [t.cuda() for t in (qt.float(), kt.float(), torch.from_numpy(lab), torch.from_numpy(positions))]
+    out = modality_scores_cuda(qt.cuda(), kt.cuda(), dev[2], dev[3], 128 ** -0.5, 1e-6, path=path)
+    err, bound = _two_x_rule(out, *dev, 128 ** -0.5, 1e-6, ref)
+    assert err <= bound, f"seed={seed} {dtype} {path}: error {err:.3g} > {bound:.3g}"
 
 
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
