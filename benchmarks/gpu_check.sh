@@ -132,7 +132,7 @@ vllm_admission() {
 }
 
 # ---- scoring (issue 37 item 3): the L2 set-aside microbenchmark, compiled here (a few seconds) and run on the idle
-# GPU before anything else: it decides whether S-A's logits and S-B's spill can live in L2 (kernel-plan 8.8). Then
+# GPU before anything else (even the extension's build): it decides whether S-A's logits and S-B's spill can live in L2 (kernel-plan 8.8). Then
 # Nsight Compute's metrics of kernel-plan 8.7 over both scoring paths and the K stream (benchmarks/ncu_scores.py),
 # and over the microbenchmark's read-back (the L2 hit rate as the hardware counts it).
 l2_setaside() {
@@ -151,8 +151,8 @@ export PY FILES
 export PATH=$PATH:/usr/local/cuda/bin$(for d in /opt/nvidia/nsight-compute/*/; do [[ -x $d/ncu ]] && printf ":%s" "${d%/}"; done)
 
 step environment 30 environment
+step l2_setaside 40 l2_setaside  # first: needs no build, only nvcc and an idle GPU (issue 37)
 step build 240 build
-step l2_setaside 40 l2_setaside
 
 # Correctness, in parallel: nothing here is timed, and the sanitizers are mostly host work (16 cores on the device
 # machine), so the group takes about as long as its slowest member instead of the sum (the serial order of the last
