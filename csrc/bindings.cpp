@@ -16,6 +16,9 @@
 
 namespace py = pybind11;
 
+// The prepared stage's class and functions (csrc/stage_bindings.cpp).
+void macer_bind_stage(py::module_& m);
+
 namespace {
 
 template <typename T>
@@ -33,7 +36,7 @@ macer::ModalityScoresParams scores_params(std::uintptr_t query, std::uintptr_t k
                                           const std::array<int64_t, 3>& k_stride,
                                           const std::array<int64_t, 2>& mod_stride,
                                           const std::array<int64_t, 2>& pos_stride, float scale, float eps, int device,
-                                          std::uintptr_t stream, bool pdl, int path) {
+                                          std::uintptr_t stream, int path) {
   macer::ModalityScoresParams p{};
   p.query = ptr<const void>(query);
   p.key = ptr<const void>(key);
@@ -59,7 +62,6 @@ macer::ModalityScoresParams scores_params(std::uintptr_t query, std::uintptr_t k
   p.eps = eps;
   p.device = device;
   p.stream = stream_ptr(stream);
-  p.pdl = pdl;
   p.path = path;
   return p;
 }
@@ -69,10 +71,10 @@ void modality_scores(std::uintptr_t query, std::uintptr_t key, std::uintptr_t mo
                      int modality_dtype, int positions_dtype, const std::array<int64_t, 6>& sizes,
                      const std::array<int64_t, 4>& q_stride, const std::array<int64_t, 3>& k_stride,
                      const std::array<int64_t, 2>& mod_stride, const std::array<int64_t, 2>& pos_stride, float scale,
-                     float eps, int device, std::uintptr_t stream, bool pdl, int path) {
+                     float eps, int device, std::uintptr_t stream, int path) {
   macer::modality_scores(scores_params(query, key, modality, positions, out, workspace, counters, q_dtype,
                                        modality_dtype, positions_dtype, sizes, q_stride, k_stride, mod_stride,
-                                       pos_stride, scale, eps, device, stream, pdl, path));
+                                       pos_stride, scale, eps, device, stream, path));
 }
 
 macer::SelectParams select_params(std::uintptr_t scores, int scores_dtype, int64_t n, int64_t scores_stride, int64_t k,
@@ -250,14 +252,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("workspace"), py::arg("counters"), py::arg("q_dtype"), py::arg("modality_dtype"),
         py::arg("positions_dtype"), py::arg("sizes"), py::arg("q_stride"), py::arg("k_stride"),
         py::arg("mod_stride"), py::arg("pos_stride"), py::arg("scale"), py::arg("eps"), py::arg("device"),
-        py::arg("stream"), py::arg("pdl") = false, py::arg("path") = 0);
+        py::arg("stream"), py::arg("path") = 0);
   m.def(
       "modality_scores_path",
       [](int q_dtype, const std::array<int64_t, 6>& sizes, const std::array<int64_t, 4>& q_stride,
          const std::array<int64_t, 3>& k_stride, std::uintptr_t key, int device, int path) {
         const macer::ModalityScoresParams p =
             scores_params(0, key, 0, 0, 0, 0, 0, q_dtype, macer::kInt64, macer::kInt64, sizes, q_stride, k_stride,
-                          {0, 1}, {0, 1}, 1.0f, 0.0f, device, 0, false, path);
+                          {0, 1}, {0, 1}, 1.0f, 0.0f, device, 0, path);
         return macer::modality_scores_path(p);
       },
       "(\"sa\" or \"sb\", why not S-B) for a call of this shape on `device` (may ask the device; launches nothing)",
@@ -361,4 +363,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("device_report", &device_report, "CUDA device count, error, capability, runtime and driver versions");
   m.def("compiled_archs", &macer::compiled_archs, "SM versions with SASS in this module");
   m.def("ptx_arch", &macer::ptx_arch, "SM version of the embedded PTX");
+  macer_bind_stage(m);
 }

@@ -53,10 +53,6 @@ struct ModalityScoresParams {
   float scale, eps;
   int device;    // CUDA device index of the tensors (made current for the launches)
   void* stream;  // cudaStream_t
-  // The first kernel may start before the previous kernel on the stream ends (programmatic dependent launch, sm_90+):
-  // set by a caller that chains it (the prepared stage). Every scoring kernel waits for its predecessor's grid
-  // before its first global read.
-  bool pdl;
   // 0: choose (S-B where built and eligible, else S-A); 1: S-A only. For the benchmark and the tests.
   int path;
 };
@@ -72,6 +68,9 @@ struct ScoresSplitPlan {
 };
 ScoresSplitPlan modality_scores_split_plan(int64_t batch, int64_t kv_heads, int64_t row_tiles, int64_t num_keys,
                                            int64_t wave);
+// Enqueues the scoring kernels through launch_kernel (csrc/kernels/launch.cuh): inside a stage's ChainScope they
+// follow the chain; outside one the op chains its own two S-A kernels (PDL on sm_90+). S-B's cooperative launch is
+// its own (a chain's caller marks the chain started after this call, as stage_launch does).
 void modality_scores(const ModalityScoresParams& p);
 // Which kernels a call takes (no launch): "sa" or "sb", and why not "sb" (empty when it is "sb").
 std::pair<std::string, std::string> modality_scores_path(const ModalityScoresParams& p);
@@ -199,6 +198,49 @@ void compact_many(const CompactParams& p);
 CompactTensor compact_descriptor(const void* src, void* dst, const std::vector<int64_t>& shape,
                                  const std::vector<int64_t>& strides, int64_t element_bytes, int64_t dim,
                                  bool batched);
+
+// ---------------------------------------------------------------------------------------------------------------
+// The prepared stage (csrc/stage.cu; macer_kernels.stage.PreparedStage): one call launches a MACER stage's kernels
+// -- scoring (modality_scores), selection (select_cta) and the compaction of the caller's row tables with the
+// stage's keep (compact_many) -- on one stream, chained with programmatic dependent launch where
+// stage_chain_supported(device) (csrc/kernels/launch.cuh). The plan is built once per stage shape and holds every
+// size, stride, dtype, budget and the persistent buffers (workspace, scores, question-row positions, per-sample
+// budgets); a call patches the pointers of its inputs and outputs. Nothing is allocated and nothing is read back.
+struct StageGather {
+  std::vector<int64_t> shape;    // [..., B, N, ...]: the batch dim (size B) just before the sequence dim
+  std::vector<int64_t> strides;  // elements; the dims before the batch dim and after `dim` each flatten to one
+  int64_t element_bytes;
+  int64_t dim;  // the sequence dim; its output is the same shape with N -> out_len, contiguous
+};
+struct StagePlan {
+  // Everything but query, key, modality (the per-call labels), the query strides and the key strides.
+  ModalityScoresParams scores;
+  // Everything but labels and chunk_ids (per call), out (the keep [B, out_len]) and nonfinite (the flags [B]);
+  // scores is scores.out.
+  SelectCtaParams select;
+  std::vector<StageGather> gather;  // compacted with the keep as a [B, out_len] keep (-1 entries: zero rows)
+  int64_t query_row0;               // the question rows' first index in the query's dim 2 (host-known)
+  bool chain;                       // chain the launches with PDL
+};
+struct StageCall {
+  const void* query;  // [B, Hq, >= row0 + Lq, D]: rows row0 .. row0 + Lq - 1 are the stage's question rows
+  int64_t q_stride[4];
+  const void* key;
+  int64_t k_stride[3];
+  const void* labels;     // [B, N], the plan's labels dtype, contiguous
+  const void* chunk_ids;  // [B, N] or nullptr (no coverage modality)
+  int64_t* keep;          // [B, out_len] int64, contiguous
+  bool* nonfinite;        // [B]
+  std::vector<const void*> gather_src;  // one per plan.gather entry, laid out as it says
+  std::vector<void*> gather_dst;
+  void* stream;
+};
+// Launches the stage (scoring 2 kernels with S-A or 1 with S-B, + 1 + 1); every argument is checked before the
+// first launch.
+void stage_launch(const StagePlan& plan, const StageCall& call);
+// Whether a chain on `device` uses PDL: compute capability 9.0 or newer, and this module's code for the device was
+// compiled for sm_90 or newer (below that grid_dependency_wait compiles to nothing). Asked once per device.
+bool stage_chain_supported(int device);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Runtime queries (no kernel launches): used by macer_kernels.cuda.unavailable_reason().

@@ -1,18 +1,21 @@
 // Launcher of modality_scores: fills the kernels' arguments from ModalityScoresParams and enqueues them.
 //
 // S-A (every architecture): scores_tile_kernel (the combine folded into each unit's last CTA), then
-// scores_reduce_kernel, launched with programmatic dependent launch on sm_90+ so that its CTAs start as the tile
-// kernel's drain. S-B (sm_90a builds on an sm_90 device, one batch element, <= 32 rows per KV head, D = 128, half
+// scores_reduce_kernel, both through launch_kernel (csrc/kernels/launch.cuh). Inside a stage's chain they follow its
+// rules; outside one the op opens its own two-kernel chain, so that on sm_90+ the reduce is launched with programmatic
+// dependent launch and its CTAs start as the tile kernel's drain. S-B (sm_90a builds on an sm_90 device, one batch element, <= 32 rows per KV head, D = 128, half
 // types): the persistent kernel of csrc/modality_scores_sm90a.cu. The split count is chosen here from the device's SM
 // count and the tile kernel's occupancy, both asked once per (device, kernel, shared-memory size) and cached (host
 // attributes, no device work per call).
 #include <algorithm>
 #include <climits>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "kernels/launch.cuh"
 #include "kernels/modality_scores.cuh"
 #include "modality_scores_sm90a.h"
 
@@ -98,28 +101,9 @@ int64_t ctas_per_wave(int device, int chunks) {
   return ctas;
 }
 
-// cudaLaunchKernelEx with programmatic stream serialisation (PDL) when asked and the device has it (sm_90+).
-template <typename Arg>
-void launch(const char* name, void (*kernel)(Arg), dim3 grid, size_t smem, cudaStream_t stream, bool pdl,
-            const Arg& arg) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(scores::kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  if (pdl) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  check_cuda(cudaLaunchKernelEx(&cfg, kernel, arg), kOp, name);
-}
-
 // The S-A path: tile kernel, then the reduce. Returns nothing; every launch is checked.
 template <typename T, bool kVec>
-void launch_sa(const ModalityScoresParams& p, const Workspace& w, const DeviceFacts& f) {
+void launch_sa(const ModalityScoresParams& p, const Workspace& w) {
   using S = typename scores::SmemOf<T>::type;
   scores::TileArgs a{};
   a.query = p.query;
@@ -155,10 +139,10 @@ void launch_sa(const ModalityScoresParams& p, const Workspace& w, const DeviceFa
   a.split_tiles = static_cast<int>(plan.split_tiles);
   a.split_extra = static_cast<int>(plan.split_extra);
   auto stream = static_cast<cudaStream_t>(p.stream);
-  const bool has_pdl = f.major >= 9;
-  launch("launch of scores_tile_kernel", scores::scores_tile_kernel<T, kVec>,
-         dim3(static_cast<unsigned>(a.splits), static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch)),
-         scores::tile_smem_bytes(a.chunks), stream, p.pdl && has_pdl, a);
+  launch_kernel(kOp, "scores_tile_kernel", scores::scores_tile_kernel<T, kVec>,
+                dim3(static_cast<unsigned>(a.splits), static_cast<unsigned>(p.kv_heads),
+                     static_cast<unsigned>(p.batch)),
+                dim3(scores::kThreads), scores::tile_smem_bytes(a.chunks), stream, a);
 
   scores::ReduceArgs r{};
   r.logits = w.logits;
@@ -175,22 +159,23 @@ void launch_sa(const ModalityScoresParams& p, const Workspace& w, const DeviceFa
   r.row_tiles = a.row_tiles;
   r.scale_log2 = a.scale_log2;
   r.inv_rows = static_cast<float>(1.0 / static_cast<double>(p.q_heads * p.q_len));
-  launch("launch of scores_reduce_kernel", scores::scores_reduce_kernel,
-         dim3(static_cast<unsigned>(a.tiles), static_cast<unsigned>(p.batch)), 0, stream, has_pdl, r);
+  launch_kernel(kOp, "scores_reduce_kernel", scores::scores_reduce_kernel,
+                dim3(static_cast<unsigned>(a.tiles), static_cast<unsigned>(p.batch)), dim3(scores::kThreads), 0,
+                stream, r);
 }
 
 template <typename T>
-void dispatch_sa(const ModalityScoresParams& p, const Workspace& w, const DeviceFacts& f) {
+void dispatch_sa(const ModalityScoresParams& p, const Workspace& w) {
   constexpr int64_t esize = sizeof(T);
   const bool vec = !std::is_same<T, double>::value && aligned16(p.key) && (p.head_dim * esize) % 16 == 0 &&
                    (p.k_stride[0] * esize) % 16 == 0 && (p.k_stride[1] * esize) % 16 == 0 &&
                    (p.k_stride[2] * esize) % 16 == 0 && p.k_stride[2] * esize < (int64_t{1} << 25);
   if constexpr (std::is_same<T, double>::value) {
-    launch_sa<double, false>(p, w, f);
+    launch_sa<double, false>(p, w);
   } else if (vec) {
-    launch_sa<T, true>(p, w, f);
+    launch_sa<T, true>(p, w);
   } else {
-    launch_sa<T, false>(p, w, f);
+    launch_sa<T, false>(p, w);
   }
 }
 
@@ -209,6 +194,11 @@ void check_params(const ModalityScoresParams& p) {
           "query/key dtype code must be float32, float16, bfloat16 or float64, got " + std::to_string(p.q_dtype));
   require(is_int_code(p.modality_dtype) && is_int_code(p.positions_dtype), kOp,
           "modality and query_positions dtype codes must be integer codes");
+}
+
+void check_buffers(const ModalityScoresParams& p) {
+  require(p.counters != nullptr, kOp,
+          "counters must be given: modality_scores_counter_count(...) int32, zero before the first call");
 }
 
 std::string sb_ineligible(const ModalityScoresParams& p) {
@@ -314,19 +304,22 @@ std::pair<std::string, std::string> modality_scores_path(const ModalityScoresPar
 void modality_scores(const ModalityScoresParams& p) {
   check_params(p);
   if (p.batch == 0 || p.num_keys == 0) return;
+  check_buffers(p);
   const DeviceGuard device_guard = use_device(p.device, kOp);
-  const DeviceFacts f = device_facts(p.device);
   if (sb_ineligible(p).empty()) {
-    sm90a::scores_launch(p);
+    sm90a::scores_launch(p);  // one cooperative launch (inside a stage's chain, the chain's caller marks it started)
     return;
   }
+  // Outside a stage's chain, the op's own: the tile kernel plainly, the reduce with PDL where the device has it.
+  std::optional<ChainScope> own_chain;
+  if (!chain_state().active) own_chain.emplace(stage_chain_supported(p.device));
   const int64_t units = p.batch * p.kv_heads * row_tiles_of(p.q_heads, p.q_len, p.kv_heads);
   const Workspace w = carve(p.workspace, units, p.num_keys);
   switch (p.q_dtype) {
-    case kFloat32: dispatch_sa<float>(p, w, f); break;
-    case kFloat64: dispatch_sa<double>(p, w, f); break;
-    case kFloat16: dispatch_sa<__half>(p, w, f); break;
-    case kBFloat16: dispatch_sa<__nv_bfloat16>(p, w, f); break;
+    case kFloat32: dispatch_sa<float>(p, w); break;
+    case kFloat64: dispatch_sa<double>(p, w); break;
+    case kFloat16: dispatch_sa<__half>(p, w); break;
+    case kBFloat16: dispatch_sa<__nv_bfloat16>(p, w); break;
   }
 }
 
@@ -376,9 +369,9 @@ int64_t modality_scores_stream_k(const StreamKParams& p) {
   a.d_bytes = static_cast<uint32_t>(p.head_dim * esize);
   a.k_stride_bytes[0] = p.k_stride[0] * esize;
   a.k_stride_bytes[1] = p.k_stride[1] * esize;
-  launch("launch of stream_k_kernel", scores::stream_k_kernel,
-         dim3(static_cast<unsigned>(splits), static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch)), 0,
-         static_cast<cudaStream_t>(p.stream), false, a);
+  launch_kernel(kOp, "stream_k_kernel", scores::stream_k_kernel,
+                dim3(static_cast<unsigned>(splits), static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch)),
+                dim3(scores::kThreads), 0, static_cast<cudaStream_t>(p.stream), a);
   return splits * p.kv_heads * p.batch;
 }
 

@@ -4,6 +4,7 @@
 #include <climits>
 #include <mutex>
 
+#include "kernels/launch.cuh"
 #include "kernels/select_cta.cuh"
 
 namespace macer {
@@ -108,9 +109,8 @@ void select_cta(const SelectCtaParams& params) {
   if (p.out_len == 0 && p.nonfinite == nullptr) return;  // nothing to write
   const DeviceGuard device_guard = use_device(p.device, op);
   p.key_capacity = p.n;
-  cta::select_cta_kernel<<<static_cast<unsigned>(p.batch), cta::kThreads, dynamic_bytes(p.n),
-                           static_cast<cudaStream_t>(p.stream)>>>(p);
-  MACER_LAUNCH_CHECK(op, "select_cta_kernel");
+  launch_kernel(op, "select_cta_kernel", cta::select_cta_kernel, dim3(static_cast<unsigned>(p.batch)),
+                dim3(cta::kThreads), dynamic_bytes(p.n), static_cast<cudaStream_t>(p.stream), p);
 }
 
 }  // namespace macer

@@ -194,7 +194,7 @@ SCORES_ARGS = dict(sizes=(1, 4, 2, 64, 2, 16), q_stride=(512, 128, 64, 1), k_str
 
 def _scores_call(**overrides):
     a = {**SCORES_ARGS, "q_dtype": 2, "modality_dtype": 8, "positions_dtype": 8, **overrides}
-    _ext.ext().modality_scores(0, 0, 0, 0, 0, 0, 0, a["q_dtype"], a["modality_dtype"], a["positions_dtype"],
+    _ext.ext().modality_scores(0, 0, 0, 0, 0, 0, 16, a["q_dtype"], a["modality_dtype"], a["positions_dtype"],
                                a["sizes"], a["q_stride"], a["k_stride"], a["mod_stride"], a["pos_stride"], 0.1, 1e-6, 0,
                                0)
 
@@ -843,9 +843,14 @@ def test_readout_benchmark_quick_mode_runs_and_writes_nothing(capsys, monkeypatc
 
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     bench_readout.main(["--quick"])
-    table = capsys.readouterr().out
+    table, targets = capsys.readouterr().out.split("\n\n")
     assert table.splitlines()[0].split() == ["provider", "tokens", "kept", "median_us", "wall_us", "launches", "syncs",
                                              "d2h", "kernel_us", "speedup", "exact"]
     rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
-    assert {"naive", "torch"} <= set(rows) and all(r[-1] == "True" for r in rows.values())
+    assert {"naive", "torch", "stage-torch", "prepared-torch"} <= set(rows)
+    assert all(r[-1] == "True" for r in rows.values())
+    # the stage rows' targets: wall time against the issue's 50 us (the limit is measured on a GPU only)
+    assert targets.splitlines()[0].split() == ["provider", "wall_us", "target_us", "limit_us", "met"]
+    assert [line.split()[0] for line in targets.splitlines()[1:]] == ["stage-torch", "prepared-torch"]
+    assert all(line.split()[2:4] == ["50", "None"] for line in targets.splitlines()[1:])
     assert not list(tmp_path.iterdir())

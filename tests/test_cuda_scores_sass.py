@@ -105,6 +105,18 @@ def test_sb_kernel_is_wgmma_and_tma(usage):
         assert len(re.findall(r"HGMMA\.64x32x16\.F32", text)) >= 8, name
         assert "UTMALDG.3D" in text and "SYNCS" in text, name
         assert "LDGSTS" not in text and "HMMA" not in re.sub(r"HGMMA", "", text), name
+        # the 8 wgmmas of a unit are pipelined: no wait between them (ptxas serialises them, C7511, when a copy of
+        # an accumulator register sits between two of them)
+        starts = [m.start() for m in re.finditer("HGMMA", text)]
+        assert "WARPGROUP.DEPBAR" not in text[starts[0]:starts[7]], name
+        # shared memory through shared-space instructions (a generic LD/ST here was an alignment computed through an
+        # integer cast of the pointer)
+        assert not re.search(r"\b(LD|ST)\.E\b", text), name
+        # the stage's chain (csrc/kernels/launch.cuh): the wait (ACQBULK) before any global access, and PREEXIT
+        ops = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in instructions]
+        waits = [i for i, op in enumerate(ops) if op == "ACQBULK"]
+        accesses = [i for i, op in enumerate(ops) if re.match(r"(LDG|STG|LD|ST|ATOM|ATOMG|RED|UTMALDG)\b", op)]
+        assert waits and accesses and waits[0] < accesses[0] and "PREEXIT" in ops, name
     for u in usage:
         if u.function.startswith(ss.SB):
             assert u.arch == "sm_90a", "S-B must exist only as sm_90a SASS"

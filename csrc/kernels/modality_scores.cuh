@@ -278,8 +278,10 @@ __global__ void __launch_bounds__(kThreads) scores_tile_kernel(const TileArgs a)
   const uint32_t d_bytes = static_cast<uint32_t>(a.head_dim) * sizeof(T);
   const int chunks = a.chunks, units = (t_end - t_first) * chunks;
 
-  // Q, K, the labels and the positions may be a predecessor's output (the stage's chain).
+  // Q, K, the labels and the positions may be a predecessor's output (the stage's chain): wait for it before the
+  // first global access; then let the successor (the reduce) be scheduled, to wait in its turn.
   grid_dependency_wait();
+  launch_dependents();
 
   for (int rt = 0; rt < a.row_tiles; ++rt) {
     const int unit = unit_index(b, kvh, rt, a.kv_heads, a.row_tiles);
@@ -396,7 +398,6 @@ __global__ void __launch_bounds__(kThreads) scores_tile_kernel(const TileArgs a)
       ++ct;
     }
     if constexpr (kVec) cp_async_wait<0>();
-    if (rt + 1 == a.row_tiles) launch_dependents();  // the reduce may start its prologue
 
     // ---- end of the split for this row tile: one partial per (label, row) --------------------------------------
     flush_all(st, warp_acc[warp], lane);

@@ -166,7 +166,9 @@ __global__ void __launch_bounds__(kThreads, 1) scores_sb_kernel(const __grid_con
                                                                  const Args a) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // Aligned to 1024 bytes by an offset into the array itself (not through an integer cast of the pointer, which
+  // would lose the shared address space and turn every access below into a generic one).
+  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   unsigned char* qs = smem;                                // [Hkv][2][32][128 B], swizzled
   unsigned char* ring = qs + a.kv_heads * kQHeadBytes;     // [kStages][2][64][128 B], swizzled (TMA)
   float2* warp_acc = reinterpret_cast<float2*>(ring + kStages * kStageBytes);  // [kConsumerWarps][kPairs]
@@ -194,9 +196,9 @@ __global__ void __launch_bounds__(kThreads, 1) scores_sb_kernel(const __grid_con
     asm volatile("prefetch.tensormap [%0];" ::"l"(&kmap) : "memory");
     info[0] = 0;
   }
-  if (tid == 128) gen0 = ld_acquire(a.counters + kGeneration);  // before this CTA arrives: it cannot move before
   for (int i = tid; i < kConsumerWarps * kPairs; i += kThreads) warp_acc[i] = make_float2(kEmptyNegRef, 0.0f);
   grid_dependency_wait();  // Q, K, labels and positions may come from the stage's previous kernel
+  if (tid == 128) gen0 = ld_acquire(a.counters + kGeneration);  // before this CTA arrives: it cannot move before
 
   // The query rows of every head, [h][box][row][128 B] with the 128-byte swizzle (chunk c of row r at c ^ (r % 8)),
   // zero on padding rows; then a proxy fence, since the tensor cores read them through the async proxy.

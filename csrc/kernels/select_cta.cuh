@@ -426,6 +426,10 @@ __device__ void select_row(const Row& row, const SelectCtaParams& p, const int32
 }
 
 __global__ void __launch_bounds__(kThreads, 1) select_cta_kernel(const SelectCtaParams p) {
+  // A stage's chain may launch this kernel before its predecessor ends (csrc/kernels/launch.cuh): wait for it
+  // before the first global access; then let the successor be scheduled.
+  grid_dependency_wait();
+  launch_dependents();
   extern __shared__ uint64_t dynamic_smem[];
   __shared__ Shared sh;
   const int64_t b = blockIdx.x;

@@ -46,18 +46,18 @@ def _check(query: torch.Tensor, key: torch.Tensor, modality: torch.Tensor, query
 
 
 def modality_scores_cuda(query: torch.Tensor, key: torch.Tensor, modality: torch.Tensor,
-                         query_positions: torch.Tensor, scale: float, eps: float, *, path: str = "auto",
-                         pdl: bool = False) -> torch.Tensor:
+                         query_positions: torch.Tensor, scale: float, eps: float, *, path: str = "auto"
+                         ) -> torch.Tensor:
     """Scores ``[B, N]`` float32 from query ``[B, Hq, Lq, D]`` and key ``[B, Hkv, N, D]`` (any strides, head dim
     contiguous), labels ``[B, N]`` and query positions ``[B, Lq]`` of any integer dtype, read in place. A key labelled
     -1 (``PAD_LABEL``) is no key of its sample: no row sees it and it scores 0.
 
     The public op (``macer_kernels.modality_scores``) has validated shapes, label and position ranges; this checks
     what the kernels add: CUDA tensors, one float dtype for query and key, D <= 256, grid limits on B and Hkv.
-    ``path``: ``"auto"`` (S-B where built and eligible, else S-A) or ``"sa"``; ``pdl``: the first kernel may overlap
-    the previous kernel on the stream (a caller that chains it). Workspace (docs/cuda.md): the fp32 logits of every
-    (row, key), padded to 32 rows per KV head, ``B Hkv ceil(G Lq / 32) ceil(N / 64)`` x 8 KB, plus one (max, sum) per
-    (label, row, split), at most 128 splits; and a zeroed int32 counter buffer cached per stream.
+    ``path``: ``"auto"`` (S-B where built and eligible, else S-A) or ``"sa"``. Workspace (docs/cuda.md): the fp32
+    logits of every (row, key), in row tiles of 32 rows per KV head, ``B Hkv ceil(G Lq / 32) ceil(N / 64)`` x 8 KB,
+    plus one (max, sum) per (label, row, split), at most 128 splits; and a zeroed int32 counter buffer cached per
+    stream.
     """
     _check(query, key, modality, query_positions)
     b, hq, lq, d = query.shape
@@ -75,7 +75,7 @@ def modality_scores_cuda(query: torch.Tensor, key: torch.Tensor, modality: torch
     ext().modality_scores(
         query.data_ptr(), key.data_ptr(), modality.data_ptr(), query_positions.data_ptr(), out.data_ptr(),
         scratch.data_ptr(), counters.data_ptr(), *codes, (b, hq, lq, d, hkv, n), query.stride(), key.stride()[:3],
-        modality.stride(), query_positions.stride(), float(scale), float(eps), device, stream, pdl, _PATHS[path])
+        modality.stride(), query_positions.stride(), float(scale), float(eps), device, stream, _PATHS[path])
     return out
 
 
