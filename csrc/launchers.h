@@ -32,14 +32,18 @@ constexpr int kMaxModalities = 8;
 constexpr int kNumLabels = kMaxModalities + 1;
 
 // ---------------------------------------------------------------------------------------------------------------
-// modality_scores (eq:macer_score)
+// modality_scores (eq:macer_score): csrc/modality_scores.cu (step S-A, every architecture) and, where built with
+// 90a and the shape fits, csrc/modality_scores_sm90a.cu (step S-B, one persistent kernel). docs/cuda.md.
 struct ModalityScoresParams {
   const void* query;            // [B, Hq, Lq, D], dtype q_dtype (any strides)
   const void* key;              // [B, Hkv, N, D], same dtype, key stride over D is 1
   const void* modality;         // [B, N] integer labels in -1..kMaxModalities (-1: padding), dtype modality_dtype
   const void* query_positions;  // [B, Lq] integer positions in 0..N-1, dtype positions_dtype
   float* out;                   // [B, N] float32, contiguous
-  void* workspace;              // modality_scores_workspace_bytes(...) bytes, 16-byte aligned
+  void* workspace;              // modality_scores_workspace_bytes(...) bytes, 256-byte aligned
+  // modality_scores_counter_count(...) int32, all zero before the first call; every call leaves them zero again
+  // (the last CTA of each unit resets its own), so one buffer serves every call on one stream and graph replays.
+  int* counters;
   int q_dtype, modality_dtype, positions_dtype;
   int64_t batch, q_heads, q_len, head_dim, kv_heads, num_keys;
   int64_t q_stride[4];    // query strides (elements)
@@ -49,8 +53,12 @@ struct ModalityScoresParams {
   float scale, eps;
   int device;    // CUDA device index of the tensors (made current for the launches)
   void* stream;  // cudaStream_t
+  // 0: choose (S-B where built and eligible, else S-A); 1: S-A only. For the benchmark and the tests.
+  int path;
 };
-size_t modality_scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q_len, int64_t num_keys);
+size_t modality_scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q_len, int64_t kv_heads,
+                                       int64_t num_keys);
+int64_t modality_scores_counter_count(int64_t batch, int64_t q_heads, int64_t q_len, int64_t kv_heads);
 int64_t modality_scores_max_head_dim();
 // How the tile kernel splits the key tiles of one (batch, KV head): `wave` CTAs fill the device (SMs x resident
 // CTAs, asked by the launcher); pure host arithmetic, exposed for the CPU tests. Split s covers tiles
@@ -58,15 +66,36 @@ int64_t modality_scores_max_head_dim();
 struct ScoresSplitPlan {
   int64_t tiles, splits, split_tiles, split_extra;
 };
-ScoresSplitPlan modality_scores_split_plan(int q_dtype, int64_t batch, int64_t kv_heads, int64_t num_keys,
+ScoresSplitPlan modality_scores_split_plan(int64_t batch, int64_t kv_heads, int64_t row_tiles, int64_t num_keys,
                                            int64_t wave);
+// Enqueues the scoring kernels through launch_kernel (csrc/kernels/launch.cuh): inside a stage's ChainScope they
+// follow the chain; outside one the op chains its own two S-A kernels (PDL on sm_90+). S-B's cooperative launch is
+// its own (a chain's caller marks the chain started after this call, as stage_launch does).
 void modality_scores(const ModalityScoresParams& p);
+// Which kernels a call takes (no launch): "sa" or "sb", and why not "sb" (empty when it is "sb").
+std::pair<std::string, std::string> modality_scores_path(const ModalityScoresParams& p);
 // The tile kernel's own host/device helpers and constants (csrc/kernels/modality_scores.cuh), for the CPU replay:
-// the first tile of a split, whether a key is visible to a row (exists, not after the causal limit, not PAD), and
-// (name, value) of every constant the kernels' schedule depends on.
+// the first tile of a split, whether a key is visible to a row (exists, not after the causal limit, a label 0..8),
+// the accumulator fragment's (key, row) of element e of a lane of a warp, and (name, value) of every constant the
+// kernels' schedule depends on.
 int64_t modality_scores_split_begin(int64_t split, int64_t split_tiles, int64_t split_extra);
 bool modality_scores_key_visible(int64_t n, int64_t num_keys, int64_t pos, int64_t label);
+std::pair<int, int> modality_scores_fragment(int warp, int lane, int e);
 std::vector<std::pair<std::string, int64_t>> modality_scores_constants();
+// The K-streaming baseline (bench_modality_scores' "read K once", on the scoring op's launch path): the tile
+// kernel's per-thread loads over K on a grid the device holds at once, nothing else. out:
+// modality_scores_stream_k_words(...) uint32.
+struct StreamKParams {
+  const void* key;  // [B, Hkv, N, D], 16-byte aligned rows (the scoring kernel's vectorised path)
+  uint32_t* out;
+  int dtype;
+  int64_t batch, kv_heads, num_keys, head_dim;
+  int64_t k_stride[3];
+  int device;
+  void* stream;
+};
+int64_t modality_scores_stream_k_words(int64_t batch, int64_t kv_heads, int64_t num_keys);
+int64_t modality_scores_stream_k(const StreamKParams& p);  // returns the number of words written (one per CTA)
 
 // ---------------------------------------------------------------------------------------------------------------
 // topk_indices and coverage_select (eq:chunk_coverage_greedy)
@@ -218,7 +247,8 @@ struct StageCall {
   std::vector<void*> gather_dst;
   void* stream;
 };
-// Launches the stage (3 + 1 + 1 kernels today); every argument is checked before the first launch.
+// Launches the stage (scoring 2 kernels with S-A or 1 with S-B, + 1 + 1); every argument is checked before the
+// first launch.
 void stage_launch(const StagePlan& plan, const StageCall& call);
 // Whether a chain on `device` uses PDL: compute capability 9.0 or newer, and this module's code for the device was
 // compiled for sm_90 or newer (below that grid_dependency_wait compiles to nothing). Asked once per device.

@@ -33,12 +33,14 @@ macer::StagePlan make_plan(int q_dtype, int labels_dtype, const std::array<int64
                            std::uintptr_t scores, std::uintptr_t workspace, float scale, float eps, int64_t out_len,
                            const std::vector<Modality>& modalities, int chunk_dtype,
                            const std::array<int64_t, 2>& chunk_stride, std::uintptr_t keeps,
-                           const std::vector<Gather>& gather, int64_t query_row0, bool chain, int device) {
+                           const std::vector<Gather>& gather, int64_t query_row0, bool chain, int device,
+                           std::uintptr_t counters) {
   macer::StagePlan plan{};
   macer::ModalityScoresParams& s = plan.scores;
   s.query_positions = ptr<const void>(positions);
   s.out = ptr<float>(scores);
   s.workspace = ptr<void>(workspace);
+  s.counters = ptr<int>(counters);  // the scoring kernels' zeroed, self-resetting counters (one buffer per stream)
   s.q_dtype = q_dtype;
   s.modality_dtype = labels_dtype;
   s.positions_dtype = macer::kInt64;
@@ -133,7 +135,7 @@ void macer_bind_stage(py::module_& m) {
            py::arg("labels_stride"), py::arg("positions"), py::arg("scores"), py::arg("workspace"), py::arg("scale"),
            py::arg("eps"), py::arg("out_len"), py::arg("modalities"), py::arg("chunk_dtype"),
            py::arg("chunk_stride"), py::arg("keeps"), py::arg("gather"), py::arg("query_row0"), py::arg("chain"),
-           py::arg("device"))
+           py::arg("device"), py::arg("counters") = 0)
       .def("launch", &launch, "One stage: scoring, selection, compaction, chained on `stream`", py::arg("query"),
            py::arg("q_stride"), py::arg("key"), py::arg("k_stride"), py::arg("labels"), py::arg("chunk_ids"),
            py::arg("keep"), py::arg("nonfinite"), py::arg("gather_src"), py::arg("gather_dst"), py::arg("stream"))

@@ -29,7 +29,11 @@ from macer_kernels.cuda import modality_scores as cuda_scores
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_GPU = shutil.which("nvidia-smi") is not None
-EXPECTED_ARCHS = sorted(int(a) for a in os.environ.get("MACER_CUDA_ARCHS", "89;90").replace(",", ";").split(";"))
+ARCH_LIST = os.environ.get("MACER_CUDA_ARCHS", "89;90;90a").replace(",", ";").split(";")
+EXPECTED_ARCHS = sorted(int(a) for a in ARCH_LIST if a.isdigit())  # plain versions: SASS each, PTX for the highest
+EXPECTED_SPECIFIC = sorted(a for a in ARCH_LIST if not a.isdigit())  # e.g. 90a: the S-B kernel's SASS only
+# compiled_archs(): every SM version with SASS, 90a counting as 90
+EXPECTED_SASS_NUMBERS = sorted(set(EXPECTED_ARCHS) | {int(a.rstrip("a")) for a in EXPECTED_SPECIFIC})
 NOT_BUILT = "extension not built (installed without nvcc or with MACER_NO_CUDA=1)"
 
 
@@ -63,7 +67,7 @@ def extension_path(tmp_path_factory) -> Path:
     out = build / "out"
     subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build), f"-DCMAKE_CUDA_COMPILER={nvcc}",
                     f"-DPython_EXECUTABLE={sys.executable}", f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out}",
-                    f"-DMACER_CUDA_ARCHS={';'.join(map(str, EXPECTED_ARCHS))}"], check=True, capture_output=True)
+                    f"-DMACER_CUDA_ARCHS={';'.join(ARCH_LIST)}"], check=True, capture_output=True)
     subprocess.run(["cmake", "--build", str(build), "--parallel"], check=True, capture_output=True)
     return out / ("_C" + sysconfig.get_config_var("EXT_SUFFIX"))
 
@@ -87,7 +91,9 @@ def test_shared_object_has_sass_for_each_arch_and_ptx_for_the_highest(extension_
     elf = subprocess.run([cuobjdump, "--list-elf", str(extension_path)], capture_output=True, text=True, check=True)
     ptx = subprocess.run([cuobjdump, "--list-ptx", str(extension_path)], capture_output=True, text=True, check=True)
     assert sorted({int(a) for a in re.findall(r"\.sm_(\d+)\.cubin", elf.stdout)}) == EXPECTED_ARCHS, elf.stdout
-    assert {int(a) for a in re.findall(r"\.sm_(\d+)\.ptx", ptx.stdout)} == {max(EXPECTED_ARCHS)}, ptx.stdout
+    assert sorted(set(re.findall(r"\.sm_(\d+a)\.cubin", elf.stdout))) == EXPECTED_SPECIFIC, elf.stdout
+    want_ptx = {max(EXPECTED_ARCHS)} if EXPECTED_ARCHS else set()
+    assert {int(a) for a in re.findall(r"\.sm_(\d+)\.ptx", ptx.stdout)} == want_ptx, ptx.stdout
 
 
 def test_module_links_neither_libtorch_nor_a_shared_cuda_runtime(extension_path):
@@ -106,7 +112,7 @@ def test_module_imports_and_reports_without_gpu(extension_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     info = json.loads(run.stdout)
-    assert info["archs"] == EXPECTED_ARCHS and info["ptx"] == max(EXPECTED_ARCHS)
+    assert info["archs"] == EXPECTED_SASS_NUMBERS and info["ptx"] == (max(EXPECTED_ARCHS) if EXPECTED_ARCHS else 0)
     if not HAS_GPU:
         assert info["report"]["count"] == 0
         assert info["report"]["error"].startswith("cuda"), info["report"]
@@ -162,7 +168,7 @@ def test_cuda_wheel_holds_the_extension_for_each_arch(tmp_path):
     """What `make wheel` runs; the CMake build tree of the editable install is reused, so this only relinks."""
     if _find_nvcc() is None or shutil.which("cmake") is None:
         pytest.skip("nvcc/cmake not found: the wheel would be pure Python")
-    env = {**os.environ, "MACER_CUDA_ARCHS": ";".join(map(str, EXPECTED_ARCHS))}
+    env = {**os.environ, "MACER_CUDA_ARCHS": ";".join(ARCH_LIST)}
     run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                           str(tmp_path), str(ROOT)], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr
@@ -177,6 +183,7 @@ def test_cuda_wheel_holds_the_extension_for_each_arch(tmp_path):
     if cuobjdump is not None:
         elf = subprocess.run([cuobjdump, "--list-elf", str(so_path)], capture_output=True, text=True, check=True)
         assert sorted({int(a) for a in re.findall(r"\.sm_(\d+)\.cubin", elf.stdout)}) == EXPECTED_ARCHS
+        assert sorted(set(re.findall(r"\.sm_(\d+a)\.cubin", elf.stdout))) == EXPECTED_SPECIFIC
 
 # --- errors raised inside the module: ValueError for arguments, RuntimeError naming the op and CUDA's error ----------
 
@@ -187,8 +194,9 @@ SCORES_ARGS = dict(sizes=(1, 4, 2, 64, 2, 16), q_stride=(512, 128, 64, 1), k_str
 
 def _scores_call(**overrides):
     a = {**SCORES_ARGS, "q_dtype": 2, "modality_dtype": 8, "positions_dtype": 8, **overrides}
-    _ext.ext().modality_scores(0, 0, 0, 0, 0, 0, a["q_dtype"], a["modality_dtype"], a["positions_dtype"], a["sizes"],
-                               a["q_stride"], a["k_stride"], a["mod_stride"], a["pos_stride"], 0.1, 1e-6, 0, 0)
+    _ext.ext().modality_scores(0, 0, 0, 0, 0, 0, 16, a["q_dtype"], a["modality_dtype"], a["positions_dtype"],
+                               a["sizes"], a["q_stride"], a["k_stride"], a["mod_stride"], a["pos_stride"], 0.1, 1e-6, 0,
+                               0)
 
 
 @needs_module

@@ -222,7 +222,8 @@ class StageHandle:
         self.index, stream = launch_args(labels)
         self.positions = positions if positions.stride(1) == 1 else positions.contiguous()
         self.keeps = keeps
-        self.workspace_bytes = int(ext().modality_scores_workspace_bytes(b, hq, lq, n))
+        self.workspace_bytes = int(ext().modality_scores_workspace_bytes(b, hq, lq, hkv, n))
+        self.counter_count = int(ext().modality_scores_counter_count(b, hq, lq, hkv))
         self.score_shape = (b, n)
         mods = [(int(label), int(keep), 0.0 if weight is None else float(weight), weight is not None)
                 for label, keep, weight, _ in spec]
@@ -237,7 +238,7 @@ class StageHandle:
         self._rest = (float(scale), float(eps), out_len, mods, chunk_code, chunk_stride,
                       0 if keeps is None else keeps.data_ptr(), layouts, query_row0,
                       bool(chain) and bool(ext().stage_chain_supported(self.index)), self.index)
-        self.streams: dict[int, tuple] = {}  # stream -> (plan, scores, workspace)
+        self.streams: dict[int, tuple] = {}  # stream -> (plan, scores, workspace, scoring counters)
         self._for_stream(stream)  # the current stream's buffers now: a first call allocates nothing either
 
     def _for_stream(self, stream: int) -> tuple:
@@ -245,8 +246,11 @@ class StageHandle:
         if entry is None:
             scores = torch.empty(self.score_shape, dtype=torch.float32, device=self.device)
             scratch = workspace(self.workspace_bytes, self.device)
-            plan = ext().StagePlan(*self._args, scores.data_ptr(), scratch.data_ptr(), *self._rest)
-            entry = self.streams[stream] = (plan, scores, scratch)
+            # The scoring kernels' counters: zero once here; every call leaves them zero (csrc/launchers.h).
+            counters = torch.zeros(self.counter_count, dtype=torch.int32, device=self.device)
+            plan = ext().StagePlan(*self._args, scores.data_ptr(), scratch.data_ptr(), *self._rest,
+                                   counters=counters.data_ptr())
+            entry = self.streams[stream] = (plan, scores, scratch, counters)
         return entry
 
     @property
@@ -259,7 +263,7 @@ class StageHandle:
         """One host call on the current stream: scoring, selection and the gather, into ``outs = (keep, flags,
         *gathered)``. Returns the stream's scores buffer."""
         stream = _raw_stream(self.index)
-        plan, scores, _ = self._for_stream(stream)
+        plan, scores = self._for_stream(stream)[:2]
         plan.launch(query.data_ptr(), query.stride(), key.data_ptr(), key.stride()[:3], labels.data_ptr(),
                     0 if chunk_ids is None else chunk_ids.data_ptr(), outs[0].data_ptr(), outs[1].data_ptr(),
                     [t.data_ptr() for t in gather], [t.data_ptr() for t in outs[2:]], stream)
