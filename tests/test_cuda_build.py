@@ -571,11 +571,14 @@ class RecordingModule:
         self.DTYPE_CODES = {name: code for code, name in enumerate(names)}  # the codes of csrc/launchers.h
         self.calls: list[tuple[str, tuple]] = []
         self.cta_limit = cta_limit
+        self.wide_limit: int | None = None  # select_cta_max_n for float64 scores (wide), where it differs
 
     def __getattr__(self, name):
         def record(*args):
             self.calls.append((name, args))
-            return {"select_workspace_bytes": 1 << 16, "select_cta_max_n": self.cta_limit}.get(name)
+            if name == "select_cta_max_n":  # (device, coverage, wide)
+                return self.wide_limit if args[2] and self.wide_limit is not None else self.cta_limit
+            return {"select_workspace_bytes": 1 << 16}.get(name)
 
         return record
 
@@ -686,6 +689,22 @@ def test_stage_select_is_one_launch_with_one_parameter_set(recording):
         stage.stage_select_cuda(scores, labels, chunks, ((1, 0, None, 1), (2, 0, 0.2, 8)), 0, None, flags)
     # the non-finite flags are written by the same launch, even where nothing is kept (out_len = 0)
     assert [args[16:] for _, args in _launches(recording)[-2:]] == [(0, flags.data_ptr(), 0, 7)] * 2
+
+
+def test_stage_select_asks_the_limit_of_its_scores_key_width(recording):
+    # float64 scores compare 64-bit keys, whose one-CTA limit is lower: a float32 stage between the two limits is
+    # still one launch, a float64 one takes the sort chain.
+    from macer_kernels.cuda import stage
+
+    recording.cta_limit, recording.wide_limit = 1000, 300
+    labels = torch.randint(1, 3, (2, 500), dtype=torch.uint8)
+    modalities = ((1, 0, None, 1), (2, 0, None, 1))
+    scores = torch.randn(2, 500)
+    stage.stage_select_cuda(scores, labels, None, modalities, 0, None, torch.empty(2, dtype=torch.bool))
+    assert [args[0] for _, args in _launches(recording)] == ["stage_select"]
+    stage.stage_select_cuda(scores.double(), labels, None, modalities, 0, None, torch.empty(2, dtype=torch.bool))
+    assert len(_launches(recording)) == 1
+    assert [args[2] for name, args in recording.calls if name == "select_cta_max_n"] == [False, True]
 
 
 def test_stage_select_above_the_limit_with_per_sample_budgets_runs_the_sort_chain(recording, seed):

@@ -155,7 +155,8 @@ def stage_select_cuda(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: tor
     b, n = scores.shape
     coverage = any(weight is not None for _, _, weight, _ in modalities)
     device, stream = launch_args(scores)
-    if n > select_cta_max_n(device, coverage) or (coverage and scores.dtype == torch.float64):
+    wide = scores.dtype == torch.float64  # 64-bit keys: a lower one-CTA limit for top-K
+    if n > select_cta_max_n(device, coverage, wide) or (coverage and wide):
         return stage_select_sorts(scores, labels, chunk_ids, modalities, out_len, keeps, flags)
     out = torch.empty(b, out_len, dtype=torch.long, device=scores.device)
     if out_len == 0 and (flags is None or n == 0):  # nothing kept and no flag to find: no launch
@@ -193,7 +194,8 @@ def prepared_on_cuda(labels: torch.Tensor, coverage: bool) -> bool:
     which the backends' ops run)."""
     if labels.device.type != "cuda" or backend_status()["cuda"] is not None or labels.shape[1] < 1:
         return False
-    return labels.shape[1] <= select_cta_max_n(launch_args(labels)[0], coverage)
+    # The prepared stage's scores are float32 (StageHandle): 32-bit keys.
+    return labels.shape[1] <= select_cta_max_n(launch_args(labels)[0], coverage, wide=False)
 
 
 class StageHandle:
