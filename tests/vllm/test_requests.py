@@ -103,3 +103,29 @@ def test_a_foreign_worker_or_scheduler_is_refused_by_flag(monkeypatch):
     configure_engine(ours)
     assert ours.parallel_config.worker_cls == "macer.vllm.worker.MacerCPUWorker"
     assert ours.scheduler_config.scheduler_cls == "macer.vllm.scheduler.make_scheduler"
+
+
+def test_with_several_engines_in_a_process_a_request_is_refused_only_if_none_can_serve_it(monkeypatch):
+    """Guards the admission check of a process that built two MACER engines (``LLM(...)`` twice) refusing a request
+    for one engine with the other's settings (the last one configured was all it knew): a keep ratio of 0.25 is
+    refused by an engine whose policy is ``full`` alone, accepted when a MACER engine is there too; a bad value is
+    refused with the newest engine's reason."""
+    from types import SimpleNamespace
+
+    import macer.vllm.request_settings as settings
+    from macer.vllm.request_settings import remember_engine
+
+    monkeypatch.setattr(settings, "_ENGINE", [])
+    full = {"policy": "full", "audio_layer": 2, "video_layer": 4, "end_of_turn_token_id": 2, **LABELS}
+    request = SimpleNamespace(prompt_logprobs=None, extra_args={"macer_keep_ratio": 0.25})
+    remember_engine(full, qwen2_config(), LABELLED_ARCHITECTURE)
+    with pytest.raises(ValueError, match=r"FullConfig.keep_ratio must be 1.0"):
+        check_request_settings(request)
+    remember_engine(ENGINE, qwen2_config(), LABELLED_ARCHITECTURE)
+    check_request_settings(request)
+    remember_engine(full, qwen2_config(), LABELLED_ARCHITECTURE)  # again: now the newest
+    assert [engine[0]["policy"] for engine in settings._ENGINE] == ["macer", "full"]
+    check_request_settings(request)
+    with pytest.raises(ValueError, match=r'vllm_xargs\["macer_keep_ratio"\]=2: FullConfig.keep_ratio must be 1.0'):
+        check_request_settings(SimpleNamespace(prompt_logprobs=None, extra_args={"macer_keep_ratio": 2}))
+    check_request_settings(SimpleNamespace(prompt_logprobs=None, extra_args={"macer_policy": "macer"}))

@@ -86,6 +86,7 @@ __all__ = [
     "check_request",
     "engine_problems",
     "guarded_hook",
+    "kv_summary",
     "no_pipeline",
     "platform_problem",
     "refuse",
@@ -384,6 +385,25 @@ def no_pipeline(intermediate_tensors: Any) -> None:
                          "(pipeline_parallel_size must be 1)")
 
 
+def kv_summary(vllm_config: Any, policy: Policy) -> str:
+    """What the engine frees of the KV memory, for its start-up line (vLLM's own "Maximum concurrency" line counts
+    every request at its whole length in every layer)."""
+    from macer.core.config import decoder_depth
+    from macer.core.kv_memory import compacted_start
+
+    additional = getattr(vllm_config, "additional_config", None)
+    settings = additional.get(SETTINGS_KEY) if isinstance(additional, Mapping) else None
+    depth = decoder_depth(vllm_config.model_config.hf_config)
+    start = compacted_start(policy, depth) if free_kv(settings) else None
+    if start is None:
+        why = "free_kv is off" if not free_kv(settings) else "its policy drops nothing"
+        return f"no KV memory is freed ({why})"
+    layers = f"layer {start} holds" if start == depth - 1 else f"layers {start}-{depth - 1} hold"
+    return (f"decoder {layers} only each request's kept rows (free_kv): vLLM's KV cache size "
+            "and 'Maximum concurrency' lines count every request at its whole length in every layer, so the engine "
+            "holds more pruned requests than they say (docs/serving.md, \"Watching KV memory\")")
+
+
 class MacerEngineHook:
     """``MODELS_CONFIG_MAP`` entry of the MACER architectures: checks the engine's settings and the ``"macer"``
     settings while vLLM builds its config (every problem in one ``Refusal``), and adds ``GUARD`` to the engine's
@@ -406,7 +426,7 @@ class MacerEngineHook:
         processors = list(model_config.logits_processors or [])
         if GUARD not in processors:
             model_config.logits_processors = [*processors, GUARD]
-        logger.info("macer: %s with policy %r", model_config.architecture, policy)
+        logger.info("macer: %s with policy %r; %s", model_config.architecture, policy, kv_summary(vllm_config, policy))
 
     @staticmethod
     def verify_and_update_model_config(model_config: Any) -> None:

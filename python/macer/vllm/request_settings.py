@@ -42,7 +42,7 @@ from macer.core.policy import Policy
 from macer.vllm.settings import LABEL_KEYS, SETTINGS_KEY, WHERE, policy_from_settings
 
 __all__ = ["REQUEST_KEYS", "SESSION_KEY", "SESSION_REASON", "RequestPolicies", "remember_engine", "remembered_engine",
-           "request_overrides", "request_policy", "session_params"]
+           "remembered_engines", "request_overrides", "request_policy", "session_params"]
 
 REQUEST_KEYS = ("macer_keep_ratio", "macer_policy")
 """The per-request keys of ``SamplingParams.extra_args`` / ``vllm_xargs``."""
@@ -57,7 +57,8 @@ SESSION_REASON = ("a streaming-input session (a resumable request: AsyncLLM.gene
 """Why a streaming-input session is served unpruned (its record's note: ``served without pruning: <this>``)."""
 
 _PREFIX = "macer_"
-_ENGINE: list[tuple[Any, Any, str]] = []  # (settings, hf_config, architecture) of the last MACER engine configured here
+_ENGINE: list[tuple[Any, Any, str]] = []  # (settings, hf_config, architecture) of the MACER engines configured here
+_MAX_ENGINES = 8
 
 
 def _where(key: str) -> str:
@@ -161,13 +162,20 @@ class RequestPolicies:
 
 
 def remember_engine(settings: Any, hf_config: Any, architecture: str) -> None:
-    """Keep the engine's settings in this process for the admission check (the config hook calls this)."""
-    _ENGINE[:] = [(settings, hf_config, architecture)]
+    """Keep the engine's settings in this process for the admission check (the config hook calls this). A process
+    may build several MACER engines (``LLM(...)`` twice): the last ``_MAX_ENGINES`` are kept, newest last."""
+    others = [engine for engine in _ENGINE if engine[0] is not settings][-(_MAX_ENGINES - 1):]
+    _ENGINE[:] = [*others, (settings, hf_config, architecture)]
 
 
 def remembered_engine() -> tuple[Any, Any, str] | None:
     """The last MACER engine configured in this process (``remember_engine``), or None."""
-    return _ENGINE[0] if _ENGINE else None
+    return _ENGINE[-1] if _ENGINE else None
+
+
+def remembered_engines() -> list[tuple[Any, Any, str]]:
+    """The MACER engines configured in this process (``remember_engine``), newest last."""
+    return list(_ENGINE)
 
 
 def session_params(params: Any) -> Any:
