@@ -129,3 +129,24 @@ def test_with_several_engines_in_a_process_a_request_is_refused_only_if_none_can
     with pytest.raises(ValueError, match=r'vllm_xargs\["macer_keep_ratio"\]=2: FullConfig.keep_ratio must be 1.0'):
         check_request_settings(SimpleNamespace(prompt_logprobs=None, extra_args={"macer_keep_ratio": 2}))
     check_request_settings(SimpleNamespace(prompt_logprobs=None, extra_args={"macer_policy": "macer"}))
+
+
+def test_the_request_policy_cache_is_bounded():
+    """Guards the per-request policy cache growing by one policy per distinct client keep ratio, for ever, in the
+    worker and the scheduler (review finding 10): it keeps the last ``CACHE_SIZE``; a cached setting is the same
+    object, an evicted one an equal policy made again."""
+    from macer.vllm.request_settings import RequestPolicies
+
+    config = qwen2_config()
+    default = request_policy(ENGINE, {}, config, LABELLED_ARCHITECTURE)
+    policies = RequestPolicies(ENGINE, config, LABELLED_ARCHITECTURE, default)
+    first = policies.for_request({"macer_keep_ratio": 0.5})
+    for i in range(1, 3 * RequestPolicies.CACHE_SIZE):
+        policies.for_request({"macer_keep_ratio": i / (4 * RequestPolicies.CACHE_SIZE)})
+        assert len(policies._cache) <= RequestPolicies.CACHE_SIZE
+        if i % 64 == 0:
+            assert policies.for_request({"macer_keep_ratio": 0.5}) is first  # recently used: kept
+    assert len(policies._cache) == RequestPolicies.CACHE_SIZE  # the rest went out, oldest first
+    policies._cache.clear()
+    again = policies.for_request({"macer_keep_ratio": 0.5})
+    assert again == first and again is not first

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import numbers
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -129,7 +130,8 @@ def request_policy(settings: Any, overrides: Mapping[str, Any], hf_config: Any, 
 
 
 class RequestPolicies:
-    """The policies of one engine's requests, by their overrides (``request_policy`` once per distinct setting).
+    """The policies of one engine's requests, by their overrides (``request_policy`` once per distinct setting, the
+    last ``CACHE_SIZE`` kept).
 
     Args:
         settings, hf_config, architecture: the engine's ``additional_config["macer"]``, ``hf_config`` and
@@ -137,10 +139,14 @@ class RequestPolicies:
         default: the engine's policy (``policy_from_config``), served to requests that set nothing.
     """
 
+    CACHE_SIZE = 256
+    """The most request policies kept (least recently used out first): a client may send a new keep ratio with every
+    request, and a cache keyed by them would grow without bound in the worker and the scheduler."""
+
     def __init__(self, settings: Any, hf_config: Any, architecture: str, default: Policy):
         self.settings, self.hf_config, self.architecture = settings, hf_config, architecture
         self.default = default
-        self._cache: dict[tuple, Policy] = {}
+        self._cache: OrderedDict[tuple, Policy] = OrderedDict()
 
     def use_default(self, policy: Policy) -> None:
         """Serve the requests that set nothing with ``policy`` from now on."""
@@ -156,9 +162,13 @@ class RequestPolicies:
         if not overrides:
             return self.default
         key = tuple(sorted(overrides.items()))
-        if key not in self._cache:
-            self._cache[key] = request_policy(self.settings, overrides, self.hf_config, self.architecture)
-        return self._cache[key]
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        policy = self._cache[key] = request_policy(self.settings, overrides, self.hf_config, self.architecture)
+        while len(self._cache) > self.CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return policy
 
 
 def remember_engine(settings: Any, hf_config: Any, architecture: str) -> None:
