@@ -16,7 +16,9 @@
 # (batch 1 / 4 / 8, full vs MACER, issue 11).
 # Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default 90), GPU_CHECK_BUDGET_S, GPU_CHECK_INSTALL_FLASH_ATTN,
 # GPU_CHECK_STEPS (step names to run, default all: a rerun after fixes runs only what they touch) and
-# GPU_CHECK_TESTS (test paths for the two pytest steps, default all).
+# GPU_CHECK_TESTS (test paths for the two pytest steps, default all). The prepared stage alone (issue 37):
+# GPU_CHECK_STEPS="environment build pytest_cuda sanitize_prepared_memcheck bench_readout host_profile"
+# GPU_CHECK_TESTS=tests/test_prepared_stage.py (about 3 minutes, est.).
 #
 # Output in OUT_DIR: summary.txt (one line per step: status, exit code, seconds), log.txt (all output), and
 # gpu_check.tar.gz (the files/ folder: each step's log, the benchmarks' CSV/JSON, pytest's junit XML). When OUT_DIR
@@ -158,6 +160,19 @@ step pytest_cuda 200 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider --juni
         step "sanitize_scores_$tool" 120 sanitize "$tool" -m pytest -m cuda -q -p no:cacheprovider \
             tests/test_cuda_scores_emulation.py -k sanitizer &
     done
+    # The prepared stage (issue 37): its five kernels chained with programmatic dependent launch, eager and replayed
+    # from a CUDA graph, under memcheck (PyTorch's caching allocator stays on: graph capture needs it).
+    step sanitize_prepared_memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 30 \
+        --leak-check no "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_prepared_stage.py &
+    wait
+) &
+# Issue 37 selection: the radix selection kernel's small (one CTA), split (a cluster of 2) and cluster shapes, the
+# select's ends, the direct rank count and a PDL launch, under racecheck and synccheck (benchmarks/sanitize_select.py,
+# every result compared with the torch backend; distributed shared memory included where the tools track it).
+(
+    for tool in racecheck synccheck; do
+        step "select_sanitize_$tool" 120 sanitize "$tool" -m benchmarks.sanitize_select &
+    done
     wait
 ) &
 # The offline sm_89/sm_90 compile test is left to CI's CPU run: it needs no GPU, and beside the sanitizers it took
@@ -168,14 +183,20 @@ step pytest_triton 200 "$PY" -m pytest -m "triton and not cuda" -q -rfEs -p no:c
 wait
 DEFER_LOG=0
 for name in pytest_cuda sanitize_warmup sanitize_memcheck sanitize_racecheck sanitize_initcheck sanitize_synccheck \
-    sanitize_scores_memcheck sanitize_scores_racecheck sanitize_scores_initcheck pytest_triton; do
+    sanitize_scores_memcheck sanitize_scores_racecheck sanitize_scores_initcheck sanitize_prepared_memcheck \
+    pytest_triton; do
+    [[ -f $FILES/$name.log ]] && { printf '\n=== %s\n' "$name"; cat "$FILES/$name.log"; } >>"$LOG"
+done
+for name in select_sanitize_racecheck select_sanitize_synccheck; do
     [[ -f $FILES/$name.log ]] && { printf '\n=== %s\n' "$name"; cat "$FILES/$name.log"; } >>"$LOG"
 done
 
 # Timings, one at a time on an otherwise idle GPU.
 step bench_modality_scores 100 "$PY" -m benchmarks.bench_modality_scores --out "$FILES"
 step bench_select 100 "$PY" -m benchmarks.bench_select --out "$FILES"
-step bench_readout 60 "$PY" -m benchmarks.bench_readout --overhead --out "$FILES"
+# The readout per op and as a stage (select_stage + compact_many, the prepared stage with and without PDL), the stage
+# rows' wall time against the 50 us target and the bytes-moved limit (issue 37).
+step bench_readout 75 "$PY" -m benchmarks.bench_readout --overhead --out "$FILES"
 # The 7B text shape on the paper's 2.4k clip and the 16.3k clip, full vs MACER at rho = 0.25 (the targets' point):
 # prefill and decoder time, MACER's own work (profiled run), host synchronisations, decode per token, KV cache.
 step bench_e2e 150 "$PY" benchmarks/bench_e2e.py --mode gpu --text-shapes 7B --clips paper long --policies macer \
@@ -185,7 +206,7 @@ step bench_e2e 150 "$PY" benchmarks/bench_e2e.py --mode gpu --text-shapes 7B --c
 step ncu_hot_path 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
     "$PY" -m benchmarks.ncu_hot_path
-# Host time of one readout (fused stage and per-op), by host operator (torch.profiler).
+# Host time of one readout (the prepared stage, the fused stage and per-op), per stage and by host operator.
 step host_profile 60 "$PY" -m benchmarks.host_profile
 step flash_attention_2 150 flash_attention
 # Decode steps with eager attention (per-layer masks): full vs MACER per token on a 3B decoder, and the host time of

@@ -16,6 +16,9 @@
 
 namespace py = pybind11;
 
+// The prepared stage's class and functions (csrc/stage_bindings.cpp).
+void macer_bind_stage(py::module_& m);
+
 namespace {
 
 template <typename T>
@@ -103,7 +106,7 @@ void select_cta(const std::string& op, std::uintptr_t scores, int scores_dtype,
                 const std::array<int64_t, 2>& labels_stride, std::uintptr_t chunk_ids, int chunk_dtype,
                 const std::array<int64_t, 2>& chunk_stride, std::uintptr_t out, int64_t out_stride, int64_t out_len,
                 int64_t batch, int64_t n, const std::vector<CtaModality>& modalities, std::uintptr_t keeps,
-                std::uintptr_t nonfinite, int device, std::uintptr_t stream) {
+                std::uintptr_t nonfinite, int device, std::uintptr_t stream, bool pdl) {
   macer::SelectCtaParams p{};
   p.op = op.c_str();
   p.scores = ptr<const void>(scores);
@@ -137,6 +140,7 @@ void select_cta(const std::string& op, std::uintptr_t scores, int scores_dtype,
   p.nonfinite = ptr<bool>(nonfinite);
   p.device = device;
   p.stream = stream_ptr(stream);
+  p.pdl = pdl ? 1 : 0;
   macer::select_cta(p);
 }
 
@@ -267,25 +271,36 @@ PYBIND11_MODULE(_C, m) {
   m.def("select_workspace_bytes", &macer::select_workspace_bytes, py::arg("n"), py::arg("device"));
   m.def("topk_indices", &topk_indices, "Top-k indices, ties to the lower index, sorted ascending");
   m.def("coverage_select", &coverage_select, "eq:chunk_coverage_greedy without a k-step loop");
-  m.def("select_cta", &select_cta, "One-CTA top-K / coverage selection of B rows, one launch (see launchers.h)");
-  m.def("select_cta_max_n", &macer::select_cta_max_n, py::arg("device"), py::arg("coverage"));
+  m.def("select_cta", &select_cta,
+        "Top-K / coverage selection of B rows in shared memory, one launch (see launchers.h); pdl: launch with "
+        "programmatic stream serialization",
+        py::arg("op"), py::arg("scores"), py::arg("scores_dtype"), py::arg("scores_stride"), py::arg("labels"),
+        py::arg("labels_dtype"), py::arg("labels_stride"), py::arg("chunk_ids"), py::arg("chunk_dtype"),
+        py::arg("chunk_stride"), py::arg("out"), py::arg("out_stride"), py::arg("out_len"), py::arg("batch"),
+        py::arg("n"), py::arg("modalities"), py::arg("keeps"), py::arg("nonfinite"), py::arg("device"),
+        py::arg("stream"), py::arg("pdl") = false);
+  m.def("select_cta_max_n", &macer::select_cta_max_n,
+        "Largest n select_cta takes on the device (one CTA, or a cluster on sm_90); wide: float64 scores",
+        py::arg("device"), py::arg("coverage"), py::arg("wide") = true);
+  m.def("select_cta_device_limits", &macer::select_cta_device_limits,
+        "(dynamic shared memory per CTA, largest cluster) of the device, the plan's inputs", py::arg("device"));
   m.def(
-      "select_cta_facts",
-      [] {
-        const macer::SelectCtaFacts f = macer::select_cta_facts();
-        py::dict d;
-        d["threads"] = f.threads;
-        d["max_sort_items"] = f.max_sort_items;
-        d["static_smem_bytes"] = f.static_smem_bytes;
-        d["never_key"] = f.never_key;
-        d["nan_key64"] = f.nan_key64;
-        d["nan_key32"] = f.nan_key32;
-        return d;
+      "select_cta_plan",
+      [](int64_t n, bool coverage, bool wide, int64_t dynamic_bytes, int max_cluster) {
+        const macer::SelectCtaPlan plan = macer::select_cta_plan(n, coverage, wide, dynamic_bytes, max_cluster);
+        return std::make_tuple(plan.cluster, plan.cap, plan.layout, plan.table, plan.bytes);
       },
-      "Constants of the one-CTA selection kernel (host facts, no device query)");
+      "(cluster, tokens per CTA, layout, table entries, dynamic bytes) of a row of n tokens (host arithmetic; "
+      "cluster 0: it does not fit)",
+      py::arg("n"), py::arg("coverage"), py::arg("wide"), py::arg("dynamic_bytes"), py::arg("max_cluster"));
+  {
+    py::dict constants;
+    for (const auto& [name, value] : macer::select_cta_constants()) constants[name.c_str()] = value;
+    m.attr("SELECT_CTA_CONSTANTS") = constants;
+  }
   m.def("select_cta_max_n_for", &macer::select_cta_max_n_for,
-        "select_cta_max_n for a given number of dynamic shared-memory bytes (host arithmetic)",
-        py::arg("dynamic_bytes"), py::arg("coverage"));
+        "select_cta_max_n for a given number of dynamic shared-memory bytes and largest cluster (host arithmetic)",
+        py::arg("dynamic_bytes"), py::arg("coverage"), py::arg("wide") = false, py::arg("max_cluster") = 1);
   m.def("select_descending_key32", &macer::select_descending_key32,
         "The kernels' descending order key of a float32 given by its bits", py::arg("float_bits"));
   m.def("select_descending_key64", &macer::select_descending_key64,
@@ -299,4 +314,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("device_report", &device_report, "CUDA device count, error, capability, runtime and driver versions");
   m.def("compiled_archs", &macer::compiled_archs, "SM versions with SASS in this module");
   m.def("ptx_arch", &macer::ptx_arch, "SM version of the embedded PTX");
+  macer_bind_stage(m);
 }

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/launch.cuh"
 #include "kernels/modality_scores.cuh"
 
 namespace macer {
@@ -110,8 +111,8 @@ int64_t launch_tiles(const ModalityScoresParams& p, const Workspace& w) {
   const size_t smem = scores::tile_smem_bytes<T>(a.padded_dim);
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(p.kv_heads),
                   static_cast<unsigned>(p.batch));
-  scores::scores_tile_kernel<T><<<grid, scores::kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(a);
-  MACER_LAUNCH_CHECK(kOp, "scores_tile_kernel");
+  launch_kernel(kOp, "scores_tile_kernel", scores::scores_tile_kernel<T>, grid, dim3(scores::kThreads), smem,
+                static_cast<cudaStream_t>(p.stream), a);
   return a.splits;
 }
 
@@ -213,13 +214,12 @@ void modality_scores(const ModalityScoresParams& p) {
   }
   const int64_t total_rows = p.batch * rows;
   auto stream = static_cast<cudaStream_t>(p.stream);
-  scores::scores_combine_kernel<<<static_cast<unsigned>(total_rows), scores::kCombineThreads, 0, stream>>>(
-      w.partial, w.stats, splits, p.eps);
-  MACER_LAUNCH_CHECK(kOp, "scores_combine_kernel");
+  launch_kernel(kOp, "scores_combine_kernel", scores::scores_combine_kernel, dim3(static_cast<unsigned>(total_rows)),
+                dim3(scores::kCombineThreads), 0, stream, w.partial, w.stats, splits, p.eps);
   const dim3 grid(static_cast<unsigned>(ceil_div(p.num_keys, scores::kReduceKeys)), static_cast<unsigned>(p.batch));
-  scores::scores_reduce_kernel<<<grid, scores::kReduceThreads, 0, stream>>>(
-      w.logits, w.stats, p.modality, p.modality_dtype, p.mod_stride[0], p.mod_stride[1], p.out, rows, p.num_keys);
-  MACER_LAUNCH_CHECK(kOp, "scores_reduce_kernel");
+  launch_kernel(kOp, "scores_reduce_kernel", scores::scores_reduce_kernel, grid, dim3(scores::kReduceThreads), 0,
+                stream, w.logits, w.stats, p.modality, p.modality_dtype, p.mod_stride[0], p.mod_stride[1], p.out,
+                rows, p.num_keys);
 }
 
 }  // namespace macer

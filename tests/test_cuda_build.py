@@ -776,7 +776,7 @@ def test_module_rejects_bad_one_cta_arguments():
         (dict(mods=[(1, 5, 0.0, False)]), "keep must be in [0, n]"),
         (dict(mods=[(1, 2, -1.0, True)]), "coverage_weight must be >= 0"),
         (dict(mods=[(1, 2, 1.0, True)], chunks=0), "coverage needs chunk_ids with an integer dtype code"),
-        (dict(mods=[(1, 2, 1.0, True)], sd=3), "coverage in one CTA compares float32 score bits: float64 scores take"),
+        (dict(mods=[(1, 2, 1.0, True)], sd=3), "coverage compares 32-bit score keys: float64 scores take the"),
         (dict(labels=0, out_len=3), "without labels out_len must equal keep"),
         (dict(mods=[(-1, 2, 0.0, False)]), "modality labels must be >= 0 (label -1 is padding)"),
         (dict(labels=0, mods=[(0, 4, 0.0, False)], keeps=8), "per-row keeps need labels"),
@@ -835,9 +835,14 @@ def test_readout_benchmark_quick_mode_runs_and_writes_nothing(capsys, monkeypatc
 
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     bench_readout.main(["--quick"])
-    table = capsys.readouterr().out
+    table, targets = capsys.readouterr().out.split("\n\n")
     assert table.splitlines()[0].split() == ["provider", "tokens", "kept", "median_us", "wall_us", "launches", "syncs",
                                              "d2h", "kernel_us", "speedup", "exact"]
     rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
-    assert {"naive", "torch"} <= set(rows) and all(r[-1] == "True" for r in rows.values())
+    assert {"naive", "torch", "stage-torch", "prepared-torch"} <= set(rows)
+    assert all(r[-1] == "True" for r in rows.values())
+    # the stage rows' targets: wall time against the issue's 50 us (the limit is measured on a GPU only)
+    assert targets.splitlines()[0].split() == ["provider", "wall_us", "target_us", "limit_us", "met"]
+    assert [line.split()[0] for line in targets.splitlines()[1:]] == ["stage-torch", "prepared-torch"]
+    assert all(line.split()[2:4] == ["50", "None"] for line in targets.splitlines()[1:])
     assert not list(tmp_path.iterdir())

@@ -300,6 +300,10 @@ __device__ __forceinline__ void tile_logits(const typename TileConfig<T>::Smem* 
 // only the rows of their own warp (of s and of run), so a __syncwarp orders them.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, TileConfig<T>::kMinBlocks) scores_tile_kernel(const TileArgs a) {
+  // A stage's chain may launch this kernel before its predecessor ends (csrc/kernels/launch.cuh): wait for it
+  // before the first global access; then let the successor be scheduled.
+  grid_dependency_wait();
+  launch_dependents();
   using C = TileConfig<T>;
   using S = typename C::Smem;
   constexpr int kKeys = C::kKeys;
@@ -482,6 +486,10 @@ constexpr int kCombineThreads = 32 * kNumLabels;  // one warp per label
 __global__ void __launch_bounds__(kCombineThreads)
     scores_combine_kernel(const float2* __restrict__ partial, float2* __restrict__ stats, int64_t splits,
                           float eps) {
+  // A stage's chain may launch this kernel before its predecessor ends (csrc/kernels/launch.cuh): wait for it
+  // before the first global access; then let the successor be scheduled.
+  grid_dependency_wait();
+  launch_dependents();
   __shared__ float2 label_total[kNumLabels];
   const int64_t row = blockIdx.x;
   const int m = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -542,6 +550,10 @@ __global__ void __launch_bounds__(kReduceThreads)
     scores_reduce_kernel(const float* __restrict__ logits, const float2* __restrict__ stats, const void* modality,
                          int modality_dtype, int64_t mod_stride_b, int64_t mod_stride_n, float* __restrict__ out,
                          int64_t rows_per_batch, int64_t num_keys) {
+  // A stage's chain may launch this kernel before its predecessor ends (csrc/kernels/launch.cuh): wait for it
+  // before the first global access; then let the successor be scheduled.
+  grid_dependency_wait();
+  launch_dependents();
   __shared__ float warp_acc[kReduceWarps][kReduceKeys];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kReduceKeys + lane;
