@@ -61,8 +61,9 @@ them decode, beside the step's wall time. Results: ``bench_vllm_<mode>_host.{csv
 
 The GPU mode uses the Qwen2.5-Omni-7B thinker's text shape (28 layers, hidden 3584, GQA 28/4, head 128) in bf16
 with random weights written in code and the paper's clip counts (1460 audio + 864 video tokens); it has not run
-(no GPU here had vLLM installed). Results go to ``benchmarks/results/bench_vllm_<mode>.{csv,json}`` with the
-machine, the load average, versions, git SHA and settings.
+(no GPU here had vLLM installed). Results go to ``out/bench/bench_vllm_<mode>.{csv,json}`` (ignored by git), or to
+the committed ``benchmarks/results/`` with ``--record`` (or anywhere with ``--out``), with the machine, the load
+average, versions, git SHA and settings.
 """
 
 from __future__ import annotations
@@ -502,13 +503,19 @@ def _machine() -> dict:
     return info
 
 
+_UNRECORDED = Path(__file__).resolve().parents[1] / "out" / "bench"
+"""Where results go without ``--record`` or ``--out`` (ignored by git): a run never overwrites the committed ones."""
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--mode", choices=sorted(MODES), default="cpu")
     parser.add_argument("--providers", nargs="+", choices=ADMISSION_PROVIDERS + SERVING_PROVIDERS, default=None,
                         help=f"default: {' '.join(PROVIDERS)} ({' '.join(ADMISSION_PROVIDERS)} with --admission, "
                         f"{' '.join(SERVING_PROVIDERS)} with --serving, macer with --host)")
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--record", action="store_true",
+                        help="write the committed results in benchmarks/results/ (default: out/bench/)")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default out/bench/)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--sweep", action="store_true", help="the concurrency sweep (1, 4, 8, 16 requests in flight)")
     which.add_argument("--admission", action="store_true",
@@ -532,6 +539,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag, value in (("--block-size", args.block_size), ("--kv-cache-mib", args.kv_cache_mib)):
         if value is not None and (not args.admission or value < 1):
             parser.error(f"{flag} must be a positive integer and goes with --admission, got {value}")
+    if args.record and args.out is not None:
+        parser.error("--out and --record exclude each other (--record writes to benchmarks/results)")
     if args.provider:
         # A file, not stdout: vLLM logs to stdout.
         if args.admission:
@@ -546,7 +555,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import vllm
 
-    from benchmarks.common import environment, print_table, write_results
+    from benchmarks.common import RESULTS_DIR, environment, print_table, write_results
+
+    args.out = args.out if args.out is not None else RESULTS_DIR if args.record else _UNRECORDED
 
     if args.mode == "gpu" and not torch.cuda.is_available():
         raise SystemExit("bench_vllm --mode gpu needs a CUDA GPU (and vLLM built for it)")
