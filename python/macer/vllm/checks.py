@@ -10,10 +10,13 @@ the engine) refuses it when the request arrives (HTTP 400 from the server).
 
 Why each setting is refused (docs/serving.md has the long form):
 
-* chunked prefill: the question rows must be in the same forward as the audio/video rows they score.
+* chunked prefill, and ``--long-prefill-token-threshold`` (vLLM caps a prompt's tokens per step by it with chunked
+  prefill off too, whenever more than one request is running or waiting): the question rows must be in the same
+  forward as the audio/video rows they score.
 * prefix caching: a cached prefix's KV was written by another request's compaction (or none).
-* CUDA graphs / ``torch.compile``: the compacted forward has data-dependent row gathers and rebuilt attention
-  metadata, which a captured graph or a traced graph would freeze.
+* Inductor graph partition with CUDA graphs (``use_inductor_graph_partition``): the KV-cache writes then sit inside
+  the captured piecewise graphs, at the slots of the capture, while a compacted layer writes its own slots each step.
+  (``torch.compile`` and CUDA graphs themselves are served: ``macer.vllm.staged``.)
 * tensor / pipeline parallel > 1: each rank sees only its heads, and the scores must be summed over ranks before the
   selection (not implemented).
 * prefill / decode context parallel > 1: each rank holds a shard of the prompt, the stage would rank a shard.
@@ -21,11 +24,26 @@ Why each setting is refused (docs/serving.md has the long form):
 * micro-batching (dual-batch overlap, ``ubatch_size > 1``): micro-batches run in threads against one request state.
 * prompt embeddings: audio/video rows are labelled by their token ids, which embeddings do not carry.
 * sliding-window layers: the window counts key slots, and a compacted layer's slots are kept tokens, not positions.
-* Model Runner V2 (vLLM 0.32's default where Triton runs, i.e. on GPUs): the plugin has run on the V1 runner only.
+* a Qwen-Omni checkpoint whose ``thinker_config`` and its ``text_config`` disagree on ``tie_word_embeddings``: vLLM
+  follows the text config, transformers the thinker config (``tied_embeddings_problem``).
+* Model Runner V2 asked for with ``VLLM_USE_V2_MODEL_RUNNER=1`` (or by a feature that needs it): the compacted
+  layers' metadata is built for the V1 runner; without the variable the MACER architectures choose V1 themselves
+  (``macer.vllm.runner.prefer_v1_runner``).
 * speculative decoding: a verify step feeds several tokens per request; the decode shifts assume one.
 * LoRA: the LoRA layers' per-token adapter mapping has the step's N rows; the compacted layers see K.
 * KV transfer connectors (disaggregated prefill, offloading): compacted pages hold kept tokens at slots 0..K-1.
 * the hybrid KV cache manager off, with ``free_kv`` on: the compacted layers form KV cache groups of their own.
+* every setting that makes vLLM fill a field of the step's attention metadata which the compacted layers' metadata
+  does not carry (``DROPPED_FIELDS``: KV-sharing fast prefill, decode context parallel, encoder-decoder models,
+  bidirectional image spans, reference sliding windows, ReplaySSM): the runtime guard of ``macer.vllm.backend``
+  raises on exactly these fields (``_DROPPED``; a test keeps the two lists equal), so a setting refused here never
+  reaches it.
+* a pooling runner (``--runner pooling``, ``--convert embed|classify|...``): the pooler reads the hidden states of
+  every prompt row, and the rows a stage drops are zero after it.
+* routed-expert capture (``--enable-return-routed-experts``): it records the experts of the rows a layer holds, which
+  after a stage are the kept rows, not the step's tokens.
+* a platform other than CPU and CUDA / ROCm: the MACER worker is built on vLLM's CPU worker or its GPU worker, and
+  another platform's worker would be replaced by the GPU one.
 * an untested vLLM release: the compacted forward rebuilds vLLM's attention metadata, whose layout changes between
   releases (``MACER_VLLM_ALLOW_UNTESTED=1`` runs it anyway, with a warning).
 * ``prompt_logprobs``: the dropped rows leave the later layers, so their logits do not exist.
@@ -45,7 +63,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -64,6 +82,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
+    "DROPPED_FIELDS",
     "GUARD",
     "TESTED_VLLM_VERSIONS",
     "MacerEngineHook",
@@ -72,8 +91,11 @@ __all__ = [
     "check_request",
     "engine_problems",
     "guarded_hook",
+    "kv_summary",
     "no_pipeline",
+    "platform_problem",
     "refuse",
+    "tied_embeddings_problem",
     "version_problem",
 ]
 
@@ -120,6 +142,103 @@ def _sliding_window(model_config: Any) -> str | None:
     return f"layer_types {types}" if types else None
 
 
+def _kv_sharing_fast_prefill(vllm_config: Any, who: str) -> str | None:
+    if not getattr(vllm_config.cache_config, "kv_sharing_fast_prefill", False):
+        return None
+    return (f"{who}: --kv-sharing-fast-prefill is not supported (it skips the prefill rows of the KV-sharing layers "
+            "and gives the step's attention metadata logits_indices_padded, which the compacted layers' metadata does "
+            "not carry): drop --kv-sharing-fast-prefill (LLM(..., kv_sharing_fast_prefill=False))")
+
+
+def _decode_context_parallel(vllm_config: Any, who: str) -> str | None:
+    size = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
+    if size <= 1:
+        return None
+    return (f"{who}: --decode-context-parallel-size={size} is not supported (each rank holds a shard of the KV cache, "
+            "which the compacted layers' metadata does not describe: dcp_local_seq_lens): use "
+            "--decode-context-parallel-size 1")
+
+
+def _encoder_decoder(vllm_config: Any, who: str) -> str | None:
+    if not getattr(vllm_config.model_config, "is_encoder_decoder", False):
+        return None
+    return (f"{who}: an encoder-decoder model is not supported (its cross-attention metadata carries "
+            "encoder_seq_lens, which the compacted layers' metadata does not): serve a decoder-only checkpoint")
+
+
+def _mm_prefix_lm(vllm_config: Any, who: str) -> str | None:
+    if not getattr(vllm_config.model_config, "is_mm_prefix_lm", False):
+        return None
+    return (f"{who}: a model whose image rows attend to each other bidirectionally (is_mm_prefix_lm) is not supported "
+            "(the step's attention metadata carries their spans, mm_req_doc_ranges, at positions the compacted layers "
+            "no longer hold): serve a causal checkpoint")
+
+
+def _rswa(vllm_config: Any, who: str) -> str | None:
+    window = getattr(vllm_config.model_config, "rswa_window", None)
+    if window is None:
+        return None
+    return (f"{who}: reference sliding-window attention (rswa_window={window}) is not supported (its metadata carries "
+            "per-request prompt lengths, rswa_prefix_lens, which count positions, not the rows a compacted layer "
+            "holds): serve a config without it")
+
+
+def _replayssm(vllm_config: Any, who: str) -> str | None:
+    if not getattr(vllm_config.cache_config, "use_replayssm", False):
+        return None
+    return (f"{who}: --use-replayssm is not supported (it gives the step's attention metadata "
+            "replayssm_decode_base_cpu, which the compacted layers' metadata does not carry): drop --use-replayssm")
+
+
+DROPPED_FIELDS: dict[str, Callable[[Any, str], str | None]] = {
+    "logits_indices_padded": _kv_sharing_fast_prefill,
+    "encoder_seq_lens": _encoder_decoder,
+    "dcp_local_seq_lens": _decode_context_parallel,
+    "mm_req_doc_ranges": _mm_prefix_lm,
+    "rswa_prefix_lens": _rswa,
+    "replayssm_decode_base_cpu": _replayssm,
+}
+"""The ``CommonAttentionMetadata`` fields the compacted layers' metadata does not carry (``macer.vllm.backend``'s
+runtime guard raises on each, ``_DROPPED``), each with the check that refuses the engine setting that makes vLLM 0.32
+fill it (``check(vllm_config, who)``: the refusal's line, or None). One entry per field, so that the load-time
+refusal and the runtime guard name the same fields (``tests/vllm/test_refusals.py`` compares the two)."""
+
+
+def tied_embeddings_problem(hf_config: Any, who: str) -> str | None:
+    """The refusal of a Qwen-Omni checkpoint whose ``thinker_config`` and ``thinker_config.text_config`` disagree on
+    ``tie_word_embeddings``, or None. vLLM builds the thinker's language model from the text config (tying its
+    ``lm_head`` to the embeddings, and ignoring the checkpoint's ``lm_head``, when that says so), while transformers'
+    thinker follows ``thinker_config``: served as it is, the engine and ``macer.compress`` on transformers would
+    disagree from the first token (transformers' Qwen2.5-Omni text config defaults to tied, its thinker config to
+    untied, so a config.json that leaves the text config's flag out has the two disagree)."""
+    thinker = getattr(hf_config, "thinker_config", None)
+    text = getattr(thinker, "text_config", None)
+    outer, inner = getattr(thinker, "tie_word_embeddings", None), getattr(text, "tie_word_embeddings", None)
+    if outer is None or inner is None or bool(outer) == bool(inner):
+        return None
+    vllm = ("ties lm_head to the embeddings and ignores the checkpoint's lm_head" if inner
+            else "loads an lm_head the checkpoint may not have")
+    value = "true" if outer else "false"
+    return (f"{who}: the checkpoint's thinker_config.tie_word_embeddings={outer} and "
+            f"thinker_config.text_config.tie_word_embeddings={inner} disagree: vLLM builds the language model from the "
+            f"text config (it {vllm}) while transformers' thinker follows thinker_config, so outputs would differ from "
+            f"the model's: set thinker_config.text_config.tie_word_embeddings to {value} in the checkpoint's "
+            f"config.json, or add \"thinker_config\": {{\"text_config\": {{\"tie_word_embeddings\": {value}}}}} "
+            "to --hf-overrides (beside \"architectures\")")
+
+
+def platform_problem(platform: Any, who: str) -> str | None:
+    """The refusal of a platform the MACER worker does not serve (vLLM's ``current_platform``), or None: the worker is
+    vLLM's CPU worker or its GPU worker (CUDA, ROCm) with MACER's additions, and on any other platform (XPU, TPU, an
+    out-of-tree one) it would replace that platform's own worker."""
+    if platform.is_cpu() or platform.is_cuda_alike():
+        return None
+    name = getattr(platform, "device_name", None) or type(platform).__name__
+    return (f"{who}: the {name} platform ({type(platform).__name__}) is not supported: the MACER worker is vLLM's CPU "
+            "worker or its GPU worker with MACER's additions, which would replace this platform's own worker; serve "
+            "on a CPU, or a CUDA or ROCm GPU")
+
+
 def engine_problems(vllm_config: Any) -> list[str]:
     """Every engine setting a MACER architecture cannot run under (see the module docstring), one line each naming
     the flag and the fix. Reads ``vllm_config``'s scheduler, cache, compilation, parallel and model configs only."""
@@ -132,24 +251,43 @@ def engine_problems(vllm_config: Any) -> list[str]:
         problems.append(f"{who} needs the whole prompt in one prefill step (the question rows score the audio/video "
                         "rows of the same forward): turn chunked prefill off with --no-enable-chunked-prefill "
                         "(LLM(..., enable_chunked_prefill=False)) and set --max-num-batched-tokens >= --max-model-len")
+    threshold = getattr(scheduler, "long_prefill_token_threshold", 0) or 0
+    if threshold > 0:
+        problems.append(f"{who} needs the whole prompt in one prefill step, and --long-prefill-token-threshold="
+                        f"{threshold} gives a prompt at most {threshold} tokens a step whenever more than one request "
+                        "is running or waiting (vLLM applies it with chunked prefill off too): drop "
+                        "--long-prefill-token-threshold (LLM(..., long_prefill_token_threshold=0), the default)")
     if vllm_config.cache_config.enable_prefix_caching:
         problems.append(f"{who}: prefix caching would reuse KV written under another prompt's compaction: turn it off "
                         "with --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))")
     model_config = vllm_config.model_config
+    runner = getattr(model_config, "runner_type", "generate")
+    if runner != "generate":
+        convert = getattr(model_config, "convert_type", "none")
+        flags = f"--runner {runner}" + (f" / --convert {convert}" if convert not in (None, "none") else "")
+        problems.append(f"{who}: a {runner} runner ({flags}) is not supported (a pooler reads the hidden states of "
+                        "every prompt row, and the rows a stage drops are zero after it): serve text generation "
+                        "(--runner generate, no --convert), or pool with vLLM's own architecture")
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if getattr(aux, "enable_return_routed_experts", False):
+        problems.append(f"{who}: --enable-return-routed-experts is not supported (it records the experts of the rows "
+                        "each layer holds, which after a stage are the kept rows, not the step's tokens): drop "
+                        "--enable-return-routed-experts")
     compilation = vllm_config.compilation_config
-    # None = not resolved yet (the config hook runs before vLLM resolves them): vLLM's default, which compiles and,
-    # on a GPU, captures graphs, unless TORCH_COMPILE_DISABLE=1.
-    compiled = _mode_name(compilation.mode) != "NONE" and not (
-        compilation.mode is None and os.environ.get("TORCH_COMPILE_DISABLE") == "1")
-    graphs = _mode_name(compilation.cudagraph_mode) != "NONE"
-    if not model_config.enforce_eager and (compiled or graphs):
-        problems.append(f"{who}: the compacted forward gathers a data-dependent set of rows and rebuilds the attention "
-                        "metadata, which CUDA graphs and torch.compile would freeze (compilation mode "
-                        f"{_mode_name(compilation.mode)}, cudagraph mode {_mode_name(compilation.cudagraph_mode)}): "
-                        "run eager with --enforce-eager (LLM(..., enforce_eager=True))")
+    # None = not resolved yet (the config hook runs before vLLM resolves them): vLLM's default captures graphs on a
+    # GPU, and never partitions with Inductor.
+    graphs = not model_config.enforce_eager and _mode_name(compilation.cudagraph_mode) != "NONE"
+    if graphs and getattr(compilation, "use_inductor_graph_partition", False):
+        problems.append(f"{who}: Inductor graph partition with CUDA graphs (cudagraph mode "
+                        f"{_mode_name(compilation.cudagraph_mode)}) captures the KV-cache writes inside piecewise "
+                        "graphs at the slots of the capture, and the compacted layers write their own slots every "
+                        "step: drop use_inductor_graph_partition from --compilation-config (vLLM's default)")
     if getattr(model_config, "enable_prompt_embeds", False):
         problems.append(f"{who}: prompt embeddings carry no token ids, and MACER labels audio/video rows by their ids: "
                         "drop --enable-prompt-embeds")
+    tied = tied_embeddings_problem(getattr(model_config, "hf_config", None), who)
+    if tied is not None:
+        problems.append(tied)
     window = _sliding_window(model_config)
     if window is not None:
         problems.append(f"{who}: sliding-window attention layers ({window}) are not supported (a window counts key "
@@ -164,21 +302,20 @@ def engine_problems(vllm_config: Any) -> list[str]:
              "stages' selections must reach the later ranks"),
             ("prefill-context-parallel-size", getattr(parallel, "prefill_context_parallel_size", 1), "each rank holds "
              "a shard of the prompt, and a stage must rank all of its audio/video rows"),
-            ("decode-context-parallel-size", getattr(parallel, "decode_context_parallel_size", 1), "each rank holds a "
-             "shard of the KV cache, which the compacted layers' metadata does not describe"),
             ("data-parallel-size", getattr(parallel, "data_parallel_size", 1), "ranks pad their token counts to each "
              "other's, and a padded prefill is not one prompt")):
         if size > 1:
             problems.append(f"{who}: --{flag}={size} is not supported ({why}): use --{flag} 1")
+    problems += [line for line in (check(vllm_config, who) for check in DROPPED_FIELDS.values()) if line]
     ubatch = getattr(parallel, "ubatch_size", 0)
     if getattr(parallel, "enable_dbo", False) or ubatch > 1:
         problems.append(f"{who}: micro-batching (--enable-dbo / --ubatch-size {ubatch}) is not supported "
                         "(micro-batches run in threads against one request's stage state): drop --enable-dbo and "
                         "--ubatch-size")
     if getattr(vllm_config, "use_v2_model_runner", False):
-        problems.append(f"{who} has run on vLLM's V1 model runner only (the compacted layers' metadata is rebuilt for "
-                        "it), and this engine would use Model Runner V2 (vLLM's default where Triton runs): set "
-                        "VLLM_USE_V2_MODEL_RUNNER=0")
+        problems.append(f"{who} runs on vLLM's V1 model runner (the compacted layers' metadata is built for it; it "
+                        "chooses V1 by itself), and this engine asks for Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, "
+                        "or a feature that needs V2): unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
     if getattr(vllm_config, "speculative_config", None) is not None:
         problems.append(f"{who}: speculative decoding is not supported (a verify step feeds several tokens per "
                         "request, the compacted layers' decode shifts assume one): drop --speculative-config")
@@ -196,6 +333,11 @@ def engine_problems(vllm_config: Any) -> list[str]:
         problems.append(f"{who}: KV transfer connectors are not supported (the compacted layers' pages hold the kept "
                         "tokens in slots 0..K-1, which a connector would ship as positions 0..K-1): drop "
                         "--kv-transfer-config")
+    from vllm.platforms import current_platform
+
+    platform = platform_problem(current_platform, who)
+    if platform is not None:
+        problems.append(platform)
     version = version_problem(vllm.__version__)
     if version is not None:
         problems.append(version)
@@ -273,6 +415,25 @@ def no_pipeline(intermediate_tensors: Any) -> None:
                          "(pipeline_parallel_size must be 1)")
 
 
+def kv_summary(vllm_config: Any, policy: Policy) -> str:
+    """What the engine frees of the KV memory, for its start-up line (vLLM's own "Maximum concurrency" line counts
+    every request at its whole length in every layer)."""
+    from macer.core.config import decoder_depth
+    from macer.core.kv_memory import compacted_start
+
+    additional = getattr(vllm_config, "additional_config", None)
+    settings = additional.get(SETTINGS_KEY) if isinstance(additional, Mapping) else None
+    depth = decoder_depth(vllm_config.model_config.hf_config)
+    start = compacted_start(policy, depth) if free_kv(settings) else None
+    if start is None:
+        why = "free_kv is off" if not free_kv(settings) else "its policy drops nothing"
+        return f"no KV memory is freed ({why})"
+    layers = f"layer {start} holds" if start == depth - 1 else f"layers {start}-{depth - 1} hold"
+    return (f"decoder {layers} only each request's kept rows (free_kv): vLLM's KV cache size "
+            "and 'Maximum concurrency' lines count every request at its whole length in every layer, so the engine "
+            "holds more pruned requests than they say (docs/serving.md, \"Watching KV memory\")")
+
+
 class MacerEngineHook:
     """``MODELS_CONFIG_MAP`` entry of the MACER architectures: checks the engine's settings and the ``"macer"``
     settings while vLLM builds its config (every problem in one ``Refusal``), and adds ``GUARD`` to the engine's
@@ -295,7 +456,7 @@ class MacerEngineHook:
         processors = list(model_config.logits_processors or [])
         if GUARD not in processors:
             model_config.logits_processors = [*processors, GUARD]
-        logger.info("macer: %s with policy %r", model_config.architecture, policy)
+        logger.info("macer: %s with policy %r; %s", model_config.architecture, policy, kv_summary(vllm_config, policy))
 
     @staticmethod
     def verify_and_update_model_config(model_config: Any) -> None:
