@@ -261,3 +261,25 @@ def test_builders_read_the_steps_arrays_already_on_the_device(shared_engine, mon
         assert macer.metadata._copies and stale == []
     assert [s.tokens for s in split] == [s.tokens for s in plain]
     assert [s.tokens for s in graphed] == [s.tokens for s in plain]
+
+
+def test_the_load_time_graph_check_gives_each_kv_cache_group_blocks_of_its_own(shared_engine, monkeypatch):
+    """vLLM's KV cache groups overlay each other in memory (a block id is one group's at a time): the check's made-up
+    requests hold blocks of their own in each group, as the scheduler would give them, so that a FULL path reading
+    another group's block table in the compacted layers fails it. (Planted: the FULL steps' compacted layers read and
+    write through KV cache group 0's block table; the check passed it while every group got the same block ids.)"""
+    from macer.vllm.backend import StageMetadata
+    from macer.vllm.graphcheck import check_decode_graphs
+
+    macer, worker = shared_engine.model.macer, worker_of(shared_engine.llm)
+    assert len(macer.runner.kv_cache_config.kv_cache_groups) > 1 and macer.metadata.group_of[macer.names[-1]] != 0
+    fill = StageMetadata._fill
+
+    def group_zero(self, arrays, segment, table, n_pad, is_prefilling, *, graph, padded_rows):
+        table = self.runner.input_batch.block_table[0] if graph else table
+        return fill(self, arrays, segment, table, n_pad, is_prefilling, graph=graph, padded_rows=padded_rows)
+
+    with emulated_full_graphs(shared_engine):
+        monkeypatch.setattr(StageMetadata, "_fill", group_zero)
+        reason = check_decode_graphs(worker, macer)
+    assert reason is not None and "differs from the same decode without it" in reason
