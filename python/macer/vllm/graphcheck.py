@@ -104,6 +104,7 @@ def check_decode_graphs(worker: Any, decoder: Any) -> str | None:
     ids = [f"{QUIET_PREFIX}{name}" for name in ("graph", "eager")]
     planner.quiet.update(ids)
     model.compute_logits = recording
+    reason = None
     try:
         for index, request_id in enumerate(ids):
             # Blocks of its own in each KV cache group (block 0 is vLLM's null block): the groups overlay each other
@@ -136,15 +137,22 @@ def check_decode_graphs(worker: Any, decoder: Any) -> str | None:
             finally:
                 decoder.on_step = record
             if graphs != [index == 0]:
-                return (f"the {'first' if index == 0 else 'second'} decode was "
-                        f"{'not ' if index == 0 else ''}dispatched to a FULL graph")
-        _step(worker, _scheduler_output(finished=set(ids)))
+                reason = (f"the {'first' if index == 0 else 'second'} decode was "
+                          f"{'not ' if index == 0 else ''}dispatched to a FULL graph")
+                break
     except Exception as error:  # a runner this check does not know: no proof, so no FULL graphs
-        return f"the check could not run ({type(error).__name__}: {error})"
+        reason = f"the check could not run ({type(error).__name__}: {error})"
     finally:
         model.compute_logits = compute
         binding.full_graphs = True
+    try:  # the made-up requests leave the runner and the planner, whatever happened above
+        _step(worker, _scheduler_output(finished=set(ids)))
+    except Exception as error:
+        reason = reason or f"the check could not finish its requests ({type(error).__name__}: {error})"
+    finally:
         planner.quiet.difference_update(ids)
+    if reason is not None:
+        return reason
     if len(seen) != 4:
         return f"the check saw {len(seen)} sampled steps, not 4"
     graph, eager = seen[1][0], seen[3][0]
