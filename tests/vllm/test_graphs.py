@@ -299,3 +299,30 @@ def test_the_load_time_graph_check_leaves_no_request_behind_when_it_fails(shared
     assert macer.binding.full_graphs
     served = generate(shared_engine, REQUESTS[:2], max_tokens=4)
     assert all(len(s.tokens) == 4 for s in served)
+
+
+@pytest.mark.parametrize("read", ["torch.nonzero", "Tensor.to(cpu)", "Tensor.unique"])
+def test_the_engine_read_counter_sees_what_a_gpu_would_wait_for(shared_engine, monkeypatch, read):
+    """The counter of the tests above counts, besides ``.item()`` / ``.tolist()`` / ``bool()`` and the like, the
+    ``torch`` functions whose result needs the values on the host, the methods whose output size does, and copies to
+    the CPU. (Planted: each read in the forward of a FULL decode step; the counter missed all three before.)"""
+    import macer.vllm.staged as staged
+
+    installed = staged.installed
+
+    def reading(context, metadata):
+        for _, slots in metadata.values():
+            if read == "torch.nonzero":
+                torch.nonzero(slots)
+            elif read == "Tensor.to(cpu)":
+                slots.to("cpu")
+            else:
+                slots.unique()
+        return installed(context, metadata)
+
+    with emulated_full_graphs(shared_engine):
+        found = count_engine_reads(monkeypatch, shared_engine.model.macer, __name__)
+        monkeypatch.setattr(staged, "installed", reading)
+        generate(shared_engine, REQUESTS[:2], max_tokens=3)
+        assert any(entry["step"].graph for entry in shared_engine.steps)
+    assert found and {name for name, _ in found} == {read} and all(w.startswith("macer.vllm.staged") for _, w in found)
