@@ -365,3 +365,36 @@ def test_a_temporal_row_of_another_length_is_refused_by_name():
     policy = macer.MacerConfig(audio_layer=1, video_layer=1, question_span="prompt_end", query_tokens=2)
     with pytest.raises(ValueError, match=r"PromptFacts.temporal must hold one position per prompt token \(5\), got 4"):
         plan_prefill(policy, facts)
+
+
+def _macer_specs_before(policy, n_audio: int, n_video: int) -> list[StageSpec]:
+    """``MacerConfig.stage_specs`` as it was before the plan's speed-up (issue 37): the oracle of its rewrite."""
+    if not n_audio + n_video:
+        return []
+    budget = policy.budget(n_audio, n_video)
+    wanted = [(policy.audio_layer, n_audio, Selection((AUDIO,), budget.audio)),
+              (policy.video_layer, n_video, Selection((VISUAL,), budget.video, "coverage", policy.coverage_weight,
+                                                      policy.num_chunks))]
+    specs = []
+    for layer in sorted({policy.audio_layer, policy.video_layer}):
+        selections = tuple(sel for at, count, sel in wanted if at == layer and count > 0)
+        if selections:
+            specs.append(StageSpec(layer, selections, policy.scoring))
+    return specs
+
+
+@pytest.mark.parametrize("layers", [(3, 5), (5, 3), (4, 4), (1, 2), (2, 1)])
+def test_macer_stage_specs_and_budget_and_specs_equal_the_rule_before(layers):
+    """The rewritten ``MacerConfig.stage_specs`` (one budget, no sorting) gives the stages in the same order with the
+    same selections for every layer order and every empty modality; ``budget_and_specs`` is ``(budget,
+    stage_specs)`` for every policy, so ``policy_layout`` plans exactly as before."""
+    rng = np.random.default_rng(37)
+    policies = [macer.MacerConfig(keep_ratio=r, audio_layer=layers[0], video_layer=layers[1], audio_share=a)
+                for r, a in zip(KEEP_RATIOS, (*SHARES, 0.3), strict=True)]
+    policies += [macer.FastVConfig(keep_ratio=0.3, layer=layers[0]), macer.RandomConfig(keep_ratio=0.4, seed=3)]
+    for policy in policies:
+        for n_audio, n_video in [(0, 0), (0, 7), (9, 0), (1, 1), *rng.integers(0, 5000, (6, 2)).tolist()]:
+            specs = policy.stage_specs(n_audio, n_video)
+            if isinstance(policy, macer.MacerConfig):
+                assert specs == _macer_specs_before(policy, n_audio, n_video), (policy, n_audio, n_video)
+            assert policy.budget_and_specs(n_audio, n_video) == (policy.budget(n_audio, n_video), specs)

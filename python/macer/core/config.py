@@ -147,16 +147,21 @@ class MacerConfig(Policy):
     def stage_specs(self, n_audio: int, n_video: int) -> list[StageSpec]:
         if not n_audio + n_video:
             return []
+        return self._specs(self.budget(n_audio, n_video), n_audio, n_video)
+
+    def budget_and_specs(self, n_audio: int, n_video: int) -> tuple[Budget, list[StageSpec]]:
         budget = self.budget(n_audio, n_video)
-        wanted = [(self.audio_layer, n_audio, Selection((AUDIO,), budget.audio)),
-                  (self.video_layer, n_video, Selection((VISUAL,), budget.video, "coverage", self.coverage_weight,
-                                                        self.num_chunks))]
-        specs = []
-        for layer in sorted({self.audio_layer, self.video_layer}):
-            selections = tuple(sel for at, count, sel in wanted if at == layer and count > 0)
-            if selections:
-                specs.append(StageSpec(layer, selections, self.scoring))
-        return specs
+        return budget, (self._specs(budget, n_audio, n_video) if n_audio + n_video else [])
+
+    def _specs(self, budget: Budget, n_audio: int, n_video: int) -> list[StageSpec]:
+        audio = (Selection((AUDIO,), budget.audio),) if n_audio else ()
+        video = (Selection((VISUAL,), budget.video, "coverage", self.coverage_weight, self.num_chunks),) \
+            if n_video else ()
+        a, v = self.audio_layer, self.video_layer
+        if a == v:  # one stage: audio's selection first
+            return [StageSpec(a, audio + video, self.scoring)]
+        stages = ((a, audio), (v, video)) if a < v else ((v, video), (a, audio))
+        return [StageSpec(layer, selections, self.scoring) for layer, selections in stages if selections]
 
     def replace(self, **changes: Any) -> MacerConfig:
         """A copy with some fields changed (validated again)."""

@@ -109,9 +109,13 @@ class StageSpec:
     scoring: Scoring = "anms"
     query: Literal["question", "last"] = "question"
 
-    @property
+    @computed_once
     def needs_scores(self) -> bool:
-        return any(s.rule != "random" for s in self.selections)
+        """Whether a selection ranks scores (read once per spec: a plan asks it several times)."""
+        for s in self.selections:
+            if s.rule != "random":
+                return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,11 @@ class Policy(abc.ABC):
     def stage_specs(self, n_audio: int, n_video: int) -> list[StageSpec]:
         """The stages for a prompt with these counts, in layer order (empty: nothing is pruned)."""
 
+    def budget_and_specs(self, n_audio: int, n_video: int) -> tuple[Budget, list[StageSpec]]:
+        """``(budget(...), stage_specs(...))`` for these counts; a policy whose stages are sized by its budget
+        overrides it to compute the budget once (the plan of a new layout asks for both)."""
+        return self.budget(n_audio, n_video), self.stage_specs(n_audio, n_video)
+
     @property
     @abc.abstractmethod
     def prune_layer(self) -> int:
@@ -228,10 +237,12 @@ def _after(spec: StageSpec, counts: dict[int, int], length: int) -> int:
     single-modality selections (a joint selection's split is unknown on the host, and only totals size the
     sequence)."""
     for sel in spec.selections:
-        members = sum(counts[m] for m in sel.modalities)
-        length -= members - sel.k
-        if len(sel.modalities) == 1:
-            counts[sel.modalities[0]] = sel.k
+        modalities = sel.modalities
+        if len(modalities) == 1:
+            length -= counts[modalities[0]] - sel.k
+            counts[modalities[0]] = sel.k
+        else:
+            length -= sum(counts[m] for m in modalities) - sel.k
     return length
 
 
@@ -350,7 +361,10 @@ class PolicyLayout(NamedTuple):
 
 
 def _make_layout(policy: Policy, n_text: int, n_audio: int, n_video: int, num_layers: int) -> PolicyLayout:
-    specs = policy.stage_specs(n_audio, n_video)
+    if not n_audio + n_video:
+        specs = policy.stage_specs(n_audio, n_video)
+    else:
+        budget, specs = policy.budget_and_specs(n_audio, n_video)
     if type(policy).layer_tokens is Policy.layer_tokens:  # the base rule, on the specs just made
         layer_tokens = tuple(_layer_tokens(specs, n_text, n_audio, n_video, num_layers))
     else:
@@ -358,8 +372,7 @@ def _make_layout(policy: Policy, n_text: int, n_audio: int, n_video: int, num_la
     if not n_audio + n_video:
         return PolicyLayout(layer_tokens, None, ())
     covered = dict.fromkeys(sel.modalities for spec in specs for sel in spec.selections if sel.rule == "coverage")
-    return PolicyLayout(layer_tokens, policy.budget(n_audio, n_video), tuple(specs), _asks_question(specs),
-                        tuple(covered))
+    return PolicyLayout(layer_tokens, budget, tuple(specs), _asks_question(specs), tuple(covered))
 
 
 _cached_layout = functools.lru_cache(maxsize=1024)(_make_layout)
@@ -392,6 +405,7 @@ class _StageEntry(NamedTuple):
     tokens_after: int
     members: tuple[int, ...]
     picks: tuple[np.ndarray | None, ...]
+    drawn: bool  # whether a pick is not None
 
 
 class _PlanEntry(NamedTuple):
@@ -404,8 +418,8 @@ PLAN_CACHE_SIZE = 32
 
 _PLANS = PlanCache(PLAN_CACHE_SIZE)
 
-_NUMPY_KEYED = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.float64, torch.float32,
-                torch.float16)
+_NUMPY_KEYED = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.float64,
+                          torch.float32, torch.float16))
 """Temporal dtypes read as numpy (others, e.g. bfloat16, go to ``temporal_chunks`` and are not cached)."""
 
 
@@ -442,7 +456,7 @@ def plan_prefill(policy: Policy, facts: PromptFacts, *, cache: bool = True) -> P
     key = None
     if cache and facts.temporal.dtype in _NUMPY_KEYED:
         key = (type(policy), policy, facts.num_layers, facts.runs.key(), end,
-               tuple((m, t.key()) for m, (_, t) in covered.items()))
+               tuple((m, c.runs.key()) for m, c in covered.items()))
         entry = _PLANS.get(key)
         if entry is not None:
             return _plan_from(facts, layout, entry, copy=True)
@@ -452,20 +466,28 @@ def plan_prefill(policy: Policy, facts: PromptFacts, *, cache: bool = True) -> P
     return _plan_from(facts, layout, entry, copy=key is not None)
 
 
-def _coverage_input(facts: PromptFacts, modalities: tuple[int, ...]) -> tuple[np.ndarray, Runs | None]:
-    """Which positions hold ``modalities`` (a mask: cheaper than indices here) and the runs of their temporal
-    positions (None for a dtype numpy does not hold)."""
+class _Covered(NamedTuple):
+    """The tokens a coverage selection chunks: which positions (a mask: cheaper than indices here), their temporal
+    positions and the runs of those (both None for a dtype numpy does not hold)."""
+
+    mask: np.ndarray
+    temporal: np.ndarray | None
+    runs: Runs | None
+
+
+def _coverage_input(facts: PromptFacts, modalities: tuple[int, ...]) -> _Covered:
     if facts.temporal.numel() != facts.length:
         raise ValueError(f"PromptFacts.temporal must hold one position per prompt token ({facts.length}), got "
                          f"{facts.temporal.numel()}")
     mask = host_member_mask(facts.host_labels, modalities)
     if facts.temporal.dtype not in _NUMPY_KEYED:
-        return mask, None
-    return mask, runs_of(facts.host_temporal[mask])
+        return _Covered(mask, None, None)
+    temporal = facts.host_temporal[mask]
+    return _Covered(mask, temporal, runs_of(temporal))
 
 
 def _plan_entry(facts: PromptFacts, layout: PolicyLayout, media: tuple[int, int], query_tokens: int, end: int | None,
-                covered: dict[tuple[int, ...], tuple[np.ndarray, Runs | None]]) -> _PlanEntry:
+                covered: dict[tuple[int, ...], _Covered]) -> _PlanEntry:
     """The plan's host tables as numpy (what the cache keeps); ``media``: the prompt's audio and video counts."""
     n = facts.length
     prompt_counts = {AUDIO: media[0], VISUAL: media[1]}
@@ -481,7 +503,8 @@ def _plan_entry(facts: PromptFacts, layout: PolicyLayout, media: tuple[int, int]
             query = (end - query_tokens, end)
         members, picks = [], []
         for sel in spec.selections:
-            members.append(sum(counts[m] for m in sel.modalities))
+            modalities = sel.modalities
+            members.append(counts[modalities[0]] if len(modalities) == 1 else sum(counts[m] for m in modalities))
             if sel.rule == "random":
                 if any(counts[m] != prompt_counts[m] for m in sel.modalities):
                     raise ValueError("the random rule draws from the prompt's tokens: it must run before any other "
@@ -493,14 +516,15 @@ def _plan_entry(facts: PromptFacts, layout: PolicyLayout, media: tuple[int, int]
             if sel.rule == "coverage":
                 # Chunk ids over the prompt's tokens of these modalities: the set the stage sees when no earlier
                 # stage pruned them (MACER's video stage).
-                mask, t = covered[sel.modalities]
-                ids = chunk_ids(t, sel.num_chunks) if t is not None else None
+                mask, t, runs = covered[sel.modalities]
+                ids = chunk_ids(runs, sel.num_chunks, t) if runs is not None else None
                 if ids is None:  # floating positions or a huge span: the op's own arithmetic (and refusals)
                     ids = temporal_chunks(facts.temporal[torch.from_numpy(mask)], sel.num_chunks).numpy()
                 chunks = np.full(n, -1, dtype=np.int64) if chunks is None else chunks
                 chunks[mask] = ids
         after = _after(spec, counts, length)
-        stages.append(_StageEntry(query, length, after, tuple(members), tuple(picks)))
+        drawn = any(p is not None for p in picks)
+        stages.append(_StageEntry(query, length, after, tuple(members), tuple(picks), drawn))
         length = after
     return _PlanEntry(tuple(stages), chunks)
 
@@ -513,7 +537,8 @@ def _plan_from(facts: PromptFacts, layout: PolicyLayout, entry: _PlanEntry, *, c
         return torch.from_numpy(array.copy() if copy else array)
 
     stages = [PlannedStage(spec, torch.from_numpy(np.arange(*st.query, dtype=np.int64)), st.tokens_before,
-                           st.tokens_after, st.members, tuple(None if p is None else tensor(p) for p in st.picks))
+                           st.tokens_after, st.members,
+                           tuple(None if p is None else tensor(p) for p in st.picks) if st.drawn else st.picks)
               for spec, st in zip(layout.specs, entry.stages, strict=True)]
     chunks = None if entry.chunks is None else tensor(entry.chunks)
     return Plan(facts, layout.budget, stages, list(layout.layer_tokens), chunks)
