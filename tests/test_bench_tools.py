@@ -146,3 +146,40 @@ def test_bench_vllm_refuses_admission_flags_by_name(argv, message, capsys):
         bench_vllm.main(argv)
     assert info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_own_work_bench_adds_up_one_launch_per_stage_on_cpu(tmp_path, monkeypatch):
+    """``bench_own_work`` on CPU (recording ``_C``): every part of a 7B prefill is a row, each stage's host call made
+    exactly one ``StagePlan.launch`` per prefill (a stage falling back to the composed ops, or launching twice,
+    changes the count), the totals are the sums of their parts against issue 37's bounds, and the stand-in is
+    removed afterwards (the real backend state restored)."""
+    import json
+
+    from benchmarks import bench_own_work
+    from macer_kernels import backend
+    from macer_kernels.cuda import _ext
+
+    before = (_ext._ext_module, dict(backend._status_cache))
+    prefills = []
+    real = bench_own_work._prefill
+
+    def counted(*args, **kwargs):
+        prefills.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_own_work, "_prefill", counted)
+    assert bench_own_work.main(["--clips", "paper", "--calls", "3", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    assert (_ext._ext_module, dict(backend._status_cache)) == before
+    data = json.loads((tmp_path / "bench_own_work_cpu.json").read_text())
+    rows = {r["part"]: r for r in data["rows"]}
+    assert set(rows) == {"plan (cold)", "plan (cached)", "setup", "stage 3", "stage 5", "flag read",
+                         "total (plan cold)", "total (plan cached)"}
+    assert data["meta"]["recorded_launches"] == 2 * len(prefills) and len(prefills) == 3 + 3 + 1
+    for setting, other in (("cold", "cached"), ("cached", "cold")):
+        total = rows[f"total (plan {setting})"]
+        parts = [r for name, r in rows.items() if not name.startswith(("total", f"plan ({other})"))]
+        assert total["host_us"] == pytest.approx(sum(r["host_us"] + r["launch_us_est"] for r in parts), abs=0.2)
+        assert total["device_us"] == pytest.approx(sum(r["device_us"] for r in parts), abs=0.2)
+        assert total["target_us"] == 300.0 and total["own_work_us"] == pytest.approx(
+            total["host_us"] + total["device_us"], abs=0.2)
+    assert rows["stage 3"]["device_source"].startswith("estimate")
