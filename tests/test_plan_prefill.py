@@ -398,3 +398,21 @@ def test_macer_stage_specs_and_budget_and_specs_equal_the_rule_before(layers):
             if isinstance(policy, macer.MacerConfig):
                 assert specs == _macer_specs_before(policy, n_audio, n_video), (policy, n_audio, n_video)
             assert policy.budget_and_specs(n_audio, n_video) == (policy.budget(n_audio, n_video), specs)
+
+
+def test_a_macer_subclass_with_its_own_stages_is_planned_by_them():
+    """``MacerConfig.budget_and_specs`` (the plan's one-budget shortcut) defers to a subclass's own
+    ``stage_specs`` (found when the shortcut bypassed it: tests/test_macer_batch.py's per-prompt policy)."""
+
+    @dataclass(frozen=True)
+    class OneStage(macer.MacerConfig):
+        def stage_specs(self, n_audio, n_video):
+            return [StageSpec(1, (Selection((AUDIO, VISUAL), (n_audio + n_video) // 2),))] if n_audio + n_video else []
+
+    policy = OneStage(keep_ratio=0.5)
+    assert policy.budget_and_specs(10, 20) == (policy.budget(10, 20), policy.stage_specs(10, 20))
+    clear_plan_cache()
+    facts = PromptFacts(labels=torch.tensor([TEXT] * 3 + [AUDIO] * 10 + [VISUAL] * 20 + [TEXT] * 6),
+                        temporal=torch.arange(39), input_ids=None, end_of_turn_token_id=None, num_layers=4,
+                        question_end=38)
+    assert [s.spec for s in plan_prefill(policy, facts).stages] == policy.stage_specs(10, 20)

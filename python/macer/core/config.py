@@ -150,6 +150,8 @@ class MacerConfig(Policy):
         return self._specs(self.budget(n_audio, n_video), n_audio, n_video)
 
     def budget_and_specs(self, n_audio: int, n_video: int) -> tuple[Budget, list[StageSpec]]:
+        if type(self).stage_specs is not MacerConfig.stage_specs:  # a subclass's own stages
+            return super().budget_and_specs(n_audio, n_video)
         budget = self.budget(n_audio, n_video)
         return budget, (self._specs(budget, n_audio, n_video) if n_audio + n_video else [])
 
