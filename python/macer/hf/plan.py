@@ -92,7 +92,7 @@ def plan_batch(session: PlanContext, input_ids: torch.Tensor | None, root_kwargs
         end = None if ends[b] is None else ends[b] - pad
         plan, record = plan_sample(session, None if ids is None else ids[b, pad:], labels[b, pad:],
                                     None if temporal is None else temporal[b, pad:], length - pad, end, pad)
-        samples.append(PromptPrefill(plan, device, record))
+        samples.append(PromptPrefill(plan, device, record, defer=False))  # per-sample stages read `pending`
         batch_labels[b, :pad] = PAD_LABEL
         if plan.chunks is not None:
             batch_chunks[b, pad:] = plan.chunks

@@ -41,8 +41,11 @@ class PromptPrefill(PrefillState):
     """One prompt's prefill inside a transformers decoder: the engine-independent state (``PrefillState``), its trace
     record, the compacted layer kwargs and the hooks of this prefill."""
 
-    def __init__(self, plan: Plan, device: torch.device, record: PrefillRecord):
-        super().__init__(plan, device)
+    def __init__(self, plan: Plan, device: torch.device, record: PrefillRecord, *, defer: bool = True):
+        # defer (a prompt alone): a fused stage's readout waits for ``compact``, whose one ``apply`` scores,
+        # selects and gathers the layer inputs in the stage's launch. A batch's samples (``macer.hf.batch``) read
+        # ``pending`` per sample, so they are built with ``defer=False``.
+        super().__init__(plan, device, defer=defer)
         self.record = record
         self.inputs: dict[str, Any] = {}  # compacted per-token layer kwargs after the last applied stage
         self.handles: list[Any] = []
@@ -77,11 +80,12 @@ class PromptPrefill(PrefillState):
         return [self.record]
 
     def compact(self, adapter: Adapter, index: int, args: tuple, kwargs: dict[str, Any]):
-        """Before ``layers[index]``: keep the pending rows of every per-token input (one ``compact_many``)."""
-        keep, self.pending = self.pending, None
+        """Before ``layers[index]``: keep the pending rows of every per-token input (``apply``: a deferred fused stage
+        gathers them in its own launch, otherwise one ``compact_many``); the mask after them."""
         source = self.inputs or kwargs
         names, tensors, dims = token_tensors(adapter, args, kwargs, source)
-        hidden, inputs = layer_inputs(adapter, names, compact_many(tensors, keep, dims))
+        keep, compacted = self.apply(tensors, dims)
+        hidden, inputs = layer_inputs(adapter, names, compacted)
         mask = source.get("attention_mask")
         if isinstance(mask, torch.Tensor):
             # Rows and columns of a causal mask restricted to a sorted subset = the causal mask of the subset.
@@ -91,7 +95,6 @@ class PromptPrefill(PrefillState):
         inputs["attention_mask"] = mask
         adapter.on_stage(kwargs, keep, index)
         self.inputs = inputs
-        self.current = self.current[keep]
         if args:
             return (hidden, *args[1:]), kwargs
         kwargs["hidden_states"] = hidden
