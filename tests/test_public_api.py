@@ -55,12 +55,38 @@ PUBLIC = {
 """Public module -> its ``__all__`` (sorted)."""
 
 
+MOVED = {
+    "macer.cli": "macer.tools.cli",
+    "macer.cost": "macer.tools.cost",
+    "macer.batching": "macer.tools.batching",
+    "macer.diagnostics": "macer.tools.diagnostics",
+    "macer.testing": "macer.tools.synthetic.qwen2_5_omni",
+    "macer.testing_qwen3": "macer.tools.synthetic.qwen3_omni",
+    "macer.testing_omni": "macer.tools.synthetic.checkpoints",
+}
+"""The tools' old public names -> their home in the tools room (docs/architecture.md)."""
+
+
 @pytest.mark.parametrize("name", sorted(PUBLIC))
 def test_a_public_module_keeps_its_names(name):
     module = importlib.import_module(name)
     assert sorted(module.__all__) == PUBLIC[name]
     missing = [attr for attr in PUBLIC[name] if not hasattr(module, attr)]
     assert missing == []
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_name_gives_the_same_objects_as_its_home(old):
+    """``from macer.cost import run_cost`` is ``macer.tools.cost.run_cost``, and so for every public name of every
+    moved module; ``macer.cost`` after a plain ``import macer`` is the module ``import macer.cost`` gives."""
+    import macer
+
+    module, home = importlib.import_module(old), importlib.import_module(MOVED[old])
+    assert module.__all__ == home.__all__
+    assert [name for name in home.__all__ if getattr(module, name) is not getattr(home, name)] == []
+    attribute = old.removeprefix("macer.")
+    if attribute in macer._LAZY_SUBMODULES:
+        assert getattr(macer, attribute) is module
 
 
 def test_the_console_script_and_the_entry_points():
