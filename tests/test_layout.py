@@ -219,7 +219,7 @@ def test_the_checker_finds_each_broken_rule():
 
 
 def test_no_module_over_600_lines_and_no_class_over_250():
-    """The house's size limits (CONVENTIONS.md): a longer module or class is a sign to split by responsibility."""
+    """The house's size limits (docs/conventions.md): a longer module or class is a sign to split by responsibility."""
     too_long = []
     for path in sorted(PACKAGE.rglob("*.py")):
         source = path.read_text()

@@ -1,5 +1,5 @@
 """Batch size > 1 in ``macer.compress``: a left-padded batch whose samples are planned and selected one by one and
-re-packed together after every stage (issue #11).
+re-packed together after every stage.
 
 Procedure (the runtime calls this module only for ``B > 1``):
 
