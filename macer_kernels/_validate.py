@@ -125,7 +125,7 @@ def check_real(
     return value
 
 
-def decimal_fraction(value: numbers.Real) -> Fraction:
+def decimal_fraction(value: float | Fraction) -> Fraction:
     """The exact rational a user means by a real number: a ``Fraction`` as given, an integer as itself, and a float
     as the decimal Python prints for it (``repr``, the shortest decimal that reads back as the same float).
 

@@ -98,10 +98,11 @@ def check_label_values(labels: torch.Tensor, positions: torch.Tensor, n: int, *,
     """The data-dependent checks of the scoring inputs in one host read (callers ask ``values_checked`` first):
     labels in ``[PAD_LABEL, MAX_MODALITIES]``, given positions in ``[0, N-1]``, no query row at a padding key. ``extra``
     0-d tensors are read in the same synchronisation; their values are returned."""
-    # Every query row must sit on a token: given positions and the default last Lq rows alike.
-    pad_hit = (labels.gather(1, positions.long().clamp(0, n - 1)) == PAD_LABEL).any() if n else None
-    values = read_back(*([labels.min(), labels.max(), pad_hit] if n else []),
-                       *([positions.min(), positions.max()] if given else []), *extra)
+    ranges: list[torch.Tensor] = []
+    if n:  # every query row must sit on a token: given positions and the default last Lq rows alike
+        pad_hit = (labels.gather(1, positions.long().clamp(0, n - 1)) == PAD_LABEL).any()
+        ranges = [labels.min(), labels.max(), pad_hit]
+    values = read_back(*ranges, *([positions.min(), positions.max()] if given else []), *extra)
     if n and (values[0] < PAD_LABEL or values[1] > MAX_MODALITIES):
         raise ValueError(f"{labels_name} labels must be in [{PAD_LABEL}, {MAX_MODALITIES}] ({PAD_LABEL} = padding), "
                          f"got range [{values[0]}, {values[1]}]")

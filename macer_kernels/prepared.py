@@ -112,7 +112,7 @@ class PreparedStage:
         ``[B, W]`` keep: rows of -1 give zeros). The scores of the call are ``last_scores`` afterwards (on CUDA a
         persistent buffer that the next call overwrites).
         """
-        given = {"query": query, "key": key, "labels": labels}
+        given: dict[str, torch.Tensor | None] = {"query": query, "key": key, "labels": labels}
         if self._coverage:
             given["chunk_ids"] = chunk_ids
         elif chunk_ids is not None:

@@ -242,6 +242,7 @@ def _check_values(labels: torch.Tensor, positions: torch.Tensor, chunk_ids: torc
         extra += [wrong.any(), first, per_sample.gather(0, first.reshape(1))[0]]  # a gather: no index read
     for m in mods:
         if m.coverage_weight is not None:
+            assert chunk_ids is not None  # checked on the host: a coverage modality needs chunk ids
             is_m = labels == m.label
             extra += [torch.where(is_m, chunk_ids, 0).min(), torch.where(is_m, chunk_ids, 0).max()]
     got = check_label_values(labels, positions, n, given=given, labels_name="labels", extra=tuple(extra))
@@ -297,20 +298,21 @@ def _stage_select_torch(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: t
     for m, (label, keep, weight, _) in enumerate(spec):
         is_m = labels == label
         stage_token |= is_m
-        want = keep if keeps is None else keeps[:, m].long()  # per-sample budgets [B]
-        bad |= is_m.sum(dim=1) < want
+        per_sample = None if keeps is None else keeps[:, m].long()  # per-sample budgets [B]
+        bad |= is_m.sum(dim=1) < (keep if per_sample is None else per_sample)
         if keep == 0:
             continue
         if weight is None:
             order = by_score
         else:
+            assert chunk_ids is not None  # checked on the host: a coverage modality needs chunk ids
             order = _coverage_order(s, chunk_ids.long(), is_m, by_score, weight, index)
         # The modality's own tokens first, each group keeping the greedy (or score) order: the first keep are picks.
         order = order.gather(1, _sort_indices((~is_m).gather(1, order).to(torch.uint8)))
-        if keeps is None:
+        if per_sample is None:
             picked.scatter_(1, order[:, :keep], True)
         else:
-            picked |= torch.zeros_like(picked).scatter_(1, order, index < want[:, None])
+            picked |= torch.zeros_like(picked).scatter_(1, order, index < per_sample[:, None])
     kept = (~stage_token & (labels != PAD_LABEL)) | picked
     bad |= kept.sum(dim=1) > out_len
     # Not-kept first, then the kept in index order (a stable sort): the last out_len entries are the kept positions,

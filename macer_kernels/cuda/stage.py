@@ -19,6 +19,8 @@ the host: every output size is a host integer. A row whose data contradicts the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from macer_kernels.backend import backend_status, register
@@ -112,6 +114,7 @@ def stage_select_sorts(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: to
             continue
         order = by_score.gather(1, _stable_argsort((~member).gather(1, by_score).to(torch.uint8)))  # candidates first
         if weight is not None:
+            assert chunk_ids is not None  # checked on the host: a coverage modality needs chunk ids
             big = torch.iinfo(torch.int64).max
             chunks = torch.where(member, chunk_ids.to(torch.int64), big)  # other tokens: one chunk, sorted last
             by_chunk = order.gather(1, _stable_argsort(chunks.gather(1, order)))
@@ -163,7 +166,8 @@ def stage_select_cuda(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: tor
         if flags is not None:
             flags.zero_()
         return out
-    chunk_ptr, chunk_code, chunk_stride = 0, 0, (0, 0)
+    chunk_ptr, chunk_code = 0, 0
+    chunk_stride: tuple[int, ...] = (0, 0)
     if chunk_ids is not None:
         chunk_ptr, chunk_stride = chunk_ids.data_ptr(), chunk_ids.stride()
         chunk_code = dtype_code(_OP, "chunk_ids", chunk_ids)
@@ -229,7 +233,8 @@ class StageHandle:
         self.score_shape = (b, n)
         mods = [(int(label), int(keep), 0.0 if weight is None else float(weight), weight is not None)
                 for label, keep, weight, _ in spec]
-        chunk_code, chunk_stride = 0, (0, 0)
+        chunk_code = 0
+        chunk_stride: tuple[int, ...] = (0, 0)
         if chunk_ids is not None:
             chunk_code, chunk_stride = dtype_code(_OP, "chunk_ids", chunk_ids), chunk_ids.stride()
         layouts = [(list(t.shape), list(t.stride()), t.element_size(), dim) for t, dim in zip(gather, dims)]
@@ -261,7 +266,7 @@ class StageHandle:
         return bool(self._rest[-2])
 
     def launch(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
-               gather: list[torch.Tensor], outs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+               gather: Sequence[torch.Tensor], outs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """One host call on the current stream: scoring, selection and the gather, into ``outs = (keep, flags,
         *gathered)``. Returns the stream's scores buffer."""
         stream = _raw_stream(self.index)

@@ -51,11 +51,10 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     """The ``macer`` argument parser and its subcommands' parsers (``bench`` only points to the benchmark)."""
     parser = flags.Parser(prog="macer", description=DESCRIPTION, formatter_class=flags.HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,diagnose,bench}")
-    commands = {}
-    common = {"formatter_class": flags.HelpFormatter}
+    commands: dict[str, argparse.ArgumentParser] = {}
 
     demo = sub.add_parser("demo", help="full prefill vs MACER on a random thinker (default) or a local checkpoint",
-                          description=DEMO_DESCRIPTION, **common)
+                          description=DEMO_DESCRIPTION, formatter_class=flags.HelpFormatter)
     flags.add_macer_flags(demo, keep_ratio_help="rho in (0, 1], the share of audio+video tokens kept")
     flags.add_random_model_flags(demo, shape=DEMO_SHAPE)
     demo.add_argument("--blocks", action="store_true", help="video block then audio block (use_audio_in_video=False)")
@@ -69,7 +68,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     commands["demo"] = demo
 
     diagnose = sub.add_parser("diagnose", help="the paper's attention diagnostics of one prompt: JSON + PNG figures",
-                              description=DIAGNOSE_DESCRIPTION, **common)
+                              description=DIAGNOSE_DESCRIPTION, formatter_class=flags.HelpFormatter)
     flags.add_macer_flags(diagnose, keep_ratio_help="rho in (0, 1] of the compared policies and of the readout "
                                                     "sweep's budget")
     flags.add_random_model_flags(diagnose, shape=DIAGNOSE_SHAPE)

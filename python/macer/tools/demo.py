@@ -227,57 +227,16 @@ def _print_caches(full_cache, pruned_cache) -> None:
 
 # ------------------------------------------------------------------------------------------------ real checkpoint
 def run_checkpoint(args: argparse.Namespace) -> int:
-    """A local Qwen2.5-Omni checkpoint through its processor. Needs transformers 5.23, torchvision (video
-    decoding), torchcodec >= 0.17 (audio from the video file) and the weights on disk."""
-    from macer.core.config import MacerConfig
+    """A local Qwen2.5-Omni checkpoint through its processor (``macer.tools.checkpoint``)."""
     from macer.hf.compress import compress
+    from macer.tools.checkpoint import load_checkpoint
 
     try:
-        from transformers import Qwen2_5OmniProcessor, Qwen2_5OmniThinkerForConditionalGeneration
-    except ImportError as exc:
-        print(f"macer demo --model needs transformers with Qwen2.5-Omni (pip install 'macer-kernels[models]'): {exc}",
-              file=sys.stderr)
+        case = load_checkpoint(args, system_prompt=REAL_SYSTEM_PROMPT)
+    except flags.CommandError as exc:
+        print(f"macer demo: error: {exc}", file=sys.stderr)
         return 2
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    try:
-        processor = Qwen2_5OmniProcessor.from_pretrained(args.model)
-        # The thinker alone: on transformers 5.23 the full model's generate() cannot return text only.
-        model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    except (OSError, ValueError) as exc:  # transformers' errors for a folder without the checkpoint's files
-        print(f"macer demo: error: {flags.unloadable(args.model, exc)}", file=sys.stderr)
-        return 2
-    conversation = [
-        {"role": "system", "content": [{"type": "text", "text": REAL_SYSTEM_PROMPT}]},
-        {"role": "user", "content": [{"type": "video", "video": args.video}, {"type": "audio"},
-                                     {"type": "text", "text": args.question}]},
-    ]
-    try:
-        inputs = processor.apply_chat_template(
-            conversation, load_audio_from_video=True, add_generation_prompt=True, tokenize=True, return_dict=True,
-            return_tensors="pt", processor_kwargs={"videos_kwargs": {"fps": args.fps}})
-    except (ImportError, RuntimeError, ValueError) as exc:
-        print(f"the processor could not read {args.video}: {exc}\n(video decoding needs torchvision, the audio track "
-              "torchcodec >= 0.17)", file=sys.stderr)
-        return 2
-    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    inputs["use_audio_in_video"] = True
-    # The question span ends at the last <|im_end|>: take its id from this checkpoint's tokenizer (151645 for the
-    # released Qwen2.5-Omni vocabulary), so that another vocabulary cannot silently move the span to the prompt's end.
-    tokenizer = getattr(processor, "tokenizer", None)
-    overrides = {}
-    if tokenizer is not None:
-        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        if isinstance(im_end, int) and im_end != getattr(tokenizer, "unk_token_id", None):
-            overrides["end_of_turn_token_id"] = im_end
-    for name in ("audio_layer", "video_layer"):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
-    try:
-        config = MacerConfig.for_model(model, keep_ratio=args.keep_ratio, **overrides)
-    except ValueError as exc:  # e.g. a depth without the paper's defaults: the flags to pass are named
-        print(f"macer demo: error: {exc} (--audio-layer / --video-layer set them)", file=sys.stderr)
-        return 2
+    model, inputs, config = case.model, case.inputs, case.config
     n = inputs["input_ids"].shape[1]
     with torch.no_grad():
         seconds_full, full = _timed(lambda: model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False))
@@ -285,11 +244,12 @@ def run_checkpoint(args: argparse.Namespace) -> int:
             seconds_macer, pruned = _timed(
                 lambda: model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False))
     record = trace.last
+    assert record is not None  # the generate above ran one prefill inside compress
     print(f"{config}\nprompt {n} tokens: audio {record.n_audio}, video {record.n_video}; budget {record.budget}")
     _print_stages(record)
     print(f"tokens per layer: {record.layer_tokens}")
     print(f"KV cache per layer after prefill: {record.cache_lengths}")
-    decode = processor.batch_decode
+    decode = case.processor.batch_decode
     print(f"full  ({seconds_full:.1f} s): {decode(full[:, n:], skip_special_tokens=True)[0]}")
     print(f"MACER ({seconds_macer:.1f} s): {decode(pruned[:, n:], skip_special_tokens=True)[0]}")
     if record.budget is None:  # the processor produced no audio or video tokens: nothing was pruned, nothing to draw

@@ -41,7 +41,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -52,6 +52,9 @@ from macer.core.stage import score
 from macer.hf.adapters import AUDIO, TEXT, VISUAL, get_adapter
 from macer.hf.attention import call_as, register_refcounted, unregister_names
 from macer_kernels import coverage_select, temporal_chunks, topk_indices
+
+if TYPE_CHECKING:
+    from macer.core.policy import Scoring
 
 __all__ = ["DiagnosticReport", "default_policies", "diagnose", "gini"]
 
@@ -71,8 +74,9 @@ class DiagnosticReport:
     query_positions: list[int]
     mass: list[tuple[float, float]]
     """Per layer ``(mass_a, mass_v)``."""
-    log_mass_ratio: list[float]
-    """Per layer ``log(mass_a / n_a) - log(mass_v / n_v)`` (> 0: audio gets more attention per token)."""
+    log_mass_ratio: list[float | None]
+    """Per layer ``log(mass_a / n_a) - log(mass_v / n_v)`` (> 0: audio gets more attention per token; None where a
+    modality's mass is 0)."""
     q_centroid_cosine: list[tuple[float, float]]
     """Per layer ``(cos(q, c_a), cos(q, c_v))``, averaged over heads."""
     readout_sweep: dict[str, dict[str, Any]]
@@ -119,8 +123,9 @@ def default_policies(config: MacerConfig, num_layers: int) -> dict[str, Any]:
     from macer.core.policies import FastVConfig, RandomConfig
     from macer.tools.cost import FASTV_PRUNE_LAYER
 
-    question = {"query_tokens": config.query_tokens, "end_of_turn_token_id": config.end_of_turn_token_id,
-                "question_span": config.question_span}
+    question: dict[str, Any] = {"query_tokens": config.query_tokens,
+                                "end_of_turn_token_id": config.end_of_turn_token_id,
+                                "question_span": config.question_span}
     return {
         "macer": config,
         "no_coverage": config.replace(coverage_weight=0.0),
@@ -349,7 +354,8 @@ class _FullForward:
             cos.append(torch.nn.functional.cosine_similarity(q_mean, centroid, dim=-1).mean())
         scale = kwargs.get("scaling") or getattr(module, "scaling", None)
         rows = self.question.to(query.device)
-        scores = score(query, key, labels, rows, self.config.scoring, scale=scale, eps=self.config.eps)
+        scoring = cast("Scoring", self.config.scoring)  # MacerConfig checks it is one of SCORINGS
+        scores = score(query, key, labels, rows, scoring, scale=scale, eps=self.config.eps)
         # One host copy per layer; the diagnostics are an analysis pass, not the pruning hot path.
         values = torch.stack([mass_a, mass_v, cos[0], cos[1]]).double().cpu().tolist()
         self.mass.append((values[0], values[1]))
@@ -365,7 +371,7 @@ def _sweep(scores: list[torch.Tensor], labels: torch.Tensor, temporal: torch.Ten
     selections = []
     for layer_scores in scores:
         values = layer_scores[members].float()
-        if modality == AUDIO:
+        if chunks is None:  # audio
             chosen = topk_indices(values, budget)
         else:
             chosen = coverage_select(values, chunks, budget, config.coverage_weight)
@@ -415,6 +421,7 @@ def _policy_forward(model: nn.Module, parts: Any, adapter: Any, inputs: Mapping[
     with compress(model, policy) as trace:
         _run_tapped(model, parts, adapter, inputs, n, on_layer)
     record = trace.last
+    assert record is not None  # the forward above ran one prefill inside compress
     kept = labels == TEXT
     kept[record.audio_kept] = True
     kept[record.video_kept] = True
@@ -451,15 +458,16 @@ def _rows_at(index: int, record: Any, labels: torch.Tensor, kept: torch.Tensor) 
 
 
 def command(args: Any, checkpoint: bool) -> int:
-    """``macer diagnose`` with its arguments parsed and checked (``macer.cli``): the diagnostics of one prompt as
+    """``macer diagnose`` with its arguments parsed and checked (``macer.tools.cli``): the diagnostics of one prompt as
     JSON + PNG figures, on a random thinker built in code (a synthetic clip) or, with ``checkpoint``, a local
     Qwen2.5-Omni checkpoint with a video and a question."""
     from macer.tools import _cli_args as flags
 
     if checkpoint:
-        layers = {k: v for k, v in (("audio_layer", args.audio_layer), ("video_layer", args.video_layer))
-                  if v is not None}
-        model, inputs, config = _checkpoint_case(args, layers)
+        from macer.tools.checkpoint import load_checkpoint
+
+        case = load_checkpoint(args)
+        model, inputs, config = case.model, case.inputs, case.config
     else:
         from macer.tools.synthetic.qwen2_5_omni import build_thinker, clip_inputs, macer_config_for
 
@@ -474,7 +482,8 @@ def command(args: Any, checkpoint: bool) -> int:
     print("layer  log(mass_a/n_a)-log(mass_v/n_v)  cos(q,c_a)  cos(q,c_v)  sweep overlap audio/video")
     for i in range(report.num_layers):
         overlap = [report.readout_sweep[m]["overlap"][i] for m in ("audio", "video")]
-        print(f"{i + 1:5d}  {report.log_mass_ratio[i]:+31.4f}  {report.q_centroid_cosine[i][0]:+10.4f}  "
+        ratio = report.log_mass_ratio[i]
+        print(f"{i + 1:5d}  {'-' if ratio is None else f'{ratio:+.4f}':>31}  {report.q_centroid_cosine[i][0]:+10.4f}  "
               f"{report.q_centroid_cosine[i][1]:+10.4f}  " + "/".join(f"{v:.2f}" for v in overlap))
     for name, values in report.temporal_gini.items():
         print(f"temporal Gini {name}: " + ", ".join(f"{m} {'-' if v is None else f'{v:.3f}'}"
@@ -482,39 +491,3 @@ def command(args: Any, checkpoint: bool) -> int:
     for path in report.save(args.out, plot=not args.no_plot):
         print(f"wrote {path}")
     return 0
-
-
-def _checkpoint_case(args: Any, layers: dict[str, int]) -> tuple[nn.Module, dict[str, Any], MacerConfig]:
-    """A local checkpoint, its processor's inputs for the video and question, and its scale's ``MacerConfig``; what
-    the folder or the video cannot give is a ``CommandError`` (one line, as ``macer demo`` says it)."""
-    from macer.tools._cli_args import CommandError, unloadable
-
-    try:
-        from transformers import Qwen2_5OmniProcessor, Qwen2_5OmniThinkerForConditionalGeneration
-    except ImportError as exc:
-        raise CommandError(f"--model needs transformers with Qwen2.5-Omni (pip install 'macer-kernels[models]'): "
-                           f"{exc}") from None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        processor = Qwen2_5OmniProcessor.from_pretrained(args.model)
-        model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-            args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
-    except (OSError, ValueError) as exc:  # transformers' errors for a folder without the checkpoint's files
-        raise CommandError(unloadable(args.model, exc)) from None
-    conversation = [{"role": "user", "content": [{"type": "video", "video": args.video}, {"type": "audio"},
-                                                 {"type": "text", "text": args.question}]}]
-    try:
-        inputs = processor.apply_chat_template(
-            conversation, load_audio_from_video=True, add_generation_prompt=True, tokenize=True, return_dict=True,
-            return_tensors="pt", processor_kwargs={"videos_kwargs": {"fps": args.fps}})
-    except (ImportError, RuntimeError, ValueError) as exc:
-        raise CommandError(f"the processor could not read {args.video}: {exc} (video decoding needs torchvision, the "
-                           "audio track torchcodec >= 0.17)") from None
-    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    inputs["use_audio_in_video"] = True
-    im_end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    try:
-        config = MacerConfig.for_model(model, keep_ratio=args.keep_ratio, end_of_turn_token_id=im_end, **layers)
-    except ValueError as exc:  # e.g. a depth without the paper's defaults: the flags to pass are named
-        raise CommandError(f"{exc} (--audio-layer / --video-layer set them)") from None
-    return model, inputs, config

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -342,7 +343,7 @@ def write_qwen3_omni(directory: str | Path, *, num_layers: int = 4, hidden_size:
 
 
 
-WRITERS = {"qwen2_5_omni": write_qwen25_omni, "qwen3_omni": write_qwen3_omni}
+WRITERS: dict[str, Callable[..., Path]] = {"qwen2_5_omni": write_qwen25_omni, "qwen3_omni": write_qwen3_omni}
 """The model families ``main`` writes, by the name its first argument takes."""
 
 

@@ -180,12 +180,13 @@ def build_omni_model(
         config = Qwen2_5OmniConfig(thinker_config=thinker.config.to_dict(), enable_audio_output=False)
     finally:
         hf_logging.set_verbosity(verbosity)
-    config.thinker_config.vision_start_token_id = SYNTHETIC_TOKENS.vision_start
-    config.thinker_config.vision_end_token_id = SYNTHETIC_TOKENS.vision_end
-    config.thinker_config.im_end_token_id = SYNTHETIC_TOKENS.im_end
+    inner: Any = config.thinker_config
+    inner.vision_start_token_id = SYNTHETIC_TOKENS.vision_start
+    inner.vision_end_token_id = SYNTHETIC_TOKENS.vision_end
+    inner.im_end_token_id = SYNTHETIC_TOKENS.im_end
     attn = thinker.config.text_config._attn_implementation
-    config.thinker_config._attn_implementation = attn
-    config.thinker_config.text_config._attn_implementation = attn
+    inner._attn_implementation = attn
+    inner.text_config._attn_implementation = attn
     return around_thinker(Qwen2_5OmniForConditionalGeneration, config, thinker)
 
 
