@@ -72,7 +72,8 @@ class DecodeSteps:
         embeds = kwargs.get("inputs_embeds")
         if embeds is not None:
             return embeds.dtype
-        return self.parts.decoder.get_input_embeddings().weight.dtype
+        decoder: Any = self.parts.decoder  # a transformers model: get_input_embeddings is a method
+        return decoder.get_input_embeddings().weight.dtype
 
     def _add_decode_hooks(self, entry: PromptDecode | BatchLayout) -> None:
         """At the first decode step of a cache that needs per-layer masks: register the decode hook of every layer
@@ -92,13 +93,13 @@ class DecodeSteps:
 
     def _decode_hook(self, index: int):
         def hook(module, args, kwargs):
-            return None if self.step is None else self._decode_layer(index, args, kwargs)
+            return self._decode_layer(index, args, kwargs)
 
         return hook
 
     def _decode_layer(self, index: int, args: tuple, kwargs: dict[str, Any]):
         """Before ``layers[index]`` in a decode step: its own mask, if this step's rule gives one."""
-        mask = self.step(index, kwargs.get("attention_mask"))
+        mask = None if self.step is None else self.step(index, kwargs.get("attention_mask"))
         if mask is None:
             return None
         kwargs["attention_mask"] = mask
