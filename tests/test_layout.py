@@ -1,6 +1,7 @@
 """The package's layout (docs/architecture.md): rooms on floors with one-way doors, checked on the source.
 
-* ``macer.core`` imports the standard library, torch, ``macer_kernels`` and itself only (no transformers, no vLLM);
+* ``macer.core`` imports the standard library, torch, numpy (the host plan's arrays), ``macer_kernels`` and itself
+  only (no transformers, no vLLM);
 * ``macer.hf`` (the transformers engine) and ``macer.vllm`` (the vLLM plugin) import the core and never each other;
 * above them the tools room, ``macer.tools`` (the command line and demo, diagnostics, the cost model, batching, the
   synthetic models), imports any engine room and never the package's face; then the face (``macer`` itself,
@@ -26,7 +27,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "macer"
 ROOMS = ("core", "hf", "vllm")
-CORE_MAY_IMPORT = {"torch", "macer_kernels", "macer"}  # macer: the core's own modules (checked below)
+CORE_MAY_IMPORT = {"torch", "numpy", "macer_kernels", "macer"}  # macer: the core's own modules (checked below)
 
 FLOOR = {"core": 0, "hf": 1, "vllm": 1, "tools": 2, "face": 3, "eval": 4}
 """Each room's floor: an import into the package stays in its room or runs to a lower floor (hf and vllm share one

