@@ -14,6 +14,7 @@ from macer_kernels._validate import (
     check_same_device,
     check_tensor,
     read_back,
+    tracing,
     values_checked,
 )
 from macer_kernels.backend import dispatch, register
@@ -83,6 +84,8 @@ def modality_scores(
     if values_checked(modality):
         check_label_values(modality, positions, key.shape[2], given=query_positions is not None,
                            labels_name="modality")
+    if tracing():  # one opaque node in the caller's graph (macer_kernels.library)
+        return torch.ops.macer.modality_scores(query, key, modality, positions, scale, eps)
     return dispatch("modality_scores", query.device, query, key, modality, positions, scale, eps)
 
 
@@ -143,7 +146,9 @@ def check_score_inputs(query: object, key: object, labels: object, query_positio
     if query_positions is None:
         if lq > n:
             raise ValueError(f"query has Lq={lq} rows but key has only N={n} positions")
-        positions = _default_positions(n, lq, query.device).expand(b, lq)
+        # Traced (fake tensors, or a graph's constants): a fresh arange, never the eager cache.
+        positions = (torch.arange(n - lq, n, device=query.device)[None] if tracing()
+                     else _default_positions(n, lq, query.device)).expand(b, lq)
     else:
         positions = check_tensor("query_positions", query_positions, 2)
         check_int("query_positions", positions)

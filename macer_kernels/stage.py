@@ -20,6 +20,7 @@ from macer_kernels._validate import (
     check_real,
     check_same_device,
     check_tensor,
+    tracing,
     values_checked,
 )
 from macer_kernels.backend import dispatch, register, resolve
@@ -207,12 +208,17 @@ def select_stage(
     table = None
     if any(len(set(keep)) > 1 for keep in keeps):
         table = _keeps_table(keeps, query.device)
-    # The backend's scoring implementation directly: the arguments are checked above, and the public op's own checks
-    # would read values back.
-    scores = resolve("modality_scores", query.device)[1](query, key, labels, positions, scale, eps)
-    flags = torch.empty(b, dtype=torch.bool, device=query.device) if return_flags else None
-    keep = dispatch("stage_select", query.device, scores, labels, chunk_ids, spec, out_len,
-                    *(() if table is None else (table,)), **({} if flags is None else {"flags": flags}))
+    if tracing():  # one opaque node in the caller's graph (macer_kernels.library), flags always computed
+        keep, scores, flags = torch.ops.macer.select_stage(
+            query, key, labels, positions, chunk_ids, [s[0] for s in spec], [s[1] for s in spec],
+            [-1.0 if s[2] is None else s[2] for s in spec], [s[3] or 0 for s in spec], out_len, table, scale, eps)
+    else:
+        # The backend's scoring implementation directly: the arguments are checked above, and the public op's own
+        # checks would read values back.
+        scores = resolve("modality_scores", query.device)[1](query, key, labels, positions, scale, eps)
+        flags = torch.empty(b, dtype=torch.bool, device=query.device) if return_flags else None
+        keep = dispatch("stage_select", query.device, scores, labels, chunk_ids, spec, out_len,
+                        *(() if table is None else (table,)), **({} if flags is None else {"flags": flags}))
     if not (return_scores or return_flags):
         return keep
     return (keep, *((scores,) if return_scores else ()), *((flags,) if return_flags else ()))
