@@ -6,6 +6,7 @@ a step's masks are views of the step's own (a prompt) or built once per layout (
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,16 +20,32 @@ __all__ = ["DecodeSteps", "PromptDecode"]
 
 
 class DecodeSteps:
-    """The decode half of a compress session (``macer.hf.session.Session`` inherits it): at a decode step on a pruned
-    cache, the decoder's mask and each layer's follow the rows its cache holds."""
+    """The decode half of a compress session (``macer.hf.session.Session`` holds one as ``decode``): at a decode step
+    on a pruned cache, the decoder's mask and each layer's follow the rows its cache holds.
 
-    parts: DecoderParts
-    base: str
-    caches: Any  # cache object -> PromptDecode | BatchLayout (a WeakKeyDictionary)
-    decode_hooks: dict[int, Any]
-    step: Callable[[int, Any], torch.Tensor | None] | None
+    ``caches``: cache object -> what its decode steps need (``PromptDecode`` for a prompt, ``BatchLayout`` for a
+    batch), filled at each prefill's end. ``decode_hooks``: registered once per layer that needs its own mask (at the
+    first decode step that needs them) and kept until ``remove``; they act only while ``step`` (this step's rule) is
+    set, which ``end_step`` clears."""
 
-    def _begin_decode(self, cache, length: int, args, kwargs):
+    def __init__(self, parts: DecoderParts, base: str):
+        self.parts, self.base = parts, base
+        self.caches: weakref.WeakKeyDictionary[Any, PromptDecode | BatchLayout] = weakref.WeakKeyDictionary()
+        self.decode_hooks: dict[int, Any] = {}
+        self.step: Callable[[int, Any], torch.Tensor | None] | None = None
+
+    def end_step(self) -> None:
+        """No step's rule: the layers' decode hooks do nothing until the next decode step sets one."""
+        self.step = None
+
+    def remove(self) -> None:
+        """The context's end: the layers' decode hooks removed."""
+        self.step = None
+        for handle in self.decode_hooks.values():
+            handle.remove()
+        self.decode_hooks.clear()
+
+    def begin(self, cache, length: int, args, kwargs):
         """A decode step: the decoder's mask and each layer's follow the rows its cache holds. Everything fixed was
         computed at the prefill's end (``PromptDecode``, ``BatchLayout``); the layers' hooks are registered once."""
         entry = self.caches.get(cache)
