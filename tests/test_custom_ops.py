@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_prepared_stage import NoAtenOps
 from test_stage import stage_inputs
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import macer_kernels as mk
 from macer_kernels import StageModality as Mod
@@ -114,21 +114,11 @@ def test_opcheck_every_op(seed):
 
 def test_eager_calls_skip_the_custom_ops_and_check_values(seed):
     """The eager path calls the backend directly (no custom-op dispatch recorded) and still checks values."""
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     args = _inputs(seed)
-    with Ops() as ops:
+    with NoAtenOps() as ops:  # records every op dispatched (a custom op's call too)
         assert not tracing()
         _every_op(*args)
-    assert ops.seen and not [f for f in ops.seen if f.startswith(f"{library.NAMESPACE}.")]
+    assert ops.ops and not [f for f in ops.ops if f.startswith(f"{library.NAMESPACE}.")]
     scores = mk.modality_scores(*args[:3])[0].clone()
     scores[3] = float("nan")
     with pytest.raises(ValueError, match="scores contains NaN"):
