@@ -16,7 +16,7 @@ Timing: ``time.perf_counter_ns`` around each call, ``--calls`` calls after ``--w
 the 90th percentile, the best of five consecutive batches' medians (``best_batch_us``: an estimate of the time on an
 idle machine, for a shared one) and the process's CPU time per call over the same calls. Targets: issue 37's
 <= 100 us at the 2.4k clip and <= 300 us at 16.3k (``target_us``, judged on the median), and the kernel plan's cold
-targets (``../shared/notes/kernel-plan.md`` 5.4: <= 150 us / <= 400 us for a layout not seen before). The token
+targets (<= 150 us / <= 400 us for a layout not seen before, the plan cache empty). The token
 layout and temporal row come from a tiny random thinker's own ``get_rope_index`` (only the layout matters to a plan).
 
 The same file times the implementation before the rewrite (commit fd836a2, no cache) when run against that tree:

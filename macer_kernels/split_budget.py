@@ -57,7 +57,7 @@ def exact_ratio(value: numbers.Real) -> Fraction:
     """``decimal_fraction(value)`` (the rational a user means by a real number: 0.35 is 35/100), cached by type and
     value: a policy's ratios are constants, and reading a float's decimal digits costs microseconds per call."""
     try:
-        return _cached_ratio(value)
+        return _cached_ratio(value)  # type: ignore[arg-type]  # numbers.Real is not Hashable: see the except
     except TypeError:  # an unhashable number type
         return decimal_fraction(value)
 

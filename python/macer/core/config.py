@@ -200,7 +200,7 @@ class MacerConfig(Policy):
                 warnings.warn(
                     f"MacerConfig.for_model: {name} is not in the paper; its defaults {fields} are derived from the "
                     "paper's depth fractions (docs/integration.md), not the paper's calibrated values. Confirm the "
-                    "readout layers with the diagnostics' readout-layer sweep on real weights (issue #10).",
+                    "readout layers with the diagnostics' readout-layer sweep on real weights (macer diagnose).",
                     UserWarning, stacklevel=2)
             config = cls(**{**fields, **overrides})
         elif "audio_layer" in overrides and "video_layer" in overrides:

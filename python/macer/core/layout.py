@@ -3,7 +3,7 @@ alone (``plan_layout``). Torch (host) only, no engine.
 
 A serving engine needs this before the request's forward and without the device: the vLLM plugin builds every
 compacted layer's attention metadata for a whole step from these host integers (``macer.core.steps``), and a KV cache
-manager that frees the dropped tokens' pages (issue 29) sizes a request from them when it arrives. ``plan_prefill``
+manager that frees the dropped tokens' pages sizes a request from them when it arrives. ``plan_prefill``
 (``macer.core.policy``) starts from the same function, so the two agree by construction; it adds what the stages need
 on the device (question rows, random picks, temporal chunks).
 

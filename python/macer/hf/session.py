@@ -35,8 +35,6 @@ rows) is ``macer.hf.prefill.PromptPrefill`` around ``macer.core.prefill.PrefillS
 from __future__ import annotations
 
 import time
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,9 +73,9 @@ class _Clock:
         return time.perf_counter() - start
 
 
-class Session(DecodeSteps):
-    """One ``compress`` context: the hooks that live for the whole context, the prefill bracket, and the rows each
-    cached layer holds (for decoding: ``DecodeSteps``)."""
+class Session:
+    """One ``compress`` context: the hooks that live for the whole context and the prefill bracket; the decode steps
+    on the caches its prefills pruned are its ``decode`` (``macer.hf.decode.DecodeSteps``)."""
 
     def __init__(self, model, policy: Policy, adapter: Adapter, parts: DecoderParts, base: str, profile: bool,
                  end_of_turn: int | None, compile_options: dict[str, Any] | None = None):
@@ -89,17 +87,12 @@ class Session(DecodeSteps):
         self.clock = _Clock(profile)
         self.trace = Trace()
         self.handles: list[Any] = []
-        # Decode-step hooks, registered once per layer that needs its own mask (at the first decode step that needs
-        # them) and kept until the context ends; they act only while ``self.step`` (this step's rule) is set.
-        self.decode_hooks: dict[int, Any] = {}
-        self.step: Callable[[int, Any], torch.Tensor | None] | None = None
+        self.decode = DecodeSteps(parts, base)
         self.name: str | None = None
         self.guarded: list[tuple[Any, str, Any]] = []
         self.prompt_ids: torch.Tensor | None = None
         self.root_kwargs: dict[str, Any] = {}
         self.state: PromptPrefill | BatchPrefill | None = None
-        # cache object -> what its decode steps need (``PromptDecode`` for a prompt, ``BatchLayout`` for a batch)
-        self.caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # ---------------------------------------------------------------- install / uninstall
     def install(self) -> None:
@@ -125,13 +118,12 @@ class Session(DecodeSteps):
 
     def uninstall(self) -> None:
         self._close_prefill()
-        self.step = None
+        self.decode.remove()
         if self.compiled is not None:
             self.compiled.uninstall()
-        for handle in [*self.handles, *self.decode_hooks.values()]:
+        for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        self.decode_hooks.clear()
         for obj, attr, value in reversed(self.guarded):
             if value is _MISSING:
                 obj.__dict__.pop(attr, None)
@@ -169,13 +161,13 @@ class Session(DecodeSteps):
         input_ids, self.prompt_ids = self.prompt_ids, None
         root_kwargs, self.root_kwargs = self.root_kwargs, {}
         self._close_prefill()
-        self.step = None
+        self.decode.end_step()
         embeds = kwargs.get("inputs_embeds")
         tokens = embeds if embeds is not None else kwargs.get("input_ids", args[0] if args else None)
         batch, length, device = tokens.shape[0], tokens.shape[1], tokens.device
         cache = cache_argument(kwargs)
         if cache is not None and cache.get_seq_length() > 0:
-            return self._begin_decode(cache, length, args, kwargs)
+            return self.decode.begin(cache, length, args, kwargs)
         if batch != 1:
             if not self.adapter.batch_ready:
                 raise ValueError(f"macer.compress: the {type(self.adapter).__name__} adapter does not support a batch "
@@ -217,7 +209,7 @@ class Session(DecodeSteps):
         """Decoder post-hook: finish a prefill (cache bookkeeping, optional trimming, trace record)."""
         state = self.state
         self._close_prefill()
-        self.step = None
+        self.decode.end_step()
         if state is None:
             return None
         cache = output_cache(output)
@@ -226,7 +218,7 @@ class Session(DecodeSteps):
         raise_if_nonfinite(state.nonfinite_flags())
         entry = state.finish(cache, self.policy.trim_early_cache, len(self.parts.layers))
         if cache is not None and entry is not None:
-            self.caches[cache] = entry if isinstance(entry, BatchLayout) else PromptDecode(*entry)
+            self.decode.caches[cache] = entry if isinstance(entry, BatchLayout) else PromptDecode(*entry)
         records = state.records(cache is not None, entry)
         state.overhead += self.clock.tock(start)
         for record in records:

@@ -232,7 +232,7 @@ class StageMetadata:
                 # A staged step's segments have fewer rows than the step: its slots are exactly the segment's.
                 filled.append((layers, gid, self._fill(arrays, segment, table, n_pad, common.is_prefilling,
                                                        graph=step.graph, padded_rows=0 if step.staged else rows_pad)))
-        step.tails = self._tail_slots(arena, plan, step.seq_lens)
+        step.tails = _tail_slots(self, arena, plan, step.seq_lens)
         return filled
 
     def _build_filled(self, filled: list[tuple[list[str], int, Any]], *,
@@ -339,33 +339,6 @@ class StageMetadata:
         return built
 
     # --------------------------------------------------------------------------------------- tails
-    def _tail_slots(self, arena: Arena, plan: StepPlan, seq_lens: list[int]) -> dict[str, torch.Tensor]:
-        """``{layer name: slots}`` to zero before the forward (``zero_tails``), for the layers whose backend reads
-        past a sequence's end (``needs_tails``): the rest of the last block holding a prefilled request's rows, and
-        of a block a decode row starts. ``seq_lens``: the step's sequence lengths (of the layers before the first
-        segment, or of every layer in a plain step)."""
-        batch = self.runner.input_batch
-        regions = [(0, plan.segments[0].start if plan.segments else len(self.names), seq_lens)]
-        regions += [(s.start, s.stop, s.seq_lens) for s in plan.segments]
-        kinds = np.asarray([kind == DECODE for kind in plan.kinds])
-        out: dict[str, torch.Tensor] = {}
-        for start, stop, lens in regions:
-            layers = [i for i in range(start, stop) if self.tails_of[i]]
-            if not layers:
-                continue
-            ends, found = np.asarray(lens, dtype=np.int64), {}
-            for gid in sorted({self.group_of[self.names[i]] for i in layers}):
-                table = batch.block_table[gid]
-                if table.block_size not in found:  # the same rows in every group of one block size
-                    found[table.block_size] = _tail_index(kinds, ends, table.block_size)
-                index, request = found[table.block_size]
-                if not len(index):
-                    continue
-                view = arena.take(torch.int64, len(index))
-                view[0][:] = slots_at(table.block_table.np, table.num_blocks_per_row, table.block_size, request, index)
-                out.update({self.names[i]: view[2] for i in layers if self.group_of[self.names[i]] == gid})
-        return out
-
     def zero_tails(self, tails: dict[str, torch.Tensor]) -> None:
         """Write zero keys and values at each layer's tail slots with the backend's own cache writer."""
         if not tails:
@@ -458,6 +431,35 @@ def _segment_slots(segment: Segment, table: Any) -> np.ndarray:
         request = np.repeat(np.arange(n), lens)
         index = np.repeat(first - starts[:-1], lens) + np.arange(segment.num_tokens)
     return slots_at(table.block_table.np, table.num_blocks_per_row, table.block_size, request, index)
+
+
+def _tail_slots(metadata: StageMetadata, arena: Arena, plan: StepPlan,
+                seq_lens: list[int]) -> dict[str, torch.Tensor]:
+    """``{layer name: slots}`` to zero before the forward (``StageMetadata.zero_tails``), for the layers whose
+    backend reads past a sequence's end (``needs_tails``): the rest of the last block holding a prefilled request's
+    rows, and of a block a decode row starts. ``seq_lens``: the step's sequence lengths (of the layers before the
+    first segment, or of every layer in a plain step)."""
+    batch = metadata.runner.input_batch
+    regions = [(0, plan.segments[0].start if plan.segments else len(metadata.names), seq_lens)]
+    regions += [(s.start, s.stop, s.seq_lens) for s in plan.segments]
+    kinds = np.asarray([kind == DECODE for kind in plan.kinds])
+    out: dict[str, torch.Tensor] = {}
+    for start, stop, lens in regions:
+        layers = [i for i in range(start, stop) if metadata.tails_of[i]]
+        if not layers:
+            continue
+        ends, found = np.asarray(lens, dtype=np.int64), {}
+        for gid in sorted({metadata.group_of[metadata.names[i]] for i in layers}):
+            table = batch.block_table[gid]
+            if table.block_size not in found:  # the same rows in every group of one block size
+                found[table.block_size] = _tail_index(kinds, ends, table.block_size)
+            index, request = found[table.block_size]
+            if not len(index):
+                continue
+            view = arena.take(torch.int64, len(index))
+            view[0][:] = slots_at(table.block_table.np, table.num_blocks_per_row, table.block_size, request, index)
+            out.update({metadata.names[i]: view[2] for i in layers if metadata.group_of[metadata.names[i]] == gid})
+    return out
 
 
 def _tail_index(decode: np.ndarray, ends: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:

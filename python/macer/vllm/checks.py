@@ -292,9 +292,10 @@ def engine_problems(vllm_config: Any) -> list[str]:
     pieces = _mode_name(compilation.cudagraph_mode) in ("DEFAULT", "PIECEWISE", "FULL_AND_PIECEWISE")
     if graphs and pieces and ops and KV_UPDATE_OP not in ops:
         problems.append(f"{who}: piecewise CUDA graphs (cudagraph mode {_mode_name(compilation.cudagraph_mode)}) with "
-                        f"--compilation-config splitting_ops {list(ops)} capture the KV-cache writes inside the pieces, "
-                        "at the slots of the capture, and the compacted layers write their own slots every step: add "
-                        f"{KV_UPDATE_OP} to splitting_ops, or leave splitting_ops unset (vLLM's default adds it)")
+                        f"--compilation-config splitting_ops {list(ops)} capture the KV-cache writes inside the "
+                        "pieces, at the slots of the capture, and the compacted layers write their own slots every "
+                        f"step: add {KV_UPDATE_OP} to splitting_ops, or leave splitting_ops unset (vLLM's default adds "
+                        "it)")
     if getattr(model_config, "enable_prompt_embeds", False):
         problems.append(f"{who}: prompt embeddings carry no token ids, and MACER labels audio/video rows by their ids: "
                         "drop --enable-prompt-embeds")
