@@ -70,10 +70,10 @@ FLAG_READ_DEVICE_US_EST = 10.0
 
 
 class _Plan:
-    def __init__(self, ext: _RecordingExt, args: tuple):
+    def __init__(self, ext: _RecordingExt):
         self.ext = ext
 
-    def launch(self, *args: Any) -> None:
+    def launch(self, *args: Any, **kwargs: Any) -> None:
         self.ext.launches += 1
 
 
@@ -90,14 +90,14 @@ class _RecordingExt:
                         "modality_scores_counter_count": 72, "stage_chain_supported": True,
                         "select_cta_max_n": 1 << 15}
 
-    def StagePlan(self, *args: Any, counters: Any) -> _Plan:  # the extension's name
-        return _Plan(self, args)
+    def StagePlan(self, *args: Any, **kwargs: Any) -> _Plan:  # the extension's name
+        return _Plan(self)
 
     def __getattr__(self, name: str) -> Any:
         if name not in self._values:
             raise AttributeError(name)
         value = self._values[name]
-        return lambda *args: value
+        return lambda *args, **kwargs: value
 
 
 @contextlib.contextmanager
