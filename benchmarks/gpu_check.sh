@@ -16,8 +16,8 @@
 #      .gpu-run/ (benchmarks/gpu_prepare.sh, on CPU) is used when its sources' hash, arch list and Python ABI match
 #      this tree and it loads; otherwise it is built here (est. 25-40 s on the 16 cores);
 #   3. correctness, side by side (none of it is timed; the sanitizers are mostly host work on 16 cores): `pytest -m
-#      cuda` over the tests of the ops (CUDA_TESTS below; GPU_CHECK_TESTS overrides), and compute-sanitizer over the
-#      new kernels' small cases: memcheck / racecheck / initcheck / synccheck over the scoring cases
+#      cuda` over the tests of the ops in two processes (CUDA_TESTS and CUDA_OPS_TESTS below; GPU_CHECK_TESTS
+#      overrides), and compute-sanitizer over the new kernels' small cases: memcheck / racecheck / initcheck / synccheck over the scoring cases
 #      (tests/test_cuda_scores_emulation.py -k sanitizer) and over every op on the CUDA backend
 #      (benchmarks/sanitize_ops.py), memcheck / racecheck / synccheck over the radix selection's one-CTA, split and
 #      cluster shapes (benchmarks/sanitize_select.py), memcheck over the prepared stage (tests/test_prepared_stage.py);
@@ -63,6 +63,7 @@ BUDGET=${GPU_CHECK_BUDGET_S:-480}
 DEFER_LOG=0
 START=$(date +%s)
 PREBUILT=${GPU_CHECK_PREBUILT:-$ROOT/.gpu-run}  # benchmarks/gpu_prepare.sh's prebuilt module and manifest
+source benchmarks/gpu_lib.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT:$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 export MACER_CUDA_ARCHS=${MACER_CUDA_ARCHS:-"90;90a"}  # 90a: the S-B scoring kernel (issue 37)
 : >"$SUMMARY"
@@ -70,14 +71,19 @@ export MACER_CUDA_ARCHS=${MACER_CUDA_ARCHS:-"90;90a"}  # 90a: the S-B scoring ke
 rm -f "$OUT_DIR/targets.txt"
 
 # The tests of the ops the kernel issue changed (scoring, selection, stage, prepared stage, compaction) and the two
-# engine-level GPU tests that run them inside a prefill.
-CUDA_TESTS=(tests/test_cuda_kernels.py tests/test_select.py tests/test_cuda_scores_emulation.py
-    tests/test_modality_scores.py tests/test_stage.py tests/test_batched_stage.py tests/test_prepared_stage.py
-    tests/test_compact.py tests/test_nonfinite_scores.py tests/test_nonfinite_select.py tests/test_nosync.py
-    tests/test_macer_patch.py tests/test_prefill_packing.py)
+# engine-level GPU tests that run them inside a prefill: two pytest processes side by side (pytest_cuda: the kernels'
+# file, 184 tests; pytest_cuda_ops: the other 238), so that neither is the correctness group's long pole alone.
+# GPU_CHECK_TESTS runs its paths in pytest_cuda alone.
+CUDA_TESTS=(tests/test_cuda_kernels.py)
+CUDA_OPS_TESTS=(tests/test_select.py tests/test_cuda_scores_emulation.py tests/test_modality_scores.py
+    tests/test_stage.py tests/test_batched_stage.py tests/test_prepared_stage.py tests/test_compact.py
+    tests/test_nonfinite_scores.py tests/test_nonfinite_select.py tests/test_nosync.py tests/test_macer_patch.py
+    tests/test_prefill_packing.py)
 read -r -a TESTS <<<"${GPU_CHECK_TESTS:-}"
-OP_TESTS=("${TESTS[@]}")
-((${#TESTS[@]})) || OP_TESTS=("${CUDA_TESTS[@]}")
+if ((${#TESTS[@]})); then
+    CUDA_TESTS=("${TESTS[@]}")
+    CUDA_OPS_TESTS=()
+fi
 
 if ((DRY)); then
     # Stand-ins for the programs that need a GPU, first on PATH; nvcc, git and the shell's tools stay real.
@@ -101,7 +107,7 @@ if [[ -z ${MACER_GIT_SHA:-} ]]; then
         MACER_GIT_SHA=$sha
     elif [[ -n $(manifest git_sha) ]]; then
         MACER_GIT_SHA=$(manifest git_sha)
-        tree=$(cd "$ROOT" && xargs -d '\n' sha256sum <"$PREBUILT/files" 2>/dev/null | sha256sum | cut -c1-16)
+        tree=$(gpu_tree_hash "$PREBUILT/files" 2>/dev/null)
         [[ $tree == "$(manifest tree_hash)" ]] || MACER_GIT_SHA+=-modified
     else
         MACER_GIT_SHA="unknown (no .git, no .gpu-run/manifest: set MACER_GIT_SHA)"
@@ -167,24 +173,9 @@ sysconfig.get_config_var('EXT_SUFFIX'), platform.platform())"
     echo "cores: $(getconf _NPROCESSORS_ONLN)"
 }
 
-# The S-B kernel needs 90a: a build with 90a in MACER_CUDA_ARCHS whose module says S-B is not built is a wrong build.
-BUILD_CHECK='import os, torch, macer_kernels as mk
-s = mk.backend_status(); print(s)
-if s["cuda"] is not None: raise SystemExit("the cuda backend is not usable: " + s["cuda"])
-from macer_kernels.cuda._ext import ext
-from macer_kernels.cuda.modality_scores import scores_path
-print("sass", list(ext().compiled_archs()), "ptx", ext().ptx_arch())
-q = torch.zeros(1, 28, 4, 128, dtype=torch.bfloat16, device="cuda")
-k = torch.zeros(1, 4, 20000, 128, dtype=torch.bfloat16, device="cuda")
-path, why = scores_path(q, k); print("scoring path at the 7B shape, N = 20k:", path, why)
-if "90a" in os.environ["MACER_CUDA_ARCHS"].split(";") and path != "sb" and "built" in why:
-    raise SystemExit("MACER_CUDA_ARCHS has 90a but the module has no S-B: " + why)'
-
-source_hash() { find csrc CMakeLists.txt setup.py -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum |
-    sha256sum | cut -c1-16; }
-
-# build: the prebuilt module from .gpu-run when it matches this tree (sources' hash, arch list, Python ABI) and loads;
-# else `setup.py build_ext --inplace`.
+# build: the prebuilt module from .gpu-run when it matches this tree (sources' hash, arch list, Python ABI) and passes
+# benchmarks/gpu_build_check.py (the backend usable; S-B present where 90a is asked for); else `setup.py build_ext
+# --inplace` and the same check.
 build() {
     local suffix so why=""
     suffix=$("$HOST_PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
@@ -193,8 +184,8 @@ build() {
         why="no .gpu-run/manifest (benchmarks/gpu_prepare.sh was not run, or .gpu-run was not carried)"
     elif [[ ! -f $so ]]; then
         why="no prebuilt module for this Python ($suffix): .gpu-run has $(cd "$PREBUILT" && ls _C*.so 2>/dev/null)"
-    elif [[ $(manifest source_hash) != "$(source_hash)" ]]; then
-        why="its sources' hash $(manifest source_hash) is not this tree's $(source_hash): csrc/ changed since"
+    elif [[ $(manifest source_hash) != "$(gpu_source_hash)" ]]; then
+        why="its sources' hash $(manifest source_hash) is not this tree's $(gpu_source_hash): csrc/ changed since"
     elif [[ $(manifest archs) != "$MACER_CUDA_ARCHS" ]]; then
         why="built for '$(manifest archs)', not MACER_CUDA_ARCHS='$MACER_CUDA_ARCHS'"
     fi
@@ -205,13 +196,13 @@ build() {
         else
             cp "$so" macer_kernels/ || return 1
         fi
-        "$PY" -c "$BUILD_CHECK" && return 0
+        "$PY" -m benchmarks.gpu_build_check && return 0
         echo "build: the prebuilt module did not pass the check above: building from source"
         ((DRY)) || rm -f "macer_kernels/_C$suffix"
     else
         echo "build: not using a prebuilt module: $why"
     fi
-    "$PY" setup.py -q build_ext --inplace && "$PY" -c "$BUILD_CHECK"
+    "$PY" setup.py -q build_ext --inplace && "$PY" -m benchmarks.gpu_build_check
 }
 
 # ---- scoring (issue 37 item 3): the L2 set-aside microbenchmark, compiled here (a few seconds) and run on the idle
@@ -288,9 +279,9 @@ vllm_graphs() {
         "$PY" -m benchmarks.bench_vllm --mode gpu --serving --out "$FILES"
 }
 
-export -f sanitize environment build source_hash manifest flash_attention vllm_admission vllm_graphs l2_setaside \
+export -f sanitize environment build gpu_source_hash manifest flash_attention vllm_admission vllm_graphs l2_setaside \
     ncu_l2_setaside bench_e2e_clip have
-export PY HOST_PY FILES DRY PREBUILT BUILD_CHECK L2_BIN L2_CHECK
+export PY HOST_PY FILES DRY PREBUILT L2_BIN L2_CHECK
 export PATH=$PATH:/usr/local/cuda/bin$(for d in /opt/nvidia/nsight-compute/*/; do [[ -x $d/ncu ]] && printf ":%s" "${d%/}"; done)
 
 # ---- 1-2: environment, L2 set-aside (before anything else uses the GPU), build
@@ -301,8 +292,14 @@ step build 150 build
 # ---- 3: correctness, side by side. Each step's output goes to files/NAME.log, appended to log.txt in this order
 # once the group ends.
 DEFER_LOG=1
-step pytest_cuda 170 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider --junitxml="$FILES/pytest_cuda.xml" \
-    "${OP_TESTS[@]}" &
+step pytest_cuda 150 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider --junitxml="$FILES/pytest_cuda.xml" \
+    "${CUDA_TESTS[@]}" &
+if ((${#CUDA_OPS_TESTS[@]})); then
+    step pytest_cuda_ops 150 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider \
+        --junitxml="$FILES/pytest_cuda_ops.xml" "${CUDA_OPS_TESTS[@]}" &
+else
+    printf '%-27s not run (GPU_CHECK_TESTS: pytest_cuda runs the selection)\n' pytest_cuda_ops >>"$SUMMARY"
+fi
 # The scoring kernels on splits of several tiles, two row tiles and PAD keys, both cache layouts, 9 labels and the
 # persistent S-B kernel on a small grid (tests named "sanitizer"): named barriers, mbarriers, the cooperative grid.
 for tool in memcheck racecheck initcheck synccheck; do
@@ -324,7 +321,7 @@ step sanitize_prepared_memcheck 120 compute-sanitizer --tool memcheck --error-ex
     --leak-check no "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_prepared_stage.py &
 wait
 DEFER_LOG=0
-for name in pytest_cuda sanitize_scores_{memcheck,racecheck,initcheck,synccheck} \
+for name in pytest_cuda pytest_cuda_ops sanitize_scores_{memcheck,racecheck,initcheck,synccheck} \
     sanitize_ops_{memcheck,racecheck,initcheck,synccheck} select_sanitize_{memcheck,racecheck,synccheck} \
     sanitize_prepared_memcheck; do
     [[ -f $FILES/$name.log ]] && { printf '\n=== %s\n' "$name"; cat "$FILES/$name.log"; } >>"$LOG"

@@ -25,6 +25,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 RUN=$ROOT/.gpu-run
+source benchmarks/gpu_lib.sh
 PY=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 ARCHS=${MACER_CUDA_ARCHS:-"90;90a"}
 DEVICE_GLIBC=2.39  # the device image's glibc (run 1's platform string: ...-with-glibc2.39)
@@ -95,12 +96,11 @@ assert 90 in sass, "no sm_90 SASS"'
 fi
 
 echo "== 3. the manifest"
-source_hash=$(find csrc CMakeLists.txt setup.py -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum |
-    sha256sum | cut -c1-16)
+source_hash=$(gpu_source_hash)
 sha=$(git rev-parse --short HEAD)
 [[ -n $(git status --porcelain --untracked-files=no) ]] && sha+=-dirty
 git ls-files >"$RUN/files"
-tree_hash=$(xargs -d '\n' sha256sum <"$RUN/files" | sha256sum | cut -c1-16)
+tree_hash=$(gpu_tree_hash "$RUN/files")
 {
     echo "git_sha=$sha"
     echo "source_hash=$source_hash"

@@ -25,8 +25,9 @@ RUN1 = ROOT / "benchmarks" / "results" / "h200-2026-11-27" / "run1-5133407"
 # dropped or renamed fails the dry-run test.
 STEPS = [
     "environment", "l2_setaside", "build",
-    "pytest_cuda", "sanitize_scores_memcheck", "sanitize_scores_racecheck", "sanitize_scores_initcheck",
-    "sanitize_scores_synccheck", "sanitize_ops_memcheck", "sanitize_ops_racecheck", "sanitize_ops_initcheck",
+    "pytest_cuda", "pytest_cuda_ops", "sanitize_scores_memcheck", "sanitize_scores_racecheck",
+    "sanitize_scores_initcheck", "sanitize_scores_synccheck",
+    "sanitize_ops_memcheck", "sanitize_ops_racecheck", "sanitize_ops_initcheck",
     "sanitize_ops_synccheck", "select_sanitize_memcheck", "select_sanitize_racecheck", "select_sanitize_synccheck",
     "sanitize_prepared_memcheck",
     "bench_modality_scores", "bench_select", "bench_readout", "ncu_scores", "ncu_l2_setaside", "ncu_hot_path",
@@ -72,10 +73,15 @@ def test_dry_run_resolves_every_step(tmp_path):
     assert names[:group.start] + names[group.stop:] == STEPS[:group.start] + STEPS[group.stop:]
     assert sorted(names[group]) == sorted(STEPS[group])
     assert all(status[name] == "ok" for name in STEPS), status
-    pytest_cuda = _log(tmp_path, "pytest_cuda")
-    selected = re.search(r"pytest .*: (\d+) tests selected", pytest_cuda)
-    assert selected and int(selected.group(1)) > 400, pytest_cuda  # the ops' GPU tests, every file of the list
-    assert "tests/test_cuda_kernels.py" in pytest_cuda and "tests/test_prefill_packing.py" in pytest_cuda
+    # The ops' GPU tests, every file of both lists (a list read short selected 3 files of 13 once).
+    counts = {}
+    for step, first, last in (("pytest_cuda", "tests/test_cuda_kernels.py", "tests/test_cuda_kernels.py"),
+                              ("pytest_cuda_ops", "tests/test_select.py", "tests/test_prefill_packing.py")):
+        log = _log(tmp_path, step)
+        selected = re.search(r"pytest .*: (\d+) tests selected", log)
+        assert selected and first in log and last in log, log
+        counts[step] = int(selected.group(1))
+    assert counts["pytest_cuda"] > 150 and counts["pytest_cuda_ops"] > 200, counts
     assert "arguments ok (--check-args" in _log(tmp_path, "l2_setaside")
     assert "compute-sanitizer --tool synccheck: options known" in _log(tmp_path, "select_sanitize_synccheck")
     assert "benchmarks.ncu_hot_path : imported, arguments parse" in _log(tmp_path, "ncu_hot_path")
@@ -94,6 +100,7 @@ def test_dry_run_fails_a_step_whose_command_does_not_resolve(tmp_path):
                         GPU_CHECK_TESTS="tests/test_no_such_file.py")
     assert proc.returncode == 1
     assert status["pytest_cuda"] == "FAILED" and status["bench_select"] == "ok"
+    assert status["pytest_cuda_ops"] == "not"  # "not run (GPU_CHECK_TESTS: ...)"
     assert status["build"] == "not"  # "not selected (GPU_CHECK_STEPS)"
     assert "dry: FAILED: pytest" in _log(tmp_path, "pytest_cuda")
 
@@ -302,3 +309,41 @@ def test_readme_draft_of_a_results_folder():
     assert text.startswith("# NVIDIA H200, 2026-11-27: the GPU check at 5133407")
     assert "{{" not in text
     assert "pytest_cuda: 483 passed, 5 failed" in text and "scoring x_k_read at N=100k (cuda)" in text
+
+
+# ---- gpu_build_check -----------------------------------------------------------------------------------------------
+
+
+def test_build_check_refuses_an_unusable_backend(monkeypatch):
+    from benchmarks import gpu_build_check
+
+    monkeypatch.setattr(gpu_build_check.mk, "backend_status", lambda: {"cuda": "no CUDA device/driver", "torch": None})
+    with pytest.raises(SystemExit, match="the cuda backend is not usable: no CUDA device/driver"):
+        gpu_build_check.check("cpu")
+
+
+@pytest.mark.parametrize(("archs", "path", "why", "ok"), [
+    ("90;90a", "sb", "", True),
+    ("90;90a", "sa", "not built with 90a in MACER_CUDA_ARCHS", False),  # a module without the S-B object library
+    ("90", "sa", "not built with 90a in MACER_CUDA_ARCHS", True),  # S-B not asked for
+    # built, but not taken for this call (csrc/modality_scores_sm90a.cu's reasons): reported, not a build error
+    ("90;90a", "sa", "S-B takes B = 1, at most 8 KV heads and at most 32 query rows per KV head", True),
+])
+def test_build_check_wants_s_b_where_90a_is_asked_for(monkeypatch, archs, path, why, ok):
+    """The module's report through the real extension's architecture queries (no GPU needed for those); the device's
+    backend status and the scoring-path query (which reads the device) stand in."""
+    pytest.importorskip("macer_kernels._C")
+    from benchmarks import gpu_build_check
+    from macer_kernels.cuda import modality_scores
+
+    monkeypatch.setenv("MACER_CUDA_ARCHS", archs)
+    monkeypatch.setattr(gpu_build_check.mk, "backend_status", lambda: {"cuda": None, "torch": None})
+    seen = []
+    monkeypatch.setattr(modality_scores, "scores_path", lambda q, k: seen.append((q.shape, k.shape)) or (path, why))
+    if ok:
+        report = gpu_build_check.check("cpu")
+        assert f"scoring path at the 7B shape, N = 20000: {path}" in report and "module: SASS [" in report
+    else:
+        with pytest.raises(SystemExit, match="MACER_CUDA_ARCHS has 90a but the module has no S-B"):
+            gpu_build_check.check("cpu")
+    assert seen == [((1, 28, 4, 128), (1, 4, 20000, 128))]
