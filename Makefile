@@ -29,8 +29,10 @@ $(STAMP): requirements-ci.txt requirements-eval.txt pyproject.toml setup.py
 
 venv: $(STAMP)
 
+# ruff over the tree; mypy over the modules pyproject.toml's [tool.mypy] lists (the rest follows as it is cleaned).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest

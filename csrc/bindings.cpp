@@ -330,8 +330,13 @@ PYBIND11_MODULE(_C, m) {
     m.attr("MODALITY_SCORES_CONSTANTS") = constants;
   }
   m.def("select_workspace_bytes", &macer::select_workspace_bytes, py::arg("n"), py::arg("device"));
-  m.def("topk_indices", &topk_indices, "Top-k indices, ties to the lower index, sorted ascending");
-  m.def("coverage_select", &coverage_select, "eq:chunk_coverage_greedy without a k-step loop");
+  m.def("topk_indices", &topk_indices, "Top-k indices, ties to the lower index, sorted ascending", py::arg("scores"),
+        py::arg("scores_dtype"), py::arg("n"), py::arg("scores_stride"), py::arg("k"), py::arg("out"),
+        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"), py::arg("stream"));
+  m.def("coverage_select", &coverage_select, "eq:chunk_coverage_greedy without a k-step loop", py::arg("scores"),
+        py::arg("scores_dtype"), py::arg("n"), py::arg("scores_stride"), py::arg("chunk_ids"), py::arg("chunk_dtype"),
+        py::arg("chunk_stride"), py::arg("k"), py::arg("coverage_weight"), py::arg("out"), py::arg("workspace"),
+        py::arg("workspace_bytes"), py::arg("device"), py::arg("stream"));
   m.def("select_cta", &select_cta,
         "Top-K / coverage selection of B rows in shared memory, one launch (see launchers.h); pdl: launch with "
         "programmatic stream serialization",
@@ -367,9 +372,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("select_descending_key64", &macer::select_descending_key64,
         "The kernels' descending order key of a float64 given by its bits", py::arg("double_bits"));
   m.attr("MAX_STAGE_MODALITIES") = macer::kMaxStageModalities;
-  m.def("compact_many", &compact_many, "One gather launch per group of up to MAX_COMPACT_TENSORS tensors");
+  m.def("compact_many", &compact_many, "One gather launch per group of up to MAX_COMPACT_TENSORS tensors",
+        py::arg("specs"), py::arg("keep"), py::arg("keep_rows"), py::arg("k"), py::arg("device"), py::arg("stream"));
   m.def("compact_layouts", &compact_layouts,
-        "compact_many from (src, dst, shape, strides, element_bytes, dim) per tensor: descriptors built here");
+        "compact_many from (src, dst, shape, strides, element_bytes, dim) per tensor: descriptors built here",
+        py::arg("layouts"), py::arg("keep"), py::arg("keep_rows"), py::arg("k"), py::arg("device"),
+        py::arg("stream"));
   m.def("compact_descriptor", &compact_descriptor, "The CompactSpec tuple compact_layouts builds for one layout",
         py::arg("layout"), py::arg("batched") = false);
   m.def("device_report", &device_report, "CUDA device count, error, capability, runtime and driver versions");

@@ -23,6 +23,7 @@ value-checked. See ``macer_kernels._validate``.
 range), are public so that the model layer (``macer.core.checks``) checks its own arguments with the same code.
 """
 
+from macer_kernels import library  # noqa: F401  (registers torch.ops.macer.*, the ops as a traced caller sees them)
 from macer_kernels._validate import check_count, check_real, set_validation, validation, validation_enabled
 from macer_kernels.backend import available_backends, backend_status, current_backend, use_backend
 from macer_kernels.compact import compact, compact_many

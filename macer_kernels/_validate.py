@@ -97,8 +97,20 @@ always checked. (The CPU tests of sync-freedom empty it to run CPU tensors throu
 
 def values_checked(t: torch.Tensor) -> bool:
     """Whether an op may read ``t``'s values on the host to check them: always for CPU tensors (no synchronisation
-    there), for CUDA and other device tensors only in validation mode (``validation_enabled()``)."""
-    return t.device.type in HOST_DEVICE_TYPES or validation_enabled()
+    there), for CUDA and other device tensors only in validation mode (``validation_enabled()``); never while the
+    caller is being traced (``tracing()``: a graph holds no host read, and fake tensors have no values)."""
+    return (t.device.type in HOST_DEVICE_TYPES or validation_enabled()) and not tracing()
+
+
+_INFRA_MODES = (torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FAKE)
+
+
+def tracing() -> bool:
+    """Whether the caller is being traced into a graph rather than run: ``torch.compile`` (Dynamo), ``make_fx`` and
+    ``torch.export`` (a proxy mode), or fake tensors (a fake mode). The public ops then call their ``torch.library``
+    custom ops (``macer_kernels.library``), which a graph keeps as opaque nodes with fake implementations, and skip
+    their value checks."""
+    return torch.compiler.is_compiling() or any(torch._C._get_dispatch_mode(key) is not None for key in _INFRA_MODES)
 
 
 def check_count(name: str, value: object) -> int:
@@ -125,7 +137,7 @@ def check_real(
     return value
 
 
-def decimal_fraction(value: numbers.Real) -> Fraction:
+def decimal_fraction(value: float | numbers.Real) -> Fraction:
     """The exact rational a user means by a real number: a ``Fraction`` as given, an integer as itself, and a float
     as the decimal Python prints for it (``repr``, the shortest decimal that reads back as the same float).
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from macer_kernels._validate import check_int, check_same_device, check_tensor, read_back, values_checked
+from macer_kernels._validate import check_int, check_same_device, check_tensor, read_back, tracing, values_checked
 from macer_kernels.backend import dispatch, register
 
 
@@ -76,6 +76,8 @@ def compact(x: torch.Tensor, keep: torch.Tensor, dim: int = 1) -> torch.Tensor:
     if batched:
         _check_batch_dims([x], [dim], keep.shape[0])
     keep = _check_keep(keep, x.shape[dim], batched=batched)
+    if tracing():  # one opaque node in the caller's graph (macer_kernels.library)
+        return torch.ops.macer.compact(x, keep, dim)
     return dispatch("compact", x.device, x, keep, dim)
 
 
@@ -106,14 +108,16 @@ def compact_many(tensors: Sequence[torch.Tensor], keep: torch.Tensor, dims: Sequ
     if not tensors:
         return []
     dims = [_check_dim(f"dims[{i}]", t, d) for i, (t, d) in enumerate(zip(tensors, dims))]
-    lengths = {t.shape[d] for t, d in zip(tensors, dims)}
-    if len(lengths) != 1:
-        raise ValueError(f"tensors must share one sequence length along dims, got lengths {sorted(lengths)}")
+    lengths = [t.shape[d] for t, d in zip(tensors, dims)]  # a list: symbolic sizes (traced) do not hash
+    if any(length != lengths[0] for length in lengths):
+        raise ValueError(f"tensors must share one sequence length along dims, got lengths {sorted(set(lengths))}")
     check_same_device(keep=check_tensor("keep", keep), **{f"tensors[{i}]": t for i, t in enumerate(tensors)})
     batched = _is_batched(keep)
     if batched:
         _check_batch_dims(tensors, dims, keep.shape[0])
-    keep = _check_keep(keep, lengths.pop(), batched=batched)
+    keep = _check_keep(keep, lengths[0], batched=batched)
+    if tracing():
+        return torch.ops.macer.compact_many(tensors, keep, dims)
     return dispatch("compact_many", keep.device, tensors, keep, dims)
 
 

@@ -14,6 +14,7 @@ from macer_kernels._validate import (
     check_same_device,
     check_tensor,
     read_back,
+    tracing,
     values_checked,
 )
 from macer_kernels.backend import dispatch, register
@@ -83,6 +84,8 @@ def modality_scores(
     if values_checked(modality):
         check_label_values(modality, positions, key.shape[2], given=query_positions is not None,
                            labels_name="modality")
+    if tracing():  # one opaque node in the caller's graph (macer_kernels.library)
+        return torch.ops.macer.modality_scores(query, key, modality, positions, scale, eps)
     return dispatch("modality_scores", query.device, query, key, modality, positions, scale, eps)
 
 
@@ -98,10 +101,11 @@ def check_label_values(labels: torch.Tensor, positions: torch.Tensor, n: int, *,
     """The data-dependent checks of the scoring inputs in one host read (callers ask ``values_checked`` first):
     labels in ``[PAD_LABEL, MAX_MODALITIES]``, given positions in ``[0, N-1]``, no query row at a padding key. ``extra``
     0-d tensors are read in the same synchronisation; their values are returned."""
-    # Every query row must sit on a token: given positions and the default last Lq rows alike.
-    pad_hit = (labels.gather(1, positions.long().clamp(0, n - 1)) == PAD_LABEL).any() if n else None
-    values = read_back(*([labels.min(), labels.max(), pad_hit] if n else []),
-                       *([positions.min(), positions.max()] if given else []), *extra)
+    ranges: list[torch.Tensor] = []
+    if n:  # every query row must sit on a token: given positions and the default last Lq rows alike
+        pad_hit = (labels.gather(1, positions.long().clamp(0, n - 1)) == PAD_LABEL).any()
+        ranges = [labels.min(), labels.max(), pad_hit]
+    values = read_back(*ranges, *([positions.min(), positions.max()] if given else []), *extra)
     if n and (values[0] < PAD_LABEL or values[1] > MAX_MODALITIES):
         raise ValueError(f"{labels_name} labels must be in [{PAD_LABEL}, {MAX_MODALITIES}] ({PAD_LABEL} = padding), "
                          f"got range [{values[0]}, {values[1]}]")
@@ -142,7 +146,9 @@ def check_score_inputs(query: object, key: object, labels: object, query_positio
     if query_positions is None:
         if lq > n:
             raise ValueError(f"query has Lq={lq} rows but key has only N={n} positions")
-        positions = _default_positions(n, lq, query.device).expand(b, lq)
+        # Traced (fake tensors, or a graph's constants): a fresh arange, never the eager cache.
+        positions = (torch.arange(n - lq, n, device=query.device)[None] if tracing()
+                     else _default_positions(n, lq, query.device)).expand(b, lq)
     else:
         positions = check_tensor("query_positions", query_positions, 2)
         check_int("query_positions", positions)

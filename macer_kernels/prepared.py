@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from macer_kernels._validate import check_int, check_tensor, values_checked
+from macer_kernels._validate import check_int, check_tensor, tracing, values_checked
 from macer_kernels.backend import dispatch, resolve
 from macer_kernels.modality_scores import check_score_inputs
 from macer_kernels.stage import (
@@ -75,6 +75,9 @@ class PreparedStage:
         self._gather_metas = [_meta(t) for t in gather]
         self._outs = [(_out_shape(t, d, out_len), t.dtype) for t, d in zip(gather, dims, strict=True)]
         self.last_scores: torch.Tensor | None = None
+        from macer_kernels.library import register_prepared
+
+        self._number = register_prepared(self)  # torch.ops.macer.prepared_stage's handle on this stage
         self.cuda = None
         from macer_kernels.cuda import stage as cuda_stage  # imports without a GPU or the compiled module
 
@@ -82,6 +85,10 @@ class PreparedStage:
             self.cuda = cuda_stage.StageHandle(query, key, labels, spec, out_len, keeps, positions,
                                                0 if rows is None else rows.start, scale, eps, chunk_ids, gather,
                                                dims, chain)
+
+    def output_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """``(shape, dtype)`` of each output ``(keep, flags, *gathered)``."""
+        return [((self.batch, self.out_len), torch.long), ((self.batch,), torch.bool), *self._outs]
 
     def allocate(self) -> tuple[torch.Tensor, ...]:
         """New output buffers ``(keep, flags, *gathered)`` for ``out=`` (a caller that keeps them across calls
@@ -112,7 +119,7 @@ class PreparedStage:
         ``[B, W]`` keep: rows of -1 give zeros). The scores of the call are ``last_scores`` afterwards (on CUDA a
         persistent buffer that the next call overwrites).
         """
-        given = {"query": query, "key": key, "labels": labels}
+        given: dict[str, torch.Tensor | None] = {"query": query, "key": key, "labels": labels}
         if self._coverage:
             given["chunk_ids"] = chunk_ids
         elif chunk_ids is not None:
@@ -134,7 +141,7 @@ class PreparedStage:
 
     def _check_out(self, out: Sequence[torch.Tensor]) -> None:
         device = self._metas["labels"][3]
-        want = [((self.batch, self.out_len), torch.long), ((self.batch,), torch.bool), *self._outs]
+        want = self.output_shapes()
         if len(out) != len(want):
             raise ValueError(f"out must hold (keep, flags, *gathered): {len(want)} tensors, got {len(out)}")
         for i, (t, (shape, dtype)) in enumerate(zip(out, want, strict=True)):
@@ -145,7 +152,15 @@ class PreparedStage:
     def run(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
             gather: Sequence[torch.Tensor], *, out: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         """The call without its per-call metadata checks, for a caller whose cache key already pins the metadata
-        (``macer.core.stage``); the arguments are those of ``__call__``."""
+        (``macer.core.stage``); the arguments are those of ``__call__``. Traced (``macer_kernels.library``): one
+        opaque node, whose results are copied into ``out`` where given; ``last_scores`` is not set."""
+        if tracing():
+            results = torch.ops.macer.prepared_stage(self._number, query, key, labels, chunk_ids, list(gather))
+            if out is None:
+                return tuple(results)
+            for dst, src in zip(out, results, strict=True):
+                dst.copy_(src)
+            return tuple(out)
         if values_checked(labels):
             mods, counts, pads = self._value_checks
             _check_values(labels, self._positions, chunk_ids, mods, counts, pads, True, self.num_keys)

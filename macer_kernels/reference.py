@@ -155,6 +155,7 @@ def stage_select_ref(scores: torch.Tensor, labels: torch.Tensor, modalities, chu
             if m.coverage_weight is None:
                 picks = topk_indices_ref(s, m.keep)
             else:
+                assert chunk_ids is not None  # a coverage modality needs them (checked by the op)
                 picks = coverage_select_ref(s, chunk_ids[b].cpu()[where], m.keep, m.coverage_weight)
             kept[where[picks]] = True
         rows.append(kept.nonzero().flatten())

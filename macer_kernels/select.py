@@ -14,6 +14,7 @@ from macer_kernels._validate import (
     check_same_device,
     check_tensor,
     read_back,
+    tracing,
     values_checked,
 )
 from macer_kernels.backend import dispatch, register
@@ -43,6 +44,8 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
         raise TypeError(f"scores must be a floating tensor, got {scores.dtype}")
     k = _check_k(k, scores.numel())
     check_no_nan("scores", scores)
+    if tracing():  # one opaque node in the caller's graph (macer_kernels.library)
+        return torch.ops.macer.topk_indices(scores, k)
     return dispatch("topk_indices", scores.device, scores, k)
 
 
@@ -83,6 +86,8 @@ def coverage_select(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, cover
             raise ValueError("scores contains NaN; scores must be comparable numbers")
         if lowest_chunk < 0:
             raise ValueError(f"chunk_ids must be non-negative, got minimum {lowest_chunk}")
+    if tracing():
+        return torch.ops.macer.coverage_select(scores, chunk_ids, k, coverage_weight)
     return dispatch("coverage_select", scores.device, scores, chunk_ids, k, coverage_weight)
 
 

@@ -20,6 +20,7 @@ from macer_kernels._validate import (
     check_real,
     check_same_device,
     check_tensor,
+    tracing,
     values_checked,
 )
 from macer_kernels.backend import dispatch, register, resolve
@@ -207,12 +208,17 @@ def select_stage(
     table = None
     if any(len(set(keep)) > 1 for keep in keeps):
         table = _keeps_table(keeps, query.device)
-    # The backend's scoring implementation directly: the arguments are checked above, and the public op's own checks
-    # would read values back.
-    scores = resolve("modality_scores", query.device)[1](query, key, labels, positions, scale, eps)
-    flags = torch.empty(b, dtype=torch.bool, device=query.device) if return_flags else None
-    keep = dispatch("stage_select", query.device, scores, labels, chunk_ids, spec, out_len,
-                    *(() if table is None else (table,)), **({} if flags is None else {"flags": flags}))
+    if tracing():  # one opaque node in the caller's graph (macer_kernels.library), flags always computed
+        keep, scores, flags = torch.ops.macer.select_stage(
+            query, key, labels, positions, chunk_ids, [s[0] for s in spec], [s[1] for s in spec],
+            [-1.0 if s[2] is None else s[2] for s in spec], [s[3] or 0 for s in spec], out_len, table, scale, eps)
+    else:
+        # The backend's scoring implementation directly: the arguments are checked above, and the public op's own
+        # checks would read values back.
+        scores = resolve("modality_scores", query.device)[1](query, key, labels, positions, scale, eps)
+        flags = torch.empty(b, dtype=torch.bool, device=query.device) if return_flags else None
+        keep = dispatch("stage_select", query.device, scores, labels, chunk_ids, spec, out_len,
+                        *(() if table is None else (table,)), **({} if flags is None else {"flags": flags}))
     if not (return_scores or return_flags):
         return keep
     return (keep, *((scores,) if return_scores else ()), *((flags,) if return_flags else ()))
@@ -242,6 +248,7 @@ def _check_values(labels: torch.Tensor, positions: torch.Tensor, chunk_ids: torc
         extra += [wrong.any(), first, per_sample.gather(0, first.reshape(1))[0]]  # a gather: no index read
     for m in mods:
         if m.coverage_weight is not None:
+            assert chunk_ids is not None  # checked on the host: a coverage modality needs chunk ids
             is_m = labels == m.label
             extra += [torch.where(is_m, chunk_ids, 0).min(), torch.where(is_m, chunk_ids, 0).max()]
     got = check_label_values(labels, positions, n, given=given, labels_name="labels", extra=tuple(extra))
@@ -297,20 +304,21 @@ def _stage_select_torch(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: t
     for m, (label, keep, weight, _) in enumerate(spec):
         is_m = labels == label
         stage_token |= is_m
-        want = keep if keeps is None else keeps[:, m].long()  # per-sample budgets [B]
-        bad |= is_m.sum(dim=1) < want
+        per_sample = None if keeps is None else keeps[:, m].long()  # per-sample budgets [B]
+        bad |= is_m.sum(dim=1) < (keep if per_sample is None else per_sample)
         if keep == 0:
             continue
         if weight is None:
             order = by_score
         else:
+            assert chunk_ids is not None  # checked on the host: a coverage modality needs chunk ids
             order = _coverage_order(s, chunk_ids.long(), is_m, by_score, weight, index)
         # The modality's own tokens first, each group keeping the greedy (or score) order: the first keep are picks.
         order = order.gather(1, _sort_indices((~is_m).gather(1, order).to(torch.uint8)))
-        if keeps is None:
+        if per_sample is None:
             picked.scatter_(1, order[:, :keep], True)
         else:
-            picked |= torch.zeros_like(picked).scatter_(1, order, index < want[:, None])
+            picked |= torch.zeros_like(picked).scatter_(1, order, index < per_sample[:, None])
     kept = (~stage_token & (labels != PAD_LABEL)) | picked
     bad |= kept.sum(dim=1) > out_len
     # Not-kept first, then the kept in index order (a stable sort): the last out_len entries are the kept positions,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from binding_args import bind, declared
 
 import macer_kernels
 from macer_kernels.cuda import _ext, compact, library, select
@@ -474,8 +475,8 @@ def _recording_compact_module(monkeypatch) -> list[tuple]:
     calls = []
 
     class FakeModule:
-        def compact_layouts(self, *args):
-            calls.append(args)
+        def compact_layouts(self, *args, **kwargs):
+            calls.append(bind("compact_layouts", args, kwargs))  # the binding's py::arg names, in its order
 
     monkeypatch.setattr(compact, "ext", FakeModule)
     monkeypatch.setattr(compact, "check_cuda_tensor", lambda *args: None)
@@ -539,7 +540,8 @@ def test_compact_many_keeps_its_contiguous_copies_alive_through_the_launch(monke
     class FakeModule:
         MAX_COMPACT_TENSORS = 8
 
-        def compact_layouts(self, layouts, keep_ptr, rows, k, device, stream):
+        def compact_layouts(self, *args, **kwargs):
+            bind("compact_layouts", args, kwargs)
             alive_at_launch.extend(ref() is not None for ref in copies)
 
     contiguous = torch.Tensor.contiguous
@@ -574,7 +576,8 @@ class RecordingModule:
         self.wide_limit: int | None = None  # select_cta_max_n for float64 scores (wide), where it differs
 
     def __getattr__(self, name):
-        def record(*args):
+        def record(*args, **kwargs):
+            args = bind(name, args, kwargs)  # the binding's py::arg names, in its order
             self.calls.append((name, args))
             if name == "select_cta_max_n":  # (device, coverage, wide)
                 return self.wide_limit if args[2] and self.wide_limit is not None else self.cta_limit
@@ -873,3 +876,48 @@ def test_readout_benchmark_quick_mode_runs_and_writes_nothing(capsys, monkeypatc
     assert [line.split()[0] for line in targets.splitlines()[1:]] == ["stage-torch", "prepared-torch"]
     assert all(line.split()[2:4] == ["50", "None"] for line in targets.splitlines()[1:])
     assert not list(tmp_path.iterdir())
+
+
+# --- the bindings' argument names: declared in csrc, the same in the built module, used by name at the call sites ----
+
+@needs_module
+def test_the_built_module_declares_the_argument_names_of_the_sources():
+    """``binding_args.declared()`` (what the CPU stand-ins of ``_C`` bind calls to) parsed from csrc/*bindings.cpp
+    equals the signatures of the built module, in order."""
+    module = _ext.ext()
+    for name, params in declared().items():
+        fn = module.StagePlan.__init__ if name == "StagePlan" else (
+            module.StagePlan.launch if name == "launch" else getattr(module, name))
+        signature = fn.__doc__.split("\n", 1)[0]
+        got = [a for a in re.findall(r"[(,] ?(\w+): ", signature) if a != "self"]
+        assert got == [p for p, _ in params], name
+
+
+def test_the_launching_call_sites_pass_named_arguments_only():
+    """The wrappers in macer_kernels/cuda/ call the launching bindings (10 to 21 arguments each) by name: no
+    positional argument, every name declared by the binding. Planted: a call site with one argument renamed or
+    passed by position fails ``bind``."""
+    import ast
+
+    launching = {"modality_scores", "modality_scores_path", "modality_scores_stream_k", "topk_indices",
+                 "coverage_select", "select_cta", "compact_layouts", "StagePlan", "launch"}
+    seen = set()
+    for path in sorted((ROOT / "macer_kernels" / "cuda").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            name, owner = node.func.attr, node.func.value
+            on_ext = isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "ext"
+            if name not in launching or not (on_ext or name == "launch"):
+                continue
+            seen.add(name)
+            assert not node.args, f"{path.name}:{node.lineno}: {name} with positional arguments"
+            keywords = {k.arg: None for k in node.keywords if k.arg is not None}
+            if any(k.arg is None for k in node.keywords):  # **plan_args: the rest is checked by the StagePlan test
+                continue
+            bind(name, (), keywords)
+    assert seen == launching
+    with pytest.raises(TypeError, match="unexpected keyword argument 'keep_ptr'"):
+        bind("compact_layouts", (), dict(layouts=[], keep_ptr=0, keep_rows=0, k=1, device=0, stream=0))
+    with pytest.raises(TypeError, match=r"missing arguments \['stream'\]"):
+        bind("topk_indices", (0,) * 9, {})

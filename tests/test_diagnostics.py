@@ -16,9 +16,9 @@ import macer
 import pytest
 import torch
 from budget_oracle import exact_budget
-from macer.diagnostics import _temporal_gini, default_policies, diagnose, gini
 from macer.hf.adapters import AUDIO, VISUAL, get_adapter
 from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, macer_config_for
+from macer.tools.diagnostics import _temporal_gini, default_policies, diagnose, gini
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from macer_kernels import reference as ref

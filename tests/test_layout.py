@@ -1,9 +1,13 @@
-"""The package's layout (issue 26, docs/architecture.md): three rooms with one-way doors, checked on the source.
+"""The package's layout (docs/architecture.md): rooms on floors with one-way doors, checked on the source.
 
-* ``macer.core`` imports the standard library, torch, ``macer_kernels`` and itself only (no transformers, no vLLM);
+* ``macer.core`` imports the standard library, torch, numpy (the host plan's arrays), ``macer_kernels`` and itself
+  only (no transformers, no vLLM);
 * ``macer.hf`` (the transformers engine) and ``macer.vllm`` (the vLLM plugin) import the core and never each other;
-* the tools beside them (``macer`` itself, ``cli``, ``diagnostics``, ``cost``, ``eval``, ``testing*``, ``batching``)
-  import the rooms, never the other way round;
+* above them the tools room, ``macer.tools`` (the command line and demo, diagnostics, the cost model, batching, the
+  synthetic models), imports any engine room and never the package's face; then the face (``macer`` itself,
+  ``__main__`` and the old public names of the tools, ``macer.cost``, ``macer.testing``, ...); then ``macer.eval``
+  (lmms-eval's model), a client of all of them. An import runs down these floors or stays in its room, never up;
+* the old public names only re-export their home in ``macer.tools``, and nothing in the package imports them;
 * nothing imports another room's private (``_``) modules or names;
 * no import cycle anywhere in the package (inside a room either).
 
@@ -23,7 +27,13 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "macer"
 ROOMS = ("core", "hf", "vllm")
-CORE_MAY_IMPORT = {"torch", "macer_kernels", "macer"}  # macer: the core's own modules (checked below)
+CORE_MAY_IMPORT = {"torch", "numpy", "macer_kernels", "macer"}  # macer: the core's own modules (checked below)
+
+FLOOR = {"core": 0, "hf": 1, "vllm": 1, "tools": 2, "face": 3, "eval": 4}
+"""Each room's floor: an import into the package stays in its room or runs to a lower floor (hf and vllm share one
+and never import each other). ``face``: the package itself, ``__main__`` and the old public names of the tools."""
+FACE_CODE = ("macer", "macer.__main__")
+"""The face's modules that hold code; the rest of the face are old names that only re-export."""
 
 
 def read_package(root: Path) -> dict[str, str]:
@@ -39,7 +49,7 @@ def read_package(root: Path) -> dict[str, str]:
 
 def room_of(module: str) -> str:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in ROOMS else "tools"
+    return parts[1] if len(parts) > 1 and parts[1] in FLOOR else "face"
 
 
 def import_edges(modules: dict[str, str]) -> list[tuple[str, str, str | None, int]]:
@@ -126,14 +136,31 @@ def violations(modules: dict[str, str]) -> list[str]:
                 out.append(f"core imports {top}: {where}")
             continue
         dst_room = room_of(target)
-        if src_room in ROOMS and dst_room not in (src_room, "core"):
+        if dst_room != src_room and FLOOR[dst_room] >= FLOOR[src_room]:
             out.append(f"{src_room} -> {dst_room}: {where}")
-        if dst_room in ROOMS and dst_room != src_room:
+        if dst_room == "face" and target not in FACE_CODE:
+            out.append(f"old name imported: {where}")
+        if dst_room != src_room:
             parts = [*target.split(".")[1:], *([name] if name else [])]
             if any(_private(part) for part in parts):
                 out.append(f"private name of {dst_room}: {where}")
+    out += [f"old name with code: {module}" for module in modules
+            if room_of(module) == "face" and module not in FACE_CODE and not _only_reexports(modules[module])]
     out += [f"import cycle: {' -> '.join(cycle)}" for cycle in cycles(modules, edges)]
     return out
+
+
+def _only_reexports(source: str) -> bool:
+    """An old name's whole module: a docstring, ``from macer.tools... import`` lines, and at most an
+    ``if __name__ == "__main__":`` guard that runs the home's ``main``."""
+    for node in ast.parse(source).body:
+        docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        reexport = isinstance(node, ast.ImportFrom) and (node.module or "").startswith("macer.tools.")
+        main_guard = (isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"
+                      and [ast.unparse(line) for line in node.body] == ["raise SystemExit(main())"])
+        if not (docstring or reexport or main_guard):
+            return False
+    return True
 
 
 def test_the_package_keeps_the_rooms_rules():
@@ -148,10 +175,12 @@ def test_the_checker_finds_each_broken_rule():
     under ``TYPE_CHECKING``, and each break is reported."""
     planted = {
         "macer": "",
-        "macer.cli": "import macer\nfrom macer.core import names\nfrom macer.hf import session\n",
+        "macer.__main__": "from macer.tools.cli import main\n",
+        "macer.cost": '"""An old name."""\n\nfrom macer.tools.cost import *\n',
+        "macer.testing": "from macer.tools.cost import *\n\n\ndef extra():\n    pass\n",
         "macer.core": "",
         "macer.core.plan": "import torch\n\n\ndef f():\n    from macer.hf.run import go\n",
-        "macer.core.names": "import transformers\nfrom macer import cli\n",
+        "macer.core.names": "import transformers\nfrom macer.tools import cli\n",
         "macer.hf": "",
         "macer.hf.run": "from typing import TYPE_CHECKING\n\nfrom macer.core.plan import f\n\nif TYPE_CHECKING:\n"
                         "    from macer.vllm._engine import Engine\n",
@@ -159,25 +188,39 @@ def test_the_checker_finds_each_broken_rule():
         "macer.vllm": "",
         "macer.vllm._engine": "from macer.core.plan import _hidden\n",
         "macer.vllm.model": "from macer.vllm._engine import Engine\n",
+        "macer.tools": "",
+        "macer.tools.cli": "import macer\nfrom macer.core import names\nfrom macer.hf import session\n"
+                           "from macer.vllm import model\n",
+        "macer.tools.cost": "",
+        "macer.tools.batching": "from macer.eval import table\n",
+        "macer.eval": "",
+        "macer.eval.table": "import macer\nfrom macer.tools import cli\nfrom macer.cost import x\n",
     }
     found = violations(planted)
     assert sorted(found) == sorted([
         "core -> hf: macer.core.plan:5 imports macer.hf.run.go",
         "core imports transformers: macer.core.names:1 imports transformers",
-        "core -> tools: macer.core.names:2 imports macer.cli",
+        "core -> tools: macer.core.names:2 imports macer.tools.cli",
         "hf -> vllm: macer.hf.run:6 imports macer.vllm._engine.Engine",
         "private name of vllm: macer.hf.run:6 imports macer.vllm._engine.Engine",
         "private name of core: macer.vllm._engine:1 imports macer.core.plan._hidden",
+        "tools -> face: macer.tools.cli:1 imports macer",
+        "tools -> eval: macer.tools.batching:1 imports macer.eval.table",
+        "old name imported: macer.eval.table:3 imports macer.cost.x",
+        "old name with code: macer.testing",
         "import cycle: macer.core.plan -> macer.hf.run -> macer.vllm._engine",
-        "import cycle: macer.cli -> macer.core.names",
+        "import cycle: macer.core.names -> macer.tools.cli",
     ]), found
-    # The relative import resolves inside its package, a room's private module is its own room's to use, and a tool
-    # may import any room's public modules: none of these is reported.
-    assert not [v for v in found if v.startswith(("macer.hf.session", "macer.vllm.model"))]
+    # The relative import resolves inside its package, a room's private module is its own room's to use, a tool may
+    # import any engine room's public modules, the face's code and its old names import the tools, and eval imports
+    # the face and the tools: none of these is reported.
+    assert not [v for v in found if v.startswith(("macer.hf.session", "macer.vllm.model", "macer.__main__"))]
+    assert not [v for v in found if "macer.tools.cli:2" in v or "macer.tools.cli:3" in v or "macer.tools.cli:4" in v]
+    assert not [v for v in found if "macer.eval.table:1" in v or "macer.eval.table:2" in v or v.endswith("macer.cost")]
 
 
 def test_no_module_over_600_lines_and_no_class_over_250():
-    """The house's size limits (CONVENTIONS.md): a longer module or class is a sign to split by responsibility."""
+    """The house's size limits (docs/conventions.md): a longer module or class is a sign to split by responsibility."""
     too_long = []
     for path in sorted(PACKAGE.rglob("*.py")):
         source = path.read_text()

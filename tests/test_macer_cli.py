@@ -228,9 +228,9 @@ def test_an_unknown_flag_is_named_by_its_command(command, capsys):
 def test_a_run_too_long_to_wait_for_is_refused_before_it_is_built(command, capsys, monkeypatch):
     """A 122k-token clip (the largest --frames and --audio-tokens) passed every check and then printed nothing for
     hours: the time estimate (a lower bound) refuses it up front, naming the estimate and the flags to lower."""
-    import macer.testing
+    from macer.tools.synthetic import qwen2_5_omni
 
-    monkeypatch.setattr(macer.testing, "build_thinker", lambda **kw: pytest.fail("the model was built"))
+    monkeypatch.setattr(qwen2_5_omni, "build_thinker", lambda **kw: pytest.fail("the model was built"))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     err = _error(command, ["--frames", "1000", "--audio-tokens", "50000"], capsys)
     assert f"macer {command}: error: the run takes at least about " in err and "on 2 CPU threads" in err
@@ -240,15 +240,15 @@ def test_a_run_too_long_to_wait_for_is_refused_before_it_is_built(command, capsy
 
 def test_a_long_run_says_so_before_it_starts(capsys, monkeypatch):
     """Below the limit, a run estimated above a minute prints one line first (the default demo prints none)."""
-    from macer import _cli_args
+    from macer.tools import _cli_args
 
     estimates = []
     original = _cli_args.check_random_model
     monkeypatch.setattr(_cli_args, "check_random_model",
                         lambda *a, **kw: estimates.append(original(*a, **kw)) or estimates[-1])
-    import macer.cli
+    from macer.tools import demo
 
-    monkeypatch.setattr(macer.cli, "_demo_random", lambda args: 0)
+    monkeypatch.setattr(demo, "run_random", lambda args: 0)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert main(["demo"]) == 0 and capsys.readouterr().err == ""
     assert main(["demo", "--frames", "300", "--audio-tokens", "20000", "--repeats", "1"]) == 0
@@ -259,9 +259,9 @@ def test_a_long_run_says_so_before_it_starts(capsys, monkeypatch):
 
 def test_the_time_estimate_counts_the_decoder_flops_of_macer_cost():
     """The estimate's FLOPs are ``macer.cost.decoder_flops`` of a full prefill of a real random thinker."""
-    from macer._cli_args import FLOPS_PER_THREAD, time_estimate
     from macer.cost import decoder_flops
     from macer.testing import build_thinker
+    from macer.tools._cli_args import FLOPS_PER_THREAD, time_estimate
 
     model = build_thinker(num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=2, intermediate_size=288)
     want = decoder_flops([500] * 3, model)
@@ -273,7 +273,7 @@ def test_demo_real_checkpoint_without_transformers(tmp_path, monkeypatch, capsys
     monkeypatch.setitem(sys.modules, "transformers", None)  # `from transformers import ...` raises ImportError
     (tmp_path / "clip.mp4").touch()
     assert main(["demo", "--model", str(tmp_path), "--video", str(tmp_path / "clip.mp4"), "--question", "what?"]) == 2
-    assert "macer demo --model needs transformers with Qwen2.5-Omni" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("macer demo: error: --model needs transformers with Qwen2.5-Omni")
 
 
 @pytest.mark.parametrize(
@@ -288,7 +288,7 @@ def test_demo_real_checkpoint_without_transformers(tmp_path, monkeypatch, capsys
 def test_timings_report_spread_and_a_busy_machine(monkeypatch, capsys, load, spread, expected):
     from types import SimpleNamespace
 
-    from macer.cli import _print_times
+    from macer.tools.demo import _print_times
 
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     times = {"full": [1.0, spread, 1.01], "MACER": [0.5, 0.5, 0.5], "full decoder": [0.9, 0.9, 0.9],
@@ -317,7 +317,7 @@ def test_a_speedup_above_the_ideal_is_called_noise(capsys, flops_ratio, expected
     above it is said to be cache effects or noise."""
     from types import SimpleNamespace
 
-    from macer.cli import _print_times
+    from macer.tools.demo import _print_times
 
     times = {"full": [1.01], "MACER": [0.5], "full decoder": [0.9], "MACER decoder": [0.4]}
     _print_times(times, SimpleNamespace(layer_tokens=[100, 100, 50, 50], overhead_s=0.01), 100, 0.1, flops_ratio)
@@ -434,7 +434,7 @@ def test_the_head_size_rule_is_named(args, message, capsys):
 
 def test_the_head_hints_are_valid_head_counts():
     """Every suggested ``--heads`` passes the rule it is suggested for, for every even hidden size up to 512."""
-    from macer._cli_args import _head_hint
+    from macer.tools._cli_args import _head_hint
 
     for hidden in range(2, 513, 2):
         for heads in (1, 3, 5, 7, 100):
@@ -446,9 +446,9 @@ def test_the_head_hints_are_valid_head_counts():
 def test_a_model_too_large_for_memory_is_refused_before_it_is_built(command, capsys, monkeypatch):
     """Within each flag's range a combination can still need more memory than a 24 GiB machine has: the estimate
     refuses it up front, naming the parts and the flags to lower, and nothing is built."""
-    import macer.testing
+    from macer.tools.synthetic import qwen2_5_omni
 
-    monkeypatch.setattr(macer.testing, "build_thinker", lambda **kw: pytest.fail("the model was built"))
+    monkeypatch.setattr(qwen2_5_omni, "build_thinker", lambda **kw: pytest.fail("the model was built"))
     err = _error(command, ["--layers", "64", "--hidden", "4096", "--heads", "32"], capsys)
     assert f"macer {command}: error: the random model and clip need about " in err
     assert f"more than the 16 GiB macer {command} allows (sized for a 24 GiB machine): lower --layers, --hidden, " \
@@ -460,8 +460,8 @@ def test_a_model_too_large_for_memory_is_refused_before_it_is_built(command, cap
 def test_the_memory_estimate_counts_the_weights_the_model_has():
     """The estimate's weight term against a real random thinker's decoder, embedding and head (its encoders are the
     fixed small part under ``runtime``)."""
-    from macer._cli_args import memory_estimate
     from macer.testing import build_thinker, decoder_parts
+    from macer.tools._cli_args import memory_estimate
 
     model = build_thinker(num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=2, intermediate_size=288)
     parts = decoder_parts(model)
@@ -475,9 +475,9 @@ def test_the_memory_estimate_counts_the_weights_the_model_has():
 def test_out_naming_a_file_is_refused_before_the_run(command, tmp_path, capsys, monkeypatch):
     """``--out`` naming an existing file failed with a FileExistsError traceback after the whole run; it is checked
     when the arguments are parsed."""
-    import macer.testing
+    from macer.tools.synthetic import qwen2_5_omni
 
-    monkeypatch.setattr(macer.testing, "build_thinker", lambda **kw: pytest.fail("the run started"))
+    monkeypatch.setattr(qwen2_5_omni, "build_thinker", lambda **kw: pytest.fail("the run started"))
     (tmp_path / "file").write_text("")
     err = _error(command, ["--out", str(tmp_path / "file")], capsys)
     assert f"argument --out: {tmp_path / 'file'} is an existing file; --out names a folder (created if missing)" in err
@@ -510,7 +510,7 @@ def test_a_stage_that_drops_nothing_is_not_called_pruned(capsys):
     token."""
     from types import SimpleNamespace
 
-    from macer.cli import _print_stages
+    from macer.tools.demo import _print_stages
 
     stages = [SimpleNamespace(layer=3, modalities=("audio",), tokens_before=1665, tokens_after=462),
               SimpleNamespace(layer=5, modalities=("video",), tokens_before=462, tokens_after=462)]
@@ -528,8 +528,8 @@ def kept_tokens_figure():
     """``macer demo``'s figure of a real MACER prefill on a tiny random thinker, for a clip given to ``clip_inputs``."""
     import matplotlib.pyplot as plt
     from macer import compress
-    from macer.cli import _kept_tokens_figure
     from macer.testing import build_thinker, clip_inputs, macer_config_for
+    from macer.tools import plots
 
     model = build_thinker(num_layers=3, hidden_size=32, num_heads=2, num_kv_heads=1)
     config = macer_config_for(model, keep_ratio=0.25, audio_layer=1, video_layer=2)
@@ -539,7 +539,7 @@ def kept_tokens_figure():
         inputs = clip_inputs(model, grid_hw=(8, 8), **clip)
         with torch.no_grad(), compress(model, config) as trace:
             model(**inputs)
-        fig = _kept_tokens_figure(model, inputs, trace.last, config)
+        fig = plots.kept_tokens_figure(model, inputs, trace.last, config)
         figures.append(fig)
         return fig, inputs, trace.last, config
 

@@ -87,8 +87,10 @@ def count_syncs(monkeypatch):
 
         return wrapped
 
-    for name in ("readout", "_prefill_layer", "_end", "_begin_decode", "_decode_layer"):
-        monkeypatch.setattr(runtime.Session, name, hot(getattr(runtime.Session, name)))
+    for owner, names in ((runtime.Session, ("readout", "_prefill_layer", "_end")),
+                         (runtime.DecodeSteps, ("begin", "_decode_layer"))):  # the session's decode steps
+        for name in names:
+            monkeypatch.setattr(owner, name, hot(getattr(owner, name)))
     monkeypatch.setattr(Qwen3OmniAdapter, "deepstack", hot(Qwen3OmniAdapter.deepstack))
     check = runtime.raise_if_nonfinite
 

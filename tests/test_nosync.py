@@ -32,6 +32,7 @@ import threading
 
 import pytest
 import torch
+from binding_args import bind, declared
 from sync_guard import HostRead, no_host_reads
 
 import macer_kernels as mk
@@ -262,6 +263,8 @@ class _RecordingExt:
 
     def __getattr__(self, name: str):
         def record(*args, **kwargs):
+            if name in declared():
+                bind(name, args, kwargs)  # the binding's py::arg names
             self.calls.append(name)
             if name == "modality_scores_max_head_dim":
                 return 256

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from binding_args import bind
 from sync_guard import no_host_reads
 from test_stage import stage_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -140,8 +141,8 @@ class _Plan:
         self.calls, self.args, self.chain = calls, args, args[-2]
         calls.append(("StagePlan", args))
 
-    def launch(self, *args):
-        self.calls.append(("launch", args))
+    def launch(self, *args, **kwargs):
+        self.calls.append(("launch", bind("launch", args, kwargs)))  # the binding's py::arg names, in its order
 
 
 class StageExt:
@@ -154,9 +155,9 @@ class StageExt:
         names = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64")
         self.DTYPE_CODES = {name: code for code, name in enumerate(names)}
 
-    def StagePlan(self, *args, counters):
-        assert counters  # the scoring kernels' zeroed counter buffer of the stream (score-37)
-        return _Plan(self.calls, args)
+    def StagePlan(self, *args, **kwargs):
+        assert kwargs.get("counters")  # the scoring kernels' zeroed counter buffer of the stream (score-37)
+        return _Plan(self.calls, bind("StagePlan", args, kwargs)[:-1])  # in the declared order, counters last
 
     def __getattr__(self, name):
         values = {"modality_scores_max_head_dim": 256, "modality_scores_workspace_bytes": 4096,

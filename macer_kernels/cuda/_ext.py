@@ -12,6 +12,7 @@ from types import ModuleType
 
 import torch
 
+_ext_module: ModuleType | None
 try:
     # import_module, not `from macer_kernels import _C`: a missing module must surface as ModuleNotFoundError (the
     # "not built" reason), where the from-import turns it into a plain ImportError ("cannot import name '_C'").

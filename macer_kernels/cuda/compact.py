@@ -76,7 +76,8 @@ def compact_many_cuda(tensors: list[torch.Tensor], keep: torch.Tensor, dims: lis
         layouts.append((t.data_ptr(), out.data_ptr(), t.shape, t.stride(), t.element_size(), d))
     if layouts:
         device, stream = launch_args(keep)
-        ext().compact_layouts(layouts, keep.data_ptr(), rows, k, device, stream)
+        ext().compact_layouts(layouts=layouts, keep=keep.data_ptr(), keep_rows=rows, k=k, device=device,
+                              stream=stream)
     return outs
 
 

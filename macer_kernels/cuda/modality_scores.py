@@ -73,9 +73,11 @@ def modality_scores_cuda(query: torch.Tensor, key: torch.Tensor, modality: torch
     scratch = workspace(ext().modality_scores_workspace_bytes(b, hq, lq, hkv, n), key.device)
     counters = _counters(int(ext().modality_scores_counter_count(b, hq, lq, hkv)), key.device, stream)
     ext().modality_scores(
-        query.data_ptr(), key.data_ptr(), modality.data_ptr(), query_positions.data_ptr(), out.data_ptr(),
-        scratch.data_ptr(), counters.data_ptr(), *codes, (b, hq, lq, d, hkv, n), query.stride(), key.stride()[:3],
-        modality.stride(), query_positions.stride(), float(scale), float(eps), device, stream, _PATHS[path])
+        query=query.data_ptr(), key=key.data_ptr(), modality=modality.data_ptr(), positions=query_positions.data_ptr(),
+        out=out.data_ptr(), workspace=scratch.data_ptr(), counters=counters.data_ptr(), q_dtype=codes[0],
+        modality_dtype=codes[1], positions_dtype=codes[2], sizes=(b, hq, lq, d, hkv, n), q_stride=query.stride(),
+        k_stride=key.stride()[:3], mod_stride=modality.stride(), pos_stride=query_positions.stride(),
+        scale=float(scale), eps=float(eps), device=device, stream=stream, path=_PATHS[path])
     return out
 
 
@@ -85,8 +87,9 @@ def scores_path(query: torch.Tensor, key: torch.Tensor, *, path: str = "auto") -
     b, hq, lq, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
     device, _ = launch_args(key)
-    kind, why = ext().modality_scores_path(dtype_code(_OP, "query", query), (b, hq, lq, d, hkv, n), query.stride(),
-                                           key.stride()[:3], key.data_ptr(), device, _PATHS[path])
+    kind, why = ext().modality_scores_path(q_dtype=dtype_code(_OP, "query", query), sizes=(b, hq, lq, d, hkv, n),
+                                           q_stride=query.stride(), k_stride=key.stride()[:3], key=key.data_ptr(),
+                                           device=device, path=_PATHS[path])
     return str(kind), str(why)
 
 
@@ -101,8 +104,9 @@ def stream_k_cuda(key: torch.Tensor) -> torch.Tensor:
     b, hkv, n, d = key.shape
     out = torch.empty(int(ext().modality_scores_stream_k_words(b, hkv, n)), dtype=torch.int32, device=key.device)
     device, stream = launch_args(key)
-    written = ext().modality_scores_stream_k(key.data_ptr(), out.data_ptr(), dtype_code(_OP, "key", key),
-                                             (b, hkv, n, d), key.stride()[:3], device, stream)
+    written = ext().modality_scores_stream_k(key=key.data_ptr(), out=out.data_ptr(), dtype=dtype_code(_OP, "key", key),
+                                             sizes=(b, hkv, n, d), k_stride=key.stride()[:3], device=device,
+                                             stream=stream)
     return out[:written]
 
 

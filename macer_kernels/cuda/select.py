@@ -42,9 +42,11 @@ def _select_one_cta(op: str, scores: torch.Tensor, chunk_ids: torch.Tensor | Non
         chunk_ptr, chunk_stride = chunk_ids.data_ptr(), chunk_ids.stride(0)
         chunk_code = dtype_code(op, "chunk_ids", chunk_ids)
     modality = (0, k, 0.0 if coverage_weight is None else float(coverage_weight), coverage_weight is not None)
-    ext().select_cta(op, scores.data_ptr(), dtype_code(op, "scores", scores), (0, scores.stride(0)), 0, 0, (0, 0),
-                     chunk_ptr, chunk_code, (0, chunk_stride), out.data_ptr(), 0, k, 1, scores.numel(), [modality], 0,
-                     0, device, stream)
+    ext().select_cta(op=op, scores=scores.data_ptr(), scores_dtype=dtype_code(op, "scores", scores),
+                     scores_stride=(0, scores.stride(0)), labels=0, labels_dtype=0, labels_stride=(0, 0),
+                     chunk_ids=chunk_ptr, chunk_dtype=chunk_code, chunk_stride=(0, chunk_stride), out=out.data_ptr(),
+                     out_stride=0, out_len=k, batch=1, n=scores.numel(), modalities=[modality], keeps=0, nonfinite=0,
+                     device=device, stream=stream)
 
 
 def topk_indices_cuda(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -63,8 +65,9 @@ def topk_indices_cuda(scores: torch.Tensor, k: int) -> torch.Tensor:
         return out
     nbytes = select_workspace_bytes(n, device)
     scratch = workspace(nbytes, scores.device)
-    ext().topk_indices(scores.data_ptr(), dtype_code("topk_indices", "scores", scores), n, scores.stride(0), k,
-                       out.data_ptr(), scratch.data_ptr(), nbytes, device, stream)
+    ext().topk_indices(scores=scores.data_ptr(), scores_dtype=dtype_code("topk_indices", "scores", scores), n=n,
+                       scores_stride=scores.stride(0), k=k, out=out.data_ptr(), workspace=scratch.data_ptr(),
+                       workspace_bytes=nbytes, device=device, stream=stream)
     return out
 
 
@@ -85,9 +88,11 @@ def coverage_select_cuda(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, 
         return out
     nbytes = select_workspace_bytes(n, device)
     scratch = workspace(nbytes, scores.device)
-    ext().coverage_select(scores.data_ptr(), dtype_code("coverage_select", "scores", scores), n, scores.stride(0),
-                          chunk_ids.data_ptr(), chunk_code, chunk_ids.stride(0), k, float(coverage_weight),
-                          out.data_ptr(), scratch.data_ptr(), nbytes, device, stream)
+    ext().coverage_select(scores=scores.data_ptr(), scores_dtype=dtype_code("coverage_select", "scores", scores),
+                          n=n, scores_stride=scores.stride(0), chunk_ids=chunk_ids.data_ptr(), chunk_dtype=chunk_code,
+                          chunk_stride=chunk_ids.stride(0), k=k, coverage_weight=float(coverage_weight),
+                          out=out.data_ptr(), workspace=scratch.data_ptr(), workspace_bytes=nbytes, device=device,
+                          stream=stream)
     return out
 
 

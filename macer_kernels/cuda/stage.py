@@ -19,6 +19,8 @@ the host: every output size is a host integer. A row whose data contradicts the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from macer_kernels.backend import backend_status, register
@@ -112,6 +114,7 @@ def stage_select_sorts(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: to
             continue
         order = by_score.gather(1, _stable_argsort((~member).gather(1, by_score).to(torch.uint8)))  # candidates first
         if weight is not None:
+            assert chunk_ids is not None  # checked on the host: a coverage modality needs chunk ids
             big = torch.iinfo(torch.int64).max
             chunks = torch.where(member, chunk_ids.to(torch.int64), big)  # other tokens: one chunk, sorted last
             by_chunk = order.gather(1, _stable_argsort(chunks.gather(1, order)))
@@ -163,16 +166,20 @@ def stage_select_cuda(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: tor
         if flags is not None:
             flags.zero_()
         return out
-    chunk_ptr, chunk_code, chunk_stride = 0, 0, (0, 0)
+    chunk_ptr, chunk_code = 0, 0
+    chunk_stride: tuple[int, ...] = (0, 0)
     if chunk_ids is not None:
         chunk_ptr, chunk_stride = chunk_ids.data_ptr(), chunk_ids.stride()
         chunk_code = dtype_code(_OP, "chunk_ids", chunk_ids)
     mods = [(int(label), int(keep), 0.0 if weight is None else float(weight), weight is not None)
             for label, keep, weight, _ in modalities]
-    ext().select_cta(_OP, scores.data_ptr(), dtype_code(_OP, "scores", scores), scores.stride(), labels.data_ptr(),
-                     dtype_code(_OP, "labels", labels), labels.stride(), chunk_ptr, chunk_code, chunk_stride,
-                     out.data_ptr(), out_len, out_len, b, n, mods, 0 if keeps is None else keeps.data_ptr(),
-                     0 if flags is None else flags.data_ptr(), device, stream)
+    ext().select_cta(op=_OP, scores=scores.data_ptr(), scores_dtype=dtype_code(_OP, "scores", scores),
+                     scores_stride=scores.stride(), labels=labels.data_ptr(),
+                     labels_dtype=dtype_code(_OP, "labels", labels), labels_stride=labels.stride(),
+                     chunk_ids=chunk_ptr, chunk_dtype=chunk_code, chunk_stride=chunk_stride, out=out.data_ptr(),
+                     out_stride=out_len, out_len=out_len, batch=b, n=n, modalities=mods,
+                     keeps=0 if keeps is None else keeps.data_ptr(), nonfinite=0 if flags is None else flags.data_ptr(),
+                     device=device, stream=stream)
     return out
 
 
@@ -229,17 +236,20 @@ class StageHandle:
         self.score_shape = (b, n)
         mods = [(int(label), int(keep), 0.0 if weight is None else float(weight), weight is not None)
                 for label, keep, weight, _ in spec]
-        chunk_code, chunk_stride = 0, (0, 0)
+        chunk_code = 0
+        chunk_stride: tuple[int, ...] = (0, 0)
         if chunk_ids is not None:
             chunk_code, chunk_stride = dtype_code(_OP, "chunk_ids", chunk_ids), chunk_ids.stride()
         layouts = [(list(t.shape), list(t.stride()), t.element_size(), dim) for t, dim in zip(gather, dims)]
-        # Everything of the plan but the buffers of a stream (scores, workspace), positional as _C.StagePlan takes
+        # Everything of the plan but the buffers of a stream (scores, workspace, counters), as _C.StagePlan names
         # them (it checks the layouts: a refused one fails here, at prepare, not at a call).
-        self._args = (dtype_code(_OP, "query", query), dtype_code(_OP, "labels", labels), (b, hq, lq, d, hkv, n),
-                      labels.stride(), self.positions.data_ptr())
-        self._rest = (float(scale), float(eps), out_len, mods, chunk_code, chunk_stride,
-                      0 if keeps is None else keeps.data_ptr(), layouts, query_row0,
-                      bool(chain) and bool(ext().stage_chain_supported(self.index)), self.index)
+        self._plan_args = dict(
+            q_dtype=dtype_code(_OP, "query", query), labels_dtype=dtype_code(_OP, "labels", labels),
+            sizes=(b, hq, lq, d, hkv, n), labels_stride=labels.stride(), positions=self.positions.data_ptr(),
+            scale=float(scale), eps=float(eps), out_len=out_len, modalities=mods, chunk_dtype=chunk_code,
+            chunk_stride=chunk_stride, keeps=0 if keeps is None else keeps.data_ptr(), gather=layouts,
+            query_row0=query_row0, chain=bool(chain) and bool(ext().stage_chain_supported(self.index)),
+            device=self.index)
         self.streams: dict[int, tuple] = {}  # stream -> (plan, scores, workspace, scoring counters)
         self._for_stream(stream)  # the current stream's buffers now: a first call allocates nothing either
 
@@ -250,7 +260,7 @@ class StageHandle:
             scratch = workspace(self.workspace_bytes, self.device)
             # The scoring kernels' counters: zero once here; every call leaves them zero (csrc/launchers.h).
             counters = torch.zeros(self.counter_count, dtype=torch.int32, device=self.device)
-            plan = ext().StagePlan(*self._args, scores.data_ptr(), scratch.data_ptr(), *self._rest,
+            plan = ext().StagePlan(**self._plan_args, scores=scores.data_ptr(), workspace=scratch.data_ptr(),
                                    counters=counters.data_ptr())
             entry = self.streams[stream] = (plan, scores, scratch, counters)
         return entry
@@ -258,15 +268,17 @@ class StageHandle:
     @property
     def chained(self) -> bool:
         """Whether the launches are chained with programmatic dependent launch (sm_90+)."""
-        return bool(self._rest[-2])
+        return bool(self._plan_args["chain"])
 
     def launch(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
-               gather: list[torch.Tensor], outs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+               gather: Sequence[torch.Tensor], outs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """One host call on the current stream: scoring, selection and the gather, into ``outs = (keep, flags,
         *gathered)``. Returns the stream's scores buffer."""
         stream = _raw_stream(self.index)
         plan, scores = self._for_stream(stream)[:2]
-        plan.launch(query.data_ptr(), query.stride(), key.data_ptr(), key.stride()[:3], labels.data_ptr(),
-                    0 if chunk_ids is None else chunk_ids.data_ptr(), outs[0].data_ptr(), outs[1].data_ptr(),
-                    [t.data_ptr() for t in gather], [t.data_ptr() for t in outs[2:]], stream)
+        plan.launch(query=query.data_ptr(), q_stride=query.stride(), key=key.data_ptr(), k_stride=key.stride()[:3],
+                    labels=labels.data_ptr(), chunk_ids=0 if chunk_ids is None else chunk_ids.data_ptr(),
+                    keep=outs[0].data_ptr(), nonfinite=outs[1].data_ptr(),
+                    gather_src=[t.data_ptr() for t in gather], gather_dst=[t.data_ptr() for t in outs[2:]],
+                    stream=stream)
         return scores

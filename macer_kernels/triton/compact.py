@@ -107,6 +107,7 @@ def _slot(x: torch.Tensor, dim: int, k: int) -> tuple[torch.Tensor, torch.Tensor
         x = x.contiguous()  # an exotic view (e.g. a permuted batch/head block): one extra copy
         sizes, strides = list(x.shape), list(x.stride())
         outer, inner = _merged(sizes[:dim], strides[:dim]), _merged(sizes[dim + 1:], strides[dim + 1:])
+        assert outer is not None and inner is not None  # a contiguous tensor's dims always merge
     out = torch.empty([*sizes[:dim], k, *sizes[dim + 1:]], dtype=x.dtype, device=x.device)
     return x, out, (outer[0], inner[0], outer[1], x.stride(dim), inner[1])
 

@@ -9,9 +9,10 @@ trace.budget, trace.audio_kept, trace.video_kept, trace.layer_tokens, trace.cach
 ```
 Layout (``docs/architecture.md``): ``core`` (engine-independent: the policy interface and host plan, the stage,
 the prefill state, ``MacerConfig``, the policies, the model families' config facts), ``hf`` (the transformers engine:
-``compress``, its session, adapters, trace), ``vllm`` (the vLLM plugin); beside them the tools ``cli``,
-``diagnostics``, ``cost``, ``batching`` (left-padded batches of single-prompt inputs), ``testing``, ``eval``.
-See ``docs/integration.md``.
+``compress``, its session, adapters, trace), ``vllm`` (the vLLM plugin); above them ``tools`` (the command line and
+demo, diagnostics, the cost model, batching, the synthetic models; public as ``macer.cli``, ``macer.diagnostics``,
+``macer.cost``, ``macer.batching``, ``macer.testing``, ``macer.testing_qwen3``, ``macer.testing_omni``) and ``eval``
+(lmms-eval). See ``docs/integration.md``.
 """
 
 import importlib
@@ -61,8 +62,8 @@ _LAZY_NAMES = {
     "PrefillRecord": "macer.hf.trace",
     "Stage": "macer.hf.trace",
     "Trace": "macer.hf.trace",
-    "DiagnosticReport": "macer.diagnostics",
-    "diagnose": "macer.diagnostics",
+    "DiagnosticReport": "macer.tools.diagnostics",
+    "diagnose": "macer.tools.diagnostics",
 }
 
 # Submodules that the docs and error messages cite as ``macer.<name>.<attr>`` after a plain ``import macer``, imported

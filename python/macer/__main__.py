@@ -1,5 +1,5 @@
 """``python -m macer ...`` is the ``macer`` console script."""
 
-from macer.cli import main
+from macer.tools.cli import main
 
 raise SystemExit(main())

@@ -2,7 +2,7 @@
 that each drop their own rows before layer S, unpruned prefills and shifted decodes in ONE flattened step.
 
 Run (from the worktree root):
-    PYTHONPATH=$PWD:$PWD/python:$PWD/tests /work/main/.venv-vllm/bin/python docs/design/probes/probe_batched_stage.py
+    PYTHONPATH=$PWD:$PWD/python:$PWD/tests .venv-vllm/bin/python docs/design/probes/probe_batched_stage.py
 
 The selection is a toy (drop prompt rows 4 <= j < N-6 with j % 3 == 1, or none for a prompt marked unpruned): it is
 known from the prompt alone, as MACER's counts are, and the point here is everything around it:

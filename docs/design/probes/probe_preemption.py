@@ -1,7 +1,7 @@
 """How a preempted request comes back on vLLM 0.32.0's V1 runner (CPU): what the worker and the model see.
 
 Run (from the worktree root):
-    PYTHONPATH=$PWD:$PWD/python:$PWD/tests /work/main/.venv-vllm/bin/python docs/design/probes/probe_preemption.py
+    PYTHONPATH=$PWD:$PWD/python:$PWD/tests .venv-vllm/bin/python docs/design/probes/probe_preemption.py
 
 A KV cache of a few blocks (num_gpu_blocks_override) and four concurrent requests that outgrow it force the
 scheduler to preempt (recompute mode). Prints VERIFIED/FAILED per claim of the design document (section

@@ -1,7 +1,7 @@
 """Preemption and recompute through the prototype staged forward (issue #28 item 6) on vLLM 0.32.0's V1 runner (CPU).
 
 Run (from the worktree root):
-PYTHONPATH=$PWD:$PWD/python:$PWD/tests /work/main/.venv-vllm/bin/python docs/design/probes/probe_preemption_staged.py
+PYTHONPATH=$PWD:$PWD/python:$PWD/tests .venv-vllm/bin/python docs/design/probes/probe_preemption_staged.py
 
 A resumed request reaches the forward as one whole-sequence prefill of prompt + generated tokens
 (probe_preemption.py). The prototype keeps its per-request state across the preemption (it is dropped on

@@ -3,7 +3,7 @@ the frontend by a logits processor's ``validate_params`` (one request fails, the
 worker in ``runner.requests[req_id].sampling_params.extra_args`` (probe_step_identity.py).
 
 Run (from the worktree root):
-    PYTHONPATH=$PWD:$PWD/python:$PWD/tests /work/main/.venv-vllm/bin/python docs/design/probes/probe_request_settings.py
+    PYTHONPATH=$PWD:$PWD/python:$PWD/tests .venv-vllm/bin/python docs/design/probes/probe_request_settings.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the model's forward can know about each row of a step on vLLM 0.32.0's V1 runner (CPU), and how it learns it.
 
 Run (from the worktree root):
-    PYTHONPATH=$PWD:$PWD/python:$PWD/tests /work/main/.venv-vllm/bin/python docs/design/probes/probe_step_identity.py
+    PYTHONPATH=$PWD:$PWD/python:$PWD/tests .venv-vllm/bin/python docs/design/probes/probe_step_identity.py
 
 A worker subclass (``--worker-cls``, here ``_common.RecordingWorker``) hands the V1 runner to the model. Steps are
 driven by hand (``llm.llm_engine.add_request`` / ``step``) to make a mixed step: one decode + two new prefills, then

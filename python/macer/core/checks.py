@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import cast
 
 from macer_kernels import check_count, check_real
 
@@ -24,19 +25,20 @@ def field_int(owner: str, name: str, value: object, lo: int) -> int:
 def field_real(owner: str, name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
     """A config field holding a finite real number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
     interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if math.isinf(hi) else ']'}"
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    number = cast(float, value)  # read as a number only where it is one: numbers.Real (NumPy's too) has no static type
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(number)
     if ok:
-        ok = (value > lo if lo_open else value >= lo) and value <= hi
+        ok = (number > lo if lo_open else number >= lo) and number <= hi
     if not ok:
         raise ValueError(f"{owner}.{name} must be a finite real number in {interval}, got {value!r}")
-    return float(value)
+    return float(number)
 
 
 def field_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> str:
     """A config field holding one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{owner}.{name} must be one of {list(choices)}, got {value!r}")
-    return value  # type: ignore[return-value]
+    return value  # narrowed to str by the membership test
 
 
 def field_bool(owner: str, name: str, value: object) -> bool:

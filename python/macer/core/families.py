@@ -69,13 +69,15 @@ class Family:
 
     def paper_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
         """The paper's settings for this model (``MacerConfig`` fields), or None where the paper has none."""
-        fields = self.PAPER_DEFAULTS.get(self.identify(model_or_config))
+        name = self.identify(model_or_config)
+        fields = None if name is None else self.PAPER_DEFAULTS.get(name)
         return dict(fields) if fields is not None else None
 
     def derived_defaults(self, model_or_config: Any) -> dict[str, Any] | None:
         """Settings derived for a known model the paper does not report (``MacerConfig.for_model`` uses them with a
         warning), or None."""
-        fields = self.DERIVED_DEFAULTS.get(self.identify(model_or_config))
+        name = self.identify(model_or_config)
+        fields = None if name is None else self.DERIVED_DEFAULTS.get(name)
         return dict(fields) if fields is not None else None
 
     def end_of_turn_token_id(self, config: Any) -> int | None:
@@ -166,8 +168,8 @@ MODEL_TYPE_TO_FAMILY: dict[str, Family] = {
 
 def family_for(model_or_config: Any) -> Family | None:
     """The family of a model or config's ``model_type``, or None."""
-    config = getattr(model_or_config, "config", model_or_config)
-    return MODEL_TYPE_TO_FAMILY.get(getattr(config, "model_type", None))
+    model_type = getattr(getattr(model_or_config, "config", model_or_config), "model_type", None)
+    return MODEL_TYPE_TO_FAMILY.get(model_type) if isinstance(model_type, str) else None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """KV cache memory of one request in a paged serving engine, with and without giving back the blocks of the rows a
-policy's stages drop (issue 29). Plain integers, no engine: the vLLM plugin's scheduler and worker use
-``compacted_drop``; the docs' memory table, the admission test's prediction and the admission benchmark use the rest.
+policy's stages drop (docs/serving.md, "KV memory"). Plain integers, no engine: the vLLM plugin's scheduler and
+worker use ``compacted_drop``; the docs' memory table, the admission test's prediction and the admission benchmark
+use the rest.
 
 The model (vLLM 0.32's, which ``tests/vllm/test_kv.py`` checks against vLLM's own grouping function):
 

@@ -194,7 +194,7 @@ def plan_step(rows: list[Row], boundaries: tuple[int, ...] = ()) -> StepPlan:
     prefills = [i for i, kind in enumerate(kinds) if kind == PREFILL]
     whole = [kind == PREFILL for kind in kinds]
     starts = [0, *itertools.accumulate(queries)]
-    bounds = sorted(set(boundaries).union(*(row.bounds for row in rows)))
+    bounds = sorted(set(boundaries).union(*(row.bounds or () for row in rows)))  # set by Row.__post_init__
     segments: list[Segment] = []
     previous_start, previous_tokens = starts, [row.prompt_len for row in rows]
     for j, first in enumerate(bounds):

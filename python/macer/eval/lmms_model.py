@@ -17,9 +17,9 @@ from lmms_eval.api.instance import Instance
 from lmms_eval.api.model import lmms
 from loguru import logger
 
-from macer.batching import batch_inputs
 from macer.eval.media import VIDEO_FRONTENDS, build_processor, read_clip
 from macer.eval.policy import describe_policy, resolve_policy
+from macer.tools.batching import batch_inputs
 
 __all__ = ["PAPER_FRAME_DEFAULTS", "MacerQwen2_5Omni", "parse_batch_size"]
 

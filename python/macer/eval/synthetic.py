@@ -28,7 +28,7 @@ def build_tokenizer():
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from macer.testing import SYNTHETIC_TOKENS
+    from macer.tools.synthetic.qwen2_5_omni import SYNTHETIC_TOKENS
 
     ids = {"endoftext": 0, **{name: getattr(SYNTHETIC_TOKENS, name) for name in _SPECIAL[1:]}}
     vocab = {text: ids[name] for name, text in zip(_SPECIAL, _SPECIAL_TEXT)}
@@ -62,7 +62,7 @@ def write_checkpoint(path: str | Path, *, num_layers: int = 4, seed: int = 0) ->
     with either video frontend, as a real checkpoint (``hf`` needs torchvision)."""
     from transformers import WhisperFeatureExtractor
 
-    from macer.testing import build_thinker
+    from macer.tools.synthetic.qwen2_5_omni import build_thinker
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

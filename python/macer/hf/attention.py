@@ -50,7 +50,7 @@ def call_as(name: str, fn: Callable, module: Any, *args: Any, **kwargs: Any) -> 
     under, as without ``macer``."""
     config = getattr(module, "config", None)
     renamed = getattr(config, "_attn_implementation", name)
-    if renamed == name:
+    if config is None or renamed == name:
         return fn(module, *args, **kwargs)
     config._attn_implementation = name
     try:

@@ -1,5 +1,5 @@
 """Batch size > 1 in ``macer.compress``: a left-padded batch whose samples are planned and selected one by one and
-re-packed together after every stage (issue #11).
+re-packed together after every stage.
 
 Procedure (the runtime calls this module only for ``B > 1``):
 
@@ -34,6 +34,7 @@ from macer.hf.inputs import layer_inputs, token_tensors
 from macer.hf.prefill import PromptPrefill
 from macer.hf.trace import PrefillRecord
 from macer_kernels import PAD_LABEL, StageModality, compact_many, select_stage, validation_enabled
+from macer_kernels.stage import Counts
 
 
 def check_left_padding(mask: torch.Tensor) -> list[int]:
@@ -185,7 +186,7 @@ class BatchPrefill:
         """The stages at ``layer`` (1-based readout; 0 = before the first layer): once for the whole batch where
         every one is a fused MACER stage, else each sample's on its own real rows of the readout's queries and
         keys."""
-        if query is not None and self._run_batched(query, key, scale, eps, layer):
+        if query is not None and key is not None and self._run_batched(query, key, scale, eps, layer):
             return
         for b, sample in enumerate(self.samples):
             if sample.stage_at(layer) is None:
@@ -209,7 +210,8 @@ class BatchPrefill:
         labels = sorted({rule[0] for rule in rules})
         if len(rules) != len(labels) or len({st.query.numel() for st in present}) != 1:
             return None
-        counts, keeps = {m: [] for m in labels}, {m: [] for m in labels}
+        counts: dict[int, list[int]] = {m: [] for m in labels}
+        keeps: dict[int, list[int]] = {m: [] for m in labels}
         for sample, st in zip(self.samples, stages, strict=True):
             for m in labels:
                 sel = None if st is None else next((x for x in st.spec.selections if x.modalities[0] == m), None)
@@ -262,7 +264,7 @@ class BatchPrefill:
         keep, flags = select_stage(q, key, labels, mods, chunk_ids=chunks, query_positions=positions, scale=scale,
                                    eps=eps, padding=self.pads, return_flags=True)
         self.nonfinite.append((layer, selected, flags))
-        lengths = [self.rows.shape[1] - pad - sum(m.count[i] - m.keep[i] for m in mods)
+        lengths = [self.rows.shape[1] - pad - sum(_at(m.count, i) - _at(m.keep, i) for m in mods)
                    for i, pad in enumerate(self.pads)]
         self.pending, self.pending_pads = keep, [keep.shape[1] - n for n in lengths]
         return True
@@ -395,3 +397,8 @@ def decode_step(layout: BatchLayout, cache: Any, args: tuple, kwargs: dict[str, 
             shared[id(valid)] = torch.cat([prompt, tail_mask], dim=-1)
         out[i] = shared[id(valid)]
     return out
+
+
+def _at(counts: Counts, i: int) -> int:
+    """Sample ``i``'s entry of a ``StageModality`` count or budget (one integer: every sample's)."""
+    return counts if isinstance(counts, int) else counts[i]

@@ -6,6 +6,7 @@ a step's masks are views of the step's own (a prompt) or built once per layout (
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,16 +20,32 @@ __all__ = ["DecodeSteps", "PromptDecode"]
 
 
 class DecodeSteps:
-    """The decode half of a compress session (``macer.hf.session.Session`` inherits it): at a decode step on a pruned
-    cache, the decoder's mask and each layer's follow the rows its cache holds."""
+    """The decode half of a compress session (``macer.hf.session.Session`` holds one as ``decode``): at a decode step
+    on a pruned cache, the decoder's mask and each layer's follow the rows its cache holds.
 
-    parts: DecoderParts
-    base: str
-    caches: Any  # cache object -> PromptDecode | BatchLayout (a WeakKeyDictionary)
-    decode_hooks: dict[int, Any]
-    step: Callable[[int, Any], torch.Tensor | None] | None
+    ``caches``: cache object -> what its decode steps need (``PromptDecode`` for a prompt, ``BatchLayout`` for a
+    batch), filled at each prefill's end. ``decode_hooks``: registered once per layer that needs its own mask (at the
+    first decode step that needs them) and kept until ``remove``; they act only while ``step`` (this step's rule) is
+    set, which ``end_step`` clears."""
 
-    def _begin_decode(self, cache, length: int, args, kwargs):
+    def __init__(self, parts: DecoderParts, base: str):
+        self.parts, self.base = parts, base
+        self.caches: weakref.WeakKeyDictionary[Any, PromptDecode | BatchLayout] = weakref.WeakKeyDictionary()
+        self.decode_hooks: dict[int, Any] = {}
+        self.step: Callable[[int, Any], torch.Tensor | None] | None = None
+
+    def end_step(self) -> None:
+        """No step's rule: the layers' decode hooks do nothing until the next decode step sets one."""
+        self.step = None
+
+    def remove(self) -> None:
+        """The context's end: the layers' decode hooks removed."""
+        self.step = None
+        for handle in self.decode_hooks.values():
+            handle.remove()
+        self.decode_hooks.clear()
+
+    def begin(self, cache, length: int, args, kwargs):
         """A decode step: the decoder's mask and each layer's follow the rows its cache holds. Everything fixed was
         computed at the prefill's end (``PromptDecode``, ``BatchLayout``); the layers' hooks are registered once."""
         entry = self.caches.get(cache)
@@ -72,7 +89,8 @@ class DecodeSteps:
         embeds = kwargs.get("inputs_embeds")
         if embeds is not None:
             return embeds.dtype
-        return self.parts.decoder.get_input_embeddings().weight.dtype
+        decoder: Any = self.parts.decoder  # a transformers model: get_input_embeddings is a method
+        return decoder.get_input_embeddings().weight.dtype
 
     def _add_decode_hooks(self, entry: PromptDecode | BatchLayout) -> None:
         """At the first decode step of a cache that needs per-layer masks: register the decode hook of every layer
@@ -92,13 +110,13 @@ class DecodeSteps:
 
     def _decode_hook(self, index: int):
         def hook(module, args, kwargs):
-            return None if self.step is None else self._decode_layer(index, args, kwargs)
+            return self._decode_layer(index, args, kwargs)
 
         return hook
 
     def _decode_layer(self, index: int, args: tuple, kwargs: dict[str, Any]):
         """Before ``layers[index]`` in a decode step: its own mask, if this step's rule gives one."""
-        mask = self.step(index, kwargs.get("attention_mask"))
+        mask = None if self.step is None else self.step(index, kwargs.get("attention_mask"))
         if mask is None:
             return None
         kwargs["attention_mask"] = mask

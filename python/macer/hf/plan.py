@@ -89,7 +89,8 @@ def plan_batch(session: PlanContext, input_ids: torch.Tensor | None, root_kwargs
     batch_labels = labels.clone()
     batch_chunks = torch.full((batch, length), -1, dtype=torch.long)
     for b, pad in enumerate(pads):
-        end = None if ends[b] is None else ends[b] - pad
+        row_end = ends[b]
+        end = None if row_end is None else row_end - pad
         plan, record = plan_sample(session, None if ids is None else ids[b, pad:], labels[b, pad:],
                                     None if temporal is None else temporal[b, pad:], length - pad, end, pad)
         samples.append(PromptPrefill(plan, device, record))
@@ -101,6 +102,7 @@ def plan_batch(session: PlanContext, input_ids: torch.Tensor | None, root_kwargs
     else:
         valid = torch.ones(batch, length, dtype=torch.bool, device=device)
     on_device = to_device([batch_labels, batch_chunks, torch.tensor(pads)[:, None]], device)
-    tables = tuple(t.reshape(batch, -1) for t in on_device)
-    return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager", tables=tables,
+    labels_table, chunks_table, pads_table = (t.reshape(batch, -1) for t in on_device)
+    return BatchPrefill(samples, pads, length, valid, boolean=session.base != "eager",
+                        tables=(labels_table, chunks_table, pads_table),
                         padding_mask=session.base == "flash_attention_2")

@@ -79,6 +79,7 @@ class PromptPrefill(PrefillState):
     def compact(self, adapter: Adapter, index: int, args: tuple, kwargs: dict[str, Any]):
         """Before ``layers[index]``: keep the pending rows of every per-token input (one ``compact_many``)."""
         keep, self.pending = self.pending, None
+        assert keep is not None  # called where has_pending(): this engine runs its stages undeferred
         source = self.inputs or kwargs
         names, tensors, dims = token_tensors(adapter, args, kwargs, source)
         hidden, inputs = layer_inputs(adapter, names, compact_many(tensors, keep, dims))

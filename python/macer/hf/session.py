@@ -35,8 +35,6 @@ rows) is ``macer.hf.prefill.PromptPrefill`` around ``macer.core.prefill.PrefillS
 from __future__ import annotations
 
 import time
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +45,7 @@ from macer.hf.adapters import Adapter, DecoderParts
 from macer.hf.attention import ACTIVE, register_names, unregister_names
 from macer.hf.batch import BatchLayout, BatchPrefill
 from macer.hf.cache import cache_argument, output_cache
+from macer.hf.compiled import CompiledLayers, check_cache
 from macer.hf.decode import DecodeSteps, PromptDecode
 from macer.hf.plan import plan_batch, plan_prompt
 from macer.hf.prefill import PromptPrefill, raise_if_nonfinite
@@ -74,28 +73,26 @@ class _Clock:
         return time.perf_counter() - start
 
 
-class Session(DecodeSteps):
-    """One ``compress`` context: the hooks that live for the whole context, the prefill bracket, and the rows each
-    cached layer holds (for decoding: ``DecodeSteps``)."""
+class Session:
+    """One ``compress`` context: the hooks that live for the whole context and the prefill bracket; the decode steps
+    on the caches its prefills pruned are its ``decode`` (``macer.hf.decode.DecodeSteps``)."""
 
     def __init__(self, model, policy: Policy, adapter: Adapter, parts: DecoderParts, base: str, profile: bool,
-                 end_of_turn: int | None):
+                 end_of_turn: int | None, compile_options: dict[str, Any] | None = None):
         self.model, self.policy, self.adapter, self.parts = model, policy, adapter, parts
         self.base, self.profile, self.end_of_turn = base, profile, end_of_turn
+        # compress(..., compile=...): the layers run compiled, but for a prefill's readout layers (macer.hf.compiled)
+        self.compiled = None if compile_options is None else CompiledLayers(parts.layers, compile_options,
+                                                                             self._eager_layer)
         self.clock = _Clock(profile)
         self.trace = Trace()
         self.handles: list[Any] = []
-        # Decode-step hooks, registered once per layer that needs its own mask (at the first decode step that needs
-        # them) and kept until the context ends; they act only while ``self.step`` (this step's rule) is set.
-        self.decode_hooks: dict[int, Any] = {}
-        self.step: Callable[[int, Any], torch.Tensor | None] | None = None
+        self.decode = DecodeSteps(parts, base)
         self.name: str | None = None
         self.guarded: list[tuple[Any, str, Any]] = []
         self.prompt_ids: torch.Tensor | None = None
         self.root_kwargs: dict[str, Any] = {}
         self.state: PromptPrefill | BatchPrefill | None = None
-        # cache object -> what its decode steps need (``PromptDecode`` for a prompt, ``BatchLayout`` for a batch)
-        self.caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # ---------------------------------------------------------------- install / uninstall
     def install(self) -> None:
@@ -113,17 +110,20 @@ class Session(DecodeSteps):
             for obj, attr, value in self.adapter.guards(self.model):
                 self.guarded.append((obj, attr, obj.__dict__.get(attr, _MISSING)))
                 obj.__dict__[attr] = value
+            if self.compiled is not None:
+                self.compiled.install()
         except BaseException:
             self.uninstall()
             raise
 
     def uninstall(self) -> None:
         self._close_prefill()
-        self.step = None
-        for handle in [*self.handles, *self.decode_hooks.values()]:
+        self.decode.remove()
+        if self.compiled is not None:
+            self.compiled.uninstall()
+        for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        self.decode_hooks.clear()
         for obj, attr, value in reversed(self.guarded):
             if value is _MISSING:
                 obj.__dict__.pop(attr, None)
@@ -161,13 +161,13 @@ class Session(DecodeSteps):
         input_ids, self.prompt_ids = self.prompt_ids, None
         root_kwargs, self.root_kwargs = self.root_kwargs, {}
         self._close_prefill()
-        self.step = None
+        self.decode.end_step()
         embeds = kwargs.get("inputs_embeds")
         tokens = embeds if embeds is not None else kwargs.get("input_ids", args[0] if args else None)
         batch, length, device = tokens.shape[0], tokens.shape[1], tokens.device
         cache = cache_argument(kwargs)
         if cache is not None and cache.get_seq_length() > 0:
-            return self._begin_decode(cache, length, args, kwargs)
+            return self.decode.begin(cache, length, args, kwargs)
         if batch != 1:
             if not self.adapter.batch_ready:
                 raise ValueError(f"macer.compress: the {type(self.adapter).__name__} adapter does not support a batch "
@@ -175,6 +175,8 @@ class Session(DecodeSteps):
         if cache is not None and getattr(cache, "is_compileable", False):
             raise ValueError(f"macer.compress: {type(cache).__name__} is not supported (static caches cannot hold "
                              "layers of different lengths); use the default DynamicCache")
+        if self.compiled is not None:
+            check_cache(cache)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict):
             raise ValueError("macer.compress: precomputed attention-mask dicts are not supported; pass a 2-D mask")
@@ -196,7 +198,8 @@ class Session(DecodeSteps):
             for i in range(first, len(self.parts.layers)):
                 hook = self._layer_hook(i)
                 state.handles.append(self.parts.layers[i].register_forward_pre_hook(hook, with_kwargs=True))
-            if any(s.spec.needs_scores for s in stages):
+            if any(s.spec.needs_scores for s in stages) and self.compiled is None:
+                # Compiled layers keep the user's implementation; a readout layer switches for its own call.
                 self.parts.attn_config._attn_implementation = self.name
         self.state = state
         state.overhead += self.clock.tock(start)
@@ -206,7 +209,7 @@ class Session(DecodeSteps):
         """Decoder post-hook: finish a prefill (cache bookkeeping, optional trimming, trace record)."""
         state = self.state
         self._close_prefill()
-        self.step = None
+        self.decode.end_step()
         if state is None:
             return None
         cache = output_cache(output)
@@ -215,7 +218,7 @@ class Session(DecodeSteps):
         raise_if_nonfinite(state.nonfinite_flags())
         entry = state.finish(cache, self.policy.trim_early_cache, len(self.parts.layers))
         if cache is not None and entry is not None:
-            self.caches[cache] = entry if isinstance(entry, BatchLayout) else PromptDecode(*entry)
+            self.decode.caches[cache] = entry if isinstance(entry, BatchLayout) else PromptDecode(*entry)
         records = state.records(cache is not None, entry)
         state.overhead += self.clock.tock(start)
         for record in records:
@@ -234,6 +237,23 @@ class Session(DecodeSteps):
         scale = kwargs.get("scaling") or getattr(module, "scaling", None)
         state.run(query, key, scale, getattr(self.policy, "eps", 0.0), index + 1)
         state.overhead += self.clock.tock(start)
+
+    def _eager_layer(self, index: int):
+        """With compiled layers: how ``layers[index]`` runs eagerly in this prefill, or None (compiled). A layer whose
+        attention a stage reads runs its own forward with the tapped attention for that call."""
+        state = self.state
+        stage = None if state is None else state.stage_at(index + 1)
+        if stage is None or not stage.spec.needs_scores:
+            return None
+        return self._readout_call
+
+    def _readout_call(self, forward, args: tuple, kwargs: dict[str, Any]):
+        config = self.parts.attn_config
+        config._attn_implementation = self.name
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            config._attn_implementation = self.base
 
     def _layer_hook(self, index: int):
         def hook(module, args, kwargs):

@@ -42,10 +42,11 @@ __all__ = ["LabelledAdapter", "find_decoder", "label_rows"]
 def find_decoder(model: nn.Module) -> nn.Module:
     """The module of ``model`` that runs its decoder layers: ``model`` itself if it has ``layers``, else
     ``model.get_decoder()`` / ``model.model``; ``ValueError`` if none has the layer convention macer needs."""
-    candidates = [model]
+    hf_model: Any = model  # get_decoder is a transformers method, not a submodule lookup
+    candidates: list[Any] = [model]
     if hasattr(model, "get_decoder"):
         try:
-            candidates.append(model.get_decoder())
+            candidates.append(hf_model.get_decoder())
         except (AttributeError, NotImplementedError):
             pass
     candidates.append(getattr(model, "model", None))
@@ -108,7 +109,7 @@ def _as_position(name: str, value: Any, length: int) -> int | None:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.ndim <= 1 and not (
             value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= length:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) <= length:
         raise ValueError(f"{name} must be an integer position in [0, {length}] (the token closing the user's turn), "
                          f"got {value!r}")
     return int(value)
@@ -174,7 +175,7 @@ class LabelledAdapter(Adapter):
         self._question_end = _as_position("LabelledAdapter: question_end", question_end, self.length)
 
     def parts(self, model: nn.Module) -> DecoderParts:
-        decoder = find_decoder(model)
+        decoder: Any = find_decoder(model)
         outer = (model,) if model is not decoder else ()
         return DecoderParts(root=decoder, decoder=decoder, layers=decoder.layers, attn_config=decoder.config,
                             outer=outer)

@@ -16,7 +16,7 @@ attention mask) and plans it exactly as that prompt alone (see docs/integration.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -64,7 +64,7 @@ class BatchLabelledAdapter(LabelledAdapter):
         self.batch = batch
         self._batch_labels = torch.stack([row._labels for row in self.rows])
         self._batch_temporal = (None if temporal_positions is None
-                                else torch.stack([row._temporal for row in self.rows]))
+                                else torch.stack([cast(torch.Tensor, row._temporal) for row in self.rows]))
         self._question_ends = [row._question_end for row in self.rows]
 
     def _check_batch(self, batch: int) -> None:

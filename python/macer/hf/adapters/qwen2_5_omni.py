@@ -39,8 +39,9 @@ class QwenOmniAdapter(Adapter):
 
     family: ClassVar[QwenOmni]
 
-    def _thinker(self, model: nn.Module) -> nn.Module:
-        return model.thinker if model.config.model_type == self.family.FULL_MODEL_TYPE else model
+    def _thinker(self, model: nn.Module) -> Any:
+        hf_model: Any = model  # a transformers model: its config and thinker are attributes, not submodule lookups
+        return hf_model.thinker if hf_model.config.model_type == self.family.FULL_MODEL_TYPE else model
 
     def labels(self, model: nn.Module, input_ids: torch.Tensor | None) -> torch.Tensor:
         if input_ids is None:
@@ -49,7 +50,8 @@ class QwenOmniAdapter(Adapter):
         return self.family.labels(self._thinker(model).config, input_ids)
 
     def end_of_turn_token_id(self, model: nn.Module) -> int | None:
-        return self.family.end_of_turn_token_id(model.config)
+        hf_model: Any = model
+        return self.family.end_of_turn_token_id(hf_model.config)
 
     def temporal_positions(self, decoder_kwargs: dict[str, Any], length: int) -> torch.Tensor | None:
         position_ids = decoder_kwargs.get("position_ids")
@@ -91,7 +93,7 @@ class Qwen25OmniAdapter(QwenOmniAdapter):
 
     def parts(self, model: nn.Module) -> DecoderParts:
         thinker = self._thinker(model)
-        inner = getattr(thinker, "model", None)
+        inner: Any = getattr(thinker, "model", None)
         if hasattr(inner, "language_model"):  # transformers 5.2x: thinker.model is the multimodal model
             root, decoder = inner, inner.language_model
         elif hasattr(inner, "layers"):  # transformers 5.17: thinker.model is the text model
@@ -104,7 +106,8 @@ class Qwen25OmniAdapter(QwenOmniAdapter):
                             outer=(thinker,))
 
     def guards(self, model: nn.Module) -> list[tuple[Any, str, Any]]:
-        if model.config.model_type != "qwen2_5_omni":
+        hf_model: Any = model
+        if hf_model.config.model_type != "qwen2_5_omni":
             return []
 
         def generate(*args: Any, **kwargs: Any) -> Any:

@@ -64,13 +64,14 @@ class Qwen3OmniAdapter(QwenOmniAdapter):
         self._remap: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def parts(self, model: nn.Module) -> DecoderParts:
-        if model.config.model_type == "qwen3_omni_moe" and getattr(model, "has_talker", False):
+        hf_model: Any = model  # a transformers model: its config is an attribute, not a submodule lookup
+        if hf_model.config.model_type == "qwen3_omni_moe" and getattr(model, "has_talker", False):
             raise ValueError("macer.compress: this Qwen3-Omni model has its talker loaded; audio output reads the "
                              "thinker's hidden states of every prompt token, which a pruned prefill does not keep. "
                              "Call model.disable_talker() (text answers: generate(..., return_audio=False)) or "
                              "compress model.thinker")
         thinker = self._thinker(model)
-        inner = getattr(thinker, "model", None)
+        inner: Any = getattr(thinker, "model", None)
         if hasattr(inner, "language_model"):  # transformers 5.23: thinker.model is the multimodal model
             root, decoder = inner, inner.language_model
         else:  # transformers 5.19 (vLLM 0.32's): the thinker is the root, thinker.model the text model
