@@ -2,7 +2,9 @@
 // an evict_last hint) survive a large evict_first stream, and how much of it is read back from L2?
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/l2_setaside.cu -o l2_setaside    # benchmarks/gpu_check.sh builds it
-//   ./l2_setaside [--sizes 20,30,45] [--stream-mb 100] [--reps 5] [--csv FILE]
+//   ./l2_setaside [--sizes 20,30,45] [--stream-mb 100] [--reps 5] [--csv FILE] [--check-args]
+//
+// --check-args parses the options and exits before any CUDA call (gpu_check.sh's dry run on a machine without a GPU).
 //
 // Why: the S-A scoring kernels write the fp32 logits (45 MB at N = 100k, 7B shapes) and read them back after K
 // (102 MB) has streamed through a 60 MiB L2; the H200 run measured an L2 hit rate of 3 % on that read with evict_last
@@ -101,6 +103,7 @@ struct Options {
   double stream_mb = 100;
   int reps = 5;
   std::string csv;
+  bool check_args = false;
 };
 
 Options parse(int argc, char** argv) {
@@ -130,8 +133,10 @@ Options parse(int argc, char** argv) {
       o.reps = std::max(1, std::atoi(value().c_str()));
     } else if (a == "--csv") {
       o.csv = value();
+    } else if (a == "--check-args") {
+      o.check_args = true;
     } else if (a == "--help" || a == "-h") {
-      std::printf("usage: l2_setaside [--sizes 20,30,45] [--stream-mb 100] [--reps 5] [--csv FILE]\n");
+      std::printf("usage: l2_setaside [--sizes 20,30,45] [--stream-mb 100] [--reps 5] [--csv FILE] [--check-args]\n");
       std::exit(0);
     } else {
       std::fprintf(stderr, "l2_setaside: unknown argument %s\n", a.c_str());
@@ -151,6 +156,10 @@ Options parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   const Options opt = parse(argc, argv);
+  if (opt.check_args) {
+    std::printf("l2_setaside: arguments ok (--check-args: nothing run)\n");
+    return 0;
+  }
   int device = 0;
   CHECK(cudaGetDevice(&device));
   cudaDeviceProp prop{};
