@@ -23,7 +23,7 @@ On CPU the CUDA path's host code runs against a recording stand-in for ``macer_k
 not made. ``host_us`` is then measured (median over ``--calls`` prefills, one thread) and excludes the real
 ``cudaLaunchKernelEx`` calls (five per stage, ~2.5-4 us each on an H200 host, *est.*: ``launch_us_est``).
 ``device_us`` is an estimate on CPU (``device_source``): the kernel plan's budget for the restructured kernels
-(``../shared/notes/kernel-plan.md`` 5.4). With ``--device cuda`` both are measured: host time of each call alone
+(docs/cuda.md lists it per kernel). With ``--device cuda`` both are measured: host time of each call alone
 (its kernels run after the clock stops), device time between CUDA events around it.
 
 Not counted here (reported beside it in docs/cuda.md): the transformers engine's compaction of its own tensors
