@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from macer.core.policy import AUDIO, VISUAL, Plan
-from macer.core.stage import run_stage
+from macer.core.stage import ScoreReduce, run_stage
 from macer.core.transfer import to_device
 
 __all__ = ["PrefillState", "nonfinite_hits"]
@@ -90,14 +90,16 @@ class PrefillState:
         return count
 
     def run(self, query: torch.Tensor | None, key: torch.Tensor | None, scale: float | None, eps: float,
-            layer: int | None = None) -> None:
-        """The next stage on the current rows (``layer`` is the batch's argument; one prompt has one next stage)."""
+            layer: int | None = None, *, reduce: ScoreReduce | None = None) -> None:
+        """The next stage on the current rows (``layer`` is the batch's argument; one prompt has one next stage).
+        ``reduce``: where ``query`` holds only this process's share of the heads (tensor parallel), what makes its
+        scores those of all heads (``macer.core.stage.ScoreReduce``)."""
         stage, i = self.plan.stages[self.next], self.next
         self.next += 1
         if stage.tokens_after == stage.tokens_before:
             return  # the plan says nothing is dropped (keep ratio 1): no device work
         self.pending, flag = run_stage(stage, query, key, self.current, self.labels, self.chunks, self.queries[i],
-                                       self.picks[i], scale=scale, eps=eps)
+                                       self.picks[i], scale=scale, eps=eps, reduce=reduce)
         if flag is not None:
             self.nonfinite.append((stage.spec.layer, [0], flag))
 

@@ -5,12 +5,20 @@ only; both engines call ``run_stage`` (through ``macer.core.prefill.PrefillState
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from macer.core.policy import PlannedStage, Scoring, member_mask
 from macer_kernels import StageModality, coverage_select, modality_scores, select_stage, topk_indices
 
-__all__ = ["fused", "positions_where", "run_stage", "score"]
+__all__ = ["ScoreReduce", "fused", "positions_where", "run_stage", "score"]
+
+ScoreReduce = Callable[[torch.Tensor], torch.Tensor]
+"""``reduce(local) -> scores``: a stage's ``[n]`` fp32 scores from this process's share of the readout layer's heads
+to the scores of all of them, before the selection (a tensor-parallel engine's all-gather and fixed-order sum,
+``macer.vllm.parallel``). It must return the same bits in every process that takes part, or they select different
+rows."""
 
 
 def positions_where(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -47,8 +55,8 @@ def fused(stage: PlannedStage) -> bool:
 
 def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor | None, current: torch.Tensor,
               labels: torch.Tensor, chunks: torch.Tensor | None, question: torch.Tensor,
-              picks: tuple[torch.Tensor | None, ...], *, scale: float | None, eps: float
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+              picks: tuple[torch.Tensor | None, ...], *, scale: float | None, eps: float,
+              reduce: ScoreReduce | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(keep, nonfinite)``: the rows of the current sequence a stage keeps (sorted; ``stage.tokens_after`` of them)
     and a ``[1]`` bool device tensor, whether a token the stage ranks has a non-finite score (None for a stage
     without scores). The caller reads the flags once, at the prefill's end.
@@ -58,15 +66,18 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
         labels, chunks: per-prompt-position tables on the device (``chunks`` only for the coverage rule).
         question: the stage's query rows as prompt positions (device); ``picks``: the random rule's picks (device).
         query, key: the readout layer's post-RoPE queries and keys (None for a stage without scores).
+        reduce: None where ``query`` holds every head; else what turns the scores of the heads ``query`` holds into
+            the scores of all heads (``ScoreReduce``), applied between the scores and the selection.
 
     MACER's stages run the fused ``macer_kernels.select_stage`` (scores and every selection in one call, at most 4
     launches on the GPU backends); raw scores, joint and random selections compose the ops. Both take their sizes
     from the host plan and read nothing back. Both rank a NaN score below every number (ties to the lower index).
+    With ``reduce`` the ops are composed (the fused call scores and selects in one go, with no point between them).
     """
     spec = stage.spec
     cur_labels = labels[current]
     rows = torch.searchsorted(current, question) if spec.needs_scores else None
-    if fused(stage):
+    if fused(stage) and reduce is None:
         modalities = [StageModality(sel.modalities[0], count, sel.k,
                                     sel.coverage_weight if sel.rule == "coverage" else None,
                                     sel.num_chunks if sel.rule == "coverage" else None)
@@ -79,6 +90,8 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
     scores, flag = None, None
     if spec.needs_scores:
         scores = score(query, key, cur_labels, rows, spec.scoring, scale=scale, eps=eps)
+        if reduce is not None:
+            scores = reduce(scores)
         ranked = member_mask(cur_labels, tuple(m for sel in spec.selections if sel.rule != "random"
                                                 for m in sel.modalities))
         flag = (ranked & ~torch.isfinite(scores)).any()[None]

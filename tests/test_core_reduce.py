@@ -1,0 +1,129 @@
+"""The score reduce of ``macer.core.stage.run_stage`` (issue 38): a tensor-parallel engine's stage scores with its
+own heads only and passes a ``reduce`` that makes those scores the scores of all heads before the selection.
+
+Two "ranks" run in two threads of this process, each with half of the query heads and its KV head (vLLM's split for
+``Hq = 4, Hkv = 2`` at ``tp = 2``); their reduce exchanges the local score vectors through a barrier (what an
+all-gather does) and takes the rank-order mean (``macer.vllm.parallel.fixed_order_mean``'s rule, written here again:
+the core must not import the plugin). On fresh random prompts and queries/keys, for every policy that scores, each
+rank keeps exactly the rows of the stage run with all heads and no reduce (the fused ``select_stage`` where MACER
+uses it), and the two ranks keep the same rows.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import macer
+import pytest
+import torch
+from macer.core.policy import AUDIO, TEXT, VISUAL, PromptFacts, plan_prefill
+from macer.core.prefill import PrefillState
+
+EOT = 2
+LAYERS = 6
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+def policies() -> dict:
+    base = {"audio_layer": 2, "video_layer": 4, "end_of_turn_token_id": EOT}
+    out = {name: macer.make_policy(name, keep_ratio=0.3, **base)
+           for name in ("macer", "macer_raw", "shared_topk", "no_coverage")}
+    out["single_readout"] = macer.make_policy("single_readout", keep_ratio=0.3, video_layer=3, end_of_turn_token_id=EOT)
+    out["fastv"] = macer.FastVConfig(keep_ratio=0.3, layer=2)
+    return out
+
+
+def prompt(generator: torch.Generator) -> PromptFacts:
+    n_audio, n_video = (int(torch.randint(8, 40, (1,), generator=generator)) for _ in range(2))
+    labels = [TEXT] * 4 + [AUDIO] * n_audio + [VISUAL] * n_video + [TEXT] * 6 + [EOT] + [TEXT] * 3
+    ids = [EOT if label == EOT else (17 if label == TEXT else 300) for label in labels]
+    labels = [TEXT if label == EOT else label for label in labels]
+    return PromptFacts(labels=torch.tensor(labels), temporal=torch.arange(len(labels)), input_ids=torch.tensor(ids),
+                       end_of_turn_token_id=EOT, num_layers=LAYERS)
+
+
+def run_ranks(plan, draws: list[tuple[torch.Tensor, torch.Tensor]], world: int = 2) -> list[list[torch.Tensor]]:
+    """Every stage of ``plan`` on ``world`` ranks at once (threads); each rank's kept rows per stage."""
+    barrier = threading.Barrier(world)
+    shared: list[torch.Tensor | None] = [None] * world
+    kept: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    errors: list[BaseException] = []
+    per_q, per_kv = HEADS // world, KV_HEADS // world
+
+    def rank(r: int) -> None:
+        def reduce(local: torch.Tensor) -> torch.Tensor:
+            shared[r] = local
+            barrier.wait()
+            parts = torch.stack(list(shared))
+            barrier.wait()
+            total = parts[0].clone()
+            for row in parts[1:]:
+                total += row
+            return total * (1.0 / world)
+
+        try:
+            state = PrefillState(plan, torch.device("cpu"))
+            for query, key in draws:
+                n = state.current.numel()
+                q = query[:, r * per_q:(r + 1) * per_q, :n]
+                k = key[:, r * per_kv:(r + 1) * per_kv, :n]
+                state.run(q, k, None, 1e-6, reduce=reduce)
+                if state.pending is not None:
+                    state.current = state.current[state.pending]
+                kept[r].append(state.current.clone())
+        except BaseException as error:  # noqa: BLE001 (reported by the test)
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return kept
+
+
+@pytest.mark.parametrize("name", sorted(policies()))
+def test_ranks_with_a_share_of_the_heads_keep_the_rows_of_all_heads(name, seed):
+    """Guards the tensor-parallel stage (issue 38 item 1): scores from half the heads, reduced, select exactly what
+    the stage selects with every head, on both ranks (checked on 6 random prompts per policy)."""
+    generator = torch.Generator().manual_seed(seed)
+    policy = policies()[name]
+    for _ in range(6):
+        facts = prompt(generator)
+        plan = plan_prefill(policy, facts)
+        n = facts.length
+        draws = [(torch.randn(1, HEADS, n, DIM, generator=generator), torch.randn(1, KV_HEADS, n, DIM,
+                                                                                   generator=generator))
+                 for _ in plan.stages]
+        alone = PrefillState(plan, torch.device("cpu"))
+        want = []
+        for query, key in draws:
+            m = alone.current.numel()
+            alone.run(query[:, :, :m], key[:, :, :m], None, 1e-6)
+            if alone.pending is not None:
+                alone.current = alone.current[alone.pending]
+            want.append(alone.current.clone())
+        ranks = run_ranks(plan, draws)
+        for got in ranks:
+            assert [g.tolist() for g in got] == [w.tolist() for w in want], name
+        assert want[-1].numel() == plan.layer_tokens[-1] < n
+
+
+def test_a_reduce_that_differs_between_ranks_makes_them_select_differently(seed):
+    """The reduce is what makes the ranks agree: without it (each rank selecting from its own heads) the ranks keep
+    different rows on these random scores, so the test above could see a broken reduce."""
+    generator = torch.Generator().manual_seed(seed)
+    facts = prompt(generator)
+    plan = plan_prefill(policies()["macer"], facts)
+    n = facts.length
+    query, key = torch.randn(1, HEADS, n, DIM, generator=generator), torch.randn(1, KV_HEADS, n, DIM,
+                                                                                  generator=generator)
+    kept = []
+    for r in range(2):
+        state = PrefillState(plan, torch.device("cpu"))
+        state.run(query[:, 2 * r:2 * r + 2], key[:, r:r + 1], None, 1e-6, reduce=lambda local: local)
+        kept.append(state.pending.tolist())
+    assert kept[0] != kept[1]
