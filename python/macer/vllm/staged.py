@@ -39,6 +39,7 @@ from macer.core.policy import Policy
 from macer.core.steps import CHUNK, PREFILL, Row, StepPlan, plan_step, row_kind
 from macer.vllm.backend import StageMetadata, attention_modules, check_backends, readout, step_context, zero_tail
 from macer.vllm.checks import check_policy, refuse
+from macer.vllm.parallel import TensorRanks
 from macer.vllm.prompt import PromptLabels
 from macer.vllm.request_settings import RequestPolicies
 from macer.vllm.settings import SETTINGS_KEY, free_kv
@@ -114,6 +115,7 @@ class StagedDecoder:
         _check_policy(policy, len(self.layers), prompt)
         self.policies = RequestPolicies(settings, model_config.hf_config, model_config.architecture, policy)
         self.kv_start = _compacted(self.attns, policy, settings)
+        self.ranks = TensorRanks.of(vllm_config)  # tensor parallel: the stages' score reduce and guard
         self.states = RequestStates()
         self.runner: Any = None
         self.metadata: StageMetadata | None = None
@@ -334,6 +336,9 @@ class StagedDecoder:
             query, key = args[0], args[1]
             for state, offset, count in armed[1]:
                 q, k, scale = readout(module, query[offset: offset + count], key[offset: offset + count])
-                state.prefill.run(q, k, scale, getattr(state.policy, "eps", 0.0))
+                reduce = None if self.ranks is None else self.ranks.reduce
+                state.prefill.run(q, k, scale, getattr(state.policy, "eps", 0.0), reduce=reduce)
+                if self.ranks is not None:
+                    self.ranks.agree(state.request_id, index, state.prefill.pending)
 
         return hook

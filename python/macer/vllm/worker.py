@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from macer.vllm import records
+from macer.vllm import parallel, records
 
 # MacerCPUWorker and MacerGPUWorker are attributes too, built on first access (``__getattr__``).
 __all__ = ["MacerWorkerMixin", "configure_engine", "worker_problems"]
@@ -60,6 +60,7 @@ class MacerWorkerMixin:
         # The step's kept rows were copied to the host before the sampler ran: waiting for them costs a prefill step
         # nothing under synchronous scheduling, and a request that finishes in this step still gets its record.
         records.finish_pending(block=True)
+        parallel.check_agreement()  # tensor parallel: every rank kept the same rows (macer.vllm.parallel)
         return _with_records(out, records.drain())
 
 
