@@ -101,8 +101,9 @@ class TensorRanks:
         return fixed_order_mean(self.group.all_gather(local.float().contiguous()[None], dim=0))
 
     def agree(self, request_id: str, layer: int, keep: torch.Tensor | None) -> None:
-        """After a stage of ``request_id`` read at decoder layer index ``layer``: gather every rank's kept rows and
-        keep a device flag, set where some rank kept other rows (read by ``check_agreement``; no host read here)."""
+        """After the stage of ``request_id`` at ``layer`` (its ``StageSpec.layer``; it reads ``layers[layer - 1]``):
+        gather every rank's kept rows and keep a device flag, set where some rank kept other rows (read by
+        ``check_agreement``; no host read here)."""
         if keep is None:
             return
         # As fp32 (exact for indices below 2**24, far above any context length): vLLM's CPU shared-memory all-gather

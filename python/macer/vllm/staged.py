@@ -339,6 +339,6 @@ class StagedDecoder:
                 reduce = None if self.ranks is None else self.ranks.reduce
                 state.prefill.run(q, k, scale, getattr(state.policy, "eps", 0.0), reduce=reduce)
                 if self.ranks is not None:
-                    self.ranks.agree(state.request_id, index, state.prefill.pending)
+                    self.ranks.agree(state.request_id, index + 1, state.prefill.pending)
 
         return hook
