@@ -36,7 +36,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorRanks", "check_agreement", "fixed_order_mean", "main", "parallel_problems", "plugin_status"]
+__all__ = ["PIPELINE_ARCHITECTURES", "ROWS_KEY", "PipelineRanks", "TensorRanks", "check_agreement",
+           "fixed_order_mean", "intermediate_buffers", "main", "parallel_problems", "plugin_status", "with_rows"]
+
+PIPELINE_ARCHITECTURES = ("MacerQwen2ForCausalLM",)
+"""The MACER architectures built for pipeline parallel (the Omni thinkers hand the encoders' outputs and
+Qwen3-Omni's deepstack features between ranks as well, which is not built)."""
+
+ROWS_KEY = "macer_rows"
+"""The intermediate tensor that carries, from one pipeline rank to the next, which of the step's rows the hidden
+states hold (``PipelineRanks``)."""
 
 
 def parallel_problems(vllm_config: Any) -> list[str]:
@@ -47,9 +56,10 @@ def parallel_problems(vllm_config: Any) -> list[str]:
     parallel = vllm_config.parallel_config
     problems = []
     pipeline = parallel.pipeline_parallel_size
-    if pipeline > 1:
-        problems.append(f"{who}: --pipeline-parallel-size={pipeline} is not supported (the ranks after a stage would "
-                        "receive its compacted rows, which vLLM's intermediate-tensor buffers do not carry): use "
+    if pipeline > 1 and arch not in PIPELINE_ARCHITECTURES:
+        problems.append(f"{who}: --pipeline-parallel-size={pipeline} is not supported for this architecture (its "
+                        "ranks would also hand over the encoders' outputs and, on Qwen3-Omni, the deepstack features "
+                        "of the rows a stage keeps; only MacerQwen2ForCausalLM is built for it): use "
                         "--pipeline-parallel-size 1 and --tensor-parallel-size for more devices")
     for flag, size, why in (
             ("prefill-context-parallel-size", getattr(parallel, "prefill_context_parallel_size", 1), "each rank holds "
@@ -129,6 +139,112 @@ class TensorRanks:
 
 
 _PENDING: list[TensorRanks] = []
+
+
+@dataclass(eq=False)
+class PipelineRanks:
+    """The pipeline-parallel side of one engine's staged decoder: this rank holds decoder layers ``[first, stop)``
+    of ``num_layers``. Every rank plans every request from its prompt (the plan is a function of the prompt alone),
+    so each builds its own compacted metadata and KV groups for its layers; the data-dependent part, which rows a
+    stage kept, travels with the hidden states. A rank that is not the last hands over the step's ``[T, hidden]``
+    hidden states and residual (the rows it still holds at their step positions, the dropped ones zero) and
+    ``ROWS_KEY``: those rows' step positions, ``-1`` after them (fp32, exact below 2**24: the CPU build's collectives
+    move floating tensors only). The next rank gathers them where its plan's first segment starts and takes over
+    the stages that ran before it (``entered``). A stage whose readout is this rank's last layer is applied here,
+    before the hand-over (``PreparedStep.handover``: the gather the next rank's plan starts with)."""
+
+    first: int
+    stop: int
+    num_layers: int
+    is_first: bool
+    is_last: bool
+    received: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, vllm_config: Any, model: Any) -> PipelineRanks | None:
+        """``model``'s ranks (vLLM's ``Qwen2Model``: ``start_layer``, ``end_layer``), or None without pipeline
+        parallel."""
+        if vllm_config.parallel_config.pipeline_parallel_size <= 1:
+            return None
+        from vllm.distributed import get_pp_group
+
+        group = get_pp_group()
+        return cls(model.start_layer, model.end_layer, len(model.layers), group.is_first_rank, group.is_last_rank)
+
+    def local(self, layer_tokens: tuple[int, ...], extra: int = 0) -> tuple[int, ...]:
+        """A request's per-layer prompt rows of this rank's layers (and ``extra`` more after them)."""
+        return tuple(layer_tokens[self.first: self.stop + extra])
+
+    def handover_segment(self, rows: list[Any]) -> Any:
+        """The segment of the next rank's first layer, if it starts with a gather (a stage read this rank's last
+        layer), planned over this rank's layers and that one (``rows``: the step's ``macer.core.steps.Row``)."""
+        from dataclasses import replace
+
+        from macer.core.steps import plan_step
+
+        if self.is_last:
+            return None
+        plan = plan_step([replace(row, layer_tokens=self.local(row.layer_tokens, 1)) for row in rows])
+        last = self.stop - self.first
+        found = [segment for segment in plan.segments if segment.start == last and segment.gather is not None]
+        return found[0] if found else None
+
+    def receive(self, intermediate: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous rank's hidden states and residual; keeps its rows for ``entered``."""
+        self.received = intermediate[ROWS_KEY]
+        return intermediate["hidden_states"], intermediate["residual"]
+
+    def entered(self, step: Any, segment: Any) -> torch.Tensor:
+        """The step rows this rank's first segment holds (the previous rank's ``ROWS_KEY``), and, for every request
+        whose first prefill is in the step, the state of its stages that ran on earlier ranks: the next stage to
+        run and the prompt positions of the rows it holds (sizes from the plan, no host read)."""
+        rows = self.received[: segment.num_tokens].long()
+        for i in step.fresh:
+            prefill = step.states[i].prefill
+            prefill.next = sum(1 for stage in prefill.plan.stages if stage.spec.layer <= self.first)
+            prefill.pending = None
+            kept = step.states[i].layout.layer_tokens[self.first]
+            start = segment.query_start[i]
+            prefill.current = rows[start: start + kept] - step.query_start[i]
+        return rows
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor, origin: torch.Tensor | None, total: int) -> Any:
+        """What this rank hands to the next (class docstring)."""
+        from vllm.sequence import IntermediateTensors
+
+        if origin is None:
+            rows = torch.arange(total, device=hidden.device, dtype=torch.float32)
+        else:
+            rows = torch.full((total,), -1.0, device=hidden.device)
+            rows[: origin.numel()] = origin
+            hidden = hidden.new_zeros(total, hidden.shape[-1]).index_copy_(0, origin, hidden)
+            residual = residual.new_zeros(total, residual.shape[-1]).index_copy_(0, origin, residual)
+        return IntermediateTensors({"hidden_states": hidden, "residual": residual, ROWS_KEY: rows})
+
+
+def with_rows(make_empty: Any) -> Any:
+    """``make_empty_intermediate_tensors`` of a MACER model: vLLM's (hidden states, residual) and ``ROWS_KEY``,
+    the buffers a later pipeline rank receives into."""
+
+    def make(batch_size: int, dtype: torch.dtype, device: torch.device) -> Any:
+        tensors = make_empty(batch_size=batch_size, dtype=dtype, device=device)
+        tensors.tensors[ROWS_KEY] = torch.zeros(batch_size, dtype=torch.float32, device=device)
+        return tensors
+
+    return make
+
+
+def intermediate_buffers(runner: Any) -> None:
+    """Allocate the runner's buffer of received intermediate tensors on a pipeline rank after the first, where vLLM
+    0.32's CPU runner never does: it allocates it in its warm-up forward (``_dummy_run``), which it skips in eager
+    mode, and the first step then fails (``assert self.intermediate_tensors is not None``). The same call as
+    ``_dummy_run``'s."""
+    from vllm.distributed import get_pp_group
+
+    if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", False) is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
 
 
 def check_agreement() -> None:

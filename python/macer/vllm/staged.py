@@ -39,7 +39,7 @@ from macer.core.policy import Policy
 from macer.core.steps import CHUNK, PREFILL, Row, StepPlan, plan_step, row_kind
 from macer.vllm.backend import StageMetadata, attention_modules, check_backends, readout, step_context, zero_tail
 from macer.vllm.checks import check_policy, refuse
-from macer.vllm.parallel import TensorRanks
+from macer.vllm.parallel import PipelineRanks, TensorRanks
 from macer.vllm.prompt import PromptLabels
 from macer.vllm.request_settings import RequestPolicies
 from macer.vllm.settings import SETTINGS_KEY, free_kv
@@ -68,6 +68,7 @@ class PreparedStep:
     query_start: list[int]
     metadata: dict[str, tuple[Any, torch.Tensor]]
     tails: dict[str, torch.Tensor]
+    handover: Any = None  # pipeline parallel: the gather the next rank starts with (``PipelineRanks``)
 
 
 def _check_policy(policy: Policy, num_layers: int, prompt: PromptLabels) -> None:
@@ -77,17 +78,19 @@ def _check_policy(policy: Policy, num_layers: int, prompt: PromptLabels) -> None
     check_policy(policy, end_of_turn)
 
 
-def _compacted(attns: list[nn.Module], policy: Policy, settings: Any) -> int | None:
+def _compacted(attns: list[nn.Module], policy: Policy, settings: Any, first: int = 0,
+               num_layers: int | None = None) -> int | None:
     """The first layer whose KV cache groups hold only the kept rows (issue 29, ``macer.vllm.kv``), its layers made
-    to declare so; None where the engine does not free KV memory (``free_kv`` off, or nothing to compact)."""
+    to declare so; None where the engine does not free KV memory (``free_kv`` off, or nothing to compact).
+    ``attns``: the decoder's layers ``first ..`` of ``num_layers`` (a pipeline rank holds some of them)."""
     if not free_kv(settings):
         return None
     from macer.core.kv_memory import compacted_start
     from macer.vllm.kv import declare_compacted
 
-    start = compacted_start(policy, len(attns))
+    start = compacted_start(policy, len(attns) if num_layers is None else num_layers)
     if start is not None:
-        declare_compacted(attns[start:])
+        declare_compacted(attns[max(start - first, 0):])
     return start
 
 
@@ -106,15 +109,18 @@ class StagedDecoder:
                  after_layer: AfterLayer | None = None):
         self.model, self.prompt, self.vllm_config = model, prompt, vllm_config
         self.after_layer = after_layer
-        self.layers = list(model.layers)
+        self.pipe = PipelineRanks.of(vllm_config, model)  # pipeline parallel: this rank's layers, the hand-over
+        self.num_layers = len(model.layers)
+        self.first = 0 if self.pipe is None else self.pipe.first  # index of self.layers[0] in the decoder
+        self.layers = list(model.layers)[self.first: None if self.pipe is None else self.pipe.stop]
         self.attns = attention_modules(self.layers)
         self.names = [attn.layer_name for attn in self.attns]
         model_config = vllm_config.model_config
         check_backends(self.attns, model_config.architecture)
         settings = (vllm_config.additional_config or {}).get(SETTINGS_KEY)
-        _check_policy(policy, len(self.layers), prompt)
+        _check_policy(policy, self.num_layers, prompt)
         self.policies = RequestPolicies(settings, model_config.hf_config, model_config.architecture, policy)
-        self.kv_start = _compacted(self.attns, policy, settings)
+        self.kv_start = _compacted(self.attns, policy, settings, self.first, self.num_layers)
         self.ranks = TensorRanks.of(vllm_config)  # tensor parallel: the stages' score reduce and guard
         self.states = RequestStates()
         self.runner: Any = None
@@ -133,7 +139,7 @@ class StagedDecoder:
         process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
         from macer.vllm.kv import follow_default
 
-        _check_policy(policy, len(self.layers), self.prompt)
+        _check_policy(policy, self.num_layers, self.prompt)
         if self.kv_start is not None and not follow_default(self.vllm_config, policy):
             raise RuntimeError("macer: use_policy on an engine that frees KV memory (free_kv) needs the engine's "
                                "scheduler in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): it sizes each request's "
@@ -156,13 +162,15 @@ class StagedDecoder:
         from macer.vllm.kv import check_groups
 
         self.runner = runner
-        check_groups(runner.kv_cache_config, self.names, self.kv_start)
+        local = None if self.kv_start is None else min(max(self.kv_start - self.first, 0), len(self.names))
+        check_groups(runner.kv_cache_config, self.names, local)
         self.metadata = StageMetadata(runner, self.names)
         try:
             self.metadata.self_test(vllm.__version__)
         except RuntimeError as error:
             refuse([str(error)], f"{self.vllm_config.model_config.architecture} (macer)")
-        builder = runner.attn_groups[0][0].get_metadata_builder()
+        # The KV group of this rank's first layer (a later pipeline rank holds no layer of group 0).
+        builder = runner.attn_groups[self.metadata.group_of[self.names[0]]][0].get_metadata_builder()
         build = builder.build
 
         def hooked(*args: Any, **kwargs: Any) -> Any:
@@ -207,12 +215,16 @@ class StagedDecoder:
                 fresh.append(i)
             rows.append(Row(prompt_len, state.layout.layer_tokens, computed[i], query))
             states.append(state)
+        handover = None
+        if self.pipe is not None:  # this rank's layers; the gather the next rank starts with
+            handover = self.pipe.handover_segment(rows)
+            rows = [Row(r.prompt_len, self.pipe.local(r.layer_tokens), r.computed, r.query) for r in rows]
         plan = plan_step(rows)
         metadata = {} if plan.plain else self.metadata.build(plan, common)
         seq_lens = [row.computed + row.query for row in rows]
         self.metadata.check_owned(plan, seq_lens)
         tails = self.metadata.tails(plan, seq_lens)
-        step = PreparedStep(plan, states, fresh, query_start, metadata, tails)
+        step = PreparedStep(plan, states, fresh, query_start, metadata, tails, handover)
         if self.on_step is not None:
             self.on_step(step, runner)
         return step
@@ -222,7 +234,7 @@ class StagedDecoder:
         mrope = getattr(request, "mrope_positions", None)
         params = getattr(request, "sampling_params", None)
         state = plan_request(request_id, request.prompt_token_ids, None if mrope is None else mrope[0],
-                             getattr(params, "extra_args", None), self.policies, self.prompt, len(self.layers),
+                             getattr(params, "extra_args", None), self.policies, self.prompt, self.num_layers,
                              self.runner.device, whole=whole)
         if not state.layout.pruned:
             state.record_unpruned()  # host values only: its record is complete now
@@ -230,14 +242,19 @@ class StagedDecoder:
 
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """vLLM's ``Qwen2Model.forward`` (first and last pipeline rank) with the stages; ``[T, hidden]`` rows."""
+                inputs_embeds: torch.Tensor | None = None, intermediate_tensors: Any = None) -> Any:
+        """vLLM's ``Qwen2Model.forward`` with the stages; ``[T, hidden]`` rows (a pipeline rank that is not the
+        last returns ``IntermediateTensors``: ``PipelineRanks``)."""
         from vllm.forward_context import get_forward_context
 
-        hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
+        residual = None
+        if self.pipe is not None and not self.pipe.is_first:
+            hidden, residual = self.pipe.receive(intermediate_tensors)
+        else:
+            hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
         step, self.prepared = self.prepared, None
-        if step is None or step.plan.plain:
-            return self._layers(hidden, positions, {} if step is None else step.tails)
+        if step is None or (step.plan.plain and step.handover is None):
+            return self._layers(hidden, positions, {} if step is None else step.tails, residual)
         if hidden.shape[0] != step.plan.num_tokens:
             raise RuntimeError(f"macer: the forward has {hidden.shape[0]} rows for the step's "
                                f"{step.plan.num_tokens} tokens (a padded batch: CUDA graphs or data parallel, which "
@@ -246,46 +263,50 @@ class StagedDecoder:
         with step_context(context):
             for name, (metadata, slots) in step.metadata.items():
                 context.attn_metadata[name], context.slot_mapping[name] = metadata, slots
-            hidden = self._staged(step, hidden, positions)
+            hidden = self._staged(step, hidden, positions, residual)
         for i in step.fresh:
             step.states[i].prefilled = True
-            step.states[i].start_record()
+            if self.pipe is None or self.pipe.is_last:  # the rank whose output reaches the scheduler
+                step.states[i].start_record()
         return hidden
 
-    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor,
-                tails: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, tails: dict[str, torch.Tensor],
+                residual: torch.Tensor | None = None) -> Any:
         """The layers as vLLM runs them, with whatever metadata the forward context holds (and the step's tails
         zeroed: ``StageMetadata.tails``)."""
-        residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             tail = tails.get(self.names[index])
             if tail is not None:
                 zero_tail(self.attns[index], tail, hidden.dtype)
             hidden, residual = layer(positions, hidden, residual)
             if self.after_layer is not None:
-                hidden = self.after_layer(index, hidden, None)
+                hidden = self.after_layer(self.first + index, hidden, None)
+        if self.pipe is not None and not self.pipe.is_last:
+            return self.pipe.send(hidden, residual, None, hidden.shape[0])
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def _staged(self, step: PreparedStep, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _staged(self, step: PreparedStep, hidden: torch.Tensor, positions: torch.Tensor,
+                residual: torch.Tensor | None = None) -> Any:
         total = hidden.shape[0]
         segments = {segment.start: segment for segment in step.plan.segments}
         offsets, origin = step.query_start, None
-        residual: torch.Tensor | None = None
         for i in step.fresh:  # a stage before the first layer (the random rule): no readout
-            if step.states[i].prefill.stage_at(0) is not None:
+            if self.first == 0 and step.states[i].prefill.stage_at(0) is not None:
                 step.states[i].prefill.run(None, None, None, 0.0)
         for index, layer in enumerate(self.layers):
             segment = segments.get(index)
             if segment is not None:
                 if segment.gather is not None:
-                    rows = self._rows(step, segment, hidden.device)
+                    received = index == 0 and self.pipe is not None and not self.pipe.is_first
+                    rows = self.pipe.entered(step, segment) if received else self._rows(step, segment, hidden.device)
                     hidden, positions = hidden[rows], positions[..., rows]
                     residual = None if residual is None else residual[rows]
                     origin = rows if origin is None else origin[rows]
                 offsets = segment.query_start
-            armed = [(step.states[i], offsets[i], step.states[i].layout.layer_tokens[index]) for i in step.fresh
-                     if step.states[i].prefill.stage_at(index + 1) is not None]
+            layer_index = self.first + index  # in the whole decoder
+            armed = [(step.states[i], offsets[i], step.states[i].layout.layer_tokens[layer_index]) for i in step.fresh
+                     if step.states[i].prefill.stage_at(layer_index + 1) is not None]
             self._armed = (index, armed) if armed else None
             tail = step.tails.get(self.names[index])
             if tail is not None:
@@ -295,7 +316,13 @@ class StagedDecoder:
             finally:
                 self._armed = None
             if self.after_layer is not None:
-                hidden = self.after_layer(index, hidden, origin)
+                hidden = self.after_layer(layer_index, hidden, origin)
+        if self.pipe is not None and not self.pipe.is_last:
+            if step.handover is not None:  # the stage that read this rank's last layer is applied here
+                rows = self._rows(step, step.handover, hidden.device)
+                hidden, residual = hidden[rows], residual[rows]
+                origin = rows if origin is None else origin[rows]
+            return self.pipe.send(hidden, residual, origin, total)
         hidden, _ = self.model.norm(hidden, residual)
         if origin is None:
             return hidden
@@ -339,6 +366,6 @@ class StagedDecoder:
                 reduce = None if self.ranks is None else self.ranks.reduce
                 state.prefill.run(q, k, scale, getattr(state.policy, "eps", 0.0), reduce=reduce)
                 if self.ranks is not None:
-                    self.ranks.agree(state.request_id, index + 1, state.prefill.pending)
+                    self.ranks.agree(state.request_id, self.first + index + 1, state.prefill.pending)
 
         return hook

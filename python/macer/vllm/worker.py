@@ -43,6 +43,8 @@ class MacerWorkerMixin:
             # Builders made under the engine's config, as the runner makes its own (FlashInfer's __init__ reads it).
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
                 decoder.bind(self.model_runner)  # type: ignore[attr-defined]
+            if decoder.pipe is not None:
+                parallel.intermediate_buffers(self.model_runner)  # type: ignore[attr-defined]
 
     def execute_model(self, scheduler_output: Any) -> Any:
         records.finish_pending()
