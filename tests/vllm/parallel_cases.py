@@ -81,8 +81,7 @@ def reference(shared_engine: Any, hf_model: Any, tiny_checkpoint: Any) -> dict[s
 
     config = AutoConfig.from_pretrained(tiny_checkpoint)
     for name, prompt, extra in requests():
-        out = shared_engine.llm.generate([{"prompt_token_ids": prompt}], sampling(extra), use_tqdm=False)[0]
-        got = result(out)
+        got = result(shared_engine.llm.generate([{"prompt_token_ids": prompt}], sampling(extra), use_tqdm=False)[0])
         policy = request_policy(shared_engine.settings, request_overrides(extra), config, ARCHITECTURE)
         hf = hf_run(hf_model, None if name == "refused plan" else policy, prompt, steps=TOKENS)
         got["hf"] = {"tokens": hf["tokens"], "record": hf["record"]}

@@ -86,7 +86,7 @@ def test_a_rank_that_keeps_other_rows_stops_the_engine(tp_engine):
         return True
 
     assert tp_engine.collective_rpc(plant) == [True, True]
-    name, prompt, extra = requests()[0]
+    _, prompt, extra = requests()[0]
     with pytest.raises(Exception, match=r"tensor-parallel ranks kept different rows for request \d+-\w+ at the "
                                         r"stage reading layer 2") as caught:
         tp_engine.generate([{"prompt_token_ids": prompt}], sampling(extra), use_tqdm=False)
