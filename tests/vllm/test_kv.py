@@ -214,32 +214,6 @@ def test_vllms_own_grouping_agrees_with_the_formula(freeing):
         assert got == kv_groups(layers, start), (layers, start)
 
 
-def test_a_prompt_the_scheduler_cuts_is_sized_unpruned():
-    """Guards a multimodal prompt that vLLM's scheduler cuts before an item (the encoder budget; the worker then
-    serves it unpruned) keeping its smaller compacted allocation: its drop goes to 0 before its blocks are
-    allocated; a whole prompt or a decode keeps it."""
-    from macer.vllm.scheduler import MacerSchedulerMixin
-
-    class Base:
-        def __init__(self, scheduled):
-            self.scheduled = scheduled
-
-        def _try_schedule_encoder_inputs(self, request, computed, new, budget, shift_computed_tokens=0):
-            return [0], self.scheduled, budget, [], []
-
-    class Scheduler(MacerSchedulerMixin, Base):
-        pass
-
-    request = SimpleNamespace(request_id="r", num_tokens=100)
-    for scheduled, computed, cut in ((40, 0, ["r"]), (100, 0, []), (0, 0, []), (1, 99, []), (60, 40, [])):
-        scheduler = Scheduler.__new__(Scheduler)  # not MacerSchedulerMixin.__init__: it needs an engine
-        Base.__init__(scheduler, scheduled)
-        cuts: list[str] = []
-        scheduler.macer_kv = SimpleNamespace(cut=cuts.append)
-        assert scheduler._try_schedule_encoder_inputs(request, computed, 100 - computed, 10)[1] == scheduled
-        assert cuts == cut, (scheduled, computed)
-
-
 def test_the_workers_checks_of_the_kv_groups_name_what_disagrees():
     """The worker's guards against a scheduler that sized a request otherwise than the worker plans it, and a
     grouping vLLM made otherwise than the plugin declared: each raises naming what it found (these are invariants,

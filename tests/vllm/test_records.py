@@ -52,3 +52,30 @@ def test_external_id_strips_vllms_suffix(monkeypatch):
     assert external_id("short-abc") == "short-abc"
     monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
     assert external_id("chat-1-abcdefgh") == "chat-1-abcdefgh"
+
+
+def test_a_later_record_of_a_request_appends_its_note_to_the_first():
+    """Guards a request's first record being overwritten (review finding 8: a pruned request whose recompute the
+    scheduler cut was served unpruned from then on, and its second record replaced the first, so the caller read
+    "served without pruning" for a request whose first tokens were pruned): the first record stays, in this process,
+    in what the scheduler takes and in what the worker sends, with the later note appended once (a WARNING); a later
+    record with nothing new changes nothing."""
+    from macer.vllm.records import LATER, drain
+
+    clear()
+    first = record("9-0a1b2c3d", Budget(3, 1, 2), {"audio": [4], "video": [9, 12]}, [20, 20, 17, 17],
+                   policy="macer", keep_ratio=0.25, prompt={"audio": 4, "video": 8, "text": 8})
+    cut = "served without pruning: the scheduler split the prompt"
+    with macer_log() as seen:
+        merged = record("9-0a1b2c3d", None, {"audio": [0, 1, 2, 3]}, [20, 20, 20, 20], policy="macer",
+                        keep_ratio=0.25, prompt={"audio": 4, "video": 8, "text": 8}, note=cut)
+    assert [r.levelno for r in seen] == [logging.WARNING] and seen[0].getMessage().endswith(f"NOTE: {LATER}{cut}")
+    assert merged.note == f"{LATER}{cut}"
+    assert (merged.budget, merged.kept_rows, merged.layer_tokens) == (first.budget, first.kept_rows, first.layer_tokens)
+    assert list(RECORDS) == [merged]
+    assert record("9-0a1b2c3d", None, {}, [20] * 4, policy="macer", keep_ratio=0.25, prompt={}, note=cut) is merged
+    assert record("9-0a1b2c3d", None, {}, [20] * 4, policy="macer", keep_ratio=0.25, prompt={}) is merged
+    sent = drain()
+    assert sent[-1] == merged.as_dict() and all(entry["kept"] == {"audio": 1, "video": 2} for entry in sent)
+    assert take("9-0a1b2c3d") == merged.as_dict()
+    clear()

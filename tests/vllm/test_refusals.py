@@ -246,6 +246,19 @@ def engine(**changes):
     ({"model_config.hf_text_config": SimpleNamespace(layer_types=["full_attention", "sliding_attention"])},
      r"sliding-window attention layers \(layer_types \['sliding_attention'\]\) are not supported.*use_sliding_window"),
     ({"model_config.get_sliding_window": lambda: 4096}, r"sliding-window attention layers \(sliding_window=4096\)"),
+    ({"scheduler_config.long_prefill_token_threshold": 32},
+     r"needs the whole prompt in one prefill step, and --long-prefill-token-threshold=32 gives a prompt at most 32 "
+     r"tokens a step .*drop --long-prefill-token-threshold"),
+    ({"cache_config.kv_sharing_fast_prefill": True},
+     r"--kv-sharing-fast-prefill is not supported \(.*logits_indices_padded.*\): drop --kv-sharing-fast-prefill"),
+    ({"cache_config.use_replayssm": True}, r"--use-replayssm is not supported .*replayssm_decode_base_cpu"),
+    ({"model_config.is_encoder_decoder": True}, r"an encoder-decoder model is not supported .*encoder_seq_lens"),
+    ({"model_config.is_mm_prefix_lm": True}, r"bidirectionally \(is_mm_prefix_lm\) is not supported .*mm_req_doc"),
+    ({"model_config.rswa_window": 128}, r"reference sliding-window attention \(rswa_window=128\) .*rswa_prefix_lens"),
+    ({"model_config.runner_type": "pooling", "model_config.convert_type": "embed"},
+     r"a pooling runner \(--runner pooling / --convert embed\) is not supported \(a pooler reads the hidden states"),
+    ({"aux_output_config": SimpleNamespace(enable_return_routed_experts=True)},
+     r"--enable-return-routed-experts is not supported \(it records the experts of the rows each layer holds"),
     ({"scheduler_config.disable_hybrid_kv_cache_manager": True},
      r'freeing the dropped rows\' KV memory \(additional_config\["macer"\]\["free_kv"\], on by default\) needs '
      r"vLLM's hybrid KV cache manager .*drop that flag, or set additional_config\[\"macer\"\]\[\"free_kv\"\] to false"),
@@ -259,6 +272,54 @@ def test_engine_settings_refused_by_name(changes, message):
                                      "parallel_config.tensor_parallel_size": 2})) == []
     problems = engine_problems(engine(**changes))
     assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+def test_every_metadata_field_the_compacted_layers_drop_has_its_refusal():
+    """Guards the load-time refusals and the runtime guard drifting apart (review finding 4: --kv-sharing-fast-prefill
+    was accepted, then the guard stopped the engine at the first pruned step): the fields ``DROPPED_FIELDS`` refuses
+    the settings of are exactly the ones ``macer.vllm.backend`` raises on, each a field of vLLM's
+    ``CommonAttentionMetadata``, and each check refuses its setting alone, naming the field or its flag."""
+    import dataclasses
+
+    from macer.vllm import backend
+    from macer.vllm.checks import DROPPED_FIELDS
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    assert tuple(DROPPED_FIELDS) == backend._DROPPED
+    assert set(DROPPED_FIELDS) <= {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    off = engine()
+    assert all(check(off, "who") is None for check in DROPPED_FIELDS.values())
+    on = {"logits_indices_padded": {"cache_config.kv_sharing_fast_prefill": True},
+          "encoder_seq_lens": {"model_config.is_encoder_decoder": True},
+          "dcp_local_seq_lens": {"parallel_config.decode_context_parallel_size": 2},
+          "mm_req_doc_ranges": {"model_config.is_mm_prefix_lm": True},
+          "rswa_prefix_lens": {"model_config.rswa_window": 64},
+          "replayssm_decode_base_cpu": {"cache_config.use_replayssm": True}}
+    assert set(on) == set(DROPPED_FIELDS)
+    for field, changes in on.items():
+        (problem,) = engine_problems(engine(**changes))
+        assert field in problem and problem == DROPPED_FIELDS[field](engine(**changes), problem.split(":")[0])
+
+
+@pytest.mark.parametrize("kind", ["XPU", "TPU", "OOT"])
+def test_platforms_other_than_cpu_and_cuda_are_refused_with_the_settings(kind, monkeypatch):
+    """Guards a platform without a MACER worker crashing at start (review finding 11: every non-CPU platform got the
+    CUDA worker): an XPU, TPU or out-of-tree platform (vLLM's ``Platform`` with that enum; none can run here) is
+    refused while the config is built, by name; CPU, CUDA and ROCm are not."""
+    import vllm.platforms
+    from macer.vllm.checks import platform_problem
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    def platform(name: str):
+        fields = {"_enum": PlatformEnum[name], "device_name": name.lower()}
+        return type(f"{name.title()}Platform", (Platform,), fields)()
+
+    for ok in ("CPU", "CUDA", "ROCM"):
+        assert platform_problem(platform(ok), "who") is None
+    monkeypatch.setattr(vllm.platforms, "_current_platform", platform(kind))
+    (problem,) = engine_problems(engine())
+    assert problem.startswith(f"MacerQwen2ForCausalLM (macer): the {kind.lower()} platform ({kind.title()}Platform) "
+                              "is not supported: the MACER worker is vLLM's CPU worker or its GPU worker")
 
 
 def test_free_kv_is_a_bool_and_needs_the_hybrid_kv_cache_manager():
@@ -352,6 +413,51 @@ def test_settings_refused_when_vllm_builds_the_config(checkpoint, plain_checkpoi
     for needle in ("--no-enable-chunked-prefill", '["trim_early_cache"]=true is not supported',
                    'set "end_of_turn_token_id"'):
         assert needle in str(error) and needle in seen[0]
+
+
+def test_flags_that_split_a_prompt_or_fill_dropped_metadata_are_refused_through_llm(checkpoint, monkeypatch):
+    """Guards two flags that started an engine which then died at its first pruned step (review findings 1 and 4):
+    ``long_prefill_token_threshold`` (vLLM cut a prompt the KV side had sized as pruned; ``check_owned`` stopped the
+    engine) and ``kv_sharing_fast_prefill`` (the runtime guard on ``logits_indices_padded`` stopped it). Through
+    ``LLM(...)`` both are refused while vLLM builds the config, in one error."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    error, seen = logged_refusal(lambda: build(checkpoint, {"macer": {**LAYERS, **LABELS}},
+                                               long_prefill_token_threshold=32, kv_sharing_fast_prefill=True),
+                                 monkeypatch)
+    assert seen[0].startswith("MacerQwen2ForCausalLM (macer) cannot start: 2 settings refused")
+    for needle in ("--long-prefill-token-threshold=32 gives a prompt at most 32 tokens a step",
+                   "drop --kv-sharing-fast-prefill"):
+        assert needle in str(error) and needle in seen[0]
+
+
+@pytest.mark.parametrize(("engine_args", "flags"), [
+    ({"runner": "pooling", "convert": "embed"}, "--runner pooling / --convert embed"),
+    ({"convert": "classify"}, "--runner pooling / --convert classify")])
+def test_pooling_runners_are_refused_through_llm(checkpoint, monkeypatch, engine_args, flags):
+    """Guards a pooling runner serving MACER's zeroed dropped rows to its pooler (review finding 9: vLLM accepted
+    ``--runner pooling --convert embed`` on the MACER architecture, and MEAN/ALL pooling read zeros): refused while the
+    config is built, naming the flags."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    error, seen = logged_refusal(lambda: build(checkpoint, {"macer": {**LAYERS, **LABELS}}, **engine_args),
+                                 monkeypatch)
+    assert f"a pooling runner ({flags}) is not supported" in str(error) and seen
+
+
+def test_the_servers_command_line_refuses_them_too(checkpoint, tmp_path):
+    """The same two flags on the OpenAI-compatible server's command line: it exits before any engine starts, its
+    output naming both flags."""
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+               "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens",
+               "256", "--enforce-eager", "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
+               "--kv-cache-memory-bytes", str(32 << 20), "--long-prefill-token-threshold", "32",
+               "--kv-sharing-fast-prefill", "--additional-config", json.dumps({"macer": {**LAYERS, **LABELS}})]
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "MacerQwen2ForCausalLM (macer) cannot start: 2 settings refused" in output, output[-4000:]
+    assert "--long-prefill-token-threshold=32" in output and "drop --kv-sharing-fast-prefill" in output
+    assert "Starting vLLM" not in output and "EngineCore" not in output  # refused before any engine process
 
 
 LOAD_REFUSAL = textwrap.dedent("""

@@ -10,7 +10,9 @@ the engine) refuses it when the request arrives (HTTP 400 from the server).
 
 Why each setting is refused (docs/serving.md has the long form):
 
-* chunked prefill: the question rows must be in the same forward as the audio/video rows they score.
+* chunked prefill, and ``--long-prefill-token-threshold`` (vLLM caps a prompt's tokens per step by it with chunked
+  prefill off too, whenever more than one request is running or waiting): the question rows must be in the same
+  forward as the audio/video rows they score.
 * prefix caching: a cached prefix's KV was written by another request's compaction (or none).
 * CUDA graphs / ``torch.compile``: the compacted forward has data-dependent row gathers and rebuilt attention
   metadata, which a captured graph or a traced graph would freeze.
@@ -25,6 +27,17 @@ Why each setting is refused (docs/serving.md has the long form):
 * LoRA: the LoRA layers' per-token adapter mapping has the step's N rows; the compacted layers see K.
 * KV transfer connectors (disaggregated prefill, offloading): compacted pages hold kept tokens at slots 0..K-1.
 * the hybrid KV cache manager off, with ``free_kv`` on: the compacted layers form KV cache groups of their own.
+* every setting that makes vLLM fill a field of the step's attention metadata which the compacted layers' metadata
+  does not carry (``DROPPED_FIELDS``: KV-sharing fast prefill, decode context parallel, encoder-decoder models,
+  bidirectional image spans, reference sliding windows, ReplaySSM): the runtime guard of ``macer.vllm.backend``
+  raises on exactly these fields (``_DROPPED``; a test keeps the two lists equal), so a setting refused here never
+  reaches it.
+* a pooling runner (``--runner pooling``, ``--convert embed|classify|...``): the pooler reads the hidden states of
+  every prompt row, and the rows a stage drops are zero after it.
+* routed-expert capture (``--enable-return-routed-experts``): it records the experts of the rows a layer holds, which
+  after a stage are the kept rows, not the step's tokens.
+* a platform other than CPU and CUDA / ROCm: the MACER worker is built on vLLM's CPU worker or its GPU worker, and
+  another platform's worker would be replaced by the GPU one.
 * an untested vLLM release: the compacted forward rebuilds vLLM's attention metadata, whose layout changes between
   releases (``MACER_VLLM_ALLOW_UNTESTED=1`` runs it anyway, with a warning).
 * ``prompt_logprobs``: the dropped rows leave the later layers, so their logits do not exist.
@@ -44,7 +57,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -63,6 +76,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
+    "DROPPED_FIELDS",
     "GUARD",
     "TESTED_VLLM_VERSIONS",
     "MacerEngineHook",
@@ -72,6 +86,7 @@ __all__ = [
     "engine_problems",
     "guarded_hook",
     "no_pipeline",
+    "platform_problem",
     "refuse",
     "version_problem",
 ]
@@ -119,6 +134,80 @@ def _sliding_window(model_config: Any) -> str | None:
     return f"layer_types {types}" if types else None
 
 
+def _kv_sharing_fast_prefill(vllm_config: Any, who: str) -> str | None:
+    if not getattr(vllm_config.cache_config, "kv_sharing_fast_prefill", False):
+        return None
+    return (f"{who}: --kv-sharing-fast-prefill is not supported (it skips the prefill rows of the KV-sharing layers "
+            "and gives the step's attention metadata logits_indices_padded, which the compacted layers' metadata does "
+            "not carry): drop --kv-sharing-fast-prefill (LLM(..., kv_sharing_fast_prefill=False))")
+
+
+def _decode_context_parallel(vllm_config: Any, who: str) -> str | None:
+    size = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
+    if size <= 1:
+        return None
+    return (f"{who}: --decode-context-parallel-size={size} is not supported (each rank holds a shard of the KV cache, "
+            "which the compacted layers' metadata does not describe: dcp_local_seq_lens): use "
+            "--decode-context-parallel-size 1")
+
+
+def _encoder_decoder(vllm_config: Any, who: str) -> str | None:
+    if not getattr(vllm_config.model_config, "is_encoder_decoder", False):
+        return None
+    return (f"{who}: an encoder-decoder model is not supported (its cross-attention metadata carries "
+            "encoder_seq_lens, which the compacted layers' metadata does not): serve a decoder-only checkpoint")
+
+
+def _mm_prefix_lm(vllm_config: Any, who: str) -> str | None:
+    if not getattr(vllm_config.model_config, "is_mm_prefix_lm", False):
+        return None
+    return (f"{who}: a model whose image rows attend to each other bidirectionally (is_mm_prefix_lm) is not supported "
+            "(the step's attention metadata carries their spans, mm_req_doc_ranges, at positions the compacted layers "
+            "no longer hold): serve a causal checkpoint")
+
+
+def _rswa(vllm_config: Any, who: str) -> str | None:
+    window = getattr(vllm_config.model_config, "rswa_window", None)
+    if window is None:
+        return None
+    return (f"{who}: reference sliding-window attention (rswa_window={window}) is not supported (its metadata carries "
+            "per-request prompt lengths, rswa_prefix_lens, which count positions, not the rows a compacted layer "
+            "holds): serve a config without it")
+
+
+def _replayssm(vllm_config: Any, who: str) -> str | None:
+    if not getattr(vllm_config.cache_config, "use_replayssm", False):
+        return None
+    return (f"{who}: --use-replayssm is not supported (it gives the step's attention metadata "
+            "replayssm_decode_base_cpu, which the compacted layers' metadata does not carry): drop --use-replayssm")
+
+
+DROPPED_FIELDS: dict[str, Callable[[Any, str], str | None]] = {
+    "logits_indices_padded": _kv_sharing_fast_prefill,
+    "encoder_seq_lens": _encoder_decoder,
+    "dcp_local_seq_lens": _decode_context_parallel,
+    "mm_req_doc_ranges": _mm_prefix_lm,
+    "rswa_prefix_lens": _rswa,
+    "replayssm_decode_base_cpu": _replayssm,
+}
+"""The ``CommonAttentionMetadata`` fields the compacted layers' metadata does not carry (``macer.vllm.backend``'s
+runtime guard raises on each, ``_DROPPED``), each with the check that refuses the engine setting that makes vLLM 0.32
+fill it (``check(vllm_config, who)``: the refusal's line, or None). One entry per field, so that the load-time
+refusal and the runtime guard name the same fields (``tests/vllm/test_refusals.py`` compares the two)."""
+
+
+def platform_problem(platform: Any, who: str) -> str | None:
+    """The refusal of a platform the MACER worker does not serve (vLLM's ``current_platform``), or None: the worker is
+    vLLM's CPU worker or its GPU worker (CUDA, ROCm) with MACER's additions, and on any other platform (XPU, TPU, an
+    out-of-tree one) it would replace that platform's own worker."""
+    if platform.is_cpu() or platform.is_cuda_alike():
+        return None
+    name = getattr(platform, "device_name", None) or type(platform).__name__
+    return (f"{who}: the {name} platform ({type(platform).__name__}) is not supported: the MACER worker is vLLM's CPU "
+            "worker or its GPU worker with MACER's additions, which would replace this platform's own worker; serve "
+            "on a CPU, or a CUDA or ROCm GPU")
+
+
 def engine_problems(vllm_config: Any) -> list[str]:
     """Every engine setting a MACER architecture cannot run under (see the module docstring), one line each naming
     the flag and the fix. Reads ``vllm_config``'s scheduler, cache, compilation, parallel and model configs only."""
@@ -131,10 +220,28 @@ def engine_problems(vllm_config: Any) -> list[str]:
         problems.append(f"{who} needs the whole prompt in one prefill step (the question rows score the audio/video "
                         "rows of the same forward): turn chunked prefill off with --no-enable-chunked-prefill "
                         "(LLM(..., enable_chunked_prefill=False)) and set --max-num-batched-tokens >= --max-model-len")
+    threshold = getattr(scheduler, "long_prefill_token_threshold", 0) or 0
+    if threshold > 0:
+        problems.append(f"{who} needs the whole prompt in one prefill step, and --long-prefill-token-threshold="
+                        f"{threshold} gives a prompt at most {threshold} tokens a step whenever more than one request "
+                        "is running or waiting (vLLM applies it with chunked prefill off too): drop "
+                        "--long-prefill-token-threshold (LLM(..., long_prefill_token_threshold=0), the default)")
     if vllm_config.cache_config.enable_prefix_caching:
         problems.append(f"{who}: prefix caching would reuse KV written under another prompt's compaction: turn it off "
                         "with --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))")
     model_config = vllm_config.model_config
+    runner = getattr(model_config, "runner_type", "generate")
+    if runner != "generate":
+        convert = getattr(model_config, "convert_type", "none")
+        flags = f"--runner {runner}" + (f" / --convert {convert}" if convert not in (None, "none") else "")
+        problems.append(f"{who}: a {runner} runner ({flags}) is not supported (a pooler reads the hidden states of "
+                        "every prompt row, and the rows a stage drops are zero after it): serve text generation "
+                        "(--runner generate, no --convert), or pool with vLLM's own architecture")
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if getattr(aux, "enable_return_routed_experts", False):
+        problems.append(f"{who}: --enable-return-routed-experts is not supported (it records the experts of the rows "
+                        "each layer holds, which after a stage are the kept rows, not the step's tokens): drop "
+                        "--enable-return-routed-experts")
     compilation = vllm_config.compilation_config
     # None = not resolved yet (the config hook runs before vLLM resolves them): vLLM's default, which compiles and,
     # on a GPU, captures graphs, unless TORCH_COMPILE_DISABLE=1.
@@ -159,6 +266,7 @@ def engine_problems(vllm_config: Any) -> list[str]:
     from macer.vllm.parallel import parallel_problems
 
     problems += parallel_problems(vllm_config)  # tensor and dense data parallel run; the rest is refused there
+    problems += [line for line in (check(vllm_config, who) for check in DROPPED_FIELDS.values()) if line]
     ubatch = getattr(parallel, "ubatch_size", 0)
     if getattr(parallel, "enable_dbo", False) or ubatch > 1:
         problems.append(f"{who}: micro-batching (--enable-dbo / --ubatch-size {ubatch}) is not supported "
@@ -185,6 +293,11 @@ def engine_problems(vllm_config: Any) -> list[str]:
         problems.append(f"{who}: KV transfer connectors are not supported (the compacted layers' pages hold the kept "
                         "tokens in slots 0..K-1, which a connector would ship as positions 0..K-1): drop "
                         "--kv-transfer-config")
+    from vllm.platforms import current_platform
+
+    platform = platform_problem(current_platform, who)
+    if platform is not None:
+        problems.append(platform)
     version = version_problem(vllm.__version__)
     if version is not None:
         problems.append(version)

@@ -158,6 +158,7 @@ class SchedulerKV:
         self.num_layers = decoder_depth(model_config.hf_config)
         self.start = kv_memory.compacted_start(policy, self.num_layers)
         self.drops: dict[str, int] = {}
+        self.pruned: dict[str, bool] = {}  # whether the worker will prune the request (``prunes``), by request id
         for manager in managers:
             manager.drops = self.drops
         _LIVE.add(self)
@@ -169,12 +170,15 @@ class SchedulerKV:
                     if isinstance(manager, MacerCompactedManager)]
         return cls(scheduler.vllm_config, managers) if managers else None
 
-    def drop(self, prompt_ids: Sequence[int], extra_args: Any) -> int:
-        """``D_r`` of a request with these prompt ids and per-request settings."""
+    def layout(self, prompt_ids: Sequence[int], extra_args: Any) -> Any:
+        """The ``RequestLayout`` the worker plans a request with these prompt ids and per-request settings by."""
         from macer.vllm.state import request_layout
 
-        _, _, layout = request_layout(list(prompt_ids), None, extra_args, self.policies, self.prompt,
-                                      self.num_layers)
+        return request_layout(list(prompt_ids), None, extra_args, self.policies, self.prompt, self.num_layers)[2]
+
+    def drop(self, prompt_ids: Sequence[int], extra_args: Any) -> int:
+        """``D_r`` of a request with these prompt ids and per-request settings."""
+        layout = self.layout(prompt_ids, extra_args)
         return kv_memory.compacted_drop(layout.prompt_len, layout.layer_tokens, self.start)  # 0 if unpruned
 
     def arrive(self, request: Any) -> None:
@@ -182,17 +186,33 @@ class SchedulerKV:
         if getattr(request, "resumable", False) or request.prompt_token_ids is None:
             return  # a streaming-input session's prompt grows: served unpruned (D_r = 0)
         params = getattr(request, "sampling_params", None)
-        drop = self.drop(request.prompt_token_ids, getattr(params, "extra_args", None))
+        layout = self.layout(request.prompt_token_ids, getattr(params, "extra_args", None))
+        self.pruned[request.request_id] = layout.pruned
+        drop = kv_memory.compacted_drop(layout.prompt_len, layout.layer_tokens, self.start)  # 0 if unpruned
         if drop:
             self.drops[request.request_id] = drop
+
+    def prunes(self, request: Any) -> bool:
+        """Whether the worker prunes ``request`` (vLLM's ``Request``) when its whole prompt is in one step: planned
+        when it arrived, or now (an engine without compacted groups plans only the requests its scheduler would
+        otherwise cut: ``macer.vllm.scheduler``)."""
+        if request.request_id not in self.pruned:
+            if getattr(request, "resumable", False) or request.prompt_token_ids is None:
+                return False
+            params = getattr(request, "sampling_params", None)
+            self.pruned[request.request_id] = self.layout(request.prompt_token_ids,
+                                                          getattr(params, "extra_args", None)).pruned
+        return self.pruned[request.request_id]
 
     def cut(self, request_id: str) -> None:
         """The scheduler split the request's prompt (an encoder budget cut): the worker serves it unpruned."""
         self.drops.pop(request_id, None)
+        self.pruned[request_id] = False
 
     def forget(self, request_id: str) -> None:
         """The request's blocks were freed for good (finished or aborted; not a preemption)."""
         self.drops.pop(request_id, None)
+        self.pruned.pop(request_id, None)
 
 
 def follow_default(vllm_config: Any, policy: Policy) -> int:

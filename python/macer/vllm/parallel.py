@@ -9,9 +9,9 @@
   the same bits on every rank (an all-reduce does not promise that: NCCL's and vLLM's one-shot custom all-reduce sum
   in an order that depends on the rank from four ranks on), so every rank keeps the same rows, compacts the same
   way and writes the same KV layout. A guard checks it: after each stage the ranks all-gather their kept rows and
-  compare them on the device; the flags are read once after the step's sampler (``check_agreement``, called by the
-  MACER worker), and a rank that kept other rows stops the engine with an error naming the request and the layer,
-  instead of serving a mixture.
+  compare them on the device; the flags are read once the step is done (``claim_agreement``, called by the MACER
+  worker after the sampler), and a rank that kept other rows stops the engine with an error naming the request and
+  the layer, instead of serving a mixture.
 * **Data parallel** (``parallel_problems``): a dense model's DP ranks are independent engines (vLLM reconfigures each
   engine core as DP=1), each with its own MACER scheduler, KV cache, states and records: nothing to add. A MoE
   model's DP ranks step together (vLLM's ``DPEngineCoreProc``: idle ranks run dummy batches, the experts' tokens are
@@ -31,12 +31,13 @@ import argparse
 import importlib.metadata
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["PIPELINE_ARCHITECTURES", "ROWS_KEY", "PipelineRanks", "TensorRanks", "check_agreement",
+__all__ = ["PIPELINE_ARCHITECTURES", "ROWS_KEY", "PipelineRanks", "TensorRanks", "after_output", "claim_agreement",
            "fixed_order_mean", "intermediate_buffers", "main", "parallel_problems", "plugin_status", "with_rows"]
 
 PIPELINE_ARCHITECTURES = ("MacerQwen2ForCausalLM",)
@@ -61,13 +62,11 @@ def parallel_problems(vllm_config: Any) -> list[str]:
                         "ranks would also hand over the encoders' outputs and, on Qwen3-Omni, the deepstack features "
                         "of the rows a stage keeps; only MacerQwen2ForCausalLM is built for it): use "
                         "--pipeline-parallel-size 1 and --tensor-parallel-size for more devices")
-    for flag, size, why in (
-            ("prefill-context-parallel-size", getattr(parallel, "prefill_context_parallel_size", 1), "each rank holds "
-             "a shard of the prompt, and a stage must rank all of its audio/video rows"),
-            ("decode-context-parallel-size", getattr(parallel, "decode_context_parallel_size", 1), "each rank holds a "
-             "shard of the KV cache, which the compacted layers' metadata does not describe")):
-        if size > 1:
-            problems.append(f"{who}: --{flag}={size} is not supported ({why}): use --{flag} 1")
+    prefill_context = getattr(parallel, "prefill_context_parallel_size", 1)
+    if prefill_context > 1:  # (decode context parallel: macer.vllm.checks.DROPPED_FIELDS)
+        problems.append(f"{who}: --prefill-context-parallel-size={prefill_context} is not supported (each rank holds "
+                        "a shard of the prompt, and a stage must rank all of its audio/video rows): use "
+                        "--prefill-context-parallel-size 1")
     data = getattr(parallel, "data_parallel_size", 1)
     if data > 1 and getattr(vllm_config.model_config, "is_moe", False):
         problems.append(f"{who}: --data-parallel-size={data} with a MoE model is not supported (its ranks step "
@@ -113,7 +112,7 @@ class TensorRanks:
     def agree(self, request_id: str, layer: int, keep: torch.Tensor | None) -> None:
         """After the stage of ``request_id`` at ``layer`` (its ``StageSpec.layer``; it reads ``layers[layer - 1]``):
         gather every rank's kept rows and keep a device flag, set where some rank kept other rows (read by
-        ``check_agreement``; no host read here)."""
+        ``claim_agreement``; no host read here)."""
         if keep is None:
             return
         # As fp32 (exact for indices below 2**24, far above any context length): vLLM's CPU shared-memory all-gather
@@ -122,9 +121,14 @@ class TensorRanks:
         self.flags.append((request_id, layer, (gathered != gathered[:1]).any()))
         _PENDING.append(self)
 
-    def check(self) -> None:
-        """Raise if a stage since the last check kept different rows on different ranks (one host read)."""
+    def take(self) -> list[tuple[str, int, torch.Tensor]]:
+        """The flags of the stages since the last ``take``."""
         flags, self.flags = self.flags, []
+        return flags
+
+    def check(self, flags: list[tuple[str, int, torch.Tensor]]) -> None:
+        """Raise if one of ``flags`` (``take``) says a stage kept different rows on different ranks (one host
+        read: call it once the step's device work is done)."""
         if not flags:
             return
         hits = torch.stack([flag for _, _, flag in flags]).cpu().tolist()
@@ -139,6 +143,34 @@ class TensorRanks:
 
 
 _PENDING: list[TensorRanks] = []
+
+
+def claim_agreement() -> Callable[[], None]:
+    """The guard's host side, in two halves (the MACER worker, after each step's sampler): this call takes the step's
+    flags; calling what it returns once the step's device work is done (at once under synchronous scheduling, in
+    the asynchronous output's ``get_output`` otherwise: ``after_output``) raises if some stage of the step kept
+    different rows on different tensor-parallel ranks."""
+    claimed = [(ranks, ranks.take()) for ranks in dict.fromkeys(_PENDING)]
+    _PENDING.clear()
+
+    def check() -> None:
+        for ranks, flags in claimed:
+            ranks.check(flags)
+
+    return check
+
+
+def after_output(out: Any, check: Callable[[], None]) -> Any:
+    """``out`` (an asynchronous model-runner output) whose ``get_output`` calls ``check`` after the step is done."""
+    get_output = out.get_output
+
+    def checked() -> Any:
+        result = get_output()
+        check()
+        return result
+
+    out.get_output = checked
+    return out
 
 
 @dataclass(eq=False)
@@ -245,15 +277,6 @@ def intermediate_buffers(runner: Any) -> None:
         return
     runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
         batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
-
-
-def check_agreement() -> None:
-    """The guard's host side (the MACER worker calls it after each step's sampler, where the step's device work is
-    done): raise if some stage of the step kept different rows on different tensor-parallel ranks."""
-    pending = list(dict.fromkeys(_PENDING))
-    _PENDING.clear()
-    for ranks in pending:
-        ranks.check()
 
 
 def plugin_status() -> dict[str, Any]:

@@ -19,6 +19,10 @@ Where a user reads it:
 * **in-process** (tests, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``RECORDS`` (the last ``MAX_RECORDS``), ``last()``,
   ``by_request(request_id)``.
 
+A request has one record. Its first is kept: a later one for the same request id (a recompute after preemption
+that the scheduler cut before a multimodal item and the worker served unpruned, a later turn of a streaming-input
+session) never replaces it, and its note, when it says something new, is appended to the first's (``record``).
+
 The kept positions are device data. The model starts one non-blocking copy of them (and of the stages' non-finite
 flags) after the request's last stage; the record is finished on the host after the step's sampler
 (``finish_pending``, called by the MACER worker), or when the scheduler asks for it (``take``).
@@ -26,7 +30,9 @@ flags) after the request's last stage; the record is finished on the host after 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,9 +44,9 @@ import torch
 from macer.core.policy import AUDIO, MODALITY_NAMES, VISUAL, PromptFacts
 from macer_kernels import Budget
 
-__all__ = ["MAX_RECORDS", "RECORDS", "RequestRecord", "by_request", "clear", "drain", "external_id", "finish_pending",
-           "format_layers", "kept_rows", "last", "nonfinite_note", "prompt_counts", "receive", "record",
-           "start_pending", "take"]
+__all__ = ["LATER", "MAX_RECORDS", "RECORDS", "RequestRecord", "by_request", "claim_pending", "clear", "drain",
+           "external_id", "finish", "finish_pending", "format_layers", "kept_rows", "last",
+           "nonfinite_note", "prompt_counts", "receive", "record", "start_pending", "take"]
 
 # A child of vLLM's "vllm" logger, so the line goes through vLLM's handler and level (VLLM_LOGGING_LEVEL) in every
 # process of the engine; a logger of our own would have no handler there and drop INFO.
@@ -120,6 +126,8 @@ class _Pending:
 
 
 _PENDING: dict[str, _Pending] = {}
+_LOCK = threading.RLock()  # the tables above: the executor's output thread finishes records (``finish``)
+_COLLECTING = threading.local()  # ``entries``: where ``finish`` collects the records it makes on this thread
 
 
 def external_id(request_id: str | None) -> str | None:
@@ -155,7 +163,8 @@ def kept_rows(labels: torch.Tensor, kept: Sequence[int]) -> dict[str, tuple[int,
 def record(request_id: str | None, budget: Budget | None, kept: Mapping[str, Sequence[int]],
            layer_tokens: Sequence[int], *, policy: str, keep_ratio: float | None, prompt: Mapping[str, int],
            note: str | None = None) -> RequestRecord:
-    """Store and log (INFO; WARNING with a ``note``) one request's record; returns it.
+    """Store and log (INFO; WARNING with a ``note``) one request's record; returns it (the request's first record,
+    with ``note`` appended, when it has one already: the module docstring).
 
     Args:
         request_id: vLLM's internal request id, or None.
@@ -170,18 +179,61 @@ def record(request_id: str | None, budget: Budget | None, kept: Mapping[str, Seq
     entry = RequestRecord(request_id, external_id(request_id), policy, keep_ratio, budget, dict(prompt),
                           {name: len(positions) for name, positions in rows.items()}, rows,
                           tuple(int(n) for n in layer_tokens), note)
-    RECORDS.append(entry)
-    if request_id is not None:
-        receive([entry.as_dict()])
-        _OUTBOX.append(entry.as_dict())
-        del _OUTBOX[:-MAX_RECORDS]
+    with _LOCK:
+        first = _earlier(request_id)
+        if first is not None:
+            return _append_note(first, note)
+        RECORDS.append(entry)
+        if request_id is not None:
+            receive([entry.as_dict()])
+            _send(entry)
     logger.log(logging.WARNING if note else logging.INFO, "%s", entry.line())
     return entry
 
 
+def _join(first: str | None, second: str | None) -> str | None:
+    return first if not second else second if not first else f"{first}; {second}"
+
+
+LATER = "then, in a later pass of this request (a recompute after preemption, a session's next turn): "
+"""How ``record`` introduces the note of a request's later record, appended to its first record's note."""
+
+
+def _earlier(request_id: str | None) -> RequestRecord | None:
+    """The first record of ``request_id`` made in this process (among the last ``MAX_RECORDS``), or None."""
+    if request_id is None:
+        return None
+    return next((entry for entry in RECORDS if entry.request_id == request_id), None)
+
+
+def _append_note(first: RequestRecord, note: str | None) -> RequestRecord:
+    """``first`` with ``note`` appended to its note (unchanged when ``note`` says nothing new), stored and sent in its
+    place, and logged as a WARNING (under ``_LOCK``)."""
+    if not note or (first.note is not None and note in first.note):
+        return first
+    entry = dataclasses.replace(first, note=_join(first.note, f"{LATER}{note}"))
+    RECORDS[RECORDS.index(first)] = entry
+    receive([entry.as_dict()])
+    _send(entry)
+    logger.warning("%s", entry.line())
+    return entry
+
+
+def _send(entry: RequestRecord) -> None:
+    """Queue ``entry`` for the scheduler: in the records ``finish`` is collecting on this thread, else in ``_OUTBOX``
+    (``drain``)."""
+    collecting = getattr(_COLLECTING, "entries", None)
+    if collecting is not None:
+        collecting.append(entry.as_dict())
+        return
+    _OUTBOX.append(entry.as_dict())
+    del _OUTBOX[:-MAX_RECORDS]
+
+
 def start_pending(request_id: str, tensors: list[torch.Tensor], build: Callable[[list[int]], RequestRecord]) -> None:
     """Copy ``tensors`` (1-D integer device tensors) to the host without waiting; ``build(values)`` makes the record
-    from their concatenated values once the copy is done (``finish_pending``, ``take``)."""
+    from their concatenated values once the copy is done (``claim_pending`` and ``finish``, ``finish_pending``,
+    ``take``)."""
     packed = torch.cat([t.reshape(-1).long() for t in tensors]) if tensors else torch.empty(0, dtype=torch.long)
     event = None
     if packed.device.type != "cpu":
@@ -191,51 +243,83 @@ def start_pending(request_id: str, tensors: list[torch.Tensor], build: Callable[
         if event is not None:
             event.record()
         packed = host
-    _PENDING[request_id] = _Pending(packed, event, build)
+    with _LOCK:
+        _PENDING[request_id] = _Pending(packed, event, build)
+
+
+def claim_pending() -> list[_Pending]:
+    """The records waiting for their copies, taken from the table: the MACER worker claims a step's records after its
+    sampler and finishes them (``finish``) once the step's forward is done, in the async output's ``get_output``
+    under asynchronous scheduling."""
+    with _LOCK:
+        claimed = list(_PENDING.values())
+        _PENDING.clear()
+    return claimed
+
+
+def finish(claimed: Sequence[_Pending]) -> list[dict[str, Any]]:
+    """Make the records of ``claimed`` (``claim_pending``), waiting for their copies; returns them as JSON objects,
+    for the step's output (they are not queued for ``drain``). Thread-safe: under asynchronous scheduling it runs on
+    the executor's output thread while the worker's thread plans the next step."""
+    _COLLECTING.entries = collected = []
+    try:
+        for pending in claimed:
+            if pending.event is not None and not pending.event.query():
+                pending.event.synchronize()
+            pending.build(pending.host.tolist())
+    finally:
+        _COLLECTING.entries = None
+    return collected
 
 
 def finish_pending(block: bool = False) -> None:
     """Make the records whose copies are done (all of them with ``block``)."""
-    for request_id in list(_PENDING):
-        pending = _PENDING[request_id]
-        if pending.event is not None and not pending.event.query():
-            if not block:
-                continue
+    with _LOCK:
+        ready = [request_id for request_id, pending in _PENDING.items()
+                 if block or pending.event is None or pending.event.query()]
+        claimed = [_PENDING.pop(request_id) for request_id in ready]
+    for pending in claimed:
+        if pending.event is not None:
             pending.event.synchronize()
-        del _PENDING[request_id]
         pending.build(pending.host.tolist())
 
 
 def drain() -> list[dict[str, Any]]:
     """The records made in this process since the last call, as JSON objects: the MACER worker sends them to the
     scheduler with the step's output (vLLM may run the worker in a process of its own)."""
-    out = list(_OUTBOX)
-    _OUTBOX.clear()
+    with _LOCK:
+        out = list(_OUTBOX)
+        _OUTBOX.clear()
     return out
 
 
 def receive(entries: list[dict[str, Any]] | None) -> None:
     """Keep records (``drain``'s objects) for the scheduler to ``take`` when their requests finish."""
-    for entry in entries or ():
-        _BY_ID[entry["request_id"]] = entry
-    while len(_BY_ID) > MAX_RECORDS:  # the scheduler takes them; without it, keep the newest
-        _BY_ID.popitem(last=False)
+    with _LOCK:
+        for entry in entries or ():
+            _BY_ID[entry["request_id"]] = entry
+        while len(_BY_ID) > MAX_RECORDS:  # the scheduler takes them; without it, keep the newest
+            _BY_ID.popitem(last=False)
 
 
 def take(request_id: str) -> dict[str, Any] | None:
     """The request's record as a JSON object, removed from the table (the scheduler attaches it to the output)."""
-    if request_id in _PENDING:
-        pending = _PENDING.pop(request_id)
+    with _LOCK:
+        pending = _PENDING.pop(request_id, None)
+    if pending is not None:
         if pending.event is not None:
             pending.event.synchronize()
         pending.build(pending.host.tolist())
-    return _BY_ID.pop(request_id, None)
+    with _LOCK:
+        return _BY_ID.pop(request_id, None)
 
 
 def by_request(request_id: str) -> RequestRecord:
     """The record of vLLM's (internal or external) request id in this process; ``LookupError`` if none."""
     finish_pending(block=True)
-    for entry in reversed(RECORDS):
+    with _LOCK:
+        made = list(RECORDS)
+    for entry in reversed(made):
         if request_id in (entry.request_id, entry.external_id):
             return entry
     raise LookupError(f"macer.vllm.records: no record of request {request_id!r} in this process (records live in "
@@ -268,6 +352,7 @@ def last() -> RequestRecord:
 def clear() -> None:
     """Forget every record (tests)."""
     finish_pending(block=True)
-    RECORDS.clear()
-    _BY_ID.clear()
-    _OUTBOX.clear()
+    with _LOCK:
+        RECORDS.clear()
+        _BY_ID.clear()
+        _OUTBOX.clear()

@@ -4,8 +4,9 @@ arguments (``SamplingParams(extra_args=...)``; ``vllm_xargs`` in the OpenAI API,
     SamplingParams(max_tokens=64, extra_args={"macer_keep_ratio": 0.5, "macer_policy": "random"})
     client.completions.create(..., extra_body={"vllm_xargs": {"macer_keep_ratio": 0.5}})
 
-``REQUEST_KEYS`` are the only ``macer_*`` keys (another one is refused, naming them); keys without the prefix belong to
-other extensions and are left alone. A request's policy is the engine's settings (``additional_config["macer"]``) with
+``REQUEST_KEYS`` are the only ``macer_*`` keys (another one is refused, naming them, and so is a nested
+``{"macer": {...}}`` object, the shape of the engine's settings); keys without the prefix belong to other extensions
+and are left alone. A request's policy is the engine's settings (``additional_config["macer"]``) with
 ``policy`` and ``keep_ratio`` replaced by the request's (``request_policy``); when the request names another policy,
 the engine's fields that policy's class does not have are dropped (a MACER engine's ``audio_layer`` for a
 ``"random"`` request), and ``"full"`` takes no keep ratio from the engine. Errors are the engine settings' own
@@ -17,11 +18,19 @@ settings are always there; a value refused only there is served unpruned with a 
 the model would stop the engine). The frontend has the engine's settings when the MACER config hook ran in its
 process (``LLM(...)``, ``vllm serve``: ``remember_engine``); otherwise it checks names, types and ranges only.
 
+A streaming-input session (``AsyncLLM.generate`` with a ``StreamingInput`` stream: vLLM's ``resumable`` requests)
+grows its prompt under the same request id turn by turn, while MACER prunes a whole prompt once, in one step. The
+MACER scheduler marks such a request's parameters when each turn arrives (``session_params``: the ``SESSION_KEY`` entry
+in ``extra_args``, which the frontend never lets a client set), and its policy is then refused
+(``RequestPolicies.for_request`` raises ``SESSION_REASON``): the worker serves the session without pruning from its
+first turn, and the request's record says why.
+
 Pure Python over the settings: this module does not import vLLM.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import numbers
 from collections.abc import Mapping
@@ -32,11 +41,20 @@ from macer.core.policies import ABLATION_FIELDS, POLICY_NAMES, policy_class
 from macer.core.policy import Policy
 from macer.vllm.settings import LABEL_KEYS, SETTINGS_KEY, WHERE, policy_from_settings
 
-__all__ = ["REQUEST_KEYS", "RequestPolicies", "remember_engine", "remembered_engine", "request_overrides",
-           "request_policy"]
+__all__ = ["REQUEST_KEYS", "SESSION_KEY", "SESSION_REASON", "RequestPolicies", "remember_engine", "remembered_engine",
+           "request_overrides", "request_policy", "session_params"]
 
 REQUEST_KEYS = ("macer_keep_ratio", "macer_policy")
 """The per-request keys of ``SamplingParams.extra_args`` / ``vllm_xargs``."""
+
+SESSION_KEY = "macer_streaming_session"
+"""The ``extra_args`` entry the MACER scheduler adds to a streaming-input session's parameters (``session_params``);
+a client that sets it is refused like any unknown ``macer_*`` key."""
+
+SESSION_REASON = ("a streaming-input session (a resumable request: AsyncLLM.generate with a StreamingInput stream) "
+                  "grows its prompt under one request id turn by turn, and MACER prunes a whole prompt once, in one "
+                  "step; the session is served unpruned from its first turn")
+"""Why a streaming-input session is served unpruned (its record's note: ``served without pruning: <this>``)."""
 
 _PREFIX = "macer_"
 _ENGINE: list[tuple[Any, Any, str]] = []  # (settings, hf_config, architecture) of the last MACER engine configured here
@@ -52,6 +70,10 @@ def request_overrides(extra_args: Mapping[str, Any] | None, default_policy: str 
     the request's policy, else ``default_policy``). ``ValueError`` names the key."""
     if not extra_args:
         return {}
+    if SETTINGS_KEY in extra_args:
+        raise ValueError(f'{_where(SETTINGS_KEY)}: per-request MACER settings are flat keys, not an object shaped like '
+                         f'additional_config["{SETTINGS_KEY}"]: set "macer_keep_ratio" and/or "macer_policy" directly '
+                         f'(extra_args={{"macer_keep_ratio": 0.5}}; vllm_xargs in the OpenAI API)')
     unknown = sorted(k for k in extra_args if isinstance(k, str) and k.startswith(_PREFIX) and k not in REQUEST_KEYS)
     if unknown:
         raise ValueError(f"{_where(unknown[0])}: unknown MACER request key(s) {unknown}; a request may set "
@@ -125,7 +147,10 @@ class RequestPolicies:
         self._cache.clear()
 
     def for_request(self, extra_args: Mapping[str, Any] | None) -> Policy:
-        """The request's policy; ``ValueError`` (the request keys named) for a setting the engine cannot serve."""
+        """The request's policy; ``ValueError`` (the request keys named) for a setting the engine cannot serve, and
+        ``SESSION_REASON`` for a streaming-input session (``session_params``)."""
+        if extra_args and SESSION_KEY in extra_args:
+            raise ValueError(SESSION_REASON)
         overrides = request_overrides(extra_args, self.default.name or "macer")
         if not overrides:
             return self.default
@@ -143,3 +168,14 @@ def remember_engine(settings: Any, hf_config: Any, architecture: str) -> None:
 def remembered_engine() -> tuple[Any, Any, str] | None:
     """The last MACER engine configured in this process (``remember_engine``), or None."""
     return _ENGINE[0] if _ENGINE else None
+
+
+def session_params(params: Any) -> Any:
+    """A copy of a streaming-input session's ``SamplingParams`` whose ``extra_args`` carry ``SESSION_KEY`` (the MACER
+    scheduler, for each turn of a ``resumable`` request: vLLM hands the turn's parameters to the worker with it). A
+    copy: the caller's object may be shared with the frontend or reused for other requests."""
+    if params is None or SESSION_KEY in (getattr(params, "extra_args", None) or {}):
+        return params
+    marked = copy.copy(params)
+    marked.extra_args = {**(params.extra_args or {}), SESSION_KEY: True}
+    return marked

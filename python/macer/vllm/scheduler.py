@@ -15,9 +15,20 @@ the KV connector's parameters of a finishing request, and no MACER engine has a 
 Where the engine frees the dropped rows' KV memory (``additional_config["macer"]["free_kv"]``, ``macer.vllm.kv``) it
 also tells the compacted KV cache groups' managers each request's ``D_r`` when the request arrives
 (``add_request``), before any of its blocks is allocated, forgets it when the request's blocks are freed for good
-(``_free_blocks``, private; not on preemption: the recompute needs the same count), and sets it to 0 when vLLM cuts a
-multimodal prompt before an item (``_try_schedule_encoder_inputs``, private: the worker serves such a prompt
-unpruned).
+(``_free_blocks``, private; not on preemption: the recompute needs the same count).
+
+A multimodal prompt that vLLM's scheduler would cut before an item because the encoder cache or the step's encoder
+budget is full (``_try_schedule_encoder_inputs``, private) is **deferred** instead when the worker would prune it (a
+new prompt, or a pruned request's recompute after preemption) and its items fit the cache and the budget at once: it
+is scheduled 0 tokens this step and comes whole in a later one, once earlier steps have released their entries
+(under asynchronous scheduling, vLLM's GPU default, a step is scheduled before the previous step's entries are freed,
+so without this a steady stream of clips would lose MACER for many requests). A prompt whose items can never fit at
+once is cut as vLLM cuts it, and the worker serves it unpruned: its ``D_r`` becomes 0 before its blocks are
+allocated.
+
+A turn of a streaming-input session (vLLM's ``resumable`` requests) gets parameters marked for serving unpruned when
+it arrives (``add_request``; ``macer.vllm.request_settings.session_params``): its prompt grows under one request id,
+and MACER prunes a whole prompt once.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from macer.vllm import records
+from macer.vllm.request_settings import session_params
 
 __all__ = ["MacerSchedulerMixin", "make_scheduler"]
 
@@ -38,25 +50,55 @@ class MacerSchedulerMixin:
         from macer.vllm.kv import SchedulerKV
 
         self.macer_kv = SchedulerKV.attach(self)  # None: no compacted KV cache group in this engine
+        self._macer_plans: SchedulerKV | None = self.macer_kv  # which requests prune (``_macer_planner``)
 
     def add_request(self, request: Any) -> None:
+        if getattr(request, "resumable", False):
+            # A turn of a streaming-input session (the first or a later one: vLLM copies a later turn's parameters
+            # into the session): served unpruned, said in its record (macer.vllm.request_settings.session_params).
+            request.sampling_params = session_params(request.sampling_params)
         if self.macer_kv is not None and request.request_id not in self.requests:  # type: ignore[attr-defined]
             self.macer_kv.arrive(request)
         super().add_request(request)  # type: ignore[misc]
 
     def _free_blocks(self, request: Any) -> None:
         super()._free_blocks(request)  # type: ignore[misc]
-        if self.macer_kv is not None:
-            self.macer_kv.forget(request.request_id)
+        if self._macer_plans is not None:
+            self._macer_plans.forget(request.request_id)
+
+    def _macer_planner(self) -> Any:
+        """The scheduler's plans of its requests: the KV side's where the engine frees KV memory, else one made on
+        first use (it plans only requests the scheduler would cut)."""
+        if self._macer_plans is None:
+            from macer.vllm.kv import SchedulerKV
+
+            self._macer_plans = SchedulerKV(self.vllm_config, [])  # type: ignore[attr-defined]
+        return self._macer_plans
 
     def _try_schedule_encoder_inputs(self, request: Any, num_computed_tokens: int, num_new_tokens: int,
-                                     *args: Any, **kwargs: Any) -> Any:
+                                     encoder_compute_budget: int, *args: Any, **kwargs: Any) -> Any:
         out = super()._try_schedule_encoder_inputs(  # type: ignore[misc]
-            request, num_computed_tokens, num_new_tokens, *args, **kwargs)
+            request, num_computed_tokens, num_new_tokens, encoder_compute_budget, *args, **kwargs)
         scheduled = out[1]
-        if self.macer_kv is not None and 0 < scheduled and num_computed_tokens + scheduled < request.num_tokens:
-            self.macer_kv.cut(request.request_id)
+        if 0 < scheduled and num_computed_tokens + scheduled < request.num_tokens:  # cut before a multimodal item
+            if num_computed_tokens == 0 and self._macer_fits(request) and self._macer_planner().prunes(request):
+                # Deferred a step, not served unpruned: a new prompt, or a pruned request's recompute after
+                # preemption, whose items the encoder cache can hold once earlier steps release theirs (under
+                # asynchronous scheduling the previous step still holds its entries when this one is scheduled).
+                # vLLM's waiting loop stops at a request scheduled 0 tokens, as for its own encoder-cache waits.
+                return [], 0, encoder_compute_budget, [], []
+            self._macer_planner().cut(request.request_id)
         return out
+
+    def _macer_fits(self, request: Any) -> bool:
+        """Whether every multimodal item of ``request`` fits the encoder cache and one step's encoder budget at once
+        (else deferring it would never serve it whole, and it is cut and served unpruned)."""
+        capacity = getattr(self.encoder_cache_manager, "cache_size", None)  # type: ignore[attr-defined]
+        budget = getattr(self, "max_num_encoder_input_tokens", None)
+        if capacity is None or budget is None:
+            return False
+        items = {feature.identifier: feature.mm_position.get_num_embeds() for feature in request.mm_features or ()}
+        return sum(items.values()) <= min(capacity, budget)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         # The records the worker made in this step, sent with its output (macer.vllm.worker).

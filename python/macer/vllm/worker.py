@@ -6,7 +6,10 @@ config hook through ``parallel_config.worker_cls`` (the public ``--worker-cls``)
   the host; copies of the runner's attention groups; the load-time self-test);
 * each step (``execute_model``) it drops the state of the requests vLLM finished or aborted, and marks the step, so
   that only a step the scheduler made is planned (profiling, warm-up and graph-capture runs never are);
-* after the step's sampler (``sample_tokens``) it finishes the step's records (``macer.vllm.records``).
+* after the step's sampler (``sample_tokens``) it finishes the step's records (``macer.vllm.records``): at once
+  under synchronous scheduling, and in the asynchronous output's ``get_output`` (the executor's output thread, after
+  vLLM's own wait for the step) under asynchronous scheduling, so that the worker's thread never waits for a
+  forward.
 
 A model without a MACER decoder is served exactly as by vLLM's worker. The runner is used, never patched or
 subclassed; the private runner names the decoder reads are checked when it binds.
@@ -59,29 +62,38 @@ class MacerWorkerMixin:
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         out = super().sample_tokens(grammar_output)  # type: ignore[misc]
-        # The step's kept rows were copied to the host before the sampler ran: waiting for them costs a prefill step
-        # nothing under synchronous scheduling, and a request that finishes in this step still gets its record.
-        records.finish_pending(block=True)
-        parallel.check_agreement()  # tensor parallel: every rank kept the same rows (macer.vllm.parallel)
-        return _with_records(out, records.drain())
+        # The records this step started wait for one device copy of their kept rows, enqueued before the sampler.
+        step = records.claim_pending()
+        agree = parallel.claim_agreement()  # tensor parallel: the guard's flags of this step (macer.vllm.parallel)
+        if hasattr(out, "get_output"):
+            # Asynchronous scheduling: vLLM's output waits for the step on the executor's output thread
+            # (AsyncModelRunnerOutput.get_output); the records are finished there, after that wait, so that this
+            # thread prepares the next step meanwhile.
+            return _with_records(parallel.after_output(out, agree), records.drain(), step)
+        # Synchronous: the step is done by now (the sampler's tokens went to the host), so waiting costs nothing, and
+        # a request that finishes in this step still gets its record.
+        agree()
+        return _with_records(out, records.drain() + records.finish(step))
 
 
-def _with_records(out: Any, entries: list[dict[str, Any]]) -> Any:
+def _with_records(out: Any, entries: list[dict[str, Any]], step: list[Any] | None = None) -> Any:
     """The step's output carrying ``entries`` to the scheduler (``macer.vllm.scheduler``) as ``macer_records``: an
     attribute of the pickled ``ModelRunnerOutput`` (on a copy: the empty output is a shared object); for an
-    asynchronous output, of what its ``get_output`` returns."""
-    if not entries:
-        return out
-    if out is None:
-        records.receive(entries)  # no output to carry them: kept here (an in-process scheduler reads them)
-        return out
+    asynchronous output, of what its ``get_output`` returns, with the records of ``step`` (``records.claim_pending``)
+    finished there."""
     if hasattr(out, "get_output"):
         get_output = out.get_output
 
         def with_records() -> Any:
-            return _with_records(get_output(), entries)
+            result = get_output()  # returns once the step's forward (and the records' copies) are done
+            return _with_records(result, entries + records.finish(step or []))
 
         out.get_output = with_records
+        return out
+    if not entries:
+        return out
+    if out is None:
+        records.receive(entries)  # no output to carry them: kept here (an in-process scheduler reads them)
         return out
     out = copy.copy(out)
     out.macer_records = entries
