@@ -69,23 +69,29 @@ def result(output: Any) -> dict:
 _REFERENCE: dict[str, dict] = {}
 
 
-def reference(shared_engine: Any, hf_model: Any, tiny_checkpoint: Any) -> dict[str, dict]:
-    """Each request alone on the session's TP=1 engine, plus its ``macer.compress`` tokens and kept rows (``hf``);
-    computed once per session."""
+def reference(tiny_checkpoint: Any, hf_model: Any) -> dict[str, dict]:
+    """Each request alone on a TP=1 engine in this process (the session's engine settings, started for this and shut
+    down after: an in-process engine that another engine's shutdown outlives loses its distributed groups), plus its
+    ``macer.compress`` tokens and kept rows (``hf``); computed once per session."""
     if _REFERENCE:
         return _REFERENCE
     from macer.vllm.request_settings import request_overrides, request_policy
     from macer.vllm.testing import ARCHITECTURE
     from transformers import AutoConfig
-    from vllm_cases import hf_run
+    from vllm_cases import ENGINE_ARGS, engine_settings, hf_run, in_process_llm
 
     config = AutoConfig.from_pretrained(tiny_checkpoint)
-    for name, prompt, extra in requests():
-        got = result(shared_engine.llm.generate([{"prompt_token_ids": prompt}], sampling(extra), use_tqdm=False)[0])
-        policy = request_policy(shared_engine.settings, request_overrides(extra), config, ARCHITECTURE)
-        hf = hf_run(hf_model, None if name == "refused plan" else policy, prompt, steps=TOKENS)
-        got["hf"] = {"tokens": hf["tokens"], "record": hf["record"]}
-        _REFERENCE[name] = got
+    settings = engine_settings()
+    llm = in_process_llm(model=str(tiny_checkpoint), additional_config={"macer": settings}, **ENGINE_ARGS)
+    try:
+        for name, prompt, extra in requests():
+            got = result(llm.generate([{"prompt_token_ids": prompt}], sampling(extra), use_tqdm=False)[0])
+            policy = request_policy(settings, request_overrides(extra), config, ARCHITECTURE)
+            hf = hf_run(hf_model, None if name == "refused plan" else policy, prompt, steps=TOKENS)
+            got["hf"] = {"tokens": hf["tokens"], "record": hf["record"]}
+            _REFERENCE[name] = got
+    finally:
+        llm.llm_engine.engine_core.shutdown()
     return _REFERENCE
 
 

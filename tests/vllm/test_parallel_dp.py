@@ -42,16 +42,20 @@ async def _serve(checkpoint) -> dict[str, tuple[int, dict]]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_checkpoint):
+def want(tiny_checkpoint, hf_model):
+    """The reference, computed before this module's engines start."""
+    return reference(tiny_checkpoint, hf_model)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint, want):
     with environment(VLLM_CPU_OMP_THREADS_BIND=two_cores()):
         return asyncio.run(_serve(tiny_checkpoint))
 
 
-def test_a_mixed_batch_on_two_dense_dp_ranks_equals_tp1_and_transformers(served, shared_engine, hf_model,
-                                                                          tiny_checkpoint):
+def test_a_mixed_batch_on_two_dense_dp_ranks_equals_tp1_and_transformers(served, want):
     """Guards the data-parallel refusal's lifting for dense models: each rank plans, prunes, frees KV memory and
     records its own requests exactly as one engine does."""
-    want = reference(shared_engine, hf_model, tiny_checkpoint)
     assert {rank for rank, _ in served.values()} == {0, 1}
     for name, _, _ in requests():
         check(name, served[name][1], want[name])

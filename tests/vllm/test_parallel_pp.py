@@ -31,7 +31,13 @@ BLOCKS = 2 + sum(-(-(len(p) + 8) // 32) for p in PROMPTS)  # every prompt admitt
 
 
 @pytest.fixture(scope="module")
-def pp_engine(tiny_checkpoint):
+def want(tiny_checkpoint, hf_model):
+    """The reference, computed before this module's engine starts."""
+    return reference(tiny_checkpoint, hf_model)
+
+
+@pytest.fixture(scope="module")
+def pp_engine(tiny_checkpoint, want):
     # 160 rows per sequence: vLLM sizes a rank's blocks over its own KV groups, so fewer rows fit the same blocks.
     args = {**ENGINE_ARGS, "max_model_len": 160, "max_num_batched_tokens": 160, "num_gpu_blocks_override": BLOCKS,
             "pipeline_parallel_size": 2, "additional_config": {"macer": engine_settings()}}
@@ -50,13 +56,12 @@ def _worker_facts(worker):
             "kv_start": decoder.kv_start, "handover": decoder.pipe is not None}
 
 
-def test_a_mixed_batch_at_pp2_equals_tp1_and_transformers(pp_engine, shared_engine, hf_model, tiny_checkpoint):
+def test_a_mixed_batch_at_pp2_equals_tp1_and_transformers(pp_engine, want):
     """Guards the hand-over of a stage's kept rows between ranks (the later rank's gather, its stages' state and
     its records), each rank's own plan and compacted metadata, through preemption and recompute."""
     facts = sorted(pp_engine.collective_rpc(_worker_facts), key=lambda f: f["rank"])
     assert [(f["first"], f["layers"]) for f in facts] == [(0, 2), (2, 4)]
     assert all(f["handover"] and f["kv_start"] == 4 for f in facts)
-    want = reference(shared_engine, hf_model, tiny_checkpoint)
     scheduler = scheduler_of(pp_engine)
     preempted: list[str] = []
     preempt = scheduler._preempt_request

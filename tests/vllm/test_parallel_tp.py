@@ -25,7 +25,13 @@ BLOCKS = 2 + sum(-(-(len(p) + 8) // 32) for p in PROMPTS)  # every prompt admitt
 
 
 @pytest.fixture(scope="module")
-def tp_engine(tiny_checkpoint):
+def want(tiny_checkpoint, hf_model):
+    """The reference, computed before this module's engine starts."""
+    return reference(tiny_checkpoint, hf_model)
+
+
+@pytest.fixture(scope="module")
+def tp_engine(tiny_checkpoint, want):
     args = {**ENGINE_ARGS, "max_model_len": 256, "max_num_batched_tokens": 256, "num_gpu_blocks_override": BLOCKS,
             "tensor_parallel_size": 2, "additional_config": {"macer": engine_settings()}}
     # Callables through collective_rpc (the tests read and plant worker state) need vLLM's insecure serialization.
@@ -44,13 +50,12 @@ def _worker_facts(worker):
             "kv_start": decoder.kv_start, "heads": decoder.attns[0].num_heads}
 
 
-def test_a_mixed_batch_at_tp2_equals_tp1_and_transformers(tp_engine, shared_engine, hf_model, tiny_checkpoint):
+def test_a_mixed_batch_at_tp2_equals_tp1_and_transformers(tp_engine, want):
     """Guards the score all-gather (a rank selecting from its own heads keeps other rows: tokens and records differ)
     and the ranks' KV freeing groups, through preemption and recompute."""
     facts = tp_engine.collective_rpc(_worker_facts)
     assert sorted(f["rank"] for f in facts) == [0, 1]
     assert all(f["world"] == 2 and f["ranks"] and f["kv_start"] == 4 and f["heads"] == 2 for f in facts)
-    want = reference(shared_engine, hf_model, tiny_checkpoint)
     scheduler = scheduler_of(tp_engine)
     preempted: list[str] = []
     preempt = scheduler._preempt_request
