@@ -295,12 +295,19 @@ def plugin_status() -> dict[str, Any]:
         from vllm import ModelRegistry
         from vllm.plugins import load_general_plugins
 
-        from macer.vllm import ARCHITECTURES
-
         load_general_plugins()
         supported = set(ModelRegistry.get_supported_archs())
-        status["architectures"] = sorted(a for a in ARCHITECTURES if a in supported)
+        status["architectures"] = sorted(a for a in _declared(points) if a in supported)
     return status
+
+
+def _declared(points: list[Any]) -> list[str]:
+    """The architectures the installed entry point's package declares (its ``ARCHITECTURES``), read through the entry
+    point (importing the package by name from here would make an import cycle)."""
+    if not points:
+        return []
+    register = points[0].load()
+    return list(getattr(sys.modules[register.__module__], "ARCHITECTURES", {}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,11 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(prog="python -m macer.vllm.parallel", description=(
         "Say whether vLLM workers started on this machine (multiprocess or Ray executor) load the MACER plugin: its "
         "entry point, versions, and the architectures registered after vLLM loads its plugins.")).parse_args(argv)
-    from macer.vllm import ARCHITECTURES
-
+    points = [p for p in importlib.metadata.entry_points(group="vllm.general_plugins") if p.name == "macer"]
     status = plugin_status()
     print(json.dumps(status))
-    return 0 if status["entry_point"] and set(status["architectures"]) == set(ARCHITECTURES) else 1
+    declared = _declared(points)
+    return 0 if status["entry_point"] and declared and set(status["architectures"]) == set(declared) else 1
 
 
 if __name__ == "__main__":

@@ -94,6 +94,34 @@ def _compacted(attns: list[nn.Module], policy: Policy, settings: Any, first: int
     return start
 
 
+def _gather_rows(step: PreparedStep, segment: Any, device: torch.device) -> torch.Tensor:
+    """The rows of the previous segment that enter ``segment`` (sizes from the host plan; the staged requests'
+    kept rows are device indices)."""
+    parts = []
+    for piece in segment.gather:
+        if piece.request is None:
+            parts.append(torch.arange(piece.start, piece.stop, device=device))
+            continue
+        state = step.states[piece.request]
+        if piece.request in step.fresh:
+            prefill = state.prefill
+            keep, prefill.pending = prefill.pending, None
+            if keep is None:
+                raise RuntimeError(f"macer: request {state.request_id}'s stage before layer {segment.start + 1} "
+                                   "did not run (please report this)")
+            prefill.current = prefill.current[keep]
+            state.keeps[segment.start] = keep
+        else:
+            keep = state.keeps.get(segment.start)
+            if keep is None:
+                raise RuntimeError(f"macer: request {state.request_id} is recomputed without the rows its stage "
+                                   f"before layer {segment.start + 1} kept (please report this)")
+        parts.append(keep + piece.start)
+        if piece.stop > piece.start + piece.before:
+            parts.append(torch.arange(piece.start + piece.before, piece.stop, device=device))
+    return torch.cat(parts)
+
+
 class StagedDecoder:
     """Runs the layers of one vLLM ``Qwen2Model`` with each request's stages (module docstring).
 
@@ -299,7 +327,7 @@ class StagedDecoder:
             if segment is not None:
                 if segment.gather is not None:
                     received = index == 0 and self.pipe is not None and not self.pipe.is_first
-                    rows = self.pipe.entered(step, segment) if received else self._rows(step, segment, hidden.device)
+                    rows = self.pipe.entered(step, segment) if received else _gather_rows(step, segment, hidden.device)
                     hidden, positions = hidden[rows], positions[..., rows]
                     residual = None if residual is None else residual[rows]
                     origin = rows if origin is None else origin[rows]
@@ -319,7 +347,7 @@ class StagedDecoder:
                 hidden = self.after_layer(layer_index, hidden, origin)
         if self.pipe is not None and not self.pipe.is_last:
             if step.handover is not None:  # the stage that read this rank's last layer is applied here
-                rows = self._rows(step, step.handover, hidden.device)
+                rows = _gather_rows(step, step.handover, hidden.device)
                 hidden, residual = hidden[rows], residual[rows]
                 origin = rows if origin is None else origin[rows]
             return self.pipe.send(hidden, residual, origin, total)
@@ -327,33 +355,6 @@ class StagedDecoder:
         if origin is None:
             return hidden
         return hidden.new_zeros(total, hidden.shape[-1]).index_copy_(0, origin, hidden)
-
-    def _rows(self, step: PreparedStep, segment: Any, device: torch.device) -> torch.Tensor:
-        """The rows of the previous segment that enter ``segment`` (sizes from the host plan; the staged requests'
-        kept rows are device indices)."""
-        parts = []
-        for piece in segment.gather:
-            if piece.request is None:
-                parts.append(torch.arange(piece.start, piece.stop, device=device))
-                continue
-            state = step.states[piece.request]
-            if piece.request in step.fresh:
-                prefill = state.prefill
-                keep, prefill.pending = prefill.pending, None
-                if keep is None:
-                    raise RuntimeError(f"macer: request {state.request_id}'s stage before layer {segment.start + 1} "
-                                       "did not run (please report this)")
-                prefill.current = prefill.current[keep]
-                state.keeps[segment.start] = keep
-            else:
-                keep = state.keeps.get(segment.start)
-                if keep is None:
-                    raise RuntimeError(f"macer: request {state.request_id} is recomputed without the rows its stage "
-                                       f"before layer {segment.start + 1} kept (please report this)")
-            parts.append(keep + piece.start)
-            if piece.stop > piece.start + piece.before:
-                parts.append(torch.arange(piece.start + piece.before, piece.stop, device=device))
-        return torch.cat(parts)
 
     def _tap(self, index: int):
         def hook(module: nn.Module, args: tuple) -> None:
