@@ -44,7 +44,7 @@ clean:
 # `make wheel`: a binary wheel in $(WHEEL_DIR) with macer_kernels._C built for CUDA_ARCHS (SASS for each, plus PTX
 # for the highest); it links no libtorch, so one wheel per Python version serves every torch. Without nvcc, or with
 # MACER_NO_CUDA=1, the wheel is pure Python. The CMake build tree under build/ is shared with `make test`'s install.
-CUDA_ARCHS ?= 89;90
+CUDA_ARCHS ?= 89;90;90a
 WHEEL_DIR ?= dist
 
 .PHONY: wheel

@@ -3,7 +3,7 @@
 
 The extension is built with CMake (CMakeLists.txt) when nvcc is found (on PATH, or under $CUDA_HOME/bin) and
 MACER_NO_CUDA is not "1"; otherwise the install is pure Python and the "cuda" backend reports itself unavailable.
-Build knobs (environment): MACER_CUDA_ARCHS (default "89;90"), MACER_NO_CUDA=1, MACER_BUILD_JOBS (default: all
+Build knobs (environment): MACER_CUDA_ARCHS (default "89;90;90a"), MACER_NO_CUDA=1, MACER_BUILD_JOBS (default: all
 cores). The CMake build tree is kept under build/ (one per Python version and arch list), so a repeated
 `pip install -e .` or `python setup.py build_ext --inplace` only recompiles what changed.
 """
@@ -58,7 +58,7 @@ class CMakeBuild(build_ext):
         if shutil.which("cmake") is None:
             raise RuntimeError("macer-kernels: nvcc was found but cmake (>= 3.24) was not; install cmake to build the "
                                "CUDA extension, or set MACER_NO_CUDA=1 for a pure-Python install")
-        archs = os.environ.get("MACER_CUDA_ARCHS", "89;90").replace(",", ";")
+        archs = os.environ.get("MACER_CUDA_ARCHS", "89;90;90a").replace(",", ";")
         tag = f"cmake-py{sys.version_info.major}{sys.version_info.minor}-sm{archs.replace(';', '_')}"
         build_dir = ROOT / "build" / tag
         build_dir.mkdir(parents=True, exist_ok=True)

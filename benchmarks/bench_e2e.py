@@ -23,8 +23,8 @@ warm-up rounds:
   ``peak_extra_mib``, the peak memory above what was resident before the call (weights, inputs), from the CUDA
   allocator's peak or, on CPU, from the process RSS sampled every 2 ms after ``malloc_trim`` (coarser); and
   ``overhead_ms``, the policy's own work (scoring + selection + compaction, ``compress(..., profile=True)``), split
-  by op into ``scoring_ms`` / ``selection_ms`` / ``compaction_ms`` and ``stage_ms`` (the fused
-  ``macer_kernels.select_stage``: scores and selections of a readout in one call, which MACER's stages use),
+  by op into ``scoring_ms`` / ``selection_ms`` / ``compaction_ms`` and ``stage_ms`` (the fused stage: scores and
+  selections of a readout in one call, ``select_stage`` or, since issue 37, a prepared stage's call),
   with ``overhead_share`` = overhead / full ``prefill_ms``; and ``decode_host_us_per_step``, the host time MACER's
   runtime spends in each decode step (its decoder pre-hook's decode branch and per-layer decode hooks);
 * on a GPU, ``host_syncs`` per prefill: the CUDA runtime calls in which the host waits (``measure.SYNC_EVENTS``),

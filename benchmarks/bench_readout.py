@@ -18,8 +18,17 @@ indices equal the PyTorch backend's.
 
 Columns (``benchmarks.common``): ``median_us`` (do_bench device time, host time before the first launch hidden),
 ``wall_us`` (one readout + synchronize, L2 warm: **the "< 50 us" target reads this column**), and per readout from
-torch.profiler ``launches``, ``syncs``, ``d2h`` and ``kernel_us`` (None on CPU). The step itself assembles the keep
+torch.profiler ``launches``, ``syncs``, ``d2h`` and ``kernel_us`` (None on CPU). The per-op step assembles the keep
 positions with a few PyTorch ops (gathers, a concatenation, a sort) around the four MACER ops.
+
+The stage rows run the same readout as a model does, per backend: ``stage-<backend>`` is ``select_stage`` then
+``compact_many`` (what the runtime ran before issue 37), ``prepared-<backend>`` the prepared stage
+(``macer_kernels.prepared``: checked once, then one call per readout that scores, selects and compacts the four
+tensors; on CUDA one host call launching five kernels chained with programmatic dependent launch on sm_90), its
+outputs in a two-slot pool, as a runtime keeps them; ``prepared-cuda-unchained`` the same without PDL. After the
+table, the stage rows' targets: ``wall_us`` against the issue's 50 us and against the limit, the bytes every exact
+readout moves (K read once, the kept rows of the four tensors read and written, the labels and chunk ids read) at
+the measured copy rate (read + write counted).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import torch
 
 from benchmarks.bench_select import naive_coverage, naive_topk
 from benchmarks.common import (
+    copy_bandwidth_gbs,
     environment,
     median_time_us,
     print_table,
@@ -43,15 +53,19 @@ from benchmarks.common import (
     write_results,
 )
 from macer_kernels import (
+    StageModality,
     available_backends,
     compact_many,
     coverage_select,
     modality_scores,
+    select_stage,
     split_budget,
     temporal_chunks,
     topk_indices,
     use_backend,
 )
+from macer_kernels.backend import resolve
+from macer_kernels.prepared import prepare_stage
 from macer_kernels.reference import modality_scores_ref
 
 # Qwen2.5-Omni-7B readout (Sec. 4 defaults of macer.core.config for 28 layers).
@@ -70,6 +84,9 @@ def make_inputs(prompt: dict[str, int], device: torch.device, *, q_heads: int = 
     labels = torch.cat([torch.full((prompt[part],), label, dtype=torch.long) for part, label in
                         (("text_before", 0), ("audio", 1), ("video", 2), ("text_after", 0))]).to(device)
     video_pos = (labels == 2).nonzero().squeeze(1)
+    chunks = temporal_chunks(torch.arange(video_pos.numel(), device=device), NUM_CHUNKS)
+    chunk_ids = torch.zeros(1, n, dtype=torch.long, device=device)
+    chunk_ids[0, video_pos] = chunks
     return {
         "query": torch.randn(1, q_heads, Q_LEN, head_dim, generator=g, device=device).to(dtype),
         "key": torch.randn(1, kv_heads, n, head_dim, generator=g, device=device).to(dtype),
@@ -77,7 +94,8 @@ def make_inputs(prompt: dict[str, int], device: torch.device, *, q_heads: int = 
         "text_pos": (labels == 0).nonzero().squeeze(1),
         "audio_pos": (labels == 1).nonzero().squeeze(1),
         "video_pos": video_pos,
-        "chunks": temporal_chunks(torch.arange(video_pos.numel(), device=device), NUM_CHUNKS),
+        "chunks": chunks,
+        "chunk_ids": chunk_ids,  # the chunk id of every token ([1, N], 0 outside the video): the stage's table
         "hidden": torch.randn(1, n, hidden, generator=g, device=device).to(dtype),
         "cos": torch.randn(1, n, head_dim, generator=g, device=device),
         "sin": torch.randn(1, n, head_dim, generator=g, device=device),
@@ -124,29 +142,123 @@ def cuda_direct_readout(x: dict):
                    coverage_select_cuda, compact_many_cuda)
 
 
+STAGE_DIMS = [1, 1, 1, 2]  # hidden states, cos, sin, M-RoPE position ids
+
+
+def stage_modalities(x: dict) -> list[StageModality]:
+    budget = x["budget"]
+    return [StageModality(1, x["audio_pos"].numel(), budget.audio),
+            StageModality(2, x["video_pos"].numel(), budget.video, coverage_weight=COVERAGE_WEIGHT,
+                          num_chunks=NUM_CHUNKS)]
+
+
+def stage_tensors(x: dict) -> list[torch.Tensor]:
+    return [x["hidden"], x["cos"], x["sin"], x["position_ids"]]
+
+
+def _forced(name: str, device: torch.device, fn: Callable) -> Callable:
+    """``fn`` under ``use_backend(name)``, unless ``"auto"`` already picks that backend (a runtime has no context
+    manager around its stages; it would add its own host time to the row)."""
+    if resolve("stage_select", device)[0] == name:
+        return fn
+
+    def call():
+        with use_backend(name):
+            return fn()
+
+    return call
+
+
+def fused_readout(name: str, x: dict) -> Callable:
+    """``select_stage`` (scores and both selections, kept rows in order), then one ``compact_many``."""
+    mods, labels = stage_modalities(x), x["modality"]
+
+    def call():
+        keep = select_stage(x["query"], x["key"], labels, mods, chunk_ids=x["chunk_ids"])[0]
+        return keep, compact_many(stage_tensors(x), keep, STAGE_DIMS)
+
+    return _forced(name, labels.device, call)
+
+
+def prepared_readout(name: str, x: dict, *, chain: bool = True) -> Callable:
+    """The prepared stage: checked once here, then one call per readout into one of two output slots."""
+    mods, labels, gather = stage_modalities(x), x["modality"], stage_tensors(x)
+    with use_backend(name):
+        prepared = prepare_stage(x["query"], x["key"], labels, mods, chunk_ids=x["chunk_ids"], gather=gather,
+                                 gather_dims=STAGE_DIMS, chain=chain)
+    slots, turn = [prepared.allocate(), prepared.allocate()], [0]
+
+    def call():
+        out = slots[turn[0]]
+        turn[0] ^= 1
+        keep, _, *tensors = prepared(x["query"], x["key"], labels, x["chunk_ids"], gather, out=out)
+        return keep[0], tensors
+
+    return _forced(name, labels.device, call)
+
+
 def providers(device: torch.device) -> dict[str, Callable]:
     found = {"naive": naive_readout}
     for name in runnable_backends("modality_scores", device):
         found[name] = lambda x, name=name: backend_readout(name, x)
         if name == "cuda":
             found["cuda-direct"] = cuda_direct_readout
+    for name in runnable_backends("stage_select", device):
+        if name == "triton" and device.type == "cpu":
+            continue  # the interpreter takes seconds per stage call: the GPU run times the Triton stage
+        found[f"stage-{name}"] = lambda x, name=name: fused_readout(name, x)()
+        found[f"prepared-{name}"] = lambda x, name=name: prepared_readout(name, x)
+        if name == "cuda":
+            found["prepared-cuda-unchained"] = lambda x: prepared_readout("cuda", x, chain=False)
     return found
 
 
-def run(prompt: dict[str, int], device: torch.device, *, quick: bool = False, **shape) -> list[dict]:
+def floor_bytes(x: dict, kept: int) -> int:
+    """Bytes every exact readout moves: K once, the kept rows of the stage's tensors read and written, the labels
+    and chunk ids read."""
+    n = x["key"].shape[2]
+    moved = x["key"].numel() * x["key"].element_size() + n * 2 * 8
+    for t, d in zip(stage_tensors(x), STAGE_DIMS, strict=True):
+        moved += 2 * t.numel() // t.shape[d] * kept * t.element_size()
+    return moved
+
+
+TARGET_WALL_US = 50.0
+"""Issue 37: the readout step of the 2.4k prompt, wall time (one call + synchronize), on an H200."""
+
+
+def target_rows(rows: list[dict], x: dict, device: torch.device) -> list[dict]:
+    """The stage rows' wall time against the target and against the limit (``floor_bytes`` at the measured copy
+    rate; None on CPU)."""
+    limit = None
+    if device.type == "cuda":
+        rate = copy_bandwidth_gbs(device, 1 << 28)
+        limit = floor_bytes(x, rows[0]["kept"]) / (rate * 1e3)
+    return [{"provider": r["provider"], "wall_us": r["wall_us"], "target_us": TARGET_WALL_US, "limit_us": limit,
+             "met": r["wall_us"] < TARGET_WALL_US} for r in rows if r["provider"].startswith(("stage-", "prepared-"))]
+
+
+def run(prompt: dict[str, int], device: torch.device, *, quick: bool = False, stage_only: bool = False,
+        **shape) -> tuple[list[dict], dict]:
+    """The table's rows (``stage_only``: the stage rows alone) and the inputs."""
     x = make_inputs(prompt, device, **shape)
     expected, _ = backend_readout("torch", x)
     rows, naive_us = [], None
     for name, fn in providers(device).items():
-        keep, _ = fn(x)
-        call = functools.partial(fn, x)
+        if stage_only and not name.startswith(("stage-", "prepared-")):
+            continue
+        if name.startswith("prepared-"):
+            call = fn(x)  # prepared once, outside the timing
+        else:
+            call = functools.partial(fn, x)
+        keep, _ = call()
         times = time_provider(call, device, quick=quick, warmup=3, reps=20)
         us = times["median_us"]
         naive_us = us if name == "naive" else naive_us
         rows.append({"provider": name, "tokens": x["key"].shape[2], "kept": keep.numel(), **times,
-                     "speedup": naive_us / us,
+                     "speedup": None if naive_us is None else naive_us / us,
                      "exact": bool(torch.equal(keep, expected))})
-    return rows
+    return rows, x
 
 
 def overhead_rows(device: torch.device) -> list[dict]:
@@ -177,20 +289,29 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU smoke run on a small prompt; writes no results")
     parser.add_argument("--overhead", action="store_true", help="also measure the torch.library per-call overhead")
+    parser.add_argument("--stage", action="store_true", help="only the stage rows (fused and prepared) and targets")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args(argv)
     if args.quick:
-        print_table(run(QUICK_PROMPT, torch.device("cpu"), quick=True, **QUICK_SHAPE))
+        cpu = torch.device("cpu")
+        rows, x = run(QUICK_PROMPT, cpu, quick=True, stage_only=args.stage, **QUICK_SHAPE)
+        print_table(rows)
+        print()
+        print_table(target_rows(rows, x, cpu))
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_readout needs a CUDA GPU (use --quick for a CPU smoke run)")
     device = torch.device("cuda")
-    rows = run(PROMPT, device)
+    rows, x = run(PROMPT, device, stage_only=args.stage)
     print_table(rows)
+    targets = target_rows(rows, x, device)
+    print()
+    print_table(targets)
     meta = {**environment(device), "prompt": PROMPT, "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
             "q_len": Q_LEN, "hidden": HIDDEN, "dtype": "bfloat16", "keep_ratio": KEEP_RATIO,
-            "audio_share": AUDIO_SHARE, "coverage_weight": COVERAGE_WEIGHT, "num_chunks": NUM_CHUNKS}
-    name = f"readout_{slug(meta['device'])}"
+            "audio_share": AUDIO_SHARE, "coverage_weight": COVERAGE_WEIGHT, "num_chunks": NUM_CHUNKS,
+            "targets": targets}
+    name = f"readout_{slug(meta['device'])}" + ("_stage" if args.stage else "")
     print("wrote", *write_results(name, rows, meta, args.out))
     if args.overhead:
         if "cuda" not in available_backends():

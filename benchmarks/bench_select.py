@@ -6,8 +6,12 @@
 k = n / 4 (keep ratio 0.25), lambda_c = 0.2 and C = 8 temporal chunks (the 7B defaults in ``macer.core.config``).
 Providers: ``naive`` is the obvious PyTorch code (``torch.topk`` + a sort for top-k; the literal k-step greedy as a
 loop of PyTorch ops on the device for the coverage greedy, run only where k <= 5000 because it costs k steps of
-several launches); ``torch`` is the PyTorch backend; then every other backend that can run on the device. The target
-is a selection of 864 tokens under 30 us.
+several launches); ``torch`` is the PyTorch backend; then every other backend that can run on the device.
+
+Targets (issue 37), on ``median_us``: top-K at n = 20k under 10 us; coverage at n = 20k under 60 us (aim 20 us).
+Each row shows its target (``target_us``, ``aim_us``) and ``met``; a summary after the table puts the CUDA rows
+beside their limits. ``ctas`` is the CUDA kernel's launch plan: the CTAs per row (1, or a thread block cluster on
+sm_90), or ``chain`` above the kernel's limit (the multi-CTA CUB chain).
 
 Columns (``benchmarks.common`` defines them): ``median_us``, the device time between CUDA events
 (``triton.testing.do_bench``), which leaves out the host's launch overhead (Python, the argument checks,
@@ -36,6 +40,31 @@ KEEP_RATIO = 0.25
 COVERAGE_WEIGHT = 0.2
 NUM_CHUNKS = 8
 NAIVE_GREEDY_MAX_K = 5000
+# (op, n) -> (limit, aim) in us of median_us (device time).
+TARGETS = {("topk_indices", 20_000): (10.0, None), ("coverage_select", 20_000): (60.0, 20.0)}
+
+
+def cuda_plan(op: str, n: int, device: torch.device) -> str | None:
+    """The CUDA kernel's CTAs per row for this call (a cluster above 1), or 'chain' above its limit."""
+    if device.type != "cuda":
+        return None
+    from macer_kernels.cuda._ext import ext
+
+    coverage = op == "coverage_select"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    avail, clusters = ext().select_cta_device_limits(index)
+    return str(ext().select_cta_plan(n, coverage, False, avail, clusters)[0] or "chain")
+
+
+def print_targets(rows: list[dict]) -> None:
+    """Each target beside the CUDA provider's measured value and its limit."""
+    for (op, n), (limit, aim) in TARGETS.items():
+        for row in rows:
+            if row["op"] == op and row["n"] == n and row["provider"] == "cuda":
+                goal = f"< {limit:g} us" + (f" (aim {aim:g})" if aim else "")
+                verdict = "met" if row["median_us"] < limit else "MISSED"
+                print(f"target {op} n={n}: cuda median_us {row['median_us']:.4g} (wall_us {row['wall_us']:.4g}, "
+                      f"ctas {row['ctas']}) vs {goal}: {verdict}")
 
 
 def naive_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -81,8 +110,11 @@ def run(sizes, device: torch.device, *, quick: bool = False) -> list[dict]:
                 times = time_provider(provider, device, quick=quick, profile=not literal)
                 us = times["median_us"]
                 naive_us = us if name == "naive" else naive_us
+                limit, aim = TARGETS.get((op, n), (None, None))
                 rows.append({"op": op, "provider": name, "n": n, "k": k, **times,
                              "speedup": naive_us / us if naive_us else float("nan"),
+                             "ctas": cuda_plan(op, n, device) if name == "cuda" else None,
+                             "target_us": limit, "aim_us": aim, "met": None if limit is None else us < limit,
                              "exact": bool(torch.equal(provider(), expected))})
     return rows
 
@@ -101,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda")
     rows = run(args.sizes or SIZES, device)
     print_table(rows)
+    print_targets(rows)
     meta = {**environment(device), "keep_ratio": KEEP_RATIO, "coverage_weight": COVERAGE_WEIGHT,
             "num_chunks": NUM_CHUNKS, "scores_dtype": "float32"}
     paths = write_results(f"select_{slug(meta['device'])}", rows, meta, args.out)

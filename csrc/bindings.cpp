@@ -16,6 +16,9 @@
 
 namespace py = pybind11;
 
+// The prepared stage's class and functions (csrc/stage_bindings.cpp).
+void macer_bind_stage(py::module_& m);
+
 namespace {
 
 template <typename T>
@@ -25,12 +28,15 @@ T* ptr(std::uintptr_t address) {
 
 void* stream_ptr(std::uintptr_t stream) { return reinterpret_cast<void*>(stream); }
 
-void modality_scores(std::uintptr_t query, std::uintptr_t key, std::uintptr_t modality, std::uintptr_t positions,
-                     std::uintptr_t out, std::uintptr_t workspace, int q_dtype, int modality_dtype,
-                     int positions_dtype, const std::array<int64_t, 6>& sizes, const std::array<int64_t, 4>& q_stride,
-                     const std::array<int64_t, 3>& k_stride, const std::array<int64_t, 2>& mod_stride,
-                     const std::array<int64_t, 2>& pos_stride, float scale, float eps, int device,
-                     std::uintptr_t stream) {
+macer::ModalityScoresParams scores_params(std::uintptr_t query, std::uintptr_t key, std::uintptr_t modality,
+                                          std::uintptr_t positions, std::uintptr_t out, std::uintptr_t workspace,
+                                          std::uintptr_t counters, int q_dtype, int modality_dtype,
+                                          int positions_dtype, const std::array<int64_t, 6>& sizes,
+                                          const std::array<int64_t, 4>& q_stride,
+                                          const std::array<int64_t, 3>& k_stride,
+                                          const std::array<int64_t, 2>& mod_stride,
+                                          const std::array<int64_t, 2>& pos_stride, float scale, float eps, int device,
+                                          std::uintptr_t stream, int path) {
   macer::ModalityScoresParams p{};
   p.query = ptr<const void>(query);
   p.key = ptr<const void>(key);
@@ -38,6 +44,7 @@ void modality_scores(std::uintptr_t query, std::uintptr_t key, std::uintptr_t mo
   p.query_positions = ptr<const void>(positions);
   p.out = ptr<float>(out);
   p.workspace = ptr<void>(workspace);
+  p.counters = ptr<int>(counters);
   p.q_dtype = q_dtype;
   p.modality_dtype = modality_dtype;
   p.positions_dtype = positions_dtype;
@@ -55,7 +62,19 @@ void modality_scores(std::uintptr_t query, std::uintptr_t key, std::uintptr_t mo
   p.eps = eps;
   p.device = device;
   p.stream = stream_ptr(stream);
-  macer::modality_scores(p);
+  p.path = path;
+  return p;
+}
+
+void modality_scores(std::uintptr_t query, std::uintptr_t key, std::uintptr_t modality, std::uintptr_t positions,
+                     std::uintptr_t out, std::uintptr_t workspace, std::uintptr_t counters, int q_dtype,
+                     int modality_dtype, int positions_dtype, const std::array<int64_t, 6>& sizes,
+                     const std::array<int64_t, 4>& q_stride, const std::array<int64_t, 3>& k_stride,
+                     const std::array<int64_t, 2>& mod_stride, const std::array<int64_t, 2>& pos_stride, float scale,
+                     float eps, int device, std::uintptr_t stream, int path) {
+  macer::modality_scores(scores_params(query, key, modality, positions, out, workspace, counters, q_dtype,
+                                       modality_dtype, positions_dtype, sizes, q_stride, k_stride, mod_stride,
+                                       pos_stride, scale, eps, device, stream, path));
 }
 
 macer::SelectParams select_params(std::uintptr_t scores, int scores_dtype, int64_t n, int64_t scores_stride, int64_t k,
@@ -103,7 +122,7 @@ void select_cta(const std::string& op, std::uintptr_t scores, int scores_dtype,
                 const std::array<int64_t, 2>& labels_stride, std::uintptr_t chunk_ids, int chunk_dtype,
                 const std::array<int64_t, 2>& chunk_stride, std::uintptr_t out, int64_t out_stride, int64_t out_len,
                 int64_t batch, int64_t n, const std::vector<CtaModality>& modalities, std::uintptr_t keeps,
-                std::uintptr_t nonfinite, int device, std::uintptr_t stream) {
+                std::uintptr_t nonfinite, int device, std::uintptr_t stream, bool pdl) {
   macer::SelectCtaParams p{};
   p.op = op.c_str();
   p.scores = ptr<const void>(scores);
@@ -137,6 +156,7 @@ void select_cta(const std::string& op, std::uintptr_t scores, int scores_dtype,
   p.nonfinite = ptr<bool>(nonfinite);
   p.device = device;
   p.stream = stream_ptr(stream);
+  p.pdl = pdl ? 1 : 0;
   macer::select_cta(p);
 }
 
@@ -228,21 +248,66 @@ PYBIND11_MODULE(_C, m) {
   m.attr("DTYPE_CODES") = codes;
   m.attr("MAX_COMPACT_TENSORS") = macer::kMaxCompactTensors;
 
-  m.def("modality_scores", &modality_scores, "eq:macer_score on raw pointers (see csrc/launchers.h)");
+  m.def("modality_scores", &modality_scores, "eq:macer_score on raw pointers (see csrc/launchers.h)",
+        py::arg("query"), py::arg("key"), py::arg("modality"), py::arg("positions"), py::arg("out"),
+        py::arg("workspace"), py::arg("counters"), py::arg("q_dtype"), py::arg("modality_dtype"),
+        py::arg("positions_dtype"), py::arg("sizes"), py::arg("q_stride"), py::arg("k_stride"),
+        py::arg("mod_stride"), py::arg("pos_stride"), py::arg("scale"), py::arg("eps"), py::arg("device"),
+        py::arg("stream"), py::arg("path") = 0);
+  m.def(
+      "modality_scores_path",
+      [](int q_dtype, const std::array<int64_t, 6>& sizes, const std::array<int64_t, 4>& q_stride,
+         const std::array<int64_t, 3>& k_stride, std::uintptr_t key, int device, int path) {
+        const macer::ModalityScoresParams p =
+            scores_params(0, key, 0, 0, 0, 0, 0, q_dtype, macer::kInt64, macer::kInt64, sizes, q_stride, k_stride,
+                          {0, 1}, {0, 1}, 1.0f, 0.0f, device, 0, path);
+        return macer::modality_scores_path(p);
+      },
+      "(\"sa\" or \"sb\", why not S-B) for a call of this shape on `device` (may ask the device; launches nothing)",
+      py::arg("q_dtype"), py::arg("sizes"), py::arg("q_stride"), py::arg("k_stride"), py::arg("key"),
+      py::arg("device"), py::arg("path") = 0);
   m.def("modality_scores_workspace_bytes", &macer::modality_scores_workspace_bytes, py::arg("batch"),
-        py::arg("q_heads"), py::arg("q_len"), py::arg("num_keys"));
+        py::arg("q_heads"), py::arg("q_len"), py::arg("kv_heads"), py::arg("num_keys"));
+  m.def("modality_scores_counter_count", &macer::modality_scores_counter_count, py::arg("batch"),
+        py::arg("q_heads"), py::arg("q_len"), py::arg("kv_heads"));
   m.def("modality_scores_max_head_dim", &macer::modality_scores_max_head_dim);
   m.def(
       "modality_scores_split_plan",
-      [](int q_dtype, int64_t batch, int64_t kv_heads, int64_t num_keys, int64_t wave) {
-        const macer::ScoresSplitPlan plan = macer::modality_scores_split_plan(q_dtype, batch, kv_heads, num_keys, wave);
+      [](int64_t batch, int64_t kv_heads, int64_t row_tiles, int64_t num_keys, int64_t wave) {
+        const macer::ScoresSplitPlan plan =
+            macer::modality_scores_split_plan(batch, kv_heads, row_tiles, num_keys, wave);
         return std::make_tuple(plan.tiles, plan.splits, plan.split_tiles, plan.split_extra);
       },
       "(tiles, splits, split_tiles, split_extra) of the scoring tile kernel for a wave of CTAs (host arithmetic)",
-      py::arg("q_dtype"), py::arg("batch"), py::arg("kv_heads"), py::arg("num_keys"), py::arg("wave"));
+      py::arg("batch"), py::arg("kv_heads"), py::arg("row_tiles"), py::arg("num_keys"), py::arg("wave"));
   m.def("modality_scores_split_begin", &macer::modality_scores_split_begin,
         "First key tile of a split (the kernel's split_begin)", py::arg("split"), py::arg("split_tiles"),
         py::arg("split_extra"));
+  m.def("modality_scores_fragment", &macer::modality_scores_fragment,
+        "(key in the tile, row in the row tile) of accumulator element e of a lane of a warp (the kernels' map)",
+        py::arg("warp"), py::arg("lane"), py::arg("e"));
+  m.def(
+      "modality_scores_stream_k",
+      [](std::uintptr_t key, std::uintptr_t out, int dtype, const std::array<int64_t, 4>& sizes,
+         const std::array<int64_t, 3>& k_stride, int device, std::uintptr_t stream) {
+        macer::StreamKParams p{};
+        p.key = ptr<const void>(key);
+        p.out = ptr<uint32_t>(out);
+        p.dtype = dtype;
+        p.batch = sizes[0];
+        p.kv_heads = sizes[1];
+        p.num_keys = sizes[2];
+        p.head_dim = sizes[3];
+        for (int i = 0; i < 3; ++i) p.k_stride[i] = k_stride[i];
+        p.device = device;
+        p.stream = stream_ptr(stream);
+        return macer::modality_scores_stream_k(p);
+      },
+      "Read K [B, Hkv, N, D] once with the scoring tile kernel's loads (the benchmark's K-stream baseline)",
+      py::arg("key"), py::arg("out"), py::arg("dtype"), py::arg("sizes"), py::arg("k_stride"), py::arg("device"),
+      py::arg("stream"));
+  m.def("modality_scores_stream_k_words", &macer::modality_scores_stream_k_words, py::arg("batch"),
+        py::arg("kv_heads"), py::arg("num_keys"));
   m.def(
       "modality_scores_visible",
       [](const std::vector<int64_t>& keys, const std::vector<int64_t>& labels, int64_t num_keys,
@@ -267,25 +332,36 @@ PYBIND11_MODULE(_C, m) {
   m.def("select_workspace_bytes", &macer::select_workspace_bytes, py::arg("n"), py::arg("device"));
   m.def("topk_indices", &topk_indices, "Top-k indices, ties to the lower index, sorted ascending");
   m.def("coverage_select", &coverage_select, "eq:chunk_coverage_greedy without a k-step loop");
-  m.def("select_cta", &select_cta, "One-CTA top-K / coverage selection of B rows, one launch (see launchers.h)");
-  m.def("select_cta_max_n", &macer::select_cta_max_n, py::arg("device"), py::arg("coverage"));
+  m.def("select_cta", &select_cta,
+        "Top-K / coverage selection of B rows in shared memory, one launch (see launchers.h); pdl: launch with "
+        "programmatic stream serialization",
+        py::arg("op"), py::arg("scores"), py::arg("scores_dtype"), py::arg("scores_stride"), py::arg("labels"),
+        py::arg("labels_dtype"), py::arg("labels_stride"), py::arg("chunk_ids"), py::arg("chunk_dtype"),
+        py::arg("chunk_stride"), py::arg("out"), py::arg("out_stride"), py::arg("out_len"), py::arg("batch"),
+        py::arg("n"), py::arg("modalities"), py::arg("keeps"), py::arg("nonfinite"), py::arg("device"),
+        py::arg("stream"), py::arg("pdl") = false);
+  m.def("select_cta_max_n", &macer::select_cta_max_n,
+        "Largest n select_cta takes on the device (one CTA, or a cluster on sm_90); wide: float64 scores",
+        py::arg("device"), py::arg("coverage"), py::arg("wide") = true);
+  m.def("select_cta_device_limits", &macer::select_cta_device_limits,
+        "(dynamic shared memory per CTA, largest cluster) of the device, the plan's inputs", py::arg("device"));
   m.def(
-      "select_cta_facts",
-      [] {
-        const macer::SelectCtaFacts f = macer::select_cta_facts();
-        py::dict d;
-        d["threads"] = f.threads;
-        d["max_sort_items"] = f.max_sort_items;
-        d["static_smem_bytes"] = f.static_smem_bytes;
-        d["never_key"] = f.never_key;
-        d["nan_key64"] = f.nan_key64;
-        d["nan_key32"] = f.nan_key32;
-        return d;
+      "select_cta_plan",
+      [](int64_t n, bool coverage, bool wide, int64_t dynamic_bytes, int max_cluster) {
+        const macer::SelectCtaPlan plan = macer::select_cta_plan(n, coverage, wide, dynamic_bytes, max_cluster);
+        return std::make_tuple(plan.cluster, plan.cap, plan.layout, plan.table, plan.bytes);
       },
-      "Constants of the one-CTA selection kernel (host facts, no device query)");
+      "(cluster, tokens per CTA, layout, table entries, dynamic bytes) of a row of n tokens (host arithmetic; "
+      "cluster 0: it does not fit)",
+      py::arg("n"), py::arg("coverage"), py::arg("wide"), py::arg("dynamic_bytes"), py::arg("max_cluster"));
+  {
+    py::dict constants;
+    for (const auto& [name, value] : macer::select_cta_constants()) constants[name.c_str()] = value;
+    m.attr("SELECT_CTA_CONSTANTS") = constants;
+  }
   m.def("select_cta_max_n_for", &macer::select_cta_max_n_for,
-        "select_cta_max_n for a given number of dynamic shared-memory bytes (host arithmetic)",
-        py::arg("dynamic_bytes"), py::arg("coverage"));
+        "select_cta_max_n for a given number of dynamic shared-memory bytes and largest cluster (host arithmetic)",
+        py::arg("dynamic_bytes"), py::arg("coverage"), py::arg("wide") = false, py::arg("max_cluster") = 1);
   m.def("select_descending_key32", &macer::select_descending_key32,
         "The kernels' descending order key of a float32 given by its bits", py::arg("float_bits"));
   m.def("select_descending_key64", &macer::select_descending_key64,
@@ -299,4 +375,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("device_report", &device_report, "CUDA device count, error, capability, runtime and driver versions");
   m.def("compiled_archs", &macer::compiled_archs, "SM versions with SASS in this module");
   m.def("ptx_arch", &macer::ptx_arch, "SM version of the embedded PTX");
+  macer_bind_stage(m);
 }

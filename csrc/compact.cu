@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kernels/compact.cuh"
+#include "kernels/launch.cuh"
 
 namespace macer {
 
@@ -105,8 +106,8 @@ void compact_many(const CompactParams& p) {
     // inputs (8192 blocks keep every SM of an H100 busy several times over).
     const int64_t blocks = std::min<int64_t>(8192, std::max<int64_t>(1, ceil_div(most_bytes, 16 * 1024)));
     const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(g.count));
-    gather::compact_kernel<<<grid, gather::kThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(g);
-    MACER_LAUNCH_CHECK(kOp, "compact_kernel");
+    launch_kernel(kOp, "compact_kernel", gather::compact_kernel, grid, dim3(gather::kThreads), 0,
+                  static_cast<cudaStream_t>(p.stream), g);
   }
 }
 

@@ -32,14 +32,18 @@ constexpr int kMaxModalities = 8;
 constexpr int kNumLabels = kMaxModalities + 1;
 
 // ---------------------------------------------------------------------------------------------------------------
-// modality_scores (eq:macer_score)
+// modality_scores (eq:macer_score): csrc/modality_scores.cu (step S-A, every architecture) and, where built with
+// 90a and the shape fits, csrc/modality_scores_sm90a.cu (step S-B, one persistent kernel). docs/cuda.md.
 struct ModalityScoresParams {
   const void* query;            // [B, Hq, Lq, D], dtype q_dtype (any strides)
   const void* key;              // [B, Hkv, N, D], same dtype, key stride over D is 1
   const void* modality;         // [B, N] integer labels in -1..kMaxModalities (-1: padding), dtype modality_dtype
   const void* query_positions;  // [B, Lq] integer positions in 0..N-1, dtype positions_dtype
   float* out;                   // [B, N] float32, contiguous
-  void* workspace;              // modality_scores_workspace_bytes(...) bytes, 16-byte aligned
+  void* workspace;              // modality_scores_workspace_bytes(...) bytes, 256-byte aligned
+  // modality_scores_counter_count(...) int32, all zero before the first call; every call leaves them zero again
+  // (the last CTA of each unit resets its own), so one buffer serves every call on one stream and graph replays.
+  int* counters;
   int q_dtype, modality_dtype, positions_dtype;
   int64_t batch, q_heads, q_len, head_dim, kv_heads, num_keys;
   int64_t q_stride[4];    // query strides (elements)
@@ -49,8 +53,12 @@ struct ModalityScoresParams {
   float scale, eps;
   int device;    // CUDA device index of the tensors (made current for the launches)
   void* stream;  // cudaStream_t
+  // 0: choose (S-B where built and eligible, else S-A); 1: S-A only. For the benchmark and the tests.
+  int path;
 };
-size_t modality_scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q_len, int64_t num_keys);
+size_t modality_scores_workspace_bytes(int64_t batch, int64_t q_heads, int64_t q_len, int64_t kv_heads,
+                                       int64_t num_keys);
+int64_t modality_scores_counter_count(int64_t batch, int64_t q_heads, int64_t q_len, int64_t kv_heads);
 int64_t modality_scores_max_head_dim();
 // How the tile kernel splits the key tiles of one (batch, KV head): `wave` CTAs fill the device (SMs x resident
 // CTAs, asked by the launcher); pure host arithmetic, exposed for the CPU tests. Split s covers tiles
@@ -58,15 +66,36 @@ int64_t modality_scores_max_head_dim();
 struct ScoresSplitPlan {
   int64_t tiles, splits, split_tiles, split_extra;
 };
-ScoresSplitPlan modality_scores_split_plan(int q_dtype, int64_t batch, int64_t kv_heads, int64_t num_keys,
+ScoresSplitPlan modality_scores_split_plan(int64_t batch, int64_t kv_heads, int64_t row_tiles, int64_t num_keys,
                                            int64_t wave);
+// Enqueues the scoring kernels through launch_kernel (csrc/kernels/launch.cuh): inside a stage's ChainScope they
+// follow the chain; outside one the op chains its own two S-A kernels (PDL on sm_90+). S-B's cooperative launch is
+// its own (a chain's caller marks the chain started after this call, as stage_launch does).
 void modality_scores(const ModalityScoresParams& p);
+// Which kernels a call takes (no launch): "sa" or "sb", and why not "sb" (empty when it is "sb").
+std::pair<std::string, std::string> modality_scores_path(const ModalityScoresParams& p);
 // The tile kernel's own host/device helpers and constants (csrc/kernels/modality_scores.cuh), for the CPU replay:
-// the first tile of a split, whether a key is visible to a row (exists, not after the causal limit, not PAD), and
-// (name, value) of every constant the kernels' schedule depends on.
+// the first tile of a split, whether a key is visible to a row (exists, not after the causal limit, a label 0..8),
+// the accumulator fragment's (key, row) of element e of a lane of a warp, and (name, value) of every constant the
+// kernels' schedule depends on.
 int64_t modality_scores_split_begin(int64_t split, int64_t split_tiles, int64_t split_extra);
 bool modality_scores_key_visible(int64_t n, int64_t num_keys, int64_t pos, int64_t label);
+std::pair<int, int> modality_scores_fragment(int warp, int lane, int e);
 std::vector<std::pair<std::string, int64_t>> modality_scores_constants();
+// The K-streaming baseline (bench_modality_scores' "read K once", on the scoring op's launch path): the tile
+// kernel's per-thread loads over K on a grid the device holds at once, nothing else. out:
+// modality_scores_stream_k_words(...) uint32.
+struct StreamKParams {
+  const void* key;  // [B, Hkv, N, D], 16-byte aligned rows (the scoring kernel's vectorised path)
+  uint32_t* out;
+  int dtype;
+  int64_t batch, kv_heads, num_keys, head_dim;
+  int64_t k_stride[3];
+  int device;
+  void* stream;
+};
+int64_t modality_scores_stream_k_words(int64_t batch, int64_t kv_heads, int64_t num_keys);
+int64_t modality_scores_stream_k(const StreamKParams& p);  // returns the number of words written (one per CTA)
 
 // ---------------------------------------------------------------------------------------------------------------
 // topk_indices and coverage_select (eq:chunk_coverage_greedy)
@@ -88,10 +117,11 @@ void topk_indices(const SelectParams& p);
 void coverage_select(const SelectParams& p);
 
 // ---------------------------------------------------------------------------------------------------------------
-// One-CTA selection (csrc/kernels/select_cta.cuh): one launch, one thread block per row, for n up to
-// select_cta_max_n(device, coverage). topk_indices and coverage_select are one row with labels == nullptr and one
-// modality; stage_select is B rows with up to kMaxStageModalities selected labels (each >= 0). Labels < 0 (PAD_LABEL
-// = -1, a batch's padding) are never candidates and never kept.
+// Radix selection in shared memory (csrc/kernels/select_cta.cuh): one launch, one CTA per row -- or, on sm_90, one
+// thread block cluster per row -- for n up to select_cta_max_n(device, coverage, wide). topk_indices and
+// coverage_select are one row with labels == nullptr and one modality; stage_select is B rows with up to
+// kMaxStageModalities selected labels (each >= 0). Labels < 0 (PAD_LABEL = -1, a batch's padding) are never
+// candidates and never kept.
 constexpr int kMaxStageModalities = 8;
 struct SelectCtaModality {
   int64_t label;           // tokens with this label are this modality's candidates
@@ -110,7 +140,6 @@ struct SelectCtaParams {
   int64_t scores_stride[2], labels_stride[2], chunk_stride[2];  // elements
   int64_t out_stride, out_len;
   int64_t batch, n;
-  int64_t key_capacity;  // set by the launcher: 64-bit keys in dynamic shared memory
   int num_modalities;
   SelectCtaModality modalities[kMaxStageModalities];
   // Per-row budgets, or nullptr (every row keeps modalities[m].keep): contiguous int32 [B, num_modalities] on the
@@ -122,20 +151,32 @@ struct SelectCtaParams {
   bool* nonfinite;
   int device;
   void* stream;
+  // 1: launch with programmatic stream serialization (a PDL chain: the kernel starts while its predecessor on the
+  // stream finishes and waits in griddepcontrol.wait before its first read); 0: a plain launch.
+  int pdl;
 };
-int64_t select_cta_max_n(int device, bool coverage);  // largest n of the one-CTA kernel on this device
+// Largest n select_cta takes on `device`: one CTA's shared memory, or a cluster's on sm_90. `wide`: float64 scores
+// (64-bit keys; coverage never takes them, the callers route float64 coverage to the multi-CTA chain).
+int64_t select_cta_max_n(int device, bool coverage, bool wide);
 void select_cta(const SelectCtaParams& p);
-// Host-side facts of the one-CTA kernel, for the CPU replay (tests/test_cuda_select_emulation.py) to check itself
-// against: its constants, its static shared memory, the launcher's n limit for `dynamic_bytes` of dynamic shared
-// memory (select_cta_max_n without the device query), and the order keys of scores given by their raw bits.
-struct SelectCtaFacts {
-  int threads, max_sort_items;
-  int64_t static_smem_bytes;
-  uint64_t never_key, nan_key64;
-  uint32_t nan_key32;
+// The launch plan for a row of n tokens, from the dynamic shared memory a CTA may use and the largest cluster the
+// device runs (1 without clusters): host arithmetic, the same the launcher does, exposed for the CPU replay.
+// cluster == 0: n does not fit.
+struct SelectCtaPlan {
+  int cluster;         // CTAs per row
+  int64_t cap;         // tokens per CTA: ceil(n / cluster)
+  int layout;          // 0: top-K, 1: coverage in one CTA, 2: coverage in a cluster (csrc/kernels/select_cta.cuh)
+  int table;           // float64 bonus table entries
+  int64_t bytes;       // dynamic shared memory per CTA
 };
-SelectCtaFacts select_cta_facts();
-int64_t select_cta_max_n_for(int64_t dynamic_bytes, bool coverage);
+SelectCtaPlan select_cta_plan(int64_t n, bool coverage, bool wide, int64_t dynamic_bytes, int max_cluster);
+// The device's inputs to the plan, asked once per device: (dynamic shared memory per CTA, largest cluster).
+std::pair<int64_t, int> select_cta_device_limits(int device);
+int64_t select_cta_max_n_for(int64_t dynamic_bytes, bool coverage, bool wide, int max_cluster);
+// Host-side facts of the kernel, for the CPU replay (tests/test_cuda_select_emulation.py) to check itself against:
+// (name, value) of every constant the algorithm depends on, its static shared memory, and the order keys of scores
+// given by their raw bits.
+std::vector<std::pair<std::string, int64_t>> select_cta_constants();
 uint32_t select_descending_key32(uint32_t float_bits);
 uint64_t select_descending_key64(uint64_t double_bits);
 
@@ -169,6 +210,49 @@ void compact_many(const CompactParams& p);
 CompactTensor compact_descriptor(const void* src, void* dst, const std::vector<int64_t>& shape,
                                  const std::vector<int64_t>& strides, int64_t element_bytes, int64_t dim,
                                  bool batched);
+
+// ---------------------------------------------------------------------------------------------------------------
+// The prepared stage (csrc/stage.cu; macer_kernels.stage.PreparedStage): one call launches a MACER stage's kernels
+// -- scoring (modality_scores), selection (select_cta) and the compaction of the caller's row tables with the
+// stage's keep (compact_many) -- on one stream, chained with programmatic dependent launch where
+// stage_chain_supported(device) (csrc/kernels/launch.cuh). The plan is built once per stage shape and holds every
+// size, stride, dtype, budget and the persistent buffers (workspace, scores, question-row positions, per-sample
+// budgets); a call patches the pointers of its inputs and outputs. Nothing is allocated and nothing is read back.
+struct StageGather {
+  std::vector<int64_t> shape;    // [..., B, N, ...]: the batch dim (size B) just before the sequence dim
+  std::vector<int64_t> strides;  // elements; the dims before the batch dim and after `dim` each flatten to one
+  int64_t element_bytes;
+  int64_t dim;  // the sequence dim; its output is the same shape with N -> out_len, contiguous
+};
+struct StagePlan {
+  // Everything but query, key, modality (the per-call labels), the query strides and the key strides.
+  ModalityScoresParams scores;
+  // Everything but labels and chunk_ids (per call), out (the keep [B, out_len]) and nonfinite (the flags [B]);
+  // scores is scores.out.
+  SelectCtaParams select;
+  std::vector<StageGather> gather;  // compacted with the keep as a [B, out_len] keep (-1 entries: zero rows)
+  int64_t query_row0;               // the question rows' first index in the query's dim 2 (host-known)
+  bool chain;                       // chain the launches with PDL
+};
+struct StageCall {
+  const void* query;  // [B, Hq, >= row0 + Lq, D]: rows row0 .. row0 + Lq - 1 are the stage's question rows
+  int64_t q_stride[4];
+  const void* key;
+  int64_t k_stride[3];
+  const void* labels;     // [B, N], the plan's labels dtype, contiguous
+  const void* chunk_ids;  // [B, N] or nullptr (no coverage modality)
+  int64_t* keep;          // [B, out_len] int64, contiguous
+  bool* nonfinite;        // [B]
+  std::vector<const void*> gather_src;  // one per plan.gather entry, laid out as it says
+  std::vector<void*> gather_dst;
+  void* stream;
+};
+// Launches the stage (scoring 2 kernels with S-A or 1 with S-B, + 1 + 1); every argument is checked before the
+// first launch.
+void stage_launch(const StagePlan& plan, const StageCall& call);
+// Whether a chain on `device` uses PDL: compute capability 9.0 or newer, and this module's code for the device was
+// compiled for sm_90 or newer (below that grid_dependency_wait compiles to nothing). Asked once per device.
+bool stage_chain_supported(int device);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Runtime queries (no kernel launches): used by macer_kernels.cuda.unavailable_reason().

@@ -7,7 +7,8 @@ Two kinds of checks:
 * values (label and position ranges, NaN scores, sorted keep indices, chunk ids): they need the tensor's contents on
   the host. On CPU tensors they always run. On CUDA (and any other non-CPU) tensors reading values back would be a
   host synchronisation per call, so they run only in **validation mode**: ``macer_kernels.validation()`` (a context
-  manager), ``macer_kernels.set_validation(True)``, or the environment variable ``MACER_VALIDATE=1``. Every op asks
+  manager), ``macer_kernels.set_validation(True)``, or the environment variable ``MACER_VALIDATE=1`` (read once, at
+  the first op, and again after ``set_validation(None)``). Every op asks
   ``values_checked(t)`` before a value check; the messages are the same in both cases.
 """
 
@@ -23,24 +24,30 @@ from fractions import Fraction
 
 import torch
 
-# The process-wide setting of ``set_validation`` (None: not set, the environment decides) and the thread-local stack
-# of ``validation()`` blocks, innermost last.
+# The process-wide setting of ``set_validation`` (None: not set, the environment decides), ``MACER_VALIDATE`` as read
+# once (None: not read yet; every op asks on every call, and os.environ costs a lookup and a decode each time), and
+# the thread-local stack of ``validation()`` blocks, innermost last.
 _process_setting: bool | None = None
+_env_setting: bool | None = None
 _local = threading.local()
 
 
 def _env_validation() -> bool:
-    value = os.environ.get("MACER_VALIDATE", "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"MACER_VALIDATE must be 0 or 1 (also true/false, yes/no, on/off), got {value!r}")
+    global _env_setting
+    if _env_setting is None:
+        value = os.environ.get("MACER_VALIDATE", "").strip().lower()
+        if value in ("", "0", "false", "no", "off"):
+            _env_setting = False
+        elif value in ("1", "true", "yes", "on"):
+            _env_setting = True
+        else:  # not cached: every call raises until the variable is fixed
+            raise ValueError(f"MACER_VALIDATE must be 0 or 1 (also true/false, yes/no, on/off), got {value!r}")
+    return _env_setting
 
 
 def validation_enabled() -> bool:
     """Whether value checks run on CUDA tensors: the innermost ``validation()`` block, else ``set_validation``, else
-    ``MACER_VALIDATE`` (read on each call), else off."""
+    ``MACER_VALIDATE`` (read at the first call and again after ``set_validation(None)``), else off."""
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
@@ -50,14 +57,17 @@ def validation_enabled() -> bool:
 
 
 def set_validation(enabled: bool | None) -> None:
-    """Turn value checks on CUDA tensors on or off for the whole process (``None``: back to ``MACER_VALIDATE``).
+    """Turn value checks on CUDA tensors on or off for the whole process (``None``: back to ``MACER_VALIDATE``, read
+    again from the environment at the next call).
 
     ``validation()`` blocks override it in their thread. CPU tensors are always value-checked.
     """
-    global _process_setting
+    global _process_setting, _env_setting
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True, False or None, got {enabled!r}")
     _process_setting = enabled
+    if enabled is None:
+        _env_setting = None
 
 
 @contextlib.contextmanager

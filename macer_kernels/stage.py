@@ -239,7 +239,7 @@ def _check_values(labels: torch.Tensor, positions: torch.Tensor, chunk_ids: torc
         per_sample = (labels == label).sum(dim=1)
         wrong = per_sample != torch.tensor(want, device=device)
         first = torch.argmax(wrong.to(torch.uint8))  # the first sample that disagrees (0 when none does)
-        extra += [wrong.any(), first, per_sample[first]]
+        extra += [wrong.any(), first, per_sample.gather(0, first.reshape(1))[0]]  # a gather: no index read
     for m in mods:
         if m.coverage_weight is not None:
             is_m = labels == m.label

@@ -81,9 +81,10 @@ def counting(name: str, original, window: list[int], found: list, skip: str):
 
 def count_engine_reads(monkeypatch, macer, skip: str) -> list[tuple[str, str]]:
     """Count the model layer's host reads inside a vLLM engine's staged decoder ``macer``: ``READ_METHODS`` of
-    ``torch.Tensor`` are counted (``counting``) while its step plan and metadata (``prepare``) or its forward run,
-    except inside a request's planning (``plan``: its host prompt ids may be read). Returns the list the reads are
-    appended to, as ``(method, module:line)``; ``skip`` is the calling test's ``__name__``."""
+    ``torch.Tensor`` are counted (``counting``) while its step plan (``planner.plan``), its metadata build (the runner
+    binding's ``_build``) or its forward run, except inside a request's planning (``planner.plan_request``: its host
+    prompt ids may be read). Returns the list the reads are appended to, as ``(method, module:line)``; ``skip`` is the
+    calling test's ``__name__``."""
     found: list[tuple[str, str]] = []
     window = [0]
 
@@ -101,9 +102,10 @@ def count_engine_reads(monkeypatch, macer, skip: str) -> list[tuple[str, str]]:
     for name in READ_METHODS:
         monkeypatch.setattr(torch.Tensor, name, counting(f"Tensor.{name}", getattr(torch.Tensor, name), window, found,
                                                          skip))
-    monkeypatch.setattr(macer, "prepare", windowed(macer.prepare, 1))
+    monkeypatch.setattr(macer.planner, "plan", windowed(macer.planner.plan, 1))
+    monkeypatch.setattr(macer.binding, "_build", windowed(macer.binding._build, 1))
     monkeypatch.setattr(macer, "forward", windowed(macer.forward, 1))
-    monkeypatch.setattr(macer, "plan", windowed(macer.plan, -1))
+    monkeypatch.setattr(macer.planner, "plan_request", windowed(macer.planner.plan_request, -1))
     return found
 
 

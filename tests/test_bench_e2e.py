@@ -135,8 +135,8 @@ def test_timed_ops_counts_macer_ops_and_restores_them():
     assert m.trace.last.overhead_s is not None and m.overhead_s == m.trace.last.overhead_s
     assert set(m.op_seconds) == set(measure.SCORING_OPS + measure.SELECTION_OPS + measure.COMPACTION_OPS
                                     + measure.STAGE_OPS)
-    # MACER's stages run the fused select_stage, then compact_many: both ran and were timed; nothing else scored.
-    assert m.op_seconds["select_stage"] > 0 and m.op_seconds["compact_many"] > 0
+    # MACER's stages run a prepared stage, then compact_many: both ran and were timed; nothing else scored.
+    assert m.op_seconds["prepared_stage"] > 0 and m.op_seconds["compact_many"] > 0
     assert m.op_seconds["modality_scores"] == 0
     assert m.cache_layer_lengths == m.trace.layer_tokens
 

@@ -119,15 +119,17 @@ def test_ncu_driver_runs_every_hot_path_call_on_cpu(capsys):
     assert out.count("profiled:") == 6 and "ncu_hot_path done: torch 6 calls" in out
 
 
-def test_host_profile_driver_runs_both_readouts_on_cpu(capsys):
+def test_host_profile_driver_runs_every_readout_on_cpu(capsys):
     """benchmarks/host_profile.py (gpu_check.sh's host-time profile of one readout), on CPU with the PyTorch backend:
-    the fused stage and the per-op readout keep the same rows, and each gets its profiler table."""
+    the prepared stage, the fused stage and the per-op readout keep the same rows, and each gets its host time per
+    stage and its profiler table."""
     from benchmarks import host_profile
 
     host_profile.main(["--device", "cpu", "--rows", "3"])
     out = capsys.readouterr().out
-    assert out.count("same kept rows as the first: True") == 2 and out.count("Self CPU time total") == 2
-    assert "host_profile done: 2 readouts" in out
+    assert out.count("same kept rows as the first: True") == 3 and out.count("Self CPU time total") == 3
+    assert out.count(" us per stage,") == 3 and out.startswith("prepared[torch]: device")
+    assert "host_profile done: 3 readouts" in out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from macer.core.steps import CHUNK, DECODE, PREFILL, Row, plan_step, row_kind
+from macer.core.steps import CHUNK, DECODE, PREFILL, Row, layer_bounds, plan_step, row_kind
 
 
 def random_layout(rng: random.Random, prompt_len: int, num_layers: int) -> tuple[tuple[int, ...], dict[int, list]]:
@@ -143,3 +143,24 @@ def test_unpruned_steps_are_plain_and_bad_rows_are_refused():
         plan_step([Row(10, (10, 4), 2, 5)])
     with pytest.raises(ValueError, match="speculative decoding is not"):
         plan_step([Row(10, (10, 4), 12, 3)])
+
+
+def test_forced_boundaries_repeat_the_rows_before_them_and_layer_bounds_are_the_rows_own():
+    """A CUDA graph captured with one metadata per segment of a fixed layout needs those segments in every step it
+    serves, also where no request changes (``boundaries``): such a segment gathers nothing and repeats the rows,
+    lengths and indices of the one before; a plain step gets them too. ``Row.bounds`` (given, or computed) are the
+    layers where the request's own rows change."""
+    decode = Row(8, (8, 8, 5, 5), computed=12, query=1)
+    other = Row(6, (6, 6, 6, 6), computed=9, query=1)
+    assert decode.bounds == layer_bounds(8, (8, 8, 5, 5)) == (2,) and other.bounds == () and not other.pruned
+    natural = plan_step([decode, other])
+    forced = plan_step([decode, other], boundaries=(1, 2, 3))
+    assert [(s.start, s.stop) for s in natural.segments] == [(2, 4)]
+    assert [(s.start, s.stop) for s in forced.segments] == [(1, 2), (2, 3), (3, 4)]
+    assert all(s.gather is None for s in forced.segments)
+    assert forced.segments[0].seq_lens == [13, 10] and forced.segments[1].seq_lens == forced.segments[2].seq_lens
+    assert forced.segments[2].seq_lens == natural.segments[0].seq_lens == [10, 10]
+    assert [s.start for s in plan_step([other], boundaries=(2,)).segments] == [2]
+    assert Row(8, (8, 8, 5, 5), 12, 1, bounds=(2,)) == decode
+    with pytest.raises(ValueError, match=r"boundaries must be layer indices in \[0, 3\], got \(4,\)"):
+        plan_step([decode], boundaries=(4,))

@@ -215,57 +215,85 @@ def test_select_workspace_too_small_is_reported():
                                 scores.device.index, torch.cuda.current_stream().cuda_stream)
 
 
-# --- the one-CTA kernel: both sides of its limit, stage_select --------------------------------------------------
+# --- the radix selection kernel: one CTA, clusters, both sides of each limit, PDL -----------------------------------
 
-def _cta_limit(coverage: bool) -> int:
+def _cta_limit(coverage: bool, wide: bool = False) -> int:
     from macer_kernels.cuda._ext import select_cta_max_n
 
-    return select_cta_max_n(torch.cuda.current_device(), coverage)
+    return select_cta_max_n(torch.cuda.current_device(), coverage, wide)
 
 
-def test_one_cta_limits_cover_the_paper_sizes():
+def _plan(n: int, coverage: bool, wide: bool = False) -> tuple:
+    from macer_kernels.cuda._ext import ext
+
+    avail, clusters = ext().select_cta_device_limits(torch.cuda.current_device())
+    return ext().select_cta_plan(n, coverage, wide, avail, clusters)
+
+
+def test_limits_and_plan_are_the_replays_on_this_device():
+    """The device's limits (its opt-in shared memory minus the kernels' static shared memory, and the largest
+    cluster it co-schedules: 8 on sm_90, none below) give the limits and cluster sizes the CPU replay derives
+    (tests/select_replay.py): the recorded table of docs/cuda.md, if this device's runtime counts the same bytes."""
+    import select_replay as R
+
+    from macer_kernels.cuda._ext import ext
+
     major, _ = torch.cuda.get_device_capability()
-    # n 64-bit keys + a bitmap for both: sm_89 (99 KB of shared memory per block) ~12.3k; sm_90 (227 KB) ~28.4k,
-    # coverage capped at kThreads * kMaxSortItems (28672, read from the header by the replay).
-    from test_cuda_select_emulation import MAX_SORT
-
-    assert _cta_limit(True) >= 12000 and _cta_limit(False) >= 12000, (_cta_limit(True), _cta_limit(False))
-    assert _cta_limit(True) == min(_cta_limit(False), MAX_SORT)
-    if major >= 9:
-        assert _cta_limit(True) >= 28000 and _cta_limit(False) >= 28000
+    avail, clusters = ext().select_cta_device_limits(torch.cuda.current_device())
+    optin = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+    assert clusters == (R.MAX_CLUSTER if major >= 9 else 1), clusters
+    assert optin - avail in (R.STATIC_SMEM[90 if major >= 9 else 89], R.STATIC_SMEM[90 if major >= 9 else 89] + 1024)
+    for coverage, wide in ((False, False), (True, False), (False, True)):
+        assert _cta_limit(coverage, wide) == R.max_n(coverage, wide, avail, clusters), (coverage, wide)
+        for n in (864, 2400, 4096, 4097, 20000, 100000):
+            assert _plan(n, coverage, wide) == R.plan(n, coverage, wide, avail, clusters), (n, coverage, wide)
+    if major >= 9:  # the paper's sizes: 20k-token rows take clusters, a 2.4k stage one CTA
+        assert _plan(20000, True)[0] >= 2 and _plan(20000, False)[0] >= 2 and _plan(2400, True)[0] == 1
+        assert _cta_limit(True) >= 60000 and _cta_limit(False) >= 300000
 
 
 @pytest.mark.parametrize("coverage", [False, True])
-def test_selection_on_both_sides_of_the_one_cta_limit(coverage):
-    limit = _cta_limit(coverage)
-    for n in (limit - 1, limit, limit + 1):
+def test_selection_on_both_sides_of_each_limit(coverage):
+    """At the one-CTA limit and one above, at the plan's single-CTA threshold and one above (sm_90: clusters from
+    there), and at the kernel's own limit and one above (the multi-CTA CUB chain from there)."""
+    import select_replay as R
+
+    from macer_kernels.cuda._ext import ext
+
+    avail, _ = ext().select_cta_device_limits(torch.cuda.current_device())
+    single = R.max_n(coverage, False, avail, 1)
+    threshold = R.SINGLE_COVERAGE_MAX if coverage else R.SINGLE_TOPK_MAX
+    edges = {single, single + 1, threshold, threshold + 1, _cta_limit(coverage), _cta_limit(coverage) + 1}
+    for n in sorted(edges):
         g = torch.Generator(device=DEV).manual_seed(n)
         for ties in (False, True):
             scores = _random_scores(n, torch.float32, ties, seed=n + ties)
             chunks = torch.randint(0, 24, (n,), generator=g, device=DEV)
             # Independent oracles: the step-by-step greedy (tests/greedy_oracle.py) and the reference's Python sort.
             order = coverage_greedy_order(scores.cpu(), chunks.cpu(), 0.2) if coverage else None
-            for k in (1, n // 5, n):
+            for k in (1, n // 5, n - 1):
                 if coverage:
                     got = mk.coverage_select(scores, chunks, k, 0.2)
                     want = torch.tensor(sorted(order[:k]), dtype=torch.long)
                 else:
                     got = mk.topk_indices(scores, k)
                     want = topk_indices_ref(scores.cpu(), k)
-                assert torch.equal(got.cpu(), want), (n, k, ties)
+                assert torch.equal(got.cpu(), want), (n, k, ties, _plan(n, coverage))
 
 
-def test_one_cta_selection_is_a_single_launch():
+def test_selection_is_a_single_launch_in_one_cta_and_in_a_cluster():
     from torch.profiler import ProfilerActivity, profile
+
+    from macer_kernels.cuda.select import coverage_select_cuda, topk_indices_cuda
 
     scores = torch.randn(864, device=DEV)
     chunks = torch.arange(864, device=DEV) // 36
-    from macer_kernels.cuda.select import coverage_select_cuda, topk_indices_cuda
-
-    big = torch.randn(min(20000, _cta_limit(True)), device=DEV)
-    big_chunks = torch.arange(big.numel(), device=DEV) // 800
+    big = torch.randn(20000, device=DEV)
+    big_chunks = torch.arange(20000, device=DEV) // 2500
+    huge = torch.randn(min(100000, _cta_limit(False)), device=DEV)
     for call in (lambda: topk_indices_cuda(scores, 216), lambda: coverage_select_cuda(scores, chunks, 216, 0.2),
-                 lambda: coverage_select_cuda(big, big_chunks, 5000, 0.2)):
+                 lambda: topk_indices_cuda(big, 5000), lambda: coverage_select_cuda(big, big_chunks, 5000, 0.2),
+                 lambda: topk_indices_cuda(huge, 25000)):
         call()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -273,6 +301,50 @@ def test_one_cta_selection_is_a_single_launch():
             torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
         assert len(kernels) == 1 and "select_cta_kernel" in kernels[0].name, [e.name for e in kernels]
+
+
+@pytest.mark.parametrize("n", [300, 20000, 70000])
+def test_float64_top_k_and_half_precision_coverage(n):
+    """64-bit keys (float64 top-K: one CTA, or a cluster on sm_90 above ~23k); fp16 / bf16 coverage (their scores
+    convert to float exactly, so 32-bit keys are exact)."""
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):
+        scores = _random_scores(n, dtype, True, seed=n)
+        for k in (1, n // 3):
+            assert torch.equal(mk.topk_indices(scores, k).cpu(), topk_indices_ref(scores.cpu(), k)), (n, k, dtype)
+        if dtype != torch.float64 and n <= 20000:
+            chunks = torch.arange(n, device=DEV) * 8 // n
+            order = coverage_greedy_order(scores.cpu(), chunks.cpu(), 0.3)
+            got = mk.coverage_select(scores, chunks, n // 4, 0.3)
+            assert torch.equal(got.cpu(), torch.tensor(sorted(order[:n // 4]))), (n, dtype)
+
+
+@pytest.mark.parametrize("n", [2400, 20000])
+def test_a_pdl_launch_after_the_scores_kernel_reads_its_output(n):
+    """select_cta launched with programmatic stream serialization (the prepared stage's chain) right behind a kernel
+    that writes its scores: the kernel waits in griddepcontrol.wait, so it picks what a plain launch picks."""
+    from macer_kernels.cuda._ext import dtype_code, ext, launch_args
+
+    for coverage in (False, True):
+        g = torch.Generator(device=DEV).manual_seed(n + coverage)
+        base = torch.rand(n, generator=g, device=DEV)
+        chunks = torch.arange(n, device=DEV) * 8 // n
+        k = n // 4
+        outs = []
+        for pdl in (False, True):
+            scores = torch.empty_like(base)
+            out = torch.full((k,), -5, dtype=torch.long, device=DEV)
+            torch.mul(base, 3.0, out=scores)  # the predecessor on the stream
+            device, stream = launch_args(scores)
+            modality = (0, k, 0.2 if coverage else 0.0, coverage)
+            ext().select_cta("pdl", scores.data_ptr(), dtype_code("pdl", "scores", scores), (0, 1), 0, 0, (0, 0),
+                             chunks.data_ptr() if coverage else 0, dtype_code("pdl", "chunks", chunks), (0, 1),
+                             out.data_ptr(), 0, k, 1, n, [modality], 0, 0, device, stream, pdl=pdl)
+            outs.append(out.cpu())
+        assert torch.equal(outs[0], outs[1]), (n, coverage)
+        s = (base * 3.0).cpu()
+        want = coverage_greedy_order(s, chunks.cpu(), 0.2) if coverage else None
+        expected = torch.tensor(sorted(want[:k])) if coverage else topk_indices_ref(s, k)
+        assert torch.equal(outs[1], expected), (n, coverage)
 
 
 def _stage_on_gpu(seed, b, n, ties, stage, label_dtype=torch.uint8, chunk_dtype=torch.int64):
@@ -309,7 +381,7 @@ def test_stage_select_above_the_limit_and_bad_rows():
 
     from macer_kernels.cuda.stage import stage_select_cuda, stage_select_sorts
 
-    n = _cta_limit(True) + 3
+    n = _cta_limit(True) + 3  # above the kernel's limit: the sort chain
     _stage_on_gpu(11, 2, n, True, 0)
     scores, labels, chunk_ids, n_audio, n_video = stage_case(5, 2, 100, False)
     labels[1, labels[1] == 1] = 0
@@ -359,9 +431,10 @@ def test_stage_select_single_token_and_everything_kept():
         [0, 1, 2, 3, 4]]
 
 
-@pytest.mark.parametrize(("n", "m"), [(3000, 37), (20000, 864), (12000, 11000)])
+@pytest.mark.parametrize(("n", "m"), [(3000, 37), (20000, 864), (12000, 11000), (40000, 30000)])
 def test_stage_select_coverage_over_the_members_of_a_long_row(n, m):
-    """The coverage sort over the modality's m compacted keys (not the row's n): vs the greedy references."""
+    """The rank sort over the modality's m members (not the row's n), in one CTA and in clusters (n > 4096 on
+    sm_90): vs the greedy references."""
     from test_cuda_select_emulation import _labelled_row, _row_oracle
 
     from macer_kernels.cuda.stage import stage_select_cuda

@@ -1,26 +1,29 @@
-"""The one-CTA selection kernel's algorithm (csrc/kernels/select_cta.cuh), replayed step by step in numpy on CPU and
-compared with the float64 references; plus the multi-CTA stage path (batched torch sorts), which runs on CPU as is.
+"""The radix selection kernel (csrc/kernels/select_cta.cuh) replayed step by step in numpy on CPU
+(tests/select_replay.py) and compared with the float64 references; plus the multi-CTA stage path (batched torch
+sorts), which runs on CPU as is.
 
-No GPU is needed: the emulation mirrors the kernel's integer key packing, its bitonic network, the chunk-rank binary
-search, the IEEE float64 value, the 8-pass radix select with its bin search, the tie scans, the non-finite flags and
-the row assembly at its output stride. Its constants are read from the headers (``csrc/kernels/select_cta.cuh``,
-``common.cuh``); where ``_C`` is built, the replay's keys (from raw bits), constants and launch limit are checked
-against the module's host helpers, which run the kernels' own code (``test_replay_matches_the_built_module``). What
-it cannot show is that the CUDA code matches it (races, barriers, the device's float conversions):
-tests/test_cuda_kernels.py and tests/test_nonfinite_select.py do that on a GPU (docs/cuda.md lists the rest).
+No GPU is needed: the replay follows the kernel's row split over a cluster's CTAs, its token codes and chunk bytes,
+the rank sort's stable counting passes (warp segments, the places from the scan over (digit, CTA, warp), skipped
+digits, the rank pass) and the direct count for chunk ids outside a byte, the float64 bonus table, the radix select's
+passes over the 96-bit composite (histograms summed over the cluster, the bin search, the candidate bitmap, the small
+list ranked pairwise, the tie scan across CTAs), the non-finite flags and the row assembly at its output stride. Its
+constants are read from the headers; where ``_C`` is built, its launch plan, limits, constants and keys are checked
+against the module's host code (``test_replay_matches_the_built_module``). What it cannot show is that the CUDA code
+matches it (races, barriers, the device's float conversions, distributed shared memory): tests/test_cuda_kernels.py
+and tests/test_nonfinite_select.py do that on a GPU (docs/cuda.md lists the rest).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import select_replay as R
 import torch
+from select_replay import NAN_KEY32, NAN_KEY64, descending_key32, descending_key64
 
 from macer_kernels.cuda.stage import stage_select_sorts
 from macer_kernels.reference import coverage_select_ref, topk_indices_ref
@@ -31,354 +34,28 @@ def _cuda_module_built() -> bool:
     return importlib.util.find_spec("macer_kernels._C") is not None
 
 
-_KERNELS = Path(__file__).resolve().parents[1] / "csrc" / "kernels"
-_CTA_HEADER = (_KERNELS / "select_cta.cuh").read_text()
-_COMMON_HEADER = (_KERNELS / "common.cuh").read_text()
+STATIC_SMEM_BYTES = 19920  # sizeof(cta::Shared) on the host: checked against _C where built
+# The kernels' static shared memory as ptxas reports it (benchmarks/results/select_resources.json, checked by
+# tests/test_select_resources.py): what the launcher subtracts from the opt-in maximum on each architecture.
+SM90_AVAIL = R.OPTIN_BYTES[90] - R.STATIC_SMEM[90]
+SM89_AVAIL = R.OPTIN_BYTES[89] - R.STATIC_SMEM[89]
+# The limits these give (checked against _C where built; docs/cuda.md's table): one CTA / a cluster of 8 on sm_90.
+SM90_SINGLE_TOPK = R.max_n(False, False, SM90_AVAIL, 1)
+SM90_SINGLE_COVERAGE = R.max_n(True, False, SM90_AVAIL, 1)
 
 
-def _constant(header: str, name: str) -> int:
-    """``constexpr <type> name = <value>;`` of a header: a decimal or hex literal, or ``~0ull`` (- 1)."""
-    match = re.search(rf"constexpr \w+ {name} = ([^;]+);", header)
-    assert match, f"{name} not found in the header"
-    text = match.group(1).strip()
-    if text == "~0ull":
-        return 2**64 - 1
-    if text == "~0ull - 1":
-        return 2**64 - 2
-    return int(text.rstrip("uUlL"), 0)
-
-
-THREADS = _constant(_CTA_HEADER, "kThreads")
-MAX_SORT_ITEMS = _constant(_CTA_HEADER, "kMaxSortItems")
-MAX_SORT = THREADS * MAX_SORT_ITEMS  # coverage's register bound; the launcher also bounds n by shared memory
-NEVER = np.uint64(_constant(_CTA_HEADER, "kNever"))
-NAN_KEY32 = np.uint32(_constant(_COMMON_HEADER, "kNanKey32"))
-NAN_KEY64 = np.uint64(_constant(_COMMON_HEADER, "kNanKey64"))
-
-# The launcher's n limit (csrc/select_cta.cu): n 64-bit keys and a bitmap of ceil(n / 32) words in dynamic shared
-# memory, capped by MAX_SORT for coverage. The kernel's static shared memory (its Shared struct, CUB's scan storage
-# included) is a recorded fact of the build, checked against _C where it is built.
-STATIC_SMEM_BYTES = 1248
-SM90_OPTIN_BYTES = 227 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an H100
-
-
-def dynamic_bytes(n: int) -> int:
-    return n * 8 + -(-n // 32) * 4
-
-
-def launcher_max_n(avail: int, coverage: bool) -> int:
-    n = avail // 8
-    while n > 0 and dynamic_bytes(n) > avail:
-        n -= 1
-    return min(n, MAX_SORT) if coverage else n
-
-
-SM90_MAX_N = launcher_max_n(SM90_OPTIN_BYTES - STATIC_SMEM_BYTES, True)  # 28455: the largest one-CTA n on an H100
-
-
-def descending_key32(x: np.ndarray) -> np.ndarray:
-    """The kernel's descending_key32 (common.cuh): NaN by value (x != x) -> kNanKey32, whatever its bits."""
-    x = np.asarray(x).astype(np.float32)
-    nan = np.isnan(x)
-    bits = np.where(x == 0, np.float32(0), np.where(nan, np.float32(0), x)).view(np.uint32)
-    asc = np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000))
-    return np.where(nan, NAN_KEY32, ~asc)
-
-
-def descending_key64(x: np.ndarray) -> np.ndarray:
-    """The kernel's descending_key64 (common.cuh): NaN by value -> kNanKey64 (after -inf, before kNever)."""
-    x = np.asarray(x).astype(np.float64)
-    nan = np.isnan(x)
-    bits = np.where(x == 0, 0.0, np.where(nan, 0.0, x)).view(np.uint64)
-    asc = np.where(bits >> np.uint64(63) == 1, ~bits, bits | np.uint64(1 << 63))
-    return np.where(nan, NAN_KEY64, ~asc)
-
-
-def radix_select(keys: np.ndarray, k: int) -> tuple[int, int, int]:
-    """(T, need, count) as the kernel's radix_select: 8 passes of 8-bit digits, the bin holding the need-th best,
-    found as warp 0 finds it (lane l owns bins 8l..8l+7; the lane whose range holds the need-th key writes). When no
-    bin holds it (k above the live keys), no lane writes and the previous pass's values stay, as in the kernel (its
-    thread 0 starts them at prefix 0, need k, count 0)."""
-    prefix, need = 0, k
-    count = 0
-    for shift in range(56, -1, -8):
-        if shift == 56:
-            live = keys
-        else:
-            live = keys[((keys ^ np.uint64(prefix)) >> np.uint64(shift + 8)) == 0]
-        digits = ((live >> np.uint64(shift)) & np.uint64(255)).astype(np.int64)
-        hist = np.bincount(digits, minlength=256)
-        lane_sum = hist.reshape(32, 8).sum(axis=1)
-        incl = np.cumsum(lane_sum)
-        excl = incl - lane_sum
-        hit = np.flatnonzero((excl < need) & (need <= incl))
-        if not len(hit):
-            continue  # no lane's bins hold it: sh.prefix / need / count keep their values
-        lane = int(hit[0])
-        run = int(excl[lane])
-        for j in range(8):
-            c = int(hist[lane * 8 + j])
-            if run + c >= need:
-                prefix |= (lane * 8 + j) << shift
-                need -= run
-                count = c
-                break
-            run += c
-    return prefix, need, count
-
-
-def select_k(key: np.ndarray, score_key: np.ndarray, by_score: bool, k: int) -> tuple[np.ndarray, bool]:
-    """The kernel's select_k: a bool mask of the k best by (key, then score key if by_score, then index), and whether
-    k were picked. A threshold of NEVER (k above the keys below NEVER) takes only the keys below it, never the NEVER
-    group (other labels, padding, or a member whose NaN score has every bit set)."""
-    t1, need1, count1 = radix_select(key, k)
-    complete = t1 != int(NEVER)
-    split = complete and by_score and need1 < count1
-    t2, need2 = 0, need1
-    if split:
-        t2, need2, _ = radix_select(np.where(key == np.uint64(t1), score_key, NEVER), need1)
-    tied = complete & (key == np.uint64(t1)) & ((score_key == np.uint64(t2)) if split else True)
-    rank = np.cumsum(tied) - tied  # the block scan's exclusive ranks in index order
-    take = key < np.uint64(t1)
-    if split:
-        take |= (key == np.uint64(t1)) & (score_key < np.uint64(t2))
-    return take | (tied & (rank < need2)), complete
-
-
-def bitonic_schedule(n: int):
-    """The kernel's comparator steps for n keys: per step the (i, j) pairs (i < j) it compares, the comparators with
-    j >= n skipped. Block sizes 2, 4, ..., n_pad (the power of two >= n): first i against its mirror in the block,
-    then half-cleaners i against i + stride; the index arithmetic is the kernel's, over q in [0, n_pad / 2)."""
-    n_pad = 1 << max(0, (n - 1).bit_length())
-    q = np.arange(n_pad // 2)
-    size = 2
-    while size <= n_pad:
-        half = size // 2
-        r = q & (half - 1)
-        i = 2 * (q - r) + r
-        j = i + size - 1 - 2 * r
-        yield i[j < n], j[j < n]
-        stride = half // 2
-        while stride > 0:
-            i = 2 * q - (q & (stride - 1))
-            j = i + stride
-            yield i[j < n], j[j < n]
-            stride //= 2
-        size *= 2
-
-
-def bitonic_sort(keys: np.ndarray) -> np.ndarray:
-    """The kernel's sort of the n stored keys: every comparator puts the smaller key at its lower position."""
-    keys = keys.copy()
-    for i, j in bitonic_schedule(len(keys)):
-        a, b = keys[i], keys[j]
-        keys[i], keys[j] = np.minimum(a, b), np.maximum(a, b)
-    return keys
-
-
-def _register_pass(keys: np.ndarray, m: int, full_top: int, stride_top: int) -> None:
-    """select_cta.cuh's sort64_in_registers on the shared key array: a warp per aligned block of 64 positions, lane l
-    holding x0 = position 64 b + l and x1 = 64 b + 32 + l (NEVER at positions >= m, never stored), partners by the
-    kernel's xor shuffles. full_top > 0: every step of the sizes 2 .. full_top; else half-cleaners stride_top .. 1."""
-    lanes = np.arange(32)
-
-    def shfl(x, mask):
-        return x[..., lanes ^ mask]
-
-    def half_cleaners(x0, x1, top):
-        s = top
-        while s > 0:
-            if s == 32:
-                x0, x1 = np.minimum(x0, x1), np.maximum(x0, x1)
-            else:
-                lower = (lanes & s) == 0
-                y0, y1 = shfl(x0, s), shfl(x1, s)
-                x0 = np.where(lower, np.minimum(x0, y0), np.maximum(x0, y0))
-                x1 = np.where(lower, np.minimum(x1, y1), np.maximum(x1, y1))
-            s //= 2
-        return x0, x1
-
-    blocks = np.arange(-(-m // 64))[:, None]  # every warp's blocks at once: [blocks, 32 lanes]
-    p0, p1 = blocks * 64 + lanes, blocks * 64 + 32 + lanes
-    x0 = np.full(p0.shape, NEVER, dtype=np.uint64)
-    x1 = np.full(p1.shape, NEVER, dtype=np.uint64)
-    x0[p0 < m], x1[p1 < m] = keys[p0[p0 < m]], keys[p1[p1 < m]]
-    if full_top > 0:
-        size = 2
-        while size <= full_top:
-            if size == 64:
-                x0, x1 = np.minimum(x0, shfl(x1, 31)), np.maximum(x1, shfl(x0, 31))
-            else:
-                lower = (lanes & (size // 2)) == 0
-                y0, y1 = shfl(x0, size - 1), shfl(x1, size - 1)
-                x0 = np.where(lower, np.minimum(x0, y0), np.maximum(x0, y0))
-                x1 = np.where(lower, np.minimum(x1, y1), np.maximum(x1, y1))
-            x0, x1 = half_cleaners(x0, x1, size // 4)
-            size *= 2
-    else:
-        x0, x1 = half_cleaners(x0, x1, stride_top)
-    keys[p0[p0 < m]], keys[p1[p1 < m]] = x0[p0 < m], x1[p1 < m]
-
-
-def kernel_sort_phases(m: int) -> list:
-    """coverage_keys' sort as the kernel runs it, one entry per barrier: ("registers", full_top, stride_top) for a
-    pass of sort64_in_registers, ("shared", i, j) for a step in shared memory (comparators with j >= m skipped)."""
-    m_pad = 1 << max(0, (m - 1).bit_length())
-    phases = [("registers", min(m_pad, 64), 0)]
-    q = np.arange(m_pad // 2)
-    size = 128
-    while size <= m_pad:
-        half = size // 2
-        r = q & (half - 1)
-        i = 2 * (q - r) + r
-        j = i + size - 1 - 2 * r
-        phases.append(("shared", i[j < m], j[j < m]))
-        stride = half // 2
-        while stride >= 64:
-            i = 2 * q - (q & (stride - 1))
-            j = i + stride
-            phases.append(("shared", i[j < m], j[j < m]))
-            stride //= 2
-        phases.append(("registers", 0, 32))
-        size *= 2
-    return phases
-
-
-def run_sort_phases(keys: np.ndarray, m: int, phases: list) -> None:
-    for kind, a, b in phases:
-        if kind == "registers":
-            _register_pass(keys, m, a, b)
-        else:
-            assert np.all(a < b) and b.max(initial=-1) < m
-            x, y = keys[a], keys[b]
-            keys[a], keys[b] = np.minimum(x, y), np.maximum(x, y)
-
-
-def owned(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's blocked ownership: thread t owns tokens [lo[t], hi[t]), ceil(n / kThreads) each, in index order."""
-    per = -(-n // THREADS)
-    lo = np.minimum(n, np.arange(THREADS) * per)
-    return lo, np.minimum(n, lo + per)
-
-
-def member_scan(member: np.ndarray) -> tuple[np.ndarray, int]:
-    """select_row's block scan of the modality's members over owned(): per thread the members below its first token
-    (where coverage_keys writes its first member key), and the block's count m."""
-    lo, hi = owned(len(member))
-    local = np.array([int(member[a:b].sum()) for a, b in zip(lo, hi)])
-    return np.cumsum(local) - local, int(local.sum())
-
-
-def coverage_keys(scores: np.ndarray, chunks: np.ndarray, member: np.ndarray, weight: float, before: np.ndarray,
-                  m: int, keys: np.ndarray, trace: dict | None = None) -> np.ndarray:
-    """The kernel's coverage_keys on the shared key array ``keys`` (n entries, stale contents from earlier work):
-    member sort keys written compactly at keys[before + j], a bitonic sort of keys[0, m) only, each position's rank in
-    its chunk by binary search, then the value keys by token index. ``trace`` records the path and the sort's width
-    and steps."""
-    n = len(scores)
-    assert n <= MAX_SORT and 1 <= m <= n
-    ib = max(1, (n - 1).bit_length())
-    cb = 32 - ib
-    s32 = scores.astype(np.float32)
-    written = np.zeros(n, dtype=np.int64)
-    overflow = False
-    lo, hi = owned(n)
-    for t in range(THREADS):
-        where = lo[t] + np.flatnonzero(member[lo[t]:hi[t]])  # this thread's members, ascending
-        c = chunks[where].astype(np.int64)
-        overflow |= bool(((c < 0) | (c >= (1 << cb))).any())
-        slots = before[t] + np.arange(len(where))
-        # uint64(c) << (32 + ib) wraps like the kernel's shift; its low 32 + ib bits are zero whatever c is
-        keys[slots] = ((c.astype(np.uint64) << np.uint64(32 + ib))
-                       | (descending_key32(s32[where]).astype(np.uint64) << np.uint64(ib))
-                       | where.astype(np.uint64))
-        written[slots] += 1
-    assert np.array_equal(written, np.arange(n) < m), "member keys must fill keys[0, m) once each"
-    if trace is not None:
-        trace["overflow"] = overflow
-    if not overflow:
-        steps = list(bitonic_schedule(m))
-        phases = kernel_sort_phases(m)  # the network's steps as the kernel groups them, a barrier after each
-        if trace is not None:
-            trace.update(width=m, steps=len(steps), barriers=len(phases))
-        run_sort_phases(keys, m, phases)
-        assert np.all(keys[:m - 1] <= keys[1:m])
-    real = keys[:m].copy()  # positions p < m; a real key may equal NEVER and is still a member
-    tokens = (real & np.uint64((1 << ib) - 1)).astype(np.int64)
-    t = np.zeros(m, dtype=np.int64)
-    if not overflow:
-        field = real >> np.uint64(32 + ib)
-        t = np.arange(m) - np.searchsorted(field, field, side="left")  # the binary search for the chunk's start
-    else:  # the kernel's direct count of the chunk's members ahead
-        for r, p in enumerate(tokens):
-            same = member & (chunks == chunks[p])
-            same[p] = False
-            t[r] = int(np.sum(same & ((s32 > s32[p]) | ((s32 == s32[p]) & (np.arange(n) < p)))))
-    assert t.max(initial=0) < 2**16 and tokens.max(initial=0) < 2**15  # the (rank << 16 | token) packing
-    assert np.array_equal(np.sort(tokens), np.flatnonzero(member))
-    keys[:] = NEVER
-    v = scores[tokens].astype(np.float64) + np.sqrt(weight / (1.0 + t.astype(np.float64)))
-    keys[tokens] = descending_key64(v)
-    return keys
-
-
-def select_row(scores, labels, chunks, modalities, out_len, keeps=None, trace=None, seed=0) -> np.ndarray:
-    """The kernel's select_row for one row; labels None = every token a candidate of the single modality. ``keeps``:
-    the row's budgets (its row of the [B, M] table), None = each modality's spec keep. The shared key array starts
-    with garbage (``seed``): nothing may read a key it did not write. ``trace``: coverage_keys' record, per label."""
-    n = len(scores)
-    picked = np.zeros(n, dtype=bool)
-    listed = np.zeros(n, dtype=bool)
-    score_key = descending_key64(scores.astype(np.float64))
-    keys = np.random.default_rng(seed).integers(0, 2**64, n, dtype=np.uint64)
-    for m, (label, keep, weight) in enumerate(modalities):
-        budget = keep if keeps is None else int(keeps[m])
-        if budget < 0 or budget > keep:
-            return np.full(out_len, -1)
-        member = np.ones(n, dtype=bool) if labels is None else labels == label
-        listed |= member
-        before, count = member_scan(member)
-        if count < budget:
-            return np.full(out_len, -1)
-        if budget == 0:
-            continue
-        if weight is not None:
-            record = {} if trace is None else trace.setdefault(label, {})
-            coverage_keys(scores, chunks, member, weight, before, count, keys, record)
-        else:
-            keys[:] = np.where(member, score_key, NEVER)
-        take, complete = select_k(keys, score_key, weight is not None, budget)
-        if not complete:  # fewer than budget picks: the row is flagged
-            return np.full(out_len, -1)
-        picked |= take
-    kept = picked if labels is None else picked | (~listed & (labels >= 0))
-    total = int(kept.sum())
-    if total > out_len:
-        return np.full(out_len, -1)
-    out = np.full(out_len, -1)
-    out[out_len - total:] = np.flatnonzero(kept)  # right-aligned after the -1 fill
+def select_row(scores, labels, chunks, modalities, out_len, keeps=None, trace=None, seed=0, cluster=1):
+    """The kernel's row (replay_row) for one row; labels None = every token a candidate of the single modality.
+    ``keeps``: the row's budgets (its row of the [B, M] table), None = each modality's spec keep; ``cluster``: the
+    CTAs the row is split over. ``seed`` is unused (kept for the callers written for the previous kernel)."""
+    del seed
+    out, _ = R.replay_row(scores, labels, chunks, modalities, out_len, keeps, cluster, trace)
     return out
 
 
-def select_cta(scores, labels, chunks, modalities, out_len, out_stride, keeps=None, flags=False):
-    """The kernel's launch over B rows (select_cta_kernel): row b reads its scores, labels and chunk ids, its budgets
-    at ``keeps[b * M:]`` of the flat int32 table, and writes ``out[b * out_stride:][:out_len]`` of one flat buffer
-    (entries between rows untouched, here -7); with ``flags`` also ``nonfinite[b]``: a non-finite score at a token of
-    a selected label (every token without labels), found before any modality is selected. Returns (out, nonfinite)."""
-    b = scores.shape[0]
-    out = np.full(max(0, (b - 1) * out_stride) + out_len, -7)
-    nonfinite = np.zeros(b, dtype=bool)
-    table = None if keeps is None else np.asarray(keeps, dtype=np.int32).reshape(-1)
-    m = len(modalities)
-    for row in range(b):
-        lab = None if labels is None else labels[row]
-        if flags:
-            staged = np.ones(scores.shape[1], dtype=bool) if lab is None else np.isin(lab, [x[0] for x in modalities])
-            nonfinite[row] = bool((staged & ~np.isfinite(scores[row].astype(np.float64))).any())
-        budgets = None if table is None else table[row * m:(row + 1) * m]
-        got = select_row(scores[row], lab, None if chunks is None else chunks[row], modalities, out_len, budgets)
-        out[row * out_stride:row * out_stride + out_len] = got
-    return out, nonfinite
+def select_cta(scores, labels, chunks, modalities, out_len, out_stride, keeps=None, flags=False, cluster=1):
+    """The kernel's launch over B rows (replay_launch): returns (out, nonfinite)."""
+    return R.replay_launch(scores, labels, chunks, modalities, out_len, out_stride, keeps, cluster, flags)
 
 
 def _scores(rng, n, ties, dtype=np.float32):
@@ -387,49 +64,56 @@ def _scores(rng, n, ties, dtype=np.float32):
     return rng.standard_normal(n).astype(dtype)
 
 
+CLUSTERS = [1, 2, 3, 8]
+
+
 @pytest.mark.parametrize("n", [1, 2, 31, 100, 864, 1025, 3001])
 @pytest.mark.parametrize("ties", [False, True])
-def test_emulated_topk_matches_reference(n, ties):
-    seed = n * 2 + ties
+def test_emulated_topk_matches_reference(n, ties, seed):
     rng = np.random.default_rng(seed)
     for dtype in (np.float32, np.float64, np.float16):
         scores = _scores(rng, n, ties, dtype)
         if n > 5:
             scores[:3] = np.array([0.0, -0.0, -np.inf], dtype=dtype)
-        for k in sorted({1, n // 3, n - 1, n} - {0}):
-            got = select_row(scores, None, None, [(0, k, None)], k)
-            want = topk_indices_ref(torch.from_numpy(scores.astype(np.float64)), k).numpy()
-            assert np.array_equal(got, want), f"seed={seed} dtype={dtype} k={k}"
+        for cluster in [c for c in CLUSTERS if c <= n]:
+            for k in sorted({1, n // 3, n - 1, n} - {0}):
+                got = select_row(scores, None, None, [(0, k, None)], k, cluster=cluster)
+                want = topk_indices_ref(torch.from_numpy(scores.astype(np.float64)), k).numpy()
+                assert np.array_equal(got, want), f"seed={seed} dtype={dtype} k={k} cluster={cluster}"
 
 
 @pytest.mark.parametrize("n", [1, 2, 33, 300, 864, 2049])
 @pytest.mark.parametrize("weight", [0.0, 0.05, 1.0, 3e32])
-def test_emulated_coverage_matches_reference(n, weight):
-    seed = n + int(weight * 100) % 97
+def test_emulated_coverage_matches_reference(n, weight, seed):
     rng = np.random.default_rng(seed)
     for ties in (False, True):
         scores = _scores(rng, n, ties)
         chunks = rng.integers(0, max(1, min(24, n)), n)
-        for k in sorted({1, n // 4, n} - {0}):
-            got = select_row(scores, None, chunks, [(0, k, weight)], k)
-            s, c = torch.from_numpy(scores), torch.from_numpy(chunks)
-            want = coverage_select_ref(s, c, k, weight) if n <= 300 else _coverage_select_torch(s, c, k, weight)
-            assert np.array_equal(got, want.numpy()), f"seed={seed} ties={ties} k={k}"
+        s, c = torch.from_numpy(scores), torch.from_numpy(chunks)
+        for cluster in [c for c in CLUSTERS if c <= n]:
+            for k in sorted({1, n // 4, n} - {0}):
+                got = select_row(scores, None, chunks, [(0, k, weight)], k, cluster=cluster)
+                want = coverage_select_ref(s, c, k, weight) if n <= 300 else _coverage_select_torch(s, c, k, weight)
+                assert np.array_equal(got, want.numpy()), f"seed={seed} ties={ties} k={k} cluster={cluster}"
 
 
-def test_emulated_coverage_large_chunk_ids_take_the_direct_count():
-    rng = np.random.default_rng(7)
+def test_emulated_coverage_large_chunk_ids_take_the_direct_count(seed):
+    rng = np.random.default_rng(seed)
     scores = _scores(rng, 200, True)
-    chunks = rng.integers(0, 3, 200) * (2**40)  # do not fit the key's chunk field
-    for k in (1, 50, 200):
-        got = select_row(scores, None, chunks, [(0, k, 0.3)], k)
-        want = coverage_select_ref(torch.from_numpy(scores), torch.from_numpy(chunks), k, 0.3)
-        assert np.array_equal(got, want.numpy()), f"seed=7 k={k}"
+    for chunks in (rng.integers(0, 3, 200) * (2**40), rng.integers(-2, 300, 200)):  # outside [0, 254]
+        for k in (1, 50, 199):
+            for cluster in (1, 3):
+                trace = {}
+                got = select_row(scores, None, chunks, [(0, k, 0.3)], k, trace=trace, cluster=cluster)
+                want = coverage_select_ref(torch.from_numpy(scores), torch.from_numpy(chunks), k, 0.3)
+                assert np.array_equal(got, want.numpy()), f"seed={seed} k={k}"
+                assert trace[0]["ranks"] == "direct"
 
 
 def test_emulated_radix_select_splits_a_tie_group_by_score():
     # Equal float64 values with different scores (1 + 1e-20 == 1 + 0): the tie rule takes the higher score first,
-    # then the lower index -- here token 2 before tokens 0 and 3, though its index is higher.
+    # then the lower index -- here token 2 before tokens 0 and 3, though its index is higher. The composite's low 32
+    # bits (the score key) decide it.
     scores = np.array([0.0, -5.0, 1e-20, 0.0], dtype=np.float32)
     chunks = np.array([0, 1, 2, 3])
     for k in range(1, 5):
@@ -437,6 +121,256 @@ def test_emulated_radix_select_splits_a_tie_group_by_score():
         want = coverage_select_ref(torch.from_numpy(scores), torch.from_numpy(chunks), k, 1.0)
         assert np.array_equal(got, want.numpy()), k
     assert np.array_equal(select_row(scores, None, chunks, [(0, 1, 1.0)], 1), [2])
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.2, 3.0])
+def test_emulated_coverage_equals_the_literal_loop_of_the_tie_rule(weight, seed):
+    """tests/test_coverage_tie_rule.py's cases through the replay: coarse scores (many exact ties), infinities, chunks
+    of uneven sizes, against its literal Python loop over the key (value, score, -index); and the absorbed score
+    differences (s + sqrt(0.2) equal for all four scores: the higher score wins, not the first index)."""
+    from test_coverage_tie_rule import _literal_greedy
+
+    g = torch.Generator().manual_seed(seed)
+    n = 60
+    scores = torch.randint(-3, 4, (n,), generator=g).to(torch.float32) / 4
+    scores[torch.randint(0, n, (3,), generator=g)] = float("-inf")
+    scores[torch.randint(0, n, (2,), generator=g)] = float("inf")
+    chunks = torch.randint(0, 5, (n,), generator=g) * 7
+    for cluster in (1, 3):
+        for k in (1, 17, n - 1):
+            want = _literal_greedy(scores.tolist(), chunks.tolist(), k, weight)
+            got = select_row(scores.numpy(), None, chunks.numpy(), [(0, k, weight)], k, cluster=cluster)
+            assert got.tolist() == want, (seed, k, cluster)
+    absorbed = np.array([1e-30, 1e-20, 3e-25, 0.0], dtype=np.float32)
+    for chunk_ids in ([0, 1, 2, 3], [5, 5, 5, 5]):
+        for k in (1, 3):
+            want = _literal_greedy(absorbed.tolist(), chunk_ids, k, 0.2)
+            assert select_row(absorbed, None, np.array(chunk_ids), [(0, k, 0.2)], k).tolist() == want
+    assert select_row(absorbed, None, np.array([5, 5, 5, 5]), [(0, 1, 0.2)], 1).tolist() == [1]
+
+
+# --- the rank sort: stable counting passes over (digit, CTA, warp) ---------------------------------------------------
+
+@pytest.mark.parametrize("cluster", [1, 2, 5, 8])
+def test_counting_pass_is_a_stable_sort_and_a_rank(cluster, seed):
+    """One pass of the kernel's counting sort over sequences split across CTAs (uneven, some empty, some shorter
+    than a warp, lengths not multiples of 32): the places form the stable sort by digit, placed evenly over the CTAs;
+    the rank pass counts the earlier items of each digit. (counting_pass asserts both against numpy itself; this
+    feeds it the awkward shapes and few / many distinct digits.)"""
+    rng = np.random.default_rng(seed)
+    for lengths in ([5] * cluster, [0] * (cluster - 1) + [77], list(rng.integers(0, 1500, cluster)),
+                    [31, 33, 1024, 1025, 0, 1, 32, 2][:cluster]):
+        m = int(sum(lengths))
+        if m == 0:
+            continue
+        items = rng.permutation(4 * m)[:m]
+        seqs = np.split(items, np.cumsum(lengths)[:-1])
+        for spread in (1, 3, 256):
+            digit = rng.integers(0, spread, 4 * m)
+            out, _ = R.counting_pass(seqs, lambda t, d=digit: d[t], False, m)
+            per = -(-m // cluster)
+            assert [len(o) for o in out] == [max(0, min(per, m - r * per)) for r in range(cluster)]
+            flat = np.concatenate(out)
+            assert np.array_equal(flat, items[np.argsort(digit[items], kind="stable")]), f"seed={seed}"
+            _, ranks = R.counting_pass(seqs, lambda t, d=digit: d[t], True, m)
+            for dig in np.unique(digit[items]):
+                same = items[digit[items] == dig]
+                assert [ranks[int(t)] for t in same] == list(range(len(same))), f"seed={seed}"
+
+
+def test_rank_sort_skips_the_digits_every_member_shares(seed):
+    """A sort digit equal over every member (here the top byte: positive scores of one exponent range) moves
+    nothing: the kernel skips it (row OR ^ AND). The ranks equal the reference's with and without the skip."""
+    rng = np.random.default_rng(seed)
+    scores = (1 + rng.random(3000)).astype(np.float32)  # [1, 2): sign and exponent bits shared
+    chunks = rng.integers(0, 8, 3000)
+    trace = {}
+    got = select_row(scores, None, chunks, [(0, 700, 0.2)], 700, trace=trace)
+    assert trace[0]["sort_passes"] == [0, 1, 2]  # byte 3 (sign + 7 exponent bits) is the same for all
+    want = _coverage_select_torch(torch.from_numpy(scores), torch.from_numpy(chunks), 700, 0.2)
+    assert np.array_equal(got, want.numpy()), f"seed={seed}"
+    same = np.full(300, 0.5, dtype=np.float32)  # every byte shared: no score pass, the rank pass alone
+    trace = {}
+    got = select_row(same, None, chunks[:300], [(0, 40, 0.2)], 40, trace=trace)
+    assert trace[0]["sort_passes"] == []
+    assert np.array_equal(got, coverage_select_ref(torch.from_numpy(same), torch.from_numpy(chunks[:300]), 40,
+                                                   0.2).numpy())
+
+
+# --- the radix select: pass geometry, the four ends of a pass, the tie rule -------------------------------------------
+
+def test_select_pass_geometry_covers_the_composite_once():
+    for bits, passes in ((32, 3), (64, 6), (96, 9)):
+        covered = []
+        for p in range(passes):
+            low, width = R.pass_low(p, bits), R.pass_width(p, bits)
+            assert 1 <= width <= R.SELECT_BITS
+            covered += range(low, low + width)
+        assert sorted(covered) == list(range(R.COMPOSITE_BITS - bits, R.COMPOSITE_BITS)), bits
+        assert -(-bits // R.SELECT_BITS) == passes
+    # digit_of reads the 96-bit number hi * 2^32 + lo, including the digits that straddle the two words
+    rng = np.random.default_rng(5)
+    hi = rng.integers(0, 2**64, 200, dtype=np.uint64)
+    lo = rng.integers(0, 2**32, 200, dtype=np.uint64).astype(np.uint32)
+    for p in range(9):
+        low, width = R.pass_low(p, 96), R.pass_width(p, 96)
+        want = [((int(h) << 32 | int(v)) >> low) & ((1 << width) - 1) for h, v in zip(hi, lo, strict=True)]
+        assert R.digit_of(hi, lo, p, 96).tolist() == want, p
+
+
+def test_find_bin_is_the_bin_of_the_need_th_candidate(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        hist = rng.integers(0, 4, R.SELECT_BINS) * (rng.random(R.SELECT_BINS) < 0.05)
+        total = int(hist.sum())
+        if total == 0:
+            continue
+        for need in {1, total, int(rng.integers(1, total + 1))}:
+            b, below, cnt = R.find_bin(hist, need)
+            cum = np.cumsum(hist)
+            assert b == int(np.searchsorted(cum, need)) and below == cum[b] - hist[b] and cnt == hist[b] > 0
+            assert below < need <= below + cnt
+
+
+@pytest.mark.parametrize("cluster", [1, 4])
+def test_every_way_a_select_ends_is_exercised_and_exact(cluster, seed):
+    """The four ends of a pass, each reached by its own data: the bin is exactly what is still needed (all), a small
+    bin ranked pairwise (small), the last pass's tie group taken in index order across the CTAs (tie), and passes
+    that continue (next). Against the reference each time."""
+    rng = np.random.default_rng(seed)
+    n = 5000
+    cases = {
+        "tie": (np.full(n, 0.25, dtype=np.float32), 1234),  # one value: every pass keeps the whole group
+        "few values": (rng.choice(np.array([0.5, -1.0, 3.0], dtype=np.float32), n), 2000),
+        # 200 exponents x 25 mantissas: pass 0's bins hold 9 or 16 tokens, so the need-th is in a small bin
+        "spread": ((2.0 ** (np.arange(n) % 200 - 100) * (1 + np.arange(n) // 200 / 64)).astype(np.float32), 1253),
+        "distinct": (rng.standard_normal(n).astype(np.float32), 1250),
+        "one below": (np.arange(n, dtype=np.float32), n - 1),
+    }
+    ends = set()
+    for name, (scores, k) in cases.items():
+        trace = {}
+        got = select_row(scores, None, None, [(0, k, None)], k, trace=trace, cluster=cluster)
+        assert np.array_equal(got, topk_indices_ref(torch.from_numpy(scores), k).numpy()), f"{name} seed={seed}"
+        kinds = [kind for *_, kind in trace[0]["passes"]]
+        assert all(kind == R.NEXT for kind in kinds[:-1]) and kinds[-1] != R.NEXT, name
+        ends.add(kinds[-1])
+        if name == "tie":
+            assert kinds == [R.NEXT, R.NEXT, R.TIE]
+    assert ends == {R.TIE, R.ALL, R.SMALL_SET}
+
+
+def test_coverage_ties_in_value_and_score_go_to_the_lower_index(seed):
+    """Equal scores in one chunk get different ranks, so different values; equal scores in different chunks at the
+    same rank share the whole composite (value, score): those ties go to the lower index, across the cluster's CTAs
+    (the tie scan) and inside a small bin (pairwise)."""
+    rng = np.random.default_rng(seed)
+    n = 4000
+    scores = np.full(n, 0.125, dtype=np.float32)
+    chunks = rng.integers(0, 40, n)
+    for cluster in (1, 3, 8):
+        for k in (1, 39, 40, 41, 1000):
+            got = select_row(scores, None, chunks, [(0, k, 0.7)], k, cluster=cluster)
+            want = _coverage_select_torch(torch.from_numpy(scores), torch.from_numpy(chunks), k, 0.7)
+            assert np.array_equal(got, want.numpy()), f"seed={seed} cluster={cluster} k={k}"
+
+
+def test_bonus_table_and_direct_bonus_are_ieee_numbers():
+    """The kernel takes sqrt(lambda_c / (1 + t)) from a float64 table below its entries and computes it above, with
+    the same IEEE operations (__ddiv_rn, __dsqrt_rn) either way: the replay's numbers must be those, i.e. Python's
+    (IEEE double, one rounding per operation), bit for bit for every rank a 16-bit rank slot holds. (Not torch's on
+    CPU: torch 2.13's float64 sqrt there is not correctly rounded -- sqrt(2.0) gives 1.414213562373095 -- and a
+    Python float divided by a tensor is not an IEEE division; the CUDA kernels and torch on a GPU are IEEE.)"""
+    t = np.arange(2**16)
+    for weight in (0.0, 1e-300, 0.2, 1.0, 7.3, 3e32):
+        got = R.bonus(weight, t)
+        want = np.array([R.bonus_reference(weight, int(i)) for i in t])
+        assert np.array_equal(got.view(np.uint64), want.view(np.uint64)), weight
+
+
+def test_table_misses_take_the_direct_bonus(seed):
+    """A chunk longer than the table (2048 entries): its members' ranks run past it and use the direct bonus."""
+    rng = np.random.default_rng(seed)
+    n = 6000
+    scores = rng.standard_normal(n).astype(np.float32)
+    chunks = np.where(np.arange(n) < 5000, 0, 1)  # one chunk of 5000 members
+    trace = {}
+    got = select_row(scores, None, chunks, [(0, 1500, 0.4)], 1500, trace=trace)
+    assert trace[0]["table_misses"] == 5000 - R.MAX_TABLE
+    want = _coverage_select_torch(torch.from_numpy(scores), torch.from_numpy(chunks), 1500, 0.4)
+    assert np.array_equal(got, want.numpy()), f"seed={seed}"
+
+
+# --- the launch plan: one CTA up to its shared memory, a cluster above (sm_90) ----------------------------------------
+
+def test_launch_plan_and_limits():
+    """The recorded limits (docs/cuda.md): per architecture and path, the largest n and the cluster sizes chosen.
+    The plan's feasible n are 1..max_n (max_n relies on it), checked on a grid."""
+    assert (SM90_SINGLE_TOPK, SM90_SINGLE_COVERAGE) == (40476, 19132)
+    assert R.max_n(False, True, SM90_AVAIL, 1) == 22974  # float64 top-K: 64-bit keys
+    assert R.max_n(False, False, SM90_AVAIL, 8) == 323808 and R.max_n(True, False, SM90_AVAIL, 8) == 64688
+    assert R.max_n(False, True, SM90_AVAIL, 8) == 183792
+    assert (R.max_n(False, False, SM89_AVAIL, 1), R.max_n(True, False, SM89_AVAIL, 1)) == (15508, 6344)
+    assert R.max_n(False, True, SM89_AVAIL, 1) == 8804
+    # the paper's shapes on sm_90: one CTA for a 2.4k stage; clusters of 3 (top-K) and 8 (coverage) for 20k rows
+    assert R.cluster_for(2400, True) == 1 and R.cluster_for(2400, False) == 1
+    assert R.cluster_for(20000, False) == 3 and R.cluster_for(20000, True) == 8 and R.cluster_for(100000, False) == 8
+    assert R.cluster_for(4096, True) == 1 and R.cluster_for(4097, True) == 2
+    assert R.cluster_for(8192, False) == 1 and R.cluster_for(8193, False) == 2
+    assert R.cluster_for(15000, False, arch=89) == 1 and R.cluster_for(6000, True, arch=89) == 1  # no clusters
+    assert R.plan(20000, True, False, SM90_AVAIL, 8)[:3] == (8, 2500, R.LAYOUT_COVERAGE_CLUSTER)
+    for coverage, wide in ((False, False), (True, False), (False, True)):
+        for avail, clusters in ((SM90_AVAIL, 8), (SM90_AVAIL, 1), (SM89_AVAIL, 1), (4096, 1), (4096, 8)):
+            top = R.max_n(coverage, wide, avail, clusters)
+            grid = sorted({1, 2, 63, 64, 65, 4095, 4096, 4097, top - 1, top, top + 1, top * 2} | set(
+                np.linspace(1, 2 * top + 2, 60).astype(int).tolist()))
+            for n in [n for n in grid if n >= 1]:
+                c, cap, kind, _table, nbytes = R.plan(n, coverage, wide, avail, clusters)
+                assert (c > 0) == (n <= top), (coverage, wide, avail, clusters, n)
+                if c:
+                    assert cap == -(-n // c) and nbytes <= avail and c <= clusters
+                    assert kind == (R.LAYOUT_TOPK if not coverage else R.LAYOUT_COVERAGE_SINGLE if c == 1
+                                    else R.LAYOUT_COVERAGE_CLUSTER)
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+@pytest.mark.parametrize("coverage", [False, True])
+def test_rows_on_both_sides_of_the_one_cta_limit(coverage, arch, seed):
+    """n at the largest one-CTA row and one above, and at the single-CTA thresholds of sm_90's plan
+    (kSingleTopKMax / kSingleCoverageMax) and one above: on sm_90 rows above the threshold take a cluster, on sm_89
+    (no clusters) the row above the one-CTA limit does not fit (the callers take the multi-CTA chain). The replay of
+    each row that fits, with the cluster the launcher picks, gives the references' picks."""
+    from greedy_oracle import coverage_greedy_order
+
+    avail = R.OPTIN_BYTES[arch] - R.STATIC_SMEM[arch]
+    limit = R.max_n(coverage, False, avail, 1)
+    threshold = R.SINGLE_COVERAGE_MAX if coverage else R.SINGLE_TOPK_MAX
+    edges = [limit, limit + 1, threshold, threshold + 1]
+    rng = np.random.default_rng(seed)
+    for n in edges:
+        c = R.plan(n, coverage, False, avail, R.MAX_CLUSTER if arch >= 90 else 1)[0]
+        if arch < 90:
+            assert (c == 1) == (n <= limit), n
+        else:
+            assert (c == 1) == (n <= threshold) and c >= 1, n
+        if c == 0:
+            continue
+        scores = _scores(rng, n, ties=n % 2 == 0)
+        if coverage:
+            chunks = rng.integers(0, 8, n)
+            order = coverage_greedy_order(torch.from_numpy(scores), torch.from_numpy(chunks), 0.2)
+            for k in (1, n // 4):
+                got = select_row(scores, None, chunks, [(0, k, 0.2)], k, cluster=c)
+                assert np.array_equal(got, np.sort(order[:k])), f"seed={seed} n={n} k={k}"
+        else:
+            for k in (1, n // 4, n - 1):
+                got = select_row(scores, None, None, [(0, k, None)], k, cluster=c)
+                assert np.array_equal(got, _topk_indices_torch(torch.from_numpy(scores), k).numpy()), \
+                    f"seed={seed} n={n} k={k}"
+
+
+# --- stage_select: the emulated kernel and the torch multi-CTA path against a literal oracle ------------------------
+
 
 
 # --- stage_select: the emulated kernel and the torch multi-CTA path against a literal oracle ------------------------
@@ -495,8 +429,10 @@ def test_stage_select_emulated_kernel_and_torch_path_match_the_oracle(stage, b, 
         assert torch.equal(sorts, want), f"seed={seed}"
         mods = [(label, keep, weight) for label, keep, weight, _ in modalities]
         for row in range(b):
-            got = select_row(scores[row].numpy(), labels[row].numpy(), chunk_ids[row].numpy(), mods, out_len)
-            assert np.array_equal(got, want[row].numpy()), f"seed={seed} row={row}"
+            for cluster in (1, 3):
+                got = select_row(scores[row].numpy(), labels[row].numpy(), chunk_ids[row].numpy(), mods, out_len,
+                                 cluster=cluster)
+                assert np.array_equal(got, want[row].numpy()), f"seed={seed} row={row} cluster={cluster}"
 
 
 def test_stage_select_ignores_chunk_ids_of_other_tokens():
@@ -542,89 +478,6 @@ def test_stage_select_sorts_matches_torch_paths_at_larger_sizes():
         keep[v_idx[_coverage_select_torch(scores[b, v_idx], chunk_ids[b, v_idx], n_video // 5, 0.1)]] = True
         assert torch.equal(got[b], torch.nonzero(keep).flatten()), "seed=9"
     assert math.isfinite(float(got.float().sum()))
-
-
-# --- the coverage sort: n stored keys, virtual +inf padding, comparators with j >= n skipped ------------------------
-
-def _schedule_sizes(rng) -> list[int]:
-    powers = [p + d for e in range(1, 16) for p in (2**e,) for d in (-1, 0, 1)]
-    return sorted({1, 2, 3, SM90_MAX_N, MAX_SORT - 1, MAX_SORT, *rng.integers(1, 3001, 300).tolist(), *powers} - {0})
-
-
-def test_bitonic_schedule_with_skipped_comparators_sorts_every_size(seed):
-    rng = np.random.default_rng(seed)
-    for n in _schedule_sizes(rng):
-        # few distinct values (kNever included) as well as distinct ones: the sort must not need distinct keys
-        keys = rng.integers(0, 2**62, n, dtype=np.uint64)
-        few = rng.choice(np.array([0, 5, 2**40, NEVER], dtype=np.uint64), n)
-        for x in (keys, few):
-            assert np.array_equal(bitonic_sort(x), np.sort(x)), f"seed={seed} n={n}"
-
-
-def test_kernel_sort_phases_are_the_network(seed):
-    """Issue 20 item 6: the kernel runs the steps inside aligned 64-position blocks in registers (xor shuffles, one
-    barrier per run of steps). Replaying its lane arithmetic must give exactly the keys the network's comparator list
-    gives (distinct keys, few distinct values with NEVER, reversed input), for ~110 widths; and the barriers drop
-    from one per step to 15 at m = 864 (55 steps) and 55 at m = 28672 (120 steps)."""
-    rng = np.random.default_rng(seed)
-    powers = [p + d for e in range(1, 16) for p in (2**e,) for d in (-1, 0, 1)]
-    for n in sorted({1, 2, 3, 864, MAX_SORT - 1, MAX_SORT, *rng.integers(1, 3001, 60).tolist(), *powers} - {0}):
-        distinct = rng.integers(0, 2**62, n, dtype=np.uint64)
-        few = rng.choice(np.array([0, 5, 2**40, NEVER], dtype=np.uint64), n)
-        for x in (distinct, few, np.sort(distinct)[::-1].copy()):
-            got = x.copy()
-            run_sort_phases(got, n, kernel_sort_phases(n))
-            assert np.array_equal(got, bitonic_sort(x)), f"seed={seed} n={n}"
-    assert len(kernel_sort_phases(864)) == 15 and len(list(bitonic_schedule(864))) == 55
-    assert len(kernel_sort_phases(MAX_SORT)) == 55 and len(list(bitonic_schedule(MAX_SORT))) == 120
-    assert len(kernel_sort_phases(64)) == 1 and len(kernel_sort_phases(1)) == 1
-
-
-def test_skipped_comparators_are_no_ops_of_the_padded_network(seed):
-    """The skip rule itself: the full network over n_pad keys with +inf (kNever) at positions >= n never moves a
-    padding key below n, so every comparator the kernel skips (j >= n) compares and keeps kNever at j."""
-    rng = np.random.default_rng(seed)
-    for n in sorted({*rng.integers(1, 700, 40).tolist(), 1, 2, 127, 129, 511, 512, 513}):
-        n_pad = 1 << max(0, (n - 1).bit_length())
-        keys = np.full(n_pad, NEVER, dtype=np.uint64)
-        keys[:n] = rng.integers(0, 2**63, n, dtype=np.uint64)
-        q = np.arange(n_pad // 2)
-        size = 2
-        while size <= n_pad:
-            half = size // 2
-            r = q & (half - 1)
-            steps = [(2 * (q - r) + r, 2 * (q - r) + size - 1 - r)]
-            stride = half // 2
-            while stride > 0:
-                i = 2 * q - (q & (stride - 1))
-                steps.append((i, i + stride))
-                stride //= 2
-            for i, j in steps:
-                assert np.all(i < j)
-                a, b = keys[i], keys[j]
-                keys[i], keys[j] = np.minimum(a, b), np.maximum(a, b)
-                assert np.all(keys[n:] == NEVER), f"seed={seed} n={n} size={size}"
-            size *= 2
-        assert np.array_equal(keys[:n], bitonic_sort(keys[:n])), f"seed={seed} n={n}"
-
-
-@pytest.mark.parametrize("n", [16385, 20000, SM90_MAX_N])
-def test_emulated_coverage_above_16k_matches_the_references(n):
-    """Coverage at sizes the power-of-two sort could not hold (n_pad = 32768 keys): keys, ranks and selection
-    against coverage_select_ref (small k) and the step-by-step greedy oracle (large k)."""
-    from greedy_oracle import coverage_greedy_order
-
-    seed = n
-    rng = np.random.default_rng(seed)
-    scores = _scores(rng, n, ties=n % 2 == 0)
-    chunks = rng.integers(0, 24, n)
-    s, c = torch.from_numpy(scores), torch.from_numpy(chunks)
-    order = coverage_greedy_order(s, c, 0.2)
-    for k in (1, 37, n // 3):
-        got = select_row(scores, None, chunks, [(0, k, 0.2)], k)
-        want = coverage_select_ref(s, c, k, 0.2).numpy() if k < 100 else np.sort(order[:k])
-        assert np.array_equal(got, want), f"seed={seed} n={n} k={k}"
-    assert n > 16384 and (n - 1).bit_length() == 15  # the index field's widest case; chunk field 17 bits
 
 
 # --- stage_select on a padded batch: per-sample budgets, PAD_LABEL (-1) tokens, right-aligned rows ------------------
@@ -684,9 +537,10 @@ def _check_stage(scores, labels, chunk_ids, modalities, out_len, keeps, what):
         assert torch.equal(got, want), f"{what} (torch sorts, {dtype})"
     mods = [(label, keep, weight) for label, keep, weight, _ in modalities]
     for b in range(scores.shape[0]):
-        got = select_row(scores[b].numpy(), labels[b].numpy(), chunk_ids[b].numpy(), mods, out_len,
-                         None if keeps is None else keeps[b].numpy())
-        assert np.array_equal(got, want[b].numpy()), f"{what} (emulated kernel) row={b}"
+        for cluster in (1, 2):
+            got = select_row(scores[b].numpy(), labels[b].numpy(), chunk_ids[b].numpy(), mods, out_len,
+                             None if keeps is None else keeps[b].numpy(), cluster=cluster)
+            assert np.array_equal(got, want[b].numpy()), f"{what} (emulated kernel) row={b} cluster={cluster}"
     return want
 
 
@@ -742,7 +596,7 @@ def test_rows_contradicting_their_budgets_are_minus_one_and_others_are_not(seed)
     assert [bool((row == -1).all()) for row in want] == [True, True, True, True, False], f"seed={seed}"
 
 
-# --- coverage sorts only the modality's m members (keys written compactly, network width from m) ------------------
+# --- rows of several labels for the coverage cases below -------------------------------------------------------------
 
 def _labelled_row(seed, n, m):
     """A row of n tokens, m of them label 2 (the coverage modality) at random places; the rest PAD (-1), label 1 (a
@@ -769,12 +623,14 @@ def _row_oracle(scores, labels, chunks, label, k, weight, order=None):
     return np.flatnonzero(kept)
 
 
-@pytest.mark.parametrize(("n", "m"), [(3000, 37), (3000, 3000), (500, 1), (1, 1), (1025, 1024), (20000, 864),
-                                      (20000, 19000), (SM90_MAX_N, 900)])
+
+# --- coverage over the members of a long row, and modalities in sequence -------------------------------------------
+
+@pytest.mark.parametrize(("n", "m"), [(3000, 37), (3000, 3000), (500, 2), (1025, 1024), (20000, 864),
+                                      (20000, 19000)])
 def test_emulated_coverage_sorts_only_the_members(n, m):
-    """The new schedule: member keys compacted into keys[0, m), a network of width m (log2(m_pad)(log2(m_pad)+1)/2
-    steps), ranks over p < m, value keys by token index; the shared key array starts with garbage. Against the
-    literal greedy (small k) and the step-by-step greedy oracle (large k)."""
+    """The rank sort runs over the modality's m members (compacted in index order), in one CTA or over the cluster
+    the launcher picks for the row; against the literal greedy (small k) and the step-by-step greedy oracle."""
     from greedy_oracle import coverage_greedy_order
 
     seed = n + 7 * m
@@ -783,28 +639,24 @@ def test_emulated_coverage_sorts_only_the_members(n, m):
     order = None
     if m > 300:
         order = coverage_greedy_order(torch.from_numpy(scores[where]), torch.from_numpy(chunks[where]), 0.3)
-    for k in sorted({1, m // 4, m} - {0}):
-        want = _row_oracle(scores, labels, chunks, 2, k, 0.3, order if k > 250 else None)
-        trace = {}
-        got = select_row(scores, labels, chunks, [(2, k, 0.3)], len(want), trace=trace, seed=seed)
-        assert np.array_equal(got, want), f"seed={seed} n={n} m={m} k={k}"
-        m_pad = 1 << max(0, (m - 1).bit_length())
-        log = m_pad.bit_length() - 1
-        barriers = 1 + sum(e - 5 for e in range(7, log + 1))  # a register pass, then per size >= 128 its wide steps
-        assert trace[2] == {"overflow": False, "width": m, "steps": log * (log + 1) // 2, "barriers": barriers}, \
-            f"seed={seed}"
-    if n == 20000 and m == 864:
-        # not the 120 steps of a 32768-wide network over the whole row; 15 barriers, not one per step
-        assert trace[2]["steps"] == 55 and trace[2]["barriers"] == 15
+    for cluster in sorted({1, R.cluster_for(n, True)}):
+        if cluster == 1 and n > SM90_SINGLE_COVERAGE:
+            continue
+        for k in sorted({1, m // 4, m - 1} - {0}):
+            want = _row_oracle(scores, labels, chunks, 2, k, 0.3, order if k > 250 else None)
+            trace = {}
+            got = select_row(scores, labels, chunks, [(2, k, 0.3)], len(want), trace=trace, cluster=cluster)
+            assert np.array_equal(got, want), f"seed={seed} n={n} m={m} k={k} cluster={cluster}"
+            assert trace[0]["path"] == "select" and trace[0]["ranks"] == "sort"
 
 
-@pytest.mark.parametrize(("n", "m"), [(300, 40), (1200, 1200), (257, 1)])
+@pytest.mark.parametrize(("n", "m"), [(300, 40), (1200, 1200), (257, 2)])
 def test_emulated_stage_coverage_after_topk_matches_stage_select_ref(n, m):
-    """A top-K modality first (its keys fill the whole array), then coverage over m members: the coverage step
-    must not read the top-K keys it did not overwrite. Against reference.stage_select_ref per sample."""
+    """A top-K modality first, then coverage over m members, in one CTA and split over CTAs: the coverage step reads
+    nothing the top-K step left behind (the candidate bitmap, the histograms). Against reference.stage_select_ref."""
     seed = 3 * n + m
     scores, labels, chunks = _labelled_row(seed, n, m)
-    labels = np.where(labels == PAD, 0, labels)  # stage_select_ref has no padding; padded cases are tested above
+    labels = np.where(labels == PAD, 0, labels)  # stage_select_ref has no padding; padded cases are tested below
     a = int((labels == 1).sum())
     for k_a, k_v in ((a // 2, max(1, m // 3)), (a, m), (0, 1)):
         modalities = ((1, k_a, None, 0), (2, k_v, 0.25, None))
@@ -812,21 +664,26 @@ def test_emulated_stage_coverage_after_topk_matches_stage_select_ref(n, m):
         out_len = n - (a - k_a) - (m - k_v)
         want = padded_oracle(*t, modalities, out_len, None)
         assert torch.equal(stage_select_sorts(*t, modalities, out_len), want), f"seed={seed}"
-        got = select_row(scores, labels, chunks, [(1, k_a, None), (2, k_v, 0.25)], out_len, seed=seed)
-        assert np.array_equal(got, want[0].numpy()), f"seed={seed} n={n} m={m} k={k_a, k_v}"
+        for cluster in (1, 3):
+            got = select_row(scores, labels, chunks, [(1, k_a, None), (2, k_v, 0.25)], out_len, seed=seed,
+                             cluster=cluster)
+            assert np.array_equal(got, want[0].numpy()), f"seed={seed} n={n} m={m} k={k_a, k_v}"
 
 
-def test_emulated_coverage_absent_or_zero_budget_costs_no_sort():
-    """m = 0 (keep 0) and keep = 0 with members: coverage_keys is not reached (no sort, no trace); standalone
-    coverage (no labels) sorts all n."""
+def test_emulated_coverage_absent_zero_or_full_budget_costs_no_sort():
+    """keep = 0 (absent modality or none kept): nothing runs; keep = m: every member is taken without a sort or a
+    select; a standalone coverage (no labels) sorts all n."""
     scores, labels, chunks = _labelled_row(11, 400, 50)
     trace = {}
     kept = np.flatnonzero((labels >= 0) & (labels != 2))
     out = select_row(scores, labels, chunks, [(2, 0, 0.3), (5, 0, 0.3)], len(kept), trace=trace)
-    assert np.array_equal(out, kept) and trace == {}
+    assert np.array_equal(out, kept) and [trace[s]["path"] for s in (0, 1)] == ["none", "none"]
     trace = {}
-    select_row(scores, None, chunks % 2**20, [(0, 3, 0.3)], 3, trace=trace)
-    assert trace[0] == {"overflow": False, "width": 400, "steps": 45, "barriers": 1 + 2 + 3 + 4}
+    out = select_row(scores, labels, chunks, [(2, 50, 0.3)], len(kept) + 50, trace=trace)
+    assert np.array_equal(out, np.flatnonzero(labels >= 0)) and trace[0] == {"path": "all"}
+    trace = {}
+    select_row(scores, None, chunks % 2**7, [(0, 3, 0.3)], 3, trace=trace)
+    assert trace[0]["ranks"] == "sort" and trace[0]["path"] == "select"
 
 
 # --- NaN scores: the kernels' key rule (NaN by value, after every number), checked against the built module -------
@@ -848,12 +705,13 @@ def _bit_patterns(rng, width: int) -> np.ndarray:
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_nan_keys_depend_on_the_value_not_the_bits(seed):
-    """Issue 20 item 2: every NaN (sign, payload, signalling) has one key, after -inf's and before kNever; the old
-    keys came from the bits, so a positive NaN ranked best. -0.0 and +0.0 share a key."""
+    """Issue 20 item 2: every NaN (sign, payload, signalling) has one key, the largest of all (after -inf's): the old
+    keys came from the bits, so a positive NaN ranked best. -0.0 and +0.0 share a key; the score decoded from a key
+    is the score (the coverage value's s), -0.0 as +0.0 and a NaN as a NaN."""
     k32 = descending_key32(NAN32_BITS.view(np.float32))
     k64 = descending_key64(NAN64_BITS.view(np.float64))
     assert (k32 == NAN_KEY32).all() and (k64 == NAN_KEY64).all()
-    assert descending_key32(np.float32(-np.inf)) < NAN_KEY32 and descending_key64(-np.inf) < NAN_KEY64 < NEVER
+    assert descending_key32(np.float32(-np.inf)) < NAN_KEY32 and descending_key64(-np.inf) < NAN_KEY64
     assert descending_key32(np.float32(-0.0)) == descending_key32(np.float32(0.0))
     assert descending_key64(-0.0) == descending_key64(0.0)
     rng = np.random.default_rng(seed)
@@ -862,42 +720,46 @@ def test_nan_keys_depend_on_the_value_not_the_bits(seed):
     order = np.lexsort((np.arange(len(x)), np.where(nan, 0.0, -x), nan))  # NaN last, then score desc, index asc
     ranked = np.argsort(descending_key64(x), kind="stable")
     assert np.array_equal(ranked, order), f"seed={seed}"
+    x32 = _bit_patterns(rng, 32).view(np.float32)
+    back = R.score_of_key(descending_key32(x32))
+    numbers = ~np.isnan(x32)
+    assert np.array_equal(back[numbers], np.where(x32 == 0, 0.0, x32)[numbers].astype(np.float64))
+    assert np.isnan(back[~numbers]).all() and not np.signbit(back[x32 == 0]).any()
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.skipif(not _cuda_module_built(), reason="macer_kernels._C is not built")
 def test_replay_matches_the_built_module(seed):
-    """The replay's keys, constants and launch limit against ``_C``'s host helpers, which run the kernels' own code
-    (common.cuh's key functions, select_cta.cu's limit arithmetic): no re-derivation on either side of the check."""
+    """The replay's constants, keys, launch plan and limits against ``_C``'s host code (the kernel's own constants,
+    common.cuh's key functions, select_cta.cu's plan and layout arithmetic): no re-derivation on either side."""
     from macer_kernels.cuda._ext import ext
 
     c = ext()
-    facts = c.select_cta_facts()
-    assert (facts["threads"], facts["max_sort_items"]) == (THREADS, MAX_SORT_ITEMS)
-    assert (facts["never_key"], facts["nan_key64"], facts["nan_key32"]) == (int(NEVER), int(NAN_KEY64),
-                                                                             int(NAN_KEY32))
-    assert facts["static_smem_bytes"] == STATIC_SMEM_BYTES
-    for avail in (0, 7, 8, 33, 4096, 48 * 1024, 99 * 1024 - STATIC_SMEM_BYTES, SM90_OPTIN_BYTES - STATIC_SMEM_BYTES,
-                  300 * 1024):
-        for coverage in (False, True):
-            assert c.select_cta_max_n_for(avail, coverage) == launcher_max_n(avail, coverage), (avail, coverage)
-    assert SM90_MAX_N == c.select_cta_max_n_for(SM90_OPTIN_BYTES - STATIC_SMEM_BYTES, True) == 28455
+    constants = c.SELECT_CTA_CONSTANTS
+    mine = {"threads": R.THREADS, "warps": R.WARPS, "select_bits": R.SELECT_BITS, "sort_bits": R.SORT_BITS,
+            "small": R.SMALL, "max_table": R.MAX_TABLE, "max_cluster": R.MAX_CLUSTER,
+            "composite_bits": R.COMPOSITE_BITS, "code_kept": R.CODE_KEPT, "code_pad": R.CODE_PAD,
+            "chunk_overflow": R.CHUNK_OVERFLOW, "single_topk_max": R.SINGLE_TOPK_MAX,
+            "cluster_topk_tokens": R.CLUSTER_TOPK_TOKENS, "single_coverage_max": R.SINGLE_COVERAGE_MAX,
+            "cluster_coverage_tokens": R.CLUSTER_COVERAGE_TOKENS,
+            "max_cluster_coverage_n": R.MAX_CLUSTER_COVERAGE_N, "max_stage_modalities": R.MAX_STAGE_MODALITIES,
+            "static_smem_bytes": STATIC_SMEM_BYTES}
+    assert constants == mine
     rng = np.random.default_rng(seed)
+    for coverage, wide in ((False, False), (True, False), (False, True), (True, True)):
+        for avail, clusters in ((SM90_AVAIL, 8), (SM90_AVAIL, 1), (SM89_AVAIL, 1), (0, 1), (5000, 3)):
+            assert c.select_cta_max_n_for(avail, coverage, wide, clusters) == R.max_n(coverage, wide, avail,
+                                                                                     clusters)
+            for n in [1, 2, 4096, 4097, 20000, 65536, 65537, *rng.integers(1, 400000, 40).tolist()]:
+                assert c.select_cta_plan(n, coverage, wide, avail, clusters) == R.plan(n, coverage, wide, avail,
+                                                                                       clusters), (n, avail)
     bits32, bits64 = _bit_patterns(rng, 32), _bit_patterns(rng, 64)
     assert [c.select_descending_key32(int(b)) for b in bits32] == descending_key32(bits32.view(np.float32)).tolist()
     assert [c.select_descending_key64(int(b)) for b in bits64] == descending_key64(bits64.view(np.float64)).tolist()
 
 
-def test_radix_select_keeps_previous_values_when_no_bin_holds_k():
-    """The kernel's bin search writes nothing when no lane's bins hold the need-th key (k above the live keys); the
-    replay used to take bin 0 and report its count."""
-    keys = np.array([1, 2, 3], dtype=np.uint64)
-    assert radix_select(keys, 5) == (0, 5, 0)
-    assert radix_select(keys, 3) == (3, 1, 1)
-
-
 def test_topk_nan_member_ranks_last_and_never_picks_padding_or_other_labels():
-    # the review's trigger: a NaN member with every bit set, next to a PAD token: the member is picked, not the PAD
+    # a NaN member with every bit set, next to a PAD token: the member is picked, not the PAD
     scores, labels = np.array([0.0, NAN64]), np.array([PAD, 0])
     assert descending_key64(scores)[1] == NAN_KEY64
     assert np.array_equal(select_row(scores, labels, None, [(0, 1, None)], 1), [1])
@@ -912,21 +774,21 @@ def test_topk_nan_member_ranks_last_and_never_picks_padding_or_other_labels():
     assert np.array_equal(select_row(np.array([NAN64, 3.0, NAN64]), None, None, [(0, 2, None)], 2), [0, 1])
 
 
-def test_coverage_nan_member_whose_sort_key_is_all_ones_is_still_a_member():
-    # n = 8: index field 3 bits, chunk field 29 bits; token 7 with chunk 2^29 - 1 and an fp32 NaN packs to ~0 (the
-    # coverage sort key, not a selection key): it stays a member, and ranks after every number of its label
+def test_coverage_nan_member_ranks_after_every_number_of_its_label():
+    # an fp32 NaN with every bit set in the last chunk byte (254) at the last index: its score key is kNanKey32
+    # (the largest), so it is ranked last in its chunk and its value, a NaN, last of all: picked only with k = m
     labels = np.array([PAD, 0, 1, 0, 0, PAD, 0, 0])
-    ib = (len(labels) - 1).bit_length()
     scores = np.array([5.0, 0.5, 1.0, 0.25, 0.5, 9.0, 0.75, NAN32], dtype=np.float32)
-    chunks = np.array([0, 3, 0, 3, 1, 0, 1, 2**29 - 1])
-    key7 = (int(chunks[7]) << (32 + ib)) | (int(descending_key32(scores[7:])[0]) << ib) | 7
-    assert key7 == int(NEVER)
+    chunks = np.array([0, 3, 0, 3, 1, 0, 1, 254])
+    assert descending_key32(scores[7:])[0] == NAN_KEY32
     members = np.flatnonzero(labels == 0)
     t = tuple(torch.from_numpy(x)[None] for x in (scores, labels, chunks))
     for k in range(1, len(members) + 1):
         want = padded_oracle(*t, ((0, k, 0.5, None),), k + 1, None)[0]
         assert (7 in want.tolist()) == (k == len(members)), k
-        assert np.array_equal(select_row(scores, labels, chunks, [(0, k, 0.5)], k + 1), want.numpy()), k
+        for cluster in (1, 2, 3):
+            assert np.array_equal(select_row(scores, labels, chunks, [(0, k, 0.5)], k + 1, cluster=cluster),
+                                  want.numpy()), k
         assert torch.equal(stage_select_sorts(*t, ((0, k, 0.5, None),), k + 1)[0], want), k
 
 

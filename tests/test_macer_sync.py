@@ -137,15 +137,20 @@ def test_the_counter_sees_a_sync_added_to_a_stage(models, monkeypatch):
     """The detector is not vacuous: a ``.item()`` put into the stage's device work is caught."""
     from macer.core import stage as policy_module
 
-    original = policy_module.select_stage
+    original = policy_module.prepared_stage
 
-    def with_sync(*args, **kwargs):
-        out = original(*args, **kwargs)
-        keep = out[0] if isinstance(out, tuple) else out
-        assert int(keep[0, 0].item()) >= 0  # the kind of read-back that must not come back
-        return out
+    class WithSync:
+        """The prepared stage with a read of its keep after each run."""
 
-    monkeypatch.setattr(policy_module, "select_stage", with_sync)
+        def __init__(self, prepared):
+            self.prepared = prepared
+
+        def run(self, *args, **kwargs):
+            out = self.prepared.run(*args, **kwargs)
+            assert int(out[0][0, 0].item()) >= 0  # the kind of read-back that must not come back
+            return out
+
+    monkeypatch.setattr(policy_module, "prepared_stage", lambda *args, **kwargs: WithSync(original(*args, **kwargs)))
     model = models["sdpa"]
     with count_syncs(monkeypatch) as found, torch.no_grad(), macer.compress(model, POLICIES["macer"](model)):
         model(**clip_inputs(model, **CLIP))

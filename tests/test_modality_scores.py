@@ -208,3 +208,33 @@ def test_eps_zero_with_an_unseen_modality_gives_zero_not_nan(backend):
         assert not torch.isnan(out).any() and not torch.isnan(ref).any()
         assert torch.all(out[0, 15:] == 0) and torch.all(ref[0, 15:] == 0)
         assert rel_err(out, ref) < 1e-5
+
+
+def test_scoring_benchmark_prints_each_target_beside_its_limit():
+    """bench_modality_scores' targets (issue 37): CUDA scoring <= 1.5x the K read at 100k and <= 1.5x the measured K
+    stream at 20k, each CUDA provider's row with its path, limit, measured ratio and verdict; the 20k K-read ratio
+    beside them without a limit."""
+    from benchmarks.bench_modality_scores import target_rows
+
+    def row(provider, n, read, stream, path="sa"):
+        return {"provider": provider, "N": n, "path": path, "x_k_read": read, "x_k_stream": stream}
+
+    rows = [row("naive", 20_000, 200.0, None), row("cuda", 20_000, 1.8, 1.4, "sb"), row("cuda-sa", 20_000, 2.1, 1.6),
+            row("cuda", 100_000, 1.3, 1.2, "sb"), row("cuda-sa", 100_000, 1.9, 1.7)]
+    got = {t["target"]: (t["limit"], t["measured"], t["met"]) for t in target_rows(rows)}
+    assert got == {"cuda (sb) x_k_read at N=100000": (1.5, 1.3, True),
+                   "cuda-sa (sa) x_k_read at N=100000": (1.5, 1.9, False),
+                   "cuda (sb) x_k_stream at N=20000": (1.5, 1.4, True),
+                   "cuda-sa (sa) x_k_stream at N=20000": (1.5, 1.6, False),
+                   "cuda (sb) x_k_read at N=20000": (None, 1.8, None),
+                   "cuda-sa (sa) x_k_read at N=20000": (None, 2.1, None)}
+
+
+def test_ncu_scores_driver_runs_on_cpu(capsys):
+    """benchmarks/ncu_scores.py (gpu_check.sh's Nsight Compute metrics over the scoring paths) on CPU with the
+    PyTorch backend: every call runs once before the profiled range and once inside it."""
+    from benchmarks import ncu_scores
+
+    ncu_scores.main(["--device", "cpu"])
+    out = capsys.readouterr().out
+    assert out.count("profiled:") == 2 and "ncu_scores done: torch 2 calls" in out

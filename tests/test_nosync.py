@@ -58,7 +58,21 @@ def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
         "keep": keep,
         "t_float": torch.arange(30, dtype=torch.float32) * 0.5,
         "t_int": torch.arange(30) * 3,
+        # a stage's labels with the counts its modalities say (6 of label 1, 10 of label 2 per sample)
+        "stage_labels": torch.tensor([0] * 8 + [1] * 6 + [2] * 10).expand(2, n).contiguous(),
+        "stage_chunks": (torch.arange(n) // 4).expand(2, n).contiguous(),
     }
+
+
+def _prepared_stage(a: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """``prepare_stage`` then one call: the prepared stage's host path (the CUDA chain itself, whose launch reads
+    nothing, is tested against a recording module in test_prepared_stage.py)."""
+    from macer_kernels.prepared import prepare_stage
+
+    mods = [mk.StageModality(1, 6, 2), mk.StageModality(2, 10, 3, coverage_weight=0.2)]
+    stage = prepare_stage(a["q"], a["k"], a["stage_labels"], mods, chunk_ids=a["stage_chunks"],
+                          gather=[a["stage_labels"], a["x"]], gather_dims=[1, 1])
+    return list(stage(a["q"], a["k"], a["stage_labels"], a["stage_chunks"], [a["stage_labels"], a["x"]]))
 
 
 # op -> (call on the inputs, expected output shape(s), whether it has value checks)
@@ -72,6 +86,7 @@ OPS = {
     "compact": (lambda a: mk.compact(a["x"], a["keep"], 1), [(2, 10, 6)], True),
     "compact_many": (lambda a: mk.compact_many([a["x"], a["cos"], a["pos_ids"]], a["keep"], [1, -2, 2]),
                      [(2, 10, 6), (2, 10, 8), (3, 2, 10)], True),
+    "prepared_stage": (_prepared_stage, [(2, 13), (2,), (2, 13), (2, 13, 6)], True),
     "temporal_chunks(float)": (lambda a: mk.temporal_chunks(a["t_float"], 4), [(30,)], True),
     "temporal_chunks(int)": (lambda a: mk.temporal_chunks(a["t_int"], 4), [(30,)], False),
 }
@@ -98,6 +113,7 @@ def test_values_checked_on_cpu_always_on_devices_only_in_validation_mode(monkeyp
 
     monkeypatch.delenv("MACER_VALIDATE", raising=False)
     monkeypatch.setattr(_validate, "_process_setting", None)
+    monkeypatch.setattr(_validate, "_env_setting", None)
     with FakeTensorMode():
         fake_cuda = torch.empty(3, device="cuda")  # a CUDA tensor's metadata, on a CPU-only build
     cpu, meta = torch.empty(3), torch.empty(3, device="meta")
@@ -111,6 +127,8 @@ def test_values_checked_on_cpu_always_on_devices_only_in_validation_mode(monkeyp
         assert mk.validation_enabled()
     assert not mk.validation_enabled()
     monkeypatch.setenv("MACER_VALIDATE", "1")
+    assert not mk.validation_enabled()  # the environment is read once, not on every call
+    mk.set_validation(None)  # ... and again after set_validation(None)
     assert mk.validation_enabled() and _validate.values_checked(fake_cuda)
     mk.set_validation(False)  # the process setting beats the environment
     assert not mk.validation_enabled()
@@ -123,10 +141,14 @@ def test_values_checked_on_cpu_always_on_devices_only_in_validation_mode(monkeyp
         worker.start()
         worker.join()
     assert seen == [True]  # blocks are per thread; the process setting is shared
-    mk.set_validation(None)
     monkeypatch.setenv("MACER_VALIDATE", "maybe")
+    mk.set_validation(None)
     with pytest.raises(ValueError, match="MACER_VALIDATE must be 0 or 1"):
         mk.validation_enabled()
+    with pytest.raises(ValueError, match="MACER_VALIDATE must be 0 or 1"):  # a bad value is not cached
+        mk.validation_enabled()
+    monkeypatch.setenv("MACER_VALIDATE", "off")
+    assert not mk.validation_enabled()
     with pytest.raises(TypeError, match="enabled must be True or False"):
         with mk.validation(1):
             pass
@@ -231,6 +253,7 @@ class _RecordingExt:
     """Stands in for ``macer_kernels._C``: records every call; query functions return plausible sizes."""
 
     MAX_COMPACT_TENSORS = 8
+    MAX_STAGE_MODALITIES = 8
 
     def __init__(self):
         self.calls: list[str] = []

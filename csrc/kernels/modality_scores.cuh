@@ -1,5 +1,6 @@
-// Allocation-normalised modality scores (eq:macer_score) as a flash-decoding split over key tiles plus two small
-// passes.
+// Allocation-normalised modality scores (eq:macer_score), step S-A (every architecture): keys on the MMA's M
+// dimension, per-(row, label) statistics kept per thread, cp.async loads, the combine folded into the tile kernel's
+// last CTA, and a reduce launched with programmatic dependent launch (PDL) where the device has it.
 //
 // For query row r = (h, q) with causal limit pos(q), logits l_ri = scale * q_r . k_i (i <= pos(q)) and label m(i):
 //
@@ -7,579 +8,571 @@
 //
 // where M_r is any reference (the softmax normaliser cancels except inside eps), E_r,m = sum_{j in m, j <= pos}
 // exp(l_rj - M_r) and Z_r = sum_{j <= pos} exp(l_rj - M_r) over all visible keys, text included. With a separate
-// reference M_r,m = max_{j in m} l_rj per modality this reads
+// reference M_r,m per modality this reads
 //
-//   exp(l_ri - M_r,m) / (E'_r,m + eps * Z_r * exp(M_r - M_r,m)),   E'_r,m = sum_{j in m} exp(l_rj - M_r,m) >= 1,
+//   exp(l_ri - M_r,m) / (E'_r,m + eps * Z_r * exp(M_r - M_r,m)),   E'_r,m = sum_{j in m} exp(l_rj - M_r,m),
 //
 // which stays exact when one modality gets almost no attention (E_r,m would underflow against the row maximum).
-// A key is visible to row r when it exists, j <= pos(q) and its label is not PAD_LABEL (-1, a batch's left
-// padding): an invisible key has logit -inf, adds nothing to any sum and scores 0.
+// A key is visible to row r when it exists, j <= pos(q) and its label is in 0..8 (PAD_LABEL = -1, a batch's left
+// padding, and out-of-range labels are not): an invisible key adds nothing to any sum and scores 0.
 //
-//   1. scores_tile_kernel, grid (splits, Hkv, B): each CTA owns a contiguous range of key tiles (a split) of one KV
-//      head. It stages the query rows of the head's GQA group (G = Hq / Hkv heads x Lq rows) once, then for each
-//      tile loads K once (16-byte loads, kLoadBatch per thread issued before any is stored, evict-first in L2; the
-//      next tile's labels are loaded during this tile), computes the logits on tensor cores (bf16/fp16: WMMA, fp32
-//      accumulate) or CUDA cores (fp32/fp64, in fp32), writes them (log2 units, -inf where not visible, evict-last
-//      in L2 for the reduce) and merges the tile's (max, sum of exp2 below it) per (row, label) into a running pair
-//      in shared memory, kThreadsPerRow threads per row. One partial per (row, label, split) is written at the end:
-//      the number of splits is chosen on the host for whole waves of CTAs, so the partials are a few per row, not
-//      one per tile.
-//   2. scores_combine_kernel, one block per row and one warp per label: merges the splits' partials into
-//      (M_r,m, 1 / denominator).
-//   3. scores_reduce_kernel, a block per kReduceKeys keys, its warps splitting the rows: s_i = 1/(Lq Hq)
-//      sum_r exp2(l_ri - M_r,m(i)) * inv_r,m(i).
-// Everything is fp32; exp2 with log2(e) folded into the scale.
+//   1. scores_tile_kernel, grid (splits, Hkv, B), 4 warps: each CTA owns a contiguous range of 64-key tiles (a split)
+//      of one KV head and all query rows of the head's GQA group, 32 at a time (a row tile). The query rows are
+//      staged once per row tile; K streams through a kStages-deep ring of 128-byte-per-key chunks (cp.async, L2
+//      evict-first) -- or, for fp64 and unaligned K, plain loads into the same ring. Each warp computes its 16 keys x
+//      32 rows with mma.sync (bf16/fp16) or FFMA (fp32/fp64, in fp32) into the fragment of scores_fragment.cuh, and
+//      per tile: (a) the raw dot products, -inf where not visible (only tiles on the causal edge, the N tail or with
+//      PAD keys test per element), go to the logits workspace with four 16-byte stores per thread in the fragment's
+//      own order (no per-element index arithmetic); (b) each thread's running (max, sum) per (row, label) takes
+//      them in registers. At the end of a split the pairs are merged over the warp and the CTA into one partial per
+//      (label, row); the last CTA of each (batch, KV head, row tile) -- found with a self-resetting atomic counter --
+//      merges the splits' partials in a fixed order and writes (-M_r,m, W_r,m) per (label, row), W the reciprocal
+//      denominator above (NaN for every row of a unit with a non-finite visible logit: the non-finite rule).
+//   2. scores_reduce_kernel, grid (tiles, B), 4 warps in the same fragment map: s_i = 1/(Lq Hq) sum_r exp2(l_ri *
+//      scale - M_r,m(i)) * W_r,m(i), each thread summing its 8 rows per unit in order, then over the 4 lanes that
+//      share its keys; labels 0 and PAD score 0.
+//
+// Everything is fp32; exp2 with log2(e) folded into the scale. Deterministic: every sum has a fixed order.
 #pragma once
 
-#include <mma.h>
+#include <type_traits>
 
-#include <cmath>
-
-#include "common.cuh"
+#include "scores_fragment.cuh"
 
 namespace macer {
 namespace scores {
 
-constexpr int kThreads = 128;  // 4 warps
-constexpr int kWarps = kThreads / 32;
-constexpr int kRowTile = 32;   // query rows per pass over a split's K tiles (two 16-row WMMA fragments)
-// The epilogue: warp w owns rows [kRowsPerWarp w, kRowsPerWarp (w + 1)) of the row tile; for the per-label
-// reductions each of them is taken by kThreadsPerRow threads of the warp (adjacent lanes), so all 32 rows reduce at
-// once with two shuffle steps, instead of a warp per row with two 5-step shuffle chains, 7-8 rows in series.
-constexpr int kRowsPerWarp = kRowTile / kWarps;
-constexpr int kThreadsPerRow = 32 / kRowsPerWarp;
-static_assert(kRowsPerWarp * kWarps == kRowTile && kThreadsPerRow * kRowsPerWarp == 32, "epilogue row mapping");
-// 16-byte K chunks each thread issues before it stores any: a compile-time count, so they are all in flight at once
-// (128 threads x 8 x 16 B = 16 KB per CTA, a whole bf16 tile up to D = 128; one chunk at a time gave 2 KB).
-constexpr int kLoadBatch = 8;
-
+// Shared-memory element type: half types stay half (tensor cores), fp32 and fp64 are computed in fp32.
 template <typename T>
-struct TileConfig {
-  static constexpr bool kMma = false;
-  static constexpr int kKeys = 32;
-  // Resident CTAs per SM that ptxas must allow (__launch_bounds__): without it, sm_90's fp32 tile kernel took 96
-  // registers and spilled 20 B around the batched K loads; 4 caps it at 128 (no spill; 111-127 used). On an H100
-  // that is 4 resident CTAs at D <= 128 where shared memory would allow 5 or more (64 KB of K loads in flight per SM
-  // instead of 10 KB before at D = 128); sm_89 stays at shared memory's 2.
-  static constexpr int kMinBlocks = 4;
-  static constexpr int kPad = 4;  // keeps rows 16-byte aligned and spreads lanes over banks
-  static constexpr int kDimAlign = 4;
-  using Smem = float;
+struct SmemOf {
+  using type = float;
 };
 template <>
-struct TileConfig<__half> {
-  static constexpr bool kMma = true;
-  static constexpr int kKeys = 64;
-  static constexpr int kMinBlocks = 0;  // no bound: 64 / 72 registers (sm_89 / sm_90; a bound of 5-6 gave 80-96)
-  static constexpr int kPad = 8;  // WMMA needs a leading dimension that is a multiple of 8 halves
-  static constexpr int kDimAlign = 16;
-  using Smem = __half;
+struct SmemOf<__half> {
+  using type = __half;
 };
 template <>
-struct TileConfig<__nv_bfloat16> {
-  static constexpr bool kMma = true;
-  static constexpr int kKeys = 64;
-  static constexpr int kMinBlocks = 0;  // no bound: 64 / 72 registers (sm_89 / sm_90; a bound of 5-6 gave 80-96)
-  static constexpr int kPad = 8;
-  static constexpr int kDimAlign = 16;
-  using Smem = __nv_bfloat16;
+struct SmemOf<__nv_bfloat16> {
+  using type = __nv_bfloat16;
 };
-
-constexpr int kMaxHeadDim = 256;
-constexpr int kMinKeysPerTile = 32;  // the workspace is sized for the smallest tile
-// Splits per (batch, KV head) at most: the workspace holds min(ceil(N / kMinKeysPerTile), kMaxSplits) partials per
-// (row, label) whatever the device. 1024 splits fill any current GPU even at B = Hkv = 1 (132 SMs x 6 CTAs).
-constexpr int64_t kMaxSplits = 1024;
 
 struct TileArgs {
   const void* query;
   const void* key;
   const void* modality;
   const void* positions;
-  float* logits;    // [B, Hq*Lq, N]
-  float2* partial;  // [B, Hq*Lq, kNumLabels, splits]
+  float* logits;    // [units][tiles][kWarps][4][32 lanes][4]: the fragment's raw dot products, -inf where invisible
+  float2* partial;  // [units][kNumLabels][kRowTile][split_stride]: (nref, sum) per split
+  float2* stats;    // [units][kNumLabels][kRowTile]: (-M_r,m clamped, W_r,m)
+  int* counters;    // [units] arrivals, then [units] label masks; zero before the call and after it
   int modality_dtype, positions_dtype;
-  int64_t q_heads, q_len, head_dim, kv_heads, num_keys, tiles, splits;
-  int64_t group;                     // Hq / Hkv
-  int64_t split_tiles, split_extra;  // tiles / splits and tiles % splits (no 64-bit division on the device)
+  int q_len, group, rows, row_tiles, kv_heads;  // rows = group * q_len (query rows per KV head)
+  int head_dim, chunks;                         // chunks: head_dim in kChunkBytes pieces of the smem type
+  int num_keys, tiles;
+  int splits, split_stride, split_tiles, split_extra;
+  uint32_t k_row_bytes;  // the vectorised path's key stride in bytes (< 2^25, so 64 of them fit 32 bits)
   int64_t q_stride[4], k_stride[3], mod_stride[2], pos_stride[2];
   float scale_log2;  // scale * log2(e)
-  bool vec16;        // key base, strides and D allow 16-byte loads
-  bool q_vec16;      // the same for the query (whose stride over D is 1)
-  int padded_dim;    // D rounded up to TileConfig::kDimAlign
+  float eps;
 };
 
-__host__ __device__ inline int smem_ld(int padded_dim, int pad) { return padded_dim + pad; }
-
-// Dynamic shared memory of scores_tile_kernel: the K tile, the query tile, the fp32 logits tile, and the labels and
-// per-warp label masks of two consecutive tiles (double-buffered, see the kernel).
-template <typename T>
-__host__ inline size_t tile_smem_bytes(int padded_dim) {
-  using C = TileConfig<T>;
-  const size_t ld = smem_ld(padded_dim, C::kPad);
-  return (C::kKeys + kRowTile) * ld * sizeof(typename C::Smem) + kRowTile * (C::kKeys + 4) * sizeof(float) +
-         2 * C::kKeys * sizeof(int) + 2 * kWarps * sizeof(unsigned);
+template <typename S>
+__device__ __forceinline__ S to_smem(float x);
+template <>
+__device__ __forceinline__ float to_smem<float>(float x) {
+  return x;
 }
-
-// First tile of split `split` when `tiles` tiles go to `splits` splits (1 <= splits <= tiles), given
-// split_tiles = tiles / splits and split_extra = tiles % splits: the first split_extra splits get one tile more, so
-// lengths differ by at most one and every split has at least one tile; split `splits` begins at `tiles`.
-__host__ __device__ inline int64_t split_begin(int64_t split, int64_t split_tiles, int64_t split_extra) {
-  return split * split_tiles + (split < split_extra ? split : split_extra);
+template <>
+__device__ __forceinline__ __half to_smem<__half>(float x) {
+  return __float2half_rn(x);
 }
-
-// Whether key n (label `label`) is visible to a query row whose causal limit is `pos`: it exists, is not after the
-// limit and is not padding (PAD_LABEL = -1). The tile kernel's only visibility test; the host build exposes it to
-// the CPU replay (_C.modality_scores_visible).
-__host__ __device__ inline bool key_visible(int64_t n, int64_t num_keys, int64_t pos, int64_t label) {
-  return n < num_keys && n <= pos && label >= 0;
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_smem<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
 }
-
-// Keys per tile for a query/key dtype code (the tile kernel's TileConfig<T>::kKeys).
-__host__ inline int tile_keys(int q_dtype) {
-  return q_dtype == kFloat16 || q_dtype == kBFloat16 ? TileConfig<__half>::kKeys : TileConfig<float>::kKeys;
-}
-
-// L2 eviction priorities (sm_80+). K is read once per CTA: evict-first, so it does not push out the logits, which
-// the reduce reads back once and should find in L2 (evict-last; 45 MB at the 7B shapes and N = 100k, 50 MB of L2 on
-// an H100). L1 is bypassed for K (no reuse within the CTA: the tile goes to shared memory).
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ uint64_t l2_evict_last_policy() {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ uint4 load16_evict_first(const void* src, uint64_t policy) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(src), "l"(policy));
-  return v;
-}
-// No "memory" clobber: nothing in the tile kernel reads the logits back, so the store need not order other accesses
-// (it would force the shared-memory reads around it to be reissued).
-__device__ __forceinline__ void store_evict_last(float* dst, float v, uint64_t policy) {
-  asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(dst), "f"(v), "l"(policy));
-}
-
-// The bits of V = 16 / sizeof(T) consecutive elements at src, zero past `valid` (all-zero bits are 0.0 in every
-// float type): one 16-byte load where `vec` allows it (kStream: evict-first, see above), else element loads.
-template <typename T, bool kStream>
-__device__ __forceinline__ uint4 fetch_chunk(const T* src, int valid, bool vec, uint64_t policy) {
-  constexpr int V = 16 / sizeof(T);
-  if (vec && valid == V) {
-    if constexpr (kStream) {
-      return load16_evict_first(src, policy);
-    } else {
-      return __ldg(reinterpret_cast<const uint4*>(src));
-    }
-  }
-  alignas(16) T vals[V];
-  *reinterpret_cast<uint4*>(vals) = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-  for (int i = 0; i < V; ++i) {
-    if (i < valid) vals[i] = src[i];
-  }
-  return *reinterpret_cast<const uint4*>(vals);
-}
-
-// Store a fetched chunk into shared memory of type S: 16-bit and fp32 types as they are, fp64 converted to fp32.
+// The value an element of T holds, in the shared-memory type S (exact for T == S; fp64 -> fp32 rounds once).
 template <typename T, typename S>
-__device__ __forceinline__ void store_chunk(uint4 bits, S* dst) {
-  if constexpr (sizeof(S) == sizeof(T)) {
-    *reinterpret_cast<uint4*>(dst) = bits;
+__device__ __forceinline__ S convert(T x) {
+  if constexpr (std::is_same<T, S>::value) {
+    return x;
   } else {
-    constexpr int V = 16 / sizeof(T);
-    alignas(16) T vals[V];
-    *reinterpret_cast<uint4*>(vals) = bits;
-#pragma unroll
-    for (int i = 0; i < V; ++i) dst[i] = static_cast<float>(vals[i]);
+    return to_smem<S>(static_cast<float>(x));
   }
 }
 
-// The K tile [kKeys][padded D] (zero past N and D) into shared memory, `chunks` = padded D / V chunks per key. Each
-// thread issues up to kLoadBatch loads into registers before it stores any (see kLoadBatch); a tile of more than
-// kLoadBatch * kThreads chunks (D > 128 for bf16, fp64 above D = 64) takes two or more such batches.
-template <typename T, typename S, int kKeys>
-__device__ __forceinline__ void load_k_tile(const T* kbase, int64_t stride_n, int64_t n0, int64_t num_keys,
-                                            int64_t head_dim, unsigned chunks, bool vec, S* ks, int ld,
-                                            uint64_t policy) {
-  constexpr int V = 16 / sizeof(T);
-  const unsigned total = kKeys * chunks;
-  for (unsigned c0 = 0; c0 < total; c0 += kLoadBatch * kThreads) {
-    uint4 bits[kLoadBatch];
+// ---- K chunk loads ------------------------------------------------------------------------------------------------
+
+// Thread `tid` copies pieces (key (tid >> 3) + 16 i, piece tid & 7), i = 0..3, of each chunk: its four sources are
+// one 64-bit pointer plus i x 16 key rows, its destinations one shared address plus i x 16 pitches (immediates). A
+// piece past N or past D is zero-filled (src-size 0: nothing is read). The split's source walks as one pointer,
+// advanced by a chunk (128 B) and at each tile's end to the next tile's first row.
+__device__ __forceinline__ void issue_chunk(const unsigned char* chunk_src, uint32_t k_row_bytes, int keys_left,
+                                           bool in_d, uint32_t stage, int tid, uint64_t policy) {
+  const int key0 = tid >> 3;
+  const unsigned char* src = chunk_src + static_cast<uint32_t>(key0) * k_row_bytes + (tid & 7) * 16;
+  const uint32_t dst = stage + piece_offset(key0, tid & 7);
+  const uint32_t step = 16u * k_row_bytes;
 #pragma unroll
-    for (int u = 0; u < kLoadBatch; ++u) {
-      const unsigned c = c0 + u * kThreads + threadIdx.x;
-      const unsigned j = c / chunks, d0 = (c % chunks) * V;
-      const int64_t left = head_dim - d0;
-      const int valid = c < total && n0 + j < num_keys && left > 0 ? static_cast<int>(left < V ? left : V) : 0;
-      bits[u] = valid > 0 ? fetch_chunk<T, true>(kbase + (n0 + j) * stride_n + d0, valid, vec, policy)
-                          : make_uint4(0u, 0u, 0u, 0u);
-    }
+  for (int i = 0; i < 4; ++i) {
+    const bool ok = in_d && key0 + 16 * i < keys_left;
+    cp_async16(dst + i * 16 * kPitch, ok ? src + i * step : chunk_src, ok ? 16u : 0u, policy);
+  }
+}
+
+// The fallback for fp64 and for K that is not 16-byte aligned: element loads (any stride over keys) converted to S
+// and stored at the same positions, synchronously. Chunk `chunk` of tile `tile`.
+template <typename T, typename S>
+__device__ __forceinline__ void generic_chunk(const T* kbase, int64_t stride_n, int tile, int chunk, int num_keys,
+                                              int head_dim, unsigned char* stage, int tid) {
+  constexpr int kElems = kChunkBytes / sizeof(S);  // per key row
+  constexpr int kShift = kElems == 64 ? 6 : 5;
+  static_assert(kElems == (1 << kShift), "chunk elements");
+#pragma unroll 4
+  for (int e = tid; e < kTileKeys * kElems; e += kThreads) {
+    const int key = e >> kShift, d = e & (kElems - 1);
+    const int n = tile * kTileKeys + key, dg = chunk * kElems + d;
+    const S x = n < num_keys && dg < head_dim ? convert<T, S>(kbase[n * stride_n + dg]) : to_smem<S>(0.0f);
+    *reinterpret_cast<S*>(stage + key * kPitch + d * sizeof(S)) = x;
+  }
+}
+
+// ---- the dot products of one chunk --------------------------------------------------------------------------------
+
+// Tensor cores: 4 k16-steps per 128-byte chunk; A = the warp's 16 keys (ldmatrix.x4), B = 32 query rows (two
+// ldmatrix.x4), 4 mma.sync.m16n8k16 per step into acc[4 j + c].
+template <typename S>
+__device__ __forceinline__ void chunk_dots(float (&acc)[kFragElems], uint32_t stage, uint32_t qchunk, int warp,
+                                           int lane) {
+  const int mi = lane >> 3, r8 = lane & 7;
+  const uint32_t a_addr = stage + piece_offset(kWarpKeys * warp + (mi & 1) * 8 + r8, mi >> 1);
+  const uint32_t b_addr = qchunk + piece_offset((mi >> 1) * 8 + r8, mi & 1);
 #pragma unroll
-    for (int u = 0; u < kLoadBatch; ++u) {
-      const unsigned c = c0 + u * kThreads + threadIdx.x;
-      if (c < total) store_chunk<T, S>(bits[u], ks + (c / chunks) * ld + (c % chunks) * V);
+  for (int kk = 0; kk < kChunkBytes / 32; ++kk) {
+    uint32_t a[4], b01[4], b23[4];
+    ldmatrix_x4(a, a_addr + 32 * kk);
+    ldmatrix_x4(b01, b_addr + 32 * kk);
+    ldmatrix_x4(b23, b_addr + 16 * kPitch + 32 * kk);
+    mma_16816<S>(acc + 0, a, b01[0], b01[1]);
+    mma_16816<S>(acc + 4, a, b01[2], b01[3]);
+    mma_16816<S>(acc + 8, a, b23[0], b23[1]);
+    mma_16816<S>(acc + 12, a, b23[2], b23[3]);
+  }
+}
+
+// CUDA cores (fp32 / fp64 inputs): the same fragment, each element a sequential fp32 FFMA chain over d; per 4 d the
+// thread reads its 2 key rows and 8 query rows as float4 (conflict-free through the padded pitch).
+template <>
+__device__ __forceinline__ void chunk_dots<float>(float (&acc)[kFragElems], uint32_t stage, uint32_t qchunk,
+                                                  int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int ka = kWarpKeys * warp + g;
+#pragma unroll 2
+  for (int p = 0; p < kChunkBytes / 16; ++p) {
+    float4 k0, k1;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(k0.x), "=f"(k0.y), "=f"(k0.z), "=f"(k0.w)
+                 : "r"(stage + piece_offset(ka, p)));
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(k1.x), "=f"(k1.y), "=f"(k1.z), "=f"(k1.w)
+                 : "r"(stage + piece_offset(ka + 8, p)));
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int row = 8 * (i >> 1) + 2 * t + (i & 1);
+      float4 q;
+      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                   : "=f"(q.x), "=f"(q.y), "=f"(q.z), "=f"(q.w)
+                   : "r"(qchunk + piece_offset(row, p)));
+      float& xa = acc[frag_elem(i, 0)];
+      float& xb = acc[frag_elem(i, 1)];
+      xa = fmaf(k0.x, q.x, xa);
+      xa = fmaf(k0.y, q.y, xa);
+      xa = fmaf(k0.z, q.z, xa);
+      xa = fmaf(k0.w, q.w, xa);
+      xb = fmaf(k1.x, q.x, xb);
+      xb = fmaf(k1.y, q.y, xb);
+      xb = fmaf(k1.z, q.z, xb);
+      xb = fmaf(k1.w, q.w, xb);
     }
   }
 }
 
-// Label of key n of batch element b: -1 past N (set no bit below, index nothing).
-__device__ __forceinline__ int key_label(const TileArgs& a, int64_t b, int64_t n) {
-  return n < a.num_keys ? static_cast<int>(load_int(a.modality, a.modality_dtype, b * a.mod_stride[0] +
-                                                                                       n * a.mod_stride[1]))
+__device__ __forceinline__ int key_label(const TileArgs& a, int b, int n) {
+  return n < a.num_keys ? static_cast<int>(load_int(a.modality, a.modality_dtype,
+                                                    b * a.mod_stride[0] + static_cast<int64_t>(n) * a.mod_stride[1]))
                         : -1;
 }
 
-template <typename T>
-__device__ __forceinline__ typename TileConfig<T>::Smem to_smem(T x) {
-  if constexpr (TileConfig<T>::kMma) {
-    return x;
-  } else {
-    return static_cast<float>(x);
+// ---- the last CTA of a unit: merge the splits' partials, write the stats ------------------------------------------
+
+// Thread p of the CTA takes (label, row) pairs p, p + kThreads, ... of the labels present (ascending) x 32 rows and
+// merges that pair's `splits` partials: kCombineBatch at a time (8 independent 16-byte loads, two splits each),
+// the batch by a pairwise tree (0+1, 2+3, ..., then (01)+(23), ...), the batches in order into the running pair.
+// Then per row (threads 0..31): M_r = max_m M_r,m, Z_r, and (-M_r,m, W_r,m) for each present label.
+__device__ __noinline__ void combine_unit(const float2* __restrict__ partial, float2* __restrict__ stats, int unit,
+                                         int rt, int rows, int splits, int split_stride, float eps, int mask,
+                                         float2* tot) {
+  const unsigned present = static_cast<unsigned>(mask) & ((1u << kNumLabels) - 1u);
+  const bool broken = (mask & kMaskBroken) != 0;
+  const int labels = __popc(present);
+  for (int p = threadIdx.x; p < labels * kRowTile; p += kThreads) {
+    const int li = p / kRowTile, r = p % kRowTile;
+    unsigned bits = present;
+    for (int k = 0; k < li; ++k) bits &= bits - 1u;
+    const int m = __ffs(bits) - 1;
+    const float2* src = partial + partial_offset(unit, m, r, split_stride);
+    float nr = kEmptyNegRef, s = 0.0f;
+    for (int s0 = 0; s0 < splits; s0 += kCombineBatch) {
+      float4 x[kCombineBatch / 2];
+#pragma unroll
+      for (int k = 0; k < kCombineBatch / 2; ++k) {
+        x[k] = s0 + 2 * k < splits ? __ldcg(reinterpret_cast<const float4*>(src + s0 + 2 * k))
+                                     : make_float4(kEmptyNegRef, 0.0f, kEmptyNegRef, 0.0f);
+      }
+      float bn[kCombineBatch / 2], bs[kCombineBatch / 2];
+#pragma unroll
+      for (int k = 0; k < kCombineBatch / 2; ++k) {
+        bn[k] = x[k].x;
+        bs[k] = x[k].y;
+        merge_pair(bn[k], bs[k], x[k].z, x[k].w);
+      }
+#pragma unroll
+      for (int w = 1; w < kCombineBatch / 2; w <<= 1) {
+#pragma unroll
+        for (int k = 0; k < kCombineBatch / 2; k += 2 * w) merge_pair(bn[k], bs[k], bn[k + w], bs[k + w]);
+      }
+      merge_pair(nr, s, bn[0], bs[0]);
+    }
+    tot[li * kRowTile + r] = make_float2(nr, s);
   }
-}
-
-// Logits of kRowTile query rows against kKeys keys in shared memory, into S[row][key] (fp32).
-template <typename T>
-__device__ __forceinline__ void tile_logits(const typename TileConfig<T>::Smem* ks, const typename TileConfig<T>::Smem* qs,
-                                            float* s, int ld, int lds, int padded_dim) {
-  using C = TileConfig<T>;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if constexpr (C::kMma) {
-    // Warp w owns keys [16w, 16w + 16) and both 16-row fragments: one B fragment load feeds two MMAs.
-    namespace wmma = nvcuda::wmma;
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a0, a1;
-    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bk;  // K stored [key][d] = B (d x key) col-major
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c0, c1;
-    wmma::fill_fragment(c0, 0.0f);
-    wmma::fill_fragment(c1, 0.0f);
-    for (int d0 = 0; d0 < padded_dim; d0 += 16) {
-      wmma::load_matrix_sync(bk, ks + warp * 16 * ld + d0, ld);
-      wmma::load_matrix_sync(a0, qs + d0, ld);
-      wmma::load_matrix_sync(a1, qs + 16 * ld + d0, ld);
-      wmma::mma_sync(c0, a0, bk, c0);
-      wmma::mma_sync(c1, a1, bk, c1);
-    }
-    wmma::store_matrix_sync(s + warp * 16, c0, lds, wmma::mem_row_major);
-    wmma::store_matrix_sync(s + 16 * lds + warp * 16, c1, lds, wmma::mem_row_major);
-  } else {
-    // Lane = key (rows of K are ld apart, ld/4 odd for D % 8 == 0: float4 reads hit distinct banks); warp w owns
-    // rows [8w, 8w + 8), whose query values are broadcast to all lanes.
-    float acc[kRowsPerWarp];
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) acc[i] = 0.0f;
-    const float* kr = ks + lane * ld;
-    for (int d = 0; d < padded_dim; d += 4) {
-      const float4 kv = *reinterpret_cast<const float4*>(kr + d);
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) {
-        const float4 qv = *reinterpret_cast<const float4*>(qs + (warp * kRowsPerWarp + i) * ld + d);
-        acc[i] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, acc[i]))));
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) s[(warp * kRowsPerWarp + i) * lds + lane] = acc[i];
-  }
-}
-
-// One CTA per (split, KV head, batch). Rows of the GQA group are taken in row tiles of kRowTile, outermost: for
-// Hq / Hkv * Lq <= kRowTile (e.g. 7B: 7 x 4 = 28) the query is staged once and each K tile of the split is read
-// once; a larger group re-reads the split's K tiles once per row tile (from L2 when the split fits there), which
-// keeps the running state of one row tile in shared memory.
-//
-// Barriers per tile: (A) after the loads (K, labels, masks; the query of the row tile the first time), (B) after the
-// logits. The labels and masks are double-buffered by tile parity: tile t + 2 rewrites the buffer of tile t only
-// after barrier (A) of tile t + 1, which every thread reaches after tile t's epilogue; K and the logits tile are
-// rewritten only after (B) and (A) respectively, so no third barrier is needed. The epilogue's two passes touch
-// only the rows of their own warp (of s and of run), so a __syncwarp orders them.
-template <typename T>
-__global__ void __launch_bounds__(kThreads, TileConfig<T>::kMinBlocks) scores_tile_kernel(const TileArgs a) {
-  using C = TileConfig<T>;
-  using S = typename C::Smem;
-  constexpr int kKeys = C::kKeys;
-  constexpr int kKeysPerLane = kKeys / 32;
-  constexpr int kKeysPerThread = kKeys / kThreadsPerRow;  // keys of one row per thread in the reductions
-  constexpr int V = 16 / sizeof(T);
-  const int ld = smem_ld(a.padded_dim, C::kPad);
-  constexpr int lds = kKeys + 4;
-
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  S* ks = reinterpret_cast<S*>(smem_raw);
-  S* qs = ks + kKeys * ld;
-  float* s = reinterpret_cast<float*>(qs + kRowTile * ld);
-  int* labels = reinterpret_cast<int*>(s + kRowTile * lds);                 // [2][kKeys]
-  unsigned* present = reinterpret_cast<unsigned*>(labels + 2 * kKeys);  // [2][kWarps]: labels 0..8 seen per warp
-  // Per query row of the current row tile, computed once per row tile: the element offset of its query (-1 past the
-  // last row), its causal limit and its global row index. The div/mod by Lq runs once per row here, not per staged
-  // element or per tile.
-  __shared__ int64_t row_offset[kRowTile];
-  __shared__ int64_t row_pos[kRowTile];
-  __shared__ int64_t row_index[kRowTile];  // = b*Hq*Lq + h*Lq + q
-  // run[r][m] = (max, sum of exp2 below it) of row r0 + r over the visible keys of label m in the tiles merged so
-  // far; (-inf, 0) while none. Only the threads of the warp that owns row r (r / kRowsPerWarp) touch it until the
-  // row tile ends.
-  __shared__ float2 run[kRowTile][kNumLabels];
-  // The non-finite rule (modality_scores' docstring): row r0 + r has a visible key whose logit is not finite. Its
-  // partials are written as (-inf, NaN), which the combine turns into NaN weights for every label of the row.
-  __shared__ int row_broken[kRowTile];
-
-  const int64_t split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int64_t t_first = split_begin(split, a.split_tiles, a.split_extra);
-  const int64_t t_end = split_begin(split + 1, a.split_tiles, a.split_extra);
-  const int64_t group = a.group;
-  const int64_t rows = group * a.q_len;  // query rows sharing this KV head (the host checks B*Hq*Lq < 2^31)
-  const int64_t rows_per_batch = a.q_heads * a.q_len;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const T* kbase = static_cast<const T*>(a.key) + b * a.k_stride[0] + kvh * a.k_stride[1];
-  const T* qbase = static_cast<const T*>(a.query) + b * a.q_stride[0];
-  const int chunks = a.padded_dim / V;
-  const uint64_t k_policy = l2_evict_first_policy(), logit_policy = l2_evict_last_policy();
-
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-    const int rows_here = static_cast<int>(rows - r0 < kRowTile ? rows - r0 : kRowTile);
-    if (threadIdx.x < kRowTile) {
-      const int64_t rr = r0 + threadIdx.x;
-      // rr < 2^31: 32-bit div/mod, inline (the 64-bit ones are a subroutine call that made ptxas spill).
-      const unsigned rr32 = static_cast<unsigned>(rr), lq32 = static_cast<unsigned>(a.q_len);
-      const int64_t h = kvh * group + rr32 / lq32, q = rr32 % lq32;
-      const bool real = rr < rows;
-      row_offset[threadIdx.x] = real ? h * a.q_stride[1] + q * a.q_stride[2] : -1;
-      row_pos[threadIdx.x] =
-          real ? load_int(a.positions, a.positions_dtype, b * a.pos_stride[0] + q * a.pos_stride[1]) : -1;
-      row_index[threadIdx.x] = b * rows_per_batch + kvh * rows + rr;
-      row_broken[threadIdx.x] = 0;
-    }
-    for (int i = threadIdx.x; i < kRowTile * kNumLabels; i += kThreads) {
-      run[i / kNumLabels][i % kNumLabels] = make_float2(-INFINITY, 0.0f);
-    }
-    // The first tile's labels (thread j < kKeys holds key j's); later tiles' are loaded one tile ahead, below.
-    int next_label = threadIdx.x < kKeys ? key_label(a, b, t_first * kKeys + threadIdx.x) : -1;
-    __syncthreads();
-    // The query tile, once per row tile; published by barrier (A) of the first tile.
-    if (a.q_stride[3] == 1) {  // rows of Q are contiguous over D: 16-byte chunks like K (scalar where unaligned)
-      for (int c = threadIdx.x; c < kRowTile * chunks; c += kThreads) {
-        const int r = c / chunks, d0 = (c % chunks) * V;
-        const int64_t offset = row_offset[r];
-        const int64_t left = a.head_dim - d0;
-        const int valid = offset < 0 || left <= 0 ? 0 : static_cast<int>(left < V ? left : V);
-        store_chunk<T, S>(fetch_chunk<T, false>(qbase + (valid > 0 ? offset + d0 : 0), valid, a.q_vec16, 0),
-                          qs + r * ld + d0);
-      }
-    } else {
-      for (int i = threadIdx.x; i < kRowTile * a.padded_dim; i += kThreads) {
-        const int r = i / a.padded_dim, d = i % a.padded_dim;
-        const int64_t offset = row_offset[r];
-        qs[r * ld + d] = offset >= 0 && d < a.head_dim ? to_smem<T>(qbase[offset + d * a.q_stride[3]])
-                                                       : to_smem<T>(T(0.0f));
-      }
-    }
-
-    for (int64_t t = t_first; t < t_end; ++t) {
-      const int64_t n0 = t * kKeys;
-      int* tile_labels = labels + (t & 1) * kKeys;
-      unsigned* tile_present = present + (t & 1) * kWarps;
-      // K tile: each 16-byte chunk is read once from global memory and serves all rows of the row tile.
-      load_k_tile<T, S, kKeys>(kbase, a.k_stride[2], n0, a.num_keys, a.head_dim, static_cast<unsigned>(chunks),
-                               a.vec16, ks, ld, k_policy);
-      // Labels of the tile (loaded during the previous tile); -1 past N. PAD (-1) and out-of-range labels set no
-      // bit, so they index nothing below.
-      unsigned mine = 0u;
-      if (threadIdx.x < kKeys) {
-        tile_labels[threadIdx.x] = next_label;
-        if (next_label >= 0 && next_label < kNumLabels) mine = 1u << next_label;
-        // The next tile's label, in flight during this tile's logits and epilogue (its value is used next tile).
-        next_label = t + 1 < t_end ? key_label(a, b, n0 + kKeys + threadIdx.x) : -1;
-      }
-      mine = __reduce_or_sync(0xffffffffu, mine);
-      if (lane == 0) tile_present[warp] = mine;
-      __syncthreads();  // (A)
-      tile_logits<T>(ks, qs, s, ld, lds, a.padded_dim);
-      __syncthreads();  // (B)
-
-      // Epilogue, pass 1 (warp w, its kRowsPerWarp rows one at a time, lane = key: 128-byte coalesced stores): the
-      // logits in log2 units, -inf where not visible, to global memory and back into s; the rows' non-finite flags.
-      for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int r = warp * kRowsPerWarp + i;
-        const bool real = r < rows_here;
-        const int64_t pos = row_pos[r], row = row_index[r];
-        bool bad = false;
-#pragma unroll
-        for (int u = 0; u < kKeysPerLane; ++u) {
-          const int j = lane + 32 * u;
-          const int64_t n = n0 + j;
-          const float l = s[r * lds + j] * a.scale_log2;
-          const bool visible = real && key_visible(n, a.num_keys, pos, tile_labels[j]);
-          const float v = visible ? l : -INFINITY;
-          bad |= visible && !isfinite(l);
-          s[r * lds + j] = v;
-          if (real && n < a.num_keys) store_evict_last(a.logits + row * a.num_keys + n, v, logit_policy);
-        }
-        if (__any_sync(0xffffffffu, bad) && lane == 0) row_broken[r] = 1;
-      }
-      __syncwarp();  // pass 2 reads the warp's rows of s, written by every lane
-      // Pass 2: row r = warp's row lane / kThreadsPerRow, its thread g = lane % kThreadsPerRow holding keys
-      // g, g + kThreadsPerRow, ... For each label present in the tile (usually one or two; the mask is the CTA's,
-      // so the loop is warp-uniform): the row's tile max over its visible keys of that label and the sum of exp2
-      // below max(M_run, max), each reduced over the row's threads by xor shuffles, merged into run[r][m].
-      unsigned tile_mask = 0u;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) tile_mask |= tile_present[w];
-      const int r = warp * kRowsPerWarp + lane / kThreadsPerRow, g = lane % kThreadsPerRow;
-      float v[kKeysPerThread];
-      int lab[kKeysPerThread];
-#pragma unroll
-      for (int u = 0; u < kKeysPerThread; ++u) {
-        const int j = g + kThreadsPerRow * u;  // bank (4 r + j) % 32: the warp's 8 rows x 4 threads are distinct
-        v[u] = s[r * lds + j];
-        lab[u] = tile_labels[j];
-      }
-      while (tile_mask) {
-        const int m = __ffs(tile_mask) - 1;
-        tile_mask &= tile_mask - 1u;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int u = 0; u < kKeysPerThread; ++u) {
-          if (lab[u] == m) mx = fmaxf(mx, v[u]);
-        }
-#pragma unroll
-        for (int off = 1; off < kThreadsPerRow; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-        const float2 prev = run[r][m];
-        const float ref = fmaxf(prev.x, mx);
-        float sum = 0.0f;
-#pragma unroll
-        for (int u = 0; u < kKeysPerThread; ++u) {
-          if (lab[u] == m && v[u] != -INFINITY) sum += exp2f(v[u] - ref);
-        }
-#pragma unroll
-        for (int off = 1; off < kThreadsPerRow; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        __syncwarp();  // every thread of the row has read run[r][m] before its thread 0 replaces it
-        // mx == -inf: no visible key of label m in this tile for this row (also every row past rows_here). exp2f of
-        // -inf = 0 rescales an empty running pair (prev = (-inf, 0)) to 0.
-        if (g == 0 && mx != -INFINITY) run[r][m] = make_float2(ref, prev.y * exp2f(prev.x - ref) + sum);
-      }
-    }
-    __syncthreads();  // every warp's last merge into run is done
-    // One partial per (row, label) of this split, (-inf, 0) for a label the split never saw.
-    for (int i = threadIdx.x; i < rows_here * kNumLabels; i += kThreads) {
-      const int r = i / kNumLabels, m = i % kNumLabels;
-      a.partial[(row_index[r] * kNumLabels + m) * a.splits + split] =
-          row_broken[r] ? make_float2(-INFINITY, __int_as_float(0x7fc00000)) : run[r][m];
-    }
-    __syncthreads();  // run, the per-row arrays and the query tile are rewritten by the next row tile
-  }
-}
-
-constexpr int kCombineThreads = 32 * kNumLabels;  // one warp per label
-
-// One block per query row, warp m for label m: merge the splits' (max, sum) partials, then
-// stats[row][m] = (M_r,m, 1 / (E'_r,m + eps * Z_r * exp2(M_r - M_r,m))).
-__global__ void __launch_bounds__(kCombineThreads)
-    scores_combine_kernel(const float2* __restrict__ partial, float2* __restrict__ stats, int64_t splits,
-                          float eps) {
-  __shared__ float2 label_total[kNumLabels];
-  const int64_t row = blockIdx.x;
-  const int m = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const float2* p = partial + (row * kNumLabels + m) * splits;
-  float mx = -INFINITY, sm = 0.0f;
-  int broken = 0;  // a split saw a non-finite visible logit of this row (its partials are (-inf, NaN))
-#pragma unroll 4
-  for (int64_t i = lane; i < splits; i += 32) {
-    const float2 pm = p[i];
-    broken |= pm.y != pm.y;
-    if (pm.x == -INFINITY) continue;
-    if (pm.x > mx) {
-      sm = sm * exp2f(mx - pm.x) + pm.y;  // exp2f(-inf) = 0 when nothing was seen yet
-      mx = pm.x;
-    } else {
-      sm += pm.y * exp2f(pm.x - mx);
-    }
-  }
-  const float label_max = warp_max(mx);
-  sm = warp_sum(mx == -INFINITY ? 0.0f : sm * exp2f(mx - label_max));
-  if (lane == 0) label_total[m] = make_float2(label_max, sm);
-  const bool row_broken = __syncthreads_or(broken) != 0;
-  if (lane != 0) return;
-  float row_max = -INFINITY;
-#pragma unroll
-  for (int k = 0; k < kNumLabels; ++k) row_max = fmaxf(row_max, label_total[k].x);
-  float z = 0.0f;  // Z_r relative to row_max; >= 1 because the key at the row's own position is visible
-#pragma unroll
-  for (int k = 0; k < kNumLabels; ++k) {
-    if (label_total[k].x != -INFINITY) z += label_total[k].y * exp2f(label_total[k].x - row_max);
-  }
-  float inv;
-  if (row_broken) {
-    // The non-finite rule: NaN weights make every scored key of the batch element NaN in the reduce (0 * NaN for
-    // the keys this row does not see), text keys stay 0.
-    inv = __int_as_float(0x7fc00000);
-  } else if (label_max == -INFINITY) {
-    // No visible key of this label: every numerator is exactly 0, so the row contributes 0 (the reference's
-    // eps -> 0+ limit; eps = 0 must not turn 0 / 0 into NaN).
-    inv = 0.0f;
-  } else {
-    // An overflowing exp2 makes inv = 0, the correct limit (eps * Z dominates the modality's mass).
-    const float eps_term = eps > 0.0f ? eps * z * exp2f(row_max - label_max) : 0.0f;
-    inv = 1.0f / (sm + eps_term);
-  }
-  stats[row * kNumLabels + m] = make_float2(label_max, inv);
-}
-
-constexpr int kReduceWarps = 8;
-constexpr int kReduceThreads = 32 * kReduceWarps;
-constexpr int kReduceKeys = 32;   // keys per block, one per lane: each warp reads 128 contiguous bytes per row
-constexpr int kReduceUnroll = 4;  // rows in flight per thread (x 8 warps: 32 logit loads per key in flight)
-
-// A block per kReduceKeys keys of one batch element: lane = key, warp w sums the rows w, w + kReduceWarps, ... in
-// order (so N = 2.4k gives 75 blocks of 8 warps, where one thread per key gave 10 blocks), then warp 0 adds the
-// warps' sums in warp order: s_i = (sum_w acc_w) / (Hq Lq). The logits are read once (streaming loads).
-__global__ void __launch_bounds__(kReduceThreads)
-    scores_reduce_kernel(const float* __restrict__ logits, const float2* __restrict__ stats, const void* modality,
-                         int modality_dtype, int64_t mod_stride_b, int64_t mod_stride_n, float* __restrict__ out,
-                         int64_t rows_per_batch, int64_t num_keys) {
-  __shared__ float warp_acc[kReduceWarps][kReduceKeys];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kReduceKeys + lane;
-  const int64_t b = blockIdx.y;
-  const int64_t m = n < num_keys ? load_int(modality, modality_dtype, b * mod_stride_b + n * mod_stride_n) : -1;
-  const bool scored = m > 0 && m < kNumLabels;  // text (0), PAD (-1) and out-of-range labels score 0, index nothing
-  float acc = 0.0f;
-  if (scored) {
-    const float* lp = logits + b * rows_per_batch * num_keys + n;
-    const float2* sp = stats + b * rows_per_batch * kNumLabels + m;
-    constexpr int kStep = kReduceUnroll * kReduceWarps;
-    int64_t r = warp;
-    for (; r + (kReduceUnroll - 1) * kReduceWarps < rows_per_batch; r += kStep) {
-      float l[kReduceUnroll];
-      float2 st[kReduceUnroll];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        l[u] = __ldcs(lp + (r + u * kReduceWarps) * num_keys);
-        st[u] = __ldg(sp + (r + u * kReduceWarps) * kNumLabels);
-      }
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        acc += (l[u] == -INFINITY ? 0.0f : exp2f(l[u] - st[u].x)) * st[u].y;  // l <= st.x for visible keys of m
-      }
-    }
-    for (; r < rows_per_batch; r += kReduceWarps) {
-      const float l = __ldcs(lp + r * num_keys);
-      const float2 st = __ldg(sp + r * kNumLabels);
-      acc += (l == -INFINITY ? 0.0f : exp2f(l - st.x)) * st.y;
-    }
-  }
-  warp_acc[warp][lane] = acc;
   __syncthreads();
-  if (warp != 0 || n >= num_keys) return;
-  float total = 0.0f;
+  if (threadIdx.x >= kRowTile) return;
+  const int r = threadIdx.x;
+  row_stats(tot, present, r, rt * kRowTile + r < rows, broken, eps, stats + stats_offset(unit, 0, 0));
+}
+
+// ---- kernel 1 -----------------------------------------------------------------------------------------------------
+
+// kVec: K through cp.async (T is bf16, fp16 or fp32, K 16-byte aligned with the key stride < 2^25 bytes and D a
+// multiple of 16 bytes); otherwise element loads (generic_chunk). Both fill the same ring, so the loop is one.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads) scores_tile_kernel(const TileArgs a) {
+  using S = typename SmemOf<T>::type;
+  constexpr int kElems = kChunkBytes / sizeof(S);
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* qs = smem;                               // [chunks][32 rows][kPitch]
+  unsigned char* ring = smem + a.chunks * kQChunkBytes;   // [kStages][64 keys][kPitch]
+  __shared__ float2 warp_acc[kWarps][kNumLabels * kRowTile];  // each warp's merged pairs (flush_slot)
+  __shared__ int64_t row_off[kRowTile];
+  __shared__ int row_pos[kRowTile];
+  __shared__ int info[kWarps + 1];  // per-warp label masks, then "this CTA is the unit's last"
+
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+  const int t_first = static_cast<int>(split_begin(split, a.split_tiles, a.split_extra));
+  const int t_end = static_cast<int>(split_begin(split + 1, a.split_tiles, a.split_extra));
+  const T* kbase = static_cast<const T*>(a.key) + b * a.k_stride[0] + kvh * a.k_stride[1];
+  const unsigned char* kbytes = reinterpret_cast<const unsigned char*>(kbase);
+  const T* qbase = static_cast<const T*>(a.query) + b * a.q_stride[0];
+  const uint64_t k_policy = l2_evict_first_policy(), logit_policy = l2_evict_last_policy();
+  const uint32_t ring_addr = smem_addr(ring), qs_addr = smem_addr(qs);
+  const uint32_t d_bytes = static_cast<uint32_t>(a.head_dim) * sizeof(T);
+  const int chunks = a.chunks, units = (t_end - t_first) * chunks;
+
+  // Q, K, the labels and the positions may be a predecessor's output (the stage's chain): wait for it before the
+  // first global access; then let the successor (the reduce) be scheduled, to wait in its turn.
+  grid_dependency_wait();
+  launch_dependents();
+
+  for (int rt = 0; rt < a.row_tiles; ++rt) {
+    const int unit = unit_index(b, kvh, rt, a.kv_heads, a.row_tiles);
+    const int rows_here = min(kRowTile, a.rows - rt * kRowTile);
+    if (tid < kRowTile) {
+      const int rr = rt * kRowTile + tid;
+      const bool real = rr < a.rows;
+      const int h = kvh * a.group + rr / a.q_len, q = rr % a.q_len;
+      row_off[tid] = real ? h * a.q_stride[1] + q * a.q_stride[2] : -1;
+      row_pos[tid] = real ? static_cast<int>(load_int(a.positions, a.positions_dtype,
+                                                      b * a.pos_stride[0] + q * a.pos_stride[1]))
+                          : -1;
+    }
+    for (int i = tid; i < kWarps * kNumLabels * kRowTile; i += kThreads) {
+      (&warp_acc[0][0])[i] = make_float2(kEmptyNegRef, 0.0f);
+    }
+    __syncthreads();
+    // The K ring's prologue first, so its loads are in flight while the query is staged.
+    int it = t_first, ic = 0;  // next unit to issue: (tile, chunk)
+    const unsigned char* isrc = kbytes + static_cast<int64_t>(t_first) * kTileKeys * a.k_row_bytes;
+    const int64_t tile_step = static_cast<int64_t>(kTileKeys) * a.k_row_bytes - chunks * kChunkBytes;
+    const uint32_t my_piece_byte = static_cast<uint32_t>(tid & 7) * 16u;
+    auto issue = [&](int slot) {
+      if (it < t_end) {
+        if constexpr (kVec) {
+          issue_chunk(isrc, a.k_row_bytes, a.num_keys - it * kTileKeys, my_piece_byte + ic * kChunkBytes < d_bytes,
+                      ring_addr + slot * kStageBytes, tid, k_policy);
+          isrc += kChunkBytes;
+        } else {
+          generic_chunk<T, S>(kbase, a.k_stride[2], it, ic, a.num_keys, a.head_dim, ring + slot * kStageBytes, tid);
+        }
+        if (++ic == chunks) {
+          ic = 0;
+          ++it;
+          isrc += tile_step;
+        }
+      }
+      if constexpr (kVec) cp_async_commit();
+    };
 #pragma unroll
-  for (int w = 0; w < kReduceWarps; ++w) total += warp_acc[w][lane];
-  out[b * num_keys + n] = scored ? total / static_cast<float>(rows_per_batch) : 0.0f;
+    for (int s = 0; s < kStages - 1; ++s) issue(s);
+    // The query rows of this row tile: [chunks][32][128 B], zero past D and on padding rows.
+    for (int r = 0; r < kRowTile; ++r) {
+      const int64_t off = row_off[r];
+      for (int d = tid; d < chunks * kElems; d += kThreads) {
+        const S x = off >= 0 && d < a.head_dim ? convert<T, S>(qbase[off + d * a.q_stride[3]]) : to_smem<S>(0.0f);
+        *reinterpret_cast<S*>(qs + (d / kElems) * kQChunkBytes + r * kPitch + (d % kElems) * sizeof(S)) = x;
+      }
+    }
+    // The smallest causal limit of the row tile's real rows: a warp's 16 keys up to it are visible to every row.
+    int min_pos = __reduce_min_sync(0xffffffffu, row_pos[lane] < 0 ? INT_MAX : row_pos[lane]);
+
+    ThreadStats st;
+    st.reset();
+    float z = 0.0f;  // fma(l, 0, z) over visible pairs: NaN iff one of them is not finite
+    unsigned seen = 0u;
+    // Labels of the warp's 16 keys: lane l < 16 holds key 16 warp + l's, one tile ahead.
+    int lab_next = lane < kWarpKeys ? key_label(a, b, t_first * kTileKeys + kWarpKeys * warp + lane) : -1;
+    float acc[kFragElems];
+#pragma unroll
+    for (int e = 0; e < kFragElems; ++e) acc[e] = 0.0f;
+    int ct = t_first, cc = 0, slot = 0;
+    for (int u = 0; u < units; ++u) {
+      if constexpr (kVec) cp_async_wait<kStages - 2>();
+      __syncthreads();  // unit u is in its slot for every thread; every thread is done with unit u - 1's slot
+      issue(slot == 0 ? kStages - 1 : slot - 1);
+      chunk_dots<S>(acc, ring_addr + slot * kStageBytes, qs_addr + cc * kQChunkBytes, warp, lane);
+      slot = slot + 1 == kStages ? 0 : slot + 1;
+      if (++cc < chunks) continue;
+      cc = 0;
+      // ---- epilogue of tile ct --------------------------------------------------------------------------------
+      const int lab = lab_next;
+      lab_next = lane < kWarpKeys && ct + 1 < t_end
+                     ? key_label(a, b, (ct + 1) * kTileKeys + kWarpKeys * warp + lane)
+                     : -1;
+      const int n_w = ct * kTileKeys + kWarpKeys * warp;  // the warp's first key
+      const bool lane_ok = lane >= kWarpKeys || (n_w + lane < a.num_keys && lab >= 0 && lab < kNumLabels);
+      const unsigned mask = __reduce_or_sync(0xffffffffu, lane < kWarpKeys && lane_ok ? 1u << lab : 0u);
+      const bool all_ok = __all_sync(0xffffffffu, lane_ok);
+      const int lab_a = __shfl_sync(0xffffffffu, lab, g), lab_b = __shfl_sync(0xffffffffu, lab, g + 8);
+      // acc becomes the tile's stored values in place: the raw dot products, -inf where a pair is not visible.
+      if (all_ok && n_w + kWarpKeys - 1 <= min_pos) {
+        // Every pair of the warp is visible to every real row (padding rows hold 0 . k, non-finite only where k
+        // is, which makes the real rows' logits non-finite too).
+#pragma unroll
+        for (int e = 0; e < kFragElems; ++e) z = fmaf(acc[e], 0.0f, z);
+      } else {
+        const int na = n_w + g;
+#pragma unroll
+        for (int e = 0; e < kFragElems; ++e) {
+          const bool second = (e >> 1) & 1;
+          const bool vis =
+              key_visible(na + 8 * second, a.num_keys, row_pos[frag_row(lane, e)], second ? lab_b : lab_a);
+          if (vis) z = fmaf(acc[e], 0.0f, z);
+          acc[e] = vis ? acc[e] : -INFINITY;
+        }
+      }
+      float* dst = a.logits + logits_offset(unit, ct, a.tiles, warp, lane);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (!group_stored(q, lane, rows_here)) continue;
+        st_global_v4(dst + kLogitsQStride * q, acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3],
+                     logit_policy);
+      }
+      seen |= mask;
+      const bool select = !all_ok || __popc(mask) > 1;
+      if (!select && st.label[0] >= 0 && mask == 1u << st.label[0]) {
+        update_slot<false>(st.nref[0], st.sum[0], acc, true, true, a.scale_log2);  // the common case
+      } else {
+        update_labels(st, mask, select, lab_a, lab_b, acc, a.scale_log2, warp_acc[warp], lane);
+      }
+#pragma unroll
+      for (int e = 0; e < kFragElems; ++e) acc[e] = 0.0f;
+      ++ct;
+    }
+    if constexpr (kVec) cp_async_wait<0>();
+
+    // ---- end of the split for this row tile: one partial per (label, row) --------------------------------------
+    flush_all(st, warp_acc[warp], lane);
+    if (lane == 0) info[warp] = static_cast<int>(seen);
+    const int bad = __syncthreads_or(z != z);
+    for (int p = tid; p < kNumLabels * kRowTile; p += kThreads) {
+      float nr = warp_acc[0][p].x, s = warp_acc[0][p].y;
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) merge_pair(nr, s, warp_acc[w][p].x, warp_acc[w][p].y);
+      float2* out = a.partial + partial_offset(unit, p / kRowTile, p % kRowTile, a.split_stride);
+      out[split] = make_float2(nr, s);
+      if (split + 1 == a.splits && a.split_stride > a.splits) out[a.splits] = make_float2(kEmptyNegRef, 0.0f);
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      int mask = bad ? kMaskBroken : 0;
+      for (int w = 0; w < kWarps; ++w) mask |= info[w];
+      atomicOr(a.counters + a.kv_heads * a.row_tiles * gridDim.z + unit, mask);
+      __threadfence();
+      info[kWarps] = atomicAdd(a.counters + unit, 1) == a.splits - 1;
+    }
+    __syncthreads();
+    if (info[kWarps]) {
+      __threadfence();
+      int mask = 0;
+      if (tid == 0) {
+        // Read and reset (the counters are zero again for the next call, also inside a replayed graph).
+        mask = atomicExch(a.counters + a.kv_heads * a.row_tiles * gridDim.z + unit, 0);
+        atomicExch(a.counters + unit, 0);
+        info[0] = mask;
+      }
+      __syncthreads();
+      mask = info[0];
+      combine_unit(a.partial, a.stats, unit, rt, a.rows, a.splits, a.split_stride, a.eps, mask,
+                   reinterpret_cast<float2*>(ring));
+    }
+    __syncthreads();  // the ring, row arrays and accumulators are rewritten by the next row tile
+  }
+}
+
+// ---- kernel 2 -----------------------------------------------------------------------------------------------------
+
+struct ReduceArgs {
+  const float* logits;
+  const float2* stats;
+  const void* modality;
+  float* out;  // [B, N]
+  int modality_dtype;
+  int64_t mod_stride[2];
+  int num_keys, tiles, units_per_batch;  // units_per_batch = Hkv * row_tiles
+  int rows, row_tiles;                   // query rows per KV head, row tiles per KV head
+  float scale_log2, inv_rows;            // inv_rows = 1 / (Hq Lq)
+};
+
+// A block per 64-key tile of one batch element, the tile kernel's fragment map: thread (warp, lane) reads its 16
+// logits of every unit (4 x 16 bytes), and for its keys of a scored label the (-M, W) of its 8 rows; acc_k +=
+// exp2(l * scale - M) * W over units in order, rows in slot order; then xor 1, 2 over the lanes sharing its keys.
+__global__ void __launch_bounds__(kThreads) scores_reduce_kernel(const ReduceArgs a) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x, b = blockIdx.y;
+  grid_dependency_wait();  // the logits and stats of the tile kernel, the labels of the stage
+  launch_dependents();
+  const int n_w = tile * kTileKeys + kWarpKeys * warp;
+  const int lab = lane < kWarpKeys && n_w + lane < a.num_keys
+                      ? static_cast<int>(load_int(a.modality, a.modality_dtype,
+                                                  b * a.mod_stride[0] + static_cast<int64_t>(n_w + lane) *
+                                                                            a.mod_stride[1]))
+                      : -1;
+  const int lab_a = __shfl_sync(0xffffffffu, lab, g), lab_b = __shfl_sync(0xffffffffu, lab, g + 8);
+  const bool scored_a = lab_a >= 1 && lab_a < kNumLabels, scored_b = lab_b >= 1 && lab_b < kNumLabels;
+  float acc_a = 0.0f, acc_b = 0.0f;
+  const int unit0 = b * a.units_per_batch;
+  for (int k = 0; k < a.units_per_batch; ++k) {
+    const int unit = unit0 + k;
+    const float4* src = reinterpret_cast<const float4*>(a.logits + logits_offset(unit, tile, a.tiles, warp, lane));
+    const int rows_here = min(kRowTile, a.rows - (k % a.row_tiles) * kRowTile);
+    float v[kFragElems];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      // Groups of padding rows were never stored: -inf (their weights are 0).
+      const float4 x = group_stored(q, lane, rows_here) ? __ldcs(src + q * (kLogitsQStride / 4))
+                                                        : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+      v[4 * q] = x.x;
+      v[4 * q + 1] = x.y;
+      v[4 * q + 2] = x.z;
+      v[4 * q + 3] = x.w;
+    }
+    if (scored_a) {
+      const float4* sa = reinterpret_cast<const float4*>(a.stats + stats_offset(unit, lab_a, 2 * t));
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+        const float4 w = __ldg(sa + 4 * j);  // rows 8 j + 2 t and + 1
+        acc_a = fmaf(fast_exp2(fmaf(v[frag_elem(2 * j, 0)], a.scale_log2, w.x)), w.y, acc_a);
+        acc_a = fmaf(fast_exp2(fmaf(v[frag_elem(2 * j + 1, 0)], a.scale_log2, w.z)), w.w, acc_a);
+      }
+    }
+    if (scored_b) {
+      const float4* sb = reinterpret_cast<const float4*>(a.stats + stats_offset(unit, lab_b, 2 * t));
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+        const float4 w = __ldg(sb + 4 * j);
+        acc_b = fmaf(fast_exp2(fmaf(v[frag_elem(2 * j, 1)], a.scale_log2, w.x)), w.y, acc_b);
+        acc_b = fmaf(fast_exp2(fmaf(v[frag_elem(2 * j + 1, 1)], a.scale_log2, w.z)), w.w, acc_b);
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    acc_a += __shfl_xor_sync(0xffffffffu, acc_a, off);
+    acc_b += __shfl_xor_sync(0xffffffffu, acc_b, off);
+  }
+  // Lane l < 16 writes key 16 warp + l: held by lane 4 (l % 8) (t = 0), as its key a (l < 8) or b.
+  const float ta = __shfl_sync(0xffffffffu, acc_a, 4 * (lane & 7));
+  const float tb = __shfl_sync(0xffffffffu, acc_b, 4 * (lane & 7));
+  if (lane < kWarpKeys && n_w + lane < a.num_keys) {
+    const bool scored = lab >= 1 && lab < kNumLabels;
+    a.out[b * static_cast<int64_t>(a.num_keys) + n_w + lane] = scored ? (lane < 8 ? ta : tb) * a.inv_rows : 0.0f;
+  }
+}
+
+// ---- the K-streaming baseline -------------------------------------------------------------------------------------
+
+// Reads K once, [B, Hkv, N, D] through its strides, with the tile kernel's per-thread pieces (key (tid >> 3) + 16 i,
+// 16 bytes at 16 (tid & 7) of each 128-byte chunk) and L2 evict-first loads, and nothing else: each thread XORs what
+// it read into one word, and the CTA writes one word (so no load is dead). 8 loads in flight per thread (two
+// chunks), the grid as large as the device holds (the launcher's choice): the benchmark's measured "read K once",
+// through the same wrapper, module call and launcher as the scoring op.
+struct StreamArgs {
+  const void* key;
+  uint32_t* out;  // [B * Hkv * splits]
+  int num_keys, chunks, split_tiles, split_extra;
+  uint32_t k_row_bytes, d_bytes;
+  int64_t k_stride_bytes[2];  // over B, Hkv
+};
+
+__global__ void __launch_bounds__(kThreads) stream_k_kernel(const StreamArgs a) {
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  grid_dependency_wait();
+  const int t_first = static_cast<int>(split_begin(split, a.split_tiles, a.split_extra));
+  const int t_end = static_cast<int>(split_begin(split + 1, a.split_tiles, a.split_extra));
+  const unsigned char* base =
+      static_cast<const unsigned char*>(a.key) + b * a.k_stride_bytes[0] + kvh * a.k_stride_bytes[1];
+  const uint64_t policy = l2_evict_first_policy();
+  const uint32_t piece = static_cast<uint32_t>(tid & 7) * 16u;
+  const int key0 = tid >> 3;
+  uint32_t x = 0u;
+  for (int t = t_first; t < t_end; ++t) {
+    const unsigned char* tile = base + static_cast<int64_t>(t) * kTileKeys * a.k_row_bytes;
+    for (int c = 0; c < a.chunks; c += 2) {
+      uint4 v[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int key = key0 + 16 * (i & 3);
+        const uint32_t byte = static_cast<uint32_t>(c + (i >> 2)) * kChunkBytes + piece;
+        if (c + (i >> 2) < a.chunks && t * kTileKeys + key < a.num_keys && byte < a.d_bytes) {
+          asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                       : "=r"(v[i].x), "=r"(v[i].y), "=r"(v[i].z), "=r"(v[i].w)
+                       : "l"(tile + static_cast<uint32_t>(key) * a.k_row_bytes + byte), "l"(policy));
+        } else {
+          v[i] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, off);
+  __shared__ uint32_t warp_x[kWarps];
+  if ((tid & 31) == 0) warp_x[tid >> 5] = x;
+  __syncthreads();
+  if (tid == 0) {
+    a.out[(static_cast<int64_t>(b) * gridDim.y + kvh) * gridDim.x + split] =
+        warp_x[0] ^ warp_x[1] ^ warp_x[2] ^ warp_x[3];
+  }
 }
 
 }  // namespace scores

@@ -65,6 +65,8 @@ def select_workspace_bytes(n: int, device: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def select_cta_max_n(device: int, coverage: bool) -> int:
-    """Largest n the one-CTA selection kernel takes on ``device`` (its shared memory; asked once per device)."""
-    return int(ext().select_cta_max_n(device, coverage))
+def select_cta_max_n(device: int, coverage: bool, wide: bool = True) -> int:
+    """Largest n the shared-memory selection kernel takes on ``device`` in one launch (one CTA per row, or a thread
+    block cluster per row on sm_90; asked once per device). ``wide``: float64 scores (64-bit keys, a lower limit for
+    top-K); the default answers for every dtype."""
+    return int(ext().select_cta_max_n(device, coverage, wide))

@@ -1,7 +1,8 @@
 """``topk_indices`` and ``coverage_select`` (``eq:chunk_coverage_greedy``) on the CUDA kernels.
 
-Up to ``select_cta_max_n(device, coverage)`` scores (thousands to tens of thousands, the device's shared memory):
-one launch of the one-CTA kernel of ``csrc/kernels/select_cta.cuh``. Above that, and for coverage over float64
+Up to ``select_cta_max_n(device, coverage, wide)`` scores: one launch of the radix selection kernel of
+``csrc/kernels/select_cta.cuh`` (one CTA up to its shared memory, tens of thousands of scores; on sm_90 a thread block
+cluster above, a few hundred thousand for top-K and 65536 for coverage). Above that, and for coverage over float64
 scores: the multi-CTA chain of ``csrc/kernels/select.cuh`` (elementwise kernels and CUB stable radix sorts, no k-step
 loop). Neither path synchronises with the host.
 """
@@ -48,15 +49,16 @@ def _select_one_cta(op: str, scores: torch.Tensor, chunk_ids: torch.Tensor | Non
 
 def topk_indices_cuda(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``[k]`` (int64, ascending) of the k largest of ``scores`` ``[n]`` (any stride), ties to the lower
-    index, scores compared in float64. One launch up to the one-CTA limit (a radix select in shared memory); above
-    it one stable radix sort by descending score, then one sort of the first k indices."""
+    index, scores compared exactly (32-bit order keys of fp32/fp16/bf16, 64-bit of fp64). One launch up to the
+    kernel's limit (a radix select in shared memory); above it one stable radix sort by descending score, then one
+    sort of the first k indices."""
     _check_scores("topk_indices", scores)
     out = torch.empty(k, dtype=torch.long, device=scores.device)
     if k == 0:
         return out
     n = scores.numel()
     device, stream = launch_args(scores)
-    if n <= select_cta_max_n(device, False):
+    if n <= select_cta_max_n(device, False, scores.dtype == torch.float64):
         _select_one_cta("topk_indices", scores, None, k, None, out, device, stream)
         return out
     nbytes = select_workspace_bytes(n, device)
@@ -77,8 +79,8 @@ def coverage_select_cuda(scores: torch.Tensor, chunk_ids: torch.Tensor, k: int, 
         return out
     n = scores.numel()
     device, stream = launch_args(scores)
-    # One CTA compares float32 score bits inside a chunk: exact for fp32/fp16/bf16 scores, not for float64 ones.
-    if scores.dtype != torch.float64 and n <= select_cta_max_n(device, True):
+    # The kernel ranks inside a chunk by 32-bit score keys: exact for fp32/fp16/bf16 scores, not for float64 ones.
+    if scores.dtype != torch.float64 and n <= select_cta_max_n(device, True, False):
         _select_one_cta("coverage_select", scores, chunk_ids, k, coverage_weight, out, device, stream)
         return out
     nbytes = select_workspace_bytes(n, device)

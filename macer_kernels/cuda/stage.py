@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from macer_kernels.backend import register
-from macer_kernels.cuda._ext import check_cuda_tensor, dtype_code, ext, launch_args, select_cta_max_n
+from macer_kernels.backend import backend_status, register
+from macer_kernels.cuda._ext import check_cuda_tensor, dtype_code, ext, launch_args, select_cta_max_n, workspace
 from macer_kernels.select import descending_order, order_key
 from macer_kernels.stage import stage_flags
 
@@ -155,7 +155,8 @@ def stage_select_cuda(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: tor
     b, n = scores.shape
     coverage = any(weight is not None for _, _, weight, _ in modalities)
     device, stream = launch_args(scores)
-    if n > select_cta_max_n(device, coverage) or (coverage and scores.dtype == torch.float64):
+    wide = scores.dtype == torch.float64  # 64-bit keys: a lower one-CTA limit for top-K
+    if n > select_cta_max_n(device, coverage, wide) or (coverage and wide):
         return stage_select_sorts(scores, labels, chunk_ids, modalities, out_len, keeps, flags)
     out = torch.empty(b, out_len, dtype=torch.long, device=scores.device)
     if out_len == 0 and (flags is None or n == 0):  # nothing kept and no flag to find: no launch
@@ -176,3 +177,96 @@ def stage_select_cuda(scores: torch.Tensor, labels: torch.Tensor, chunk_ids: tor
 
 
 register(_OP, "cuda")(stage_select_cuda)
+
+
+# ---- the prepared stage's CUDA half (macer_kernels.prepared) -----------------------------------------------------
+
+
+def _raw_stream(index: int) -> int:
+    """The current stream's handle on device ``index`` (torch's raw query where it has one: no Stream object)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def prepared_on_cuda(labels: torch.Tensor, coverage: bool) -> bool:
+    """Whether a prepared stage over ``labels`` ``[B, N]`` runs as one ``_C`` call: CUDA tensors, the CUDA backend
+    usable, and N scores within the one-CTA selection's limit (above it the selection is the multi-CTA sort chain,
+    which the backends' ops run)."""
+    if labels.device.type != "cuda" or backend_status()["cuda"] is not None or labels.shape[1] < 1:
+        return False
+    # The prepared stage's scores are float32 (StageHandle): 32-bit keys.
+    return labels.shape[1] <= select_cta_max_n(launch_args(labels)[0], coverage, wide=False)
+
+
+class StageHandle:
+    """The CUDA half of a prepared stage: the arguments of its ``_C.StagePlan`` (checked here once) and, per stream
+    it has run on, a plan with its own persistent buffers (the scoring workspace and the ``[B, N]`` fp32 scores,
+    which every call overwrites in that stream's order). The question rows' positions and the per-sample budgets are
+    read-only and shared."""
+
+    def __init__(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor,
+                 spec: tuple[Modality, ...], out_len: int, keeps: torch.Tensor | None, positions: torch.Tensor,
+                 query_row0: int, scale: float, eps: float, chunk_ids: torch.Tensor | None,
+                 gather: list[torch.Tensor], dims: list[int], chain: bool = True):
+        b, hq, lq, d = query.shape[0], query.shape[1], positions.shape[1], query.shape[3]
+        hkv, n = key.shape[1], key.shape[2]
+        for name, t in (("query", query), ("key", key), ("labels", labels), ("chunk_ids", chunk_ids)):
+            if t is not None:
+                check_cuda_tensor(_OP, name, t)
+        max_d = int(ext().modality_scores_max_head_dim())
+        if query.dtype != key.dtype or not 1 <= d <= max_d or b > 65535 or hkv > 65535:
+            raise ValueError(f"{_OP} (cuda): query and key must share a float dtype, D in [1, {max_d}], B and Hkv "
+                             f"at most 65535; got {query.dtype}/{key.dtype}, D={d}, B={b}, Hkv={hkv}")
+        if labels.stride(1) != 1 or (chunk_ids is not None and chunk_ids.stride(1) != 1):
+            raise ValueError(f"{_OP} (cuda): labels and chunk_ids need stride 1 along N, got {labels.stride()} and "
+                             f"{None if chunk_ids is None else chunk_ids.stride()}")
+        self.device = labels.device
+        self.index, stream = launch_args(labels)
+        self.positions = positions if positions.stride(1) == 1 else positions.contiguous()
+        self.keeps = keeps
+        self.workspace_bytes = int(ext().modality_scores_workspace_bytes(b, hq, lq, hkv, n))
+        self.counter_count = int(ext().modality_scores_counter_count(b, hq, lq, hkv))
+        self.score_shape = (b, n)
+        mods = [(int(label), int(keep), 0.0 if weight is None else float(weight), weight is not None)
+                for label, keep, weight, _ in spec]
+        chunk_code, chunk_stride = 0, (0, 0)
+        if chunk_ids is not None:
+            chunk_code, chunk_stride = dtype_code(_OP, "chunk_ids", chunk_ids), chunk_ids.stride()
+        layouts = [(list(t.shape), list(t.stride()), t.element_size(), dim) for t, dim in zip(gather, dims)]
+        # Everything of the plan but the buffers of a stream (scores, workspace), positional as _C.StagePlan takes
+        # them (it checks the layouts: a refused one fails here, at prepare, not at a call).
+        self._args = (dtype_code(_OP, "query", query), dtype_code(_OP, "labels", labels), (b, hq, lq, d, hkv, n),
+                      labels.stride(), self.positions.data_ptr())
+        self._rest = (float(scale), float(eps), out_len, mods, chunk_code, chunk_stride,
+                      0 if keeps is None else keeps.data_ptr(), layouts, query_row0,
+                      bool(chain) and bool(ext().stage_chain_supported(self.index)), self.index)
+        self.streams: dict[int, tuple] = {}  # stream -> (plan, scores, workspace, scoring counters)
+        self._for_stream(stream)  # the current stream's buffers now: a first call allocates nothing either
+
+    def _for_stream(self, stream: int) -> tuple:
+        entry = self.streams.get(stream)
+        if entry is None:
+            scores = torch.empty(self.score_shape, dtype=torch.float32, device=self.device)
+            scratch = workspace(self.workspace_bytes, self.device)
+            # The scoring kernels' counters: zero once here; every call leaves them zero (csrc/launchers.h).
+            counters = torch.zeros(self.counter_count, dtype=torch.int32, device=self.device)
+            plan = ext().StagePlan(*self._args, scores.data_ptr(), scratch.data_ptr(), *self._rest,
+                                   counters=counters.data_ptr())
+            entry = self.streams[stream] = (plan, scores, scratch, counters)
+        return entry
+
+    @property
+    def chained(self) -> bool:
+        """Whether the launches are chained with programmatic dependent launch (sm_90+)."""
+        return bool(self._rest[-2])
+
+    def launch(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, chunk_ids: torch.Tensor | None,
+               gather: list[torch.Tensor], outs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One host call on the current stream: scoring, selection and the gather, into ``outs = (keep, flags,
+        *gathered)``. Returns the stream's scores buffer."""
+        stream = _raw_stream(self.index)
+        plan, scores = self._for_stream(stream)[:2]
+        plan.launch(query.data_ptr(), query.stride(), key.data_ptr(), key.stride()[:3], labels.data_ptr(),
+                    0 if chunk_ids is None else chunk_ids.data_ptr(), outs[0].data_ptr(), outs[1].data_ptr(),
+                    [t.data_ptr() for t in gather], [t.data_ptr() for t in outs[2:]], stream)
+        return scores

@@ -194,17 +194,30 @@ def test_no_host_reads_in_mixed_and_decode_only_steps(engine, monkeypatch):
     assert found == []
 
 
-def test_decode_metadata_lives_in_persistent_buffers(engine):
-    """What a full-decode CUDA graph needs (issue 28 item 7, the CPU part): in decode-only steps the compacted
-    layers' sequence lengths and slots are rewritten in place in the same buffers, step after step."""
-    generate(engine, [(REQUESTS[0][1], None), (REQUESTS[1][1], REQUESTS[1][2])])
-    name = engine.model.macer.names[5]
-    decodes = [step["step"] for step in engine.steps if set(step["kinds"]) == {"decode"}]
-    assert len(decodes) >= 5
-    pointers = {(step.metadata[name][0].seq_lens.data_ptr(), step.metadata[name][1].data_ptr(),
-                 step.metadata[name][0].query_start_loc.data_ptr()) for step in decodes}
-    assert len(pointers) == 1
-    assert [step.metadata[name][0].seq_lens.tolist() for step in decodes[:2]] != [[0, 0]] * 2
+def test_a_steps_small_arrays_share_one_buffer(engine):
+    """Guards a step's host-to-device uploads growing with its segments and KV groups (the serving review's finding
+    5: three copies per metadata build): every compacted layer's query starts, sequence lengths and slots of a step,
+    and its tail slots, are views of one buffer, which reaches the device in one copy (on a GPU; on CPU the host and
+    device buffers are one). (What a FULL CUDA graph reads, the same buffers every step: ``test_graphs.py``.)"""
+    arena = engine.model.macer.metadata.arena
+    seen = []
+    record_step = engine.model.macer.on_step
+
+    def snapshot(step, runner):
+        record_step(step, runner)
+        tensors = [t for metadata, slots in step.metadata.values()
+                   for t in (metadata.seq_lens, metadata.query_start_loc, slots)] + list(step.tails.values())
+        begin = arena.dev.data_ptr()  # the buffer the step was built in (it grows for a step larger than any before)
+        seen.append([(ptr - begin, size, arena.nbytes) for ptr, size in
+                     ((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)])
+
+    engine.model.macer.on_step = snapshot
+    try:
+        generate_staggered(engine, [(prompt, extra) for _, prompt, extra in REQUESTS[:4]], every=2, per=2)
+    finally:
+        engine.model.macer.on_step = record_step
+    assert sum(len(views) for views in seen) > 100
+    assert all(0 <= offset and offset + size <= nbytes for views in seen for offset, size, nbytes in views)
 
 
 def test_compacted_metadata_describes_the_kept_rows(engine):
@@ -231,6 +244,32 @@ def test_compacted_metadata_describes_the_kept_rows(engine):
         k = tokens[layer]
         assert seen[0][names[layer]] == (k, k, k, [0, k], [k], k)
         assert seen[1][names[layer]] == (1, k + 1, 1, [0, 1], [k + 1], 1)
+
+
+def test_compacted_metadata_takes_the_steps_longest_query(engine):
+    """Guards a compacted layer's ``max_query_len`` taken from the step's first request instead of its longest
+    (FLASH_ATTN and TRITON_ATTN size their kernels by it; the CPU kernel ignores it, so tokens would not show it): two
+    new pruned prefills in one step, the shorter first."""
+    short, long = REQUESTS[4][1], REQUESTS[3][1]
+    seen: list = []
+    record_step = engine.model.macer.on_step
+
+    def snapshot(step, runner):
+        record_step(step, runner)
+        seen.append((step.plan, {name: m.max_query_len for name, (m, _) in step.metadata.items()}))
+
+    engine.model.macer.on_step = snapshot
+    try:
+        generate(engine, [(short, None), (long, None)], max_tokens=2)
+    finally:
+        engine.model.macer.on_step = record_step
+    plan, lengths = seen[0]
+    assert plan.kinds == ["prefill", "prefill"] and len(lengths) == 4
+    for segment in plan.segments:
+        first, longest = segment.query_lens[0], max(segment.query_lens)
+        assert first < longest
+        for name in engine.model.macer.names[segment.start: segment.stop]:
+            assert lengths[name] == longest, name
 
 
 def test_records_reach_the_output_and_none_come_from_warm_up(engine, alone):
@@ -295,6 +334,7 @@ def test_a_changed_metadata_layout_fails_the_load_time_self_test(engine, monkeyp
     self-test that runs when the model binds to the runner names the field."""
     import dataclasses
 
+    from macer.vllm.backend import self_test
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
     build = CPUAttentionMetadataBuilder.build
@@ -302,11 +342,11 @@ def test_a_changed_metadata_layout_fails_the_load_time_self_test(engine, monkeyp
     def dropping(self, *args, **kwargs):
         return dataclasses.replace(build(self, *args, **kwargs), seq_lens=None)
 
-    engine.model.macer.metadata.self_test("0.32.0")
+    self_test(engine.model.macer.metadata, "0.32.0")
     monkeypatch.setattr(CPUAttentionMetadataBuilder, "build", dropping)
     with pytest.raises(RuntimeError, match=r"self-test of vLLM 0.32.0's attention metadata failed: "
                                            r"CPUAttentionMetadata.seq_lens is None where the stage metadata set"):
-        engine.model.macer.metadata.self_test("0.32.0")
+        self_test(engine.model.macer.metadata, "0.32.0")
 
 
 def test_an_attention_backend_without_stage_metadata_is_refused_by_name():

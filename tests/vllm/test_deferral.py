@@ -207,3 +207,19 @@ def test_a_clip_that_is_not_pruned_or_never_fits_is_cut_as_vllm_cuts_it(config, 
     assert "b" not in scheduler.macer_kv.drops and not scheduler._macer_plans.prunes(b)
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     assert [len(m.req_to_blocks["b"]) for m in managers] == [1, 1, 1]  # the cut prefix's blocks, undiminished
+
+
+def test_admission_counts_a_pruned_request_without_its_dropped_rows(config):
+    """Guards admission counting a pruned request's whole prompt in the compacted group (mutation audit 3: planted in
+    ``MacerCompactedManager.get_num_blocks_to_allocate`` by passing ``num_tokens`` undiminished, it was caught only
+    through the admission test's exact count): the request's ``D_r`` is known when it arrives, before any block is
+    allocated, and the blocks vLLM's admission asks the compacted group for are ``cdiv(n - D_r, block)``."""
+    scheduler = make_scheduler(config, asynchronous=False)
+    clip = request("a", 1)
+    scheduler.add_request(clip)
+    assert scheduler.macer_kv.drops["a"] == 66  # 88 media rows at keep 0.25: 22 kept, before layer 4
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    asked = [m.get_num_blocks_to_allocate("a", 113, [], 0, 0, 113) for m in managers]
+    assert asked == [4, 4, 2]  # cdiv(113, 32) in the full groups, cdiv(113 - 66, 32) in the compacted one
+    assert scheduler.schedule().num_scheduled_tokens == {"a": 113}
+    assert [len(m.req_to_blocks["a"]) for m in managers] == asked

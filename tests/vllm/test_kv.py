@@ -30,10 +30,8 @@ from macer.vllm.testing import clip_prompt  # noqa: E402
 from vllm_cases import (  # noqa: E402
     ENGINE_ARGS,
     BlockLog,
-    engine_settings,
     generate,
     generate_staggered,
-    make_engine,
     sampling,
     scheduler_of,
 )
@@ -73,8 +71,8 @@ def freeing(shared_engine):
 
 
 @pytest.fixture(scope="module")
-def not_freeing(tiny_checkpoint):
-    return make_engine(tiny_checkpoint, {**engine_settings(), "free_kv": False}, **ENGINE_ARGS)
+def not_freeing(not_freeing_engine):
+    return not_freeing_engine
 
 
 def _compacted(engine) -> list[bool]:
@@ -207,7 +205,10 @@ def test_vllms_own_grouping_agrees_with_the_formula(freeing):
 
     config = freeing.llm.llm_engine.vllm_config
     fields = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
-    for layers, start in ((28, 5), (36, 7), (36, 9), (48, 10), (6, 4), (4, 2), (28, 1), (28, 27)):
+    # (10, 4), (5, 2), (10, 6): buckets whose sizes are exactly 1.5 apart, where vLLM's bound (`<`) decides the group
+    # size (mutation audit 3: `<=` in kv_groups passed every other layout).
+    for layers, start in ((28, 5), (36, 7), (36, 9), (48, 10), (6, 4), (4, 2), (28, 1), (28, 27), (10, 4), (5, 2),
+                          (10, 6), (15, 6), (15, 9)):
         specs = {f"model.layers.{i}.self_attn.attn": (MacerCompactedSpec if i >= start else FullAttentionSpec)(
             **fields) for i in range(layers)}
         got = [[int(name.split(".")[2]) for name in group.layer_names] for group in get_kv_cache_groups(config, specs)]
@@ -264,3 +265,35 @@ def test_use_policy_on_a_freeing_engine_needs_its_scheduler_in_process():
     with pytest.raises(RuntimeError, match=r"use_policy on an engine that frees KV memory \(free_kv\) needs the "
                                            r"engine's scheduler in this process"):
         StagedDecoder.use_policy(decoder, policy)
+
+
+def test_the_drop_counts_from_the_first_compacted_layer():
+    """Guards ``D_r`` counted from the layer after the first compacted one (mutation audit 3: with a request whose
+    own stage is one layer after the engine's compacted start, the compacted group got too few blocks and the
+    worker's ownership check stopped the engine): a request that keeps every row in the first compacted layer drops
+    nothing there, whatever it drops later."""
+    assert compacted_drop(100, [100, 100, 100, 80, 80, 80], 2) == 0
+    assert compacted_drop(100, [100, 100, 100, 80, 80, 80], 3) == 20
+    assert compacted_drop(100, [100, 90, 90, 80, 80, 60], 1) == 10  # the fewest dropped in any compacted layer
+
+
+def test_the_compacted_spec_rounds_a_full_length_request_up():
+    """Guards the compacted spec's largest request rounding its pages down (mutation audit 3: planted as ``//`` in
+    ``MacerCompactedSpec.max_memory_usage_bytes``, no test caught it, since every test engine's ``max_model_len`` is a
+    multiple of the block): with ``max_model_len`` 100 and blocks of 32 a request that drops nothing needs 4 pages,
+    as vLLM's own full-attention spec says (its start-up check that one full-length request fits reads this)."""
+    import copy
+
+    import torch
+    from macer.vllm.kv import MacerCompactedSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    fields = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    compacted, full = MacerCompactedSpec(**fields), FullAttentionSpec(**fields)
+    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=100), parallel_config=SimpleNamespace(
+        decode_context_parallel_size=1, prefill_context_parallel_size=1))
+    for length, pages in ((100, 4), (96, 3), (97, 4), (1, 1)):
+        config = copy.copy(config)
+        config.model_config = SimpleNamespace(max_model_len=length)
+        assert compacted.max_memory_usage_bytes(config) == pages * compacted.page_size_bytes, length
+        assert compacted.max_memory_usage_bytes(config) == full.max_memory_usage_bytes(config), length

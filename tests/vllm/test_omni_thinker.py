@@ -78,3 +78,20 @@ def test_policies_the_engine_cannot_serve_are_refused_at_load():
     check_policy(macer.MacerConfig(keep_ratio=0.25, question_span="prompt_end"), None)
     check_policy(macer.FastVConfig(keep_ratio=0.25, layer=2), None)
     check_policy(macer.RandomConfig(keep_ratio=0.25), None)
+
+
+def test_image_rows_are_visual_rows_for_both_thinkers():
+    """Guards image rows not being labelled as visual (mutation audit 3: planted by dropping the image token id from
+    ``QwenOmni.labels``, it was caught only by the transformers suite, because the tests above compare with the
+    transformers adapter, which reads the same core function): labels are checked against the token ids directly,
+    for both families. An image row must be a visual row: it is pruned with the video budget (the paper's rule)."""
+    from macer.core.families import QWEN3_OMNI
+    from macer.testing_qwen3 import qwen3_thinker_config
+
+    for config, family in ((thinker_config(num_layers=2, hidden_size=64), None),
+                           (qwen3_thinker_config(num_layers=2, hidden_size=64, deepstack_layers=1), QWEN3_OMNI)):
+        prompt = omni_prompt_labels(config) if family is None else omni_prompt_labels(config, family)
+        ids = [11, config.image_token_id, config.image_token_id, 12, config.video_token_id, config.audio_token_id,
+               13, prompt.end_of_turn_token_id]
+        want = [macer.TEXT, macer.VISUAL, macer.VISUAL, macer.TEXT, macer.VISUAL, macer.AUDIO, macer.TEXT, macer.TEXT]
+        assert prompt.labels(torch.tensor(ids)).tolist() == want, type(config).__name__

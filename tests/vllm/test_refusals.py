@@ -552,3 +552,76 @@ def test_record_lines_say_what_happened():
     text_only = RequestRecord("3-aaaaaaaa", "3", "macer", 0.25, None, {"audio": 0, "video": 0, "text": 9}, {}, {},
                               (9, 9))
     assert "budget=none (no audio/video)" in text_only.line()
+
+
+def test_a_full_engine_takes_macers_fields_for_the_requests_that_opt_in():
+    """An engine whose own policy is ``full`` accepts MACER's fields (for requests with ``macer_policy``), checks each
+    value as MACER does, and serves ``FullConfig`` itself; the policy is named as asked."""
+    from macer.core.policies import FullConfig
+
+    policy, _ = policy_from_settings({"policy": "full", "audio_layer": 2, "video_layer": 4, **LABELS}, qwen2_config(),
+                                     LABELLED_ARCHITECTURE)
+    assert policy == FullConfig() and policy.name == "full"
+    (problem,) = refused({"policy": "full", "audio_layer": 9, "video_layer": 4, **LABELS})
+    assert problem.startswith('additional_config["macer"]: MacerConfig.audio_layer must be in [1, 5]')
+    assert problem.endswith("(a setting for the requests that opt in to MACER on this engine)")
+    (problem,) = refused({"policy": "full", "coverage_weigth": 0.1, **LABELS})
+    assert "has no setting 'coverage_weigth' (did you mean 'coverage_weight'?)" in problem
+    ablation, _ = policy_from_settings({"policy": "no_coverage", **LAYERS, **LABELS}, qwen2_config(),
+                                       LABELLED_ARCHITECTURE)
+    assert ablation.name == "no_coverage" and ablation.coverage_weight == 0.0
+
+
+def test_the_start_up_line_says_which_layers_free_kv_memory():
+    """The trial's start-up line named the policy only: it now says which layers hold only the kept rows, that vLLM's
+    "Maximum concurrency" line does not count that, or why nothing is freed."""
+    from macer.core.policies import make_policy
+    from macer.vllm.checks import kv_summary
+
+    policy = make_policy("macer", keep_ratio=0.25, audio_layer=2, video_layer=4)
+    config = SimpleNamespace(additional_config={"macer": {}}, model_config=SimpleNamespace(hf_config=qwen2_config()))
+    assert kv_summary(config, policy).startswith("decoder layers 4-5 hold only each request's kept rows (free_kv): "
+                                                 "vLLM's KV cache size and 'Maximum concurrency' lines count")
+    config.additional_config = {"macer": {"free_kv": False}}
+    assert kv_summary(config, policy) == "no KV memory is freed (free_kv is off)"
+    config.additional_config = {}
+    assert kv_summary(config, make_policy("full")) == "no KV memory is freed (its policy drops nothing)"
+
+
+def test_a_thinker_checkpoint_whose_tie_flags_disagree_is_refused(tmp_path, monkeypatch):
+    """Guards a Qwen-Omni checkpoint whose ``thinker_config`` and ``thinker_config.text_config`` disagree on
+    ``tie_word_embeddings`` (issue 35 item 5): vLLM builds the language model from the text config and would tie
+    ``lm_head`` to the embeddings, ignoring the checkpoint's (transformers uses it): the engine and transformers
+    would disagree from the first token. A tiny Qwen2.5-Omni checkpoint whose config.json leaves the text config's
+    flag out (transformers' text default: tied; its thinker default: untied) is refused through ``LLM(...)`` while
+    the config is built, naming both flags and the fix; agreeing flags pass."""
+    import json as jsonlib
+
+    from macer.testing_omni import write_qwen25_omni
+    from macer.vllm.checks import tied_embeddings_problem
+
+    def config(outer, inner):
+        return SimpleNamespace(thinker_config=SimpleNamespace(tie_word_embeddings=outer,
+                                                              text_config=SimpleNamespace(tie_word_embeddings=inner)))
+
+    assert tied_embeddings_problem(config(False, False), "who") is None
+    assert tied_embeddings_problem(config(True, True), "who") is None
+    assert tied_embeddings_problem(qwen2_config(), "who") is None  # not a thinker
+    problem = tied_embeddings_problem(config(False, True), "who")
+    assert problem.startswith("who: the checkpoint's thinker_config.tie_word_embeddings=False and "
+                              "thinker_config.text_config.tie_word_embeddings=True disagree: vLLM builds the language "
+                              "model from the text config (it ties lm_head to the embeddings and ignores the")
+    assert problem.endswith('"thinker_config": {"text_config": {"tie_word_embeddings": false}} to --hf-overrides '
+                            '(beside "architectures")')
+    path = write_qwen25_omni(tmp_path / "thinker", num_layers=2)
+    written = jsonlib.loads((path / "config.json").read_text())
+    del written["thinker_config"]["text_config"]["tie_word_embeddings"]
+    (path / "config.json").write_text(jsonlib.dumps(written))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    error, seen = logged_refusal(lambda: build(path, {"macer": {"keep_ratio": 0.25, "audio_layer": 1,
+                                                                 "video_layer": 1}},
+                                               hf_overrides={"architectures": [OMNI_THINKER_ARCHITECTURE]},
+                                               skip_tokenizer_init=False), monkeypatch)
+    assert "thinker_config.tie_word_embeddings=False and thinker_config.text_config.tie_word_embeddings=True" in str(
+        error)
+    assert seen

@@ -103,3 +103,50 @@ def test_a_foreign_worker_or_scheduler_is_refused_by_flag(monkeypatch):
     configure_engine(ours)
     assert ours.parallel_config.worker_cls == "macer.vllm.worker.MacerCPUWorker"
     assert ours.scheduler_config.scheduler_cls == "macer.vllm.scheduler.make_scheduler"
+
+
+def test_with_several_engines_in_a_process_a_request_is_refused_only_if_none_can_serve_it(monkeypatch):
+    """Guards the admission check of a process that built two MACER engines (``LLM(...)`` twice) refusing a request
+    for one engine with the other's settings (the last one configured was all it knew): a keep ratio of 0.25 is
+    refused by an engine whose policy is ``full`` alone, accepted when a MACER engine is there too; a bad value is
+    refused with the newest engine's reason."""
+    from types import SimpleNamespace
+
+    import macer.vllm.request_settings as settings
+    from macer.vllm.request_settings import remember_engine
+
+    monkeypatch.setattr(settings, "_ENGINE", [])
+    full = {"policy": "full", "audio_layer": 2, "video_layer": 4, "end_of_turn_token_id": 2, **LABELS}
+    request = SimpleNamespace(prompt_logprobs=None, extra_args={"macer_keep_ratio": 0.25})
+    remember_engine(full, qwen2_config(), LABELLED_ARCHITECTURE)
+    with pytest.raises(ValueError, match=r"FullConfig.keep_ratio must be 1.0"):
+        check_request_settings(request)
+    remember_engine(ENGINE, qwen2_config(), LABELLED_ARCHITECTURE)
+    check_request_settings(request)
+    remember_engine(full, qwen2_config(), LABELLED_ARCHITECTURE)  # again: now the newest
+    assert [engine[0]["policy"] for engine in settings._ENGINE] == ["macer", "full"]
+    check_request_settings(request)
+    with pytest.raises(ValueError, match=r'vllm_xargs\["macer_keep_ratio"\]=2: FullConfig.keep_ratio must be 1.0'):
+        check_request_settings(SimpleNamespace(prompt_logprobs=None, extra_args={"macer_keep_ratio": 2}))
+    check_request_settings(SimpleNamespace(prompt_logprobs=None, extra_args={"macer_policy": "macer"}))
+
+
+def test_the_request_policy_cache_is_bounded():
+    """Guards the per-request policy cache growing by one policy per distinct client keep ratio, for ever, in the
+    worker and the scheduler (review finding 10): it keeps the last ``CACHE_SIZE``; a cached setting is the same
+    object, an evicted one an equal policy made again."""
+    from macer.vllm.request_settings import RequestPolicies
+
+    config = qwen2_config()
+    default = request_policy(ENGINE, {}, config, LABELLED_ARCHITECTURE)
+    policies = RequestPolicies(ENGINE, config, LABELLED_ARCHITECTURE, default)
+    first = policies.for_request({"macer_keep_ratio": 0.5})
+    for i in range(1, 3 * RequestPolicies.CACHE_SIZE):
+        policies.for_request({"macer_keep_ratio": i / (4 * RequestPolicies.CACHE_SIZE)})
+        assert len(policies._cache) <= RequestPolicies.CACHE_SIZE
+        if i % 64 == 0:
+            assert policies.for_request({"macer_keep_ratio": 0.5}) is first  # recently used: kept
+    assert len(policies._cache) == RequestPolicies.CACHE_SIZE  # the rest went out, oldest first
+    policies._cache.clear()
+    again = policies.for_request({"macer_keep_ratio": 0.5})
+    assert again == first and again is not first

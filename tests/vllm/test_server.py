@@ -273,3 +273,38 @@ def test_concurrent_clients_with_their_own_settings(served):
     lines = [line for line in log.read_text().splitlines() if "macer: request" in line]
     ids = [r.model_extra["kv_transfer_params"]["macer"]["request_id"] for r in alone + together]
     assert all(any(f"macer: request {i} " in line for line in lines) for i in ids), log.read_text()[-4000:]
+
+
+def test_a_streamed_request_or_json_true_with_a_bad_setting_gets_http_400(served):
+    """Guards two gaps the new-user trial found (issue 35 item 4): a bad MACER setting on a streamed request got HTTP
+    200, an error event and a traceback in the server's log (vLLM validates it inside the stream), and JSON ``true``
+    for ``macer_keep_ratio`` was served at keep ratio 1 (vLLM's schema reads it as 1). With the recipe's
+    ``--middleware macer.vllm.http.MacerRequestCheck`` both get HTTP 400 naming the key, before the response starts,
+    for completions and chat completions, and the server serves on. Also: the recipe's tokenizer folder makes vLLM
+    log no config-parsing ERROR (it had 4, with retries)."""
+    from openai import BadRequestError, OpenAI
+
+    url, directory, log, _ = served
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    chat = json.loads((directory / "chat.json").read_text())
+    before = log.read_text().count("Traceback")
+    for xargs, message in [({"macer_keep_ratio": 2}, r'vllm_xargs\["macer_keep_ratio"\]=2: MacerConfig.keep_ratio'),
+                           ({"macer_keep_ratio": True}, r'vllm_xargs\["macer_keep_ratio"\]=True: .* got True')]:
+        with pytest.raises(BadRequestError, match=message) as caught:
+            client.completions.create(model="tiny", prompt="music", max_tokens=2, stream=True,
+                                      extra_body={"vllm_xargs": xargs})
+        assert caught.value.status_code == 400
+        with pytest.raises(BadRequestError, match=message):
+            client.chat.completions.create(model="tiny", messages=chat["messages"], max_tokens=2, stream=True,
+                                           extra_body={"vllm_xargs": xargs})
+        with pytest.raises(BadRequestError, match=message):
+            client.completions.create(model="tiny", prompt="music", max_tokens=2, extra_body={"vllm_xargs": xargs})
+    with pytest.raises(BadRequestError, match="prompt logprobs are not supported"):
+        client.chat.completions.create(model="tiny", messages=chat["messages"], max_tokens=2, stream=True,
+                                       extra_body={"prompt_logprobs": 0})
+    streamed = client.completions.create(model="tiny", prompt="music", max_tokens=2, stream=True,
+                                         extra_body={"vllm_xargs": {"macer_keep_ratio": 0.5}})
+    assert sum(len(chunk.choices[0].text) > 0 for chunk in streamed) >= 1  # a good streamed request is served
+    text = log.read_text()
+    assert text.count("Traceback") == before, text[-4000:]
+    assert "Error parsing config" not in text and "Unrecognized model" not in text, text[:6000]

@@ -116,21 +116,17 @@ def test_a_client_cannot_set_the_session_mark(loop, engine):
         served(loop, engine, CLIP, params(2, {SESSION_KEY: True}), "spoof")
 
 
-@pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "needs the worker to re-plan a request whose prompt length changed (StagedDecoder.prepare, the worker-side half "
-    "of review finding 2; compiled-36's issue-36 branch): without it the second turn's unpruned state still has the "
-    "first turn's length, plan_step sees a chunk of a pruned prompt, and the engine stops. Remove this mark once "
-    "that lands"))
 def test_a_later_turn_with_media_and_its_own_settings_is_served_unpruned(loop, engine, tiny_checkpoint):
     """Guards a later turn (here with audio/video, and parameters of its own asking for keep ratio 0.5: vLLM copies a
     turn's parameters into the session) being planned as a pruned prompt: the engine serves on, the session's tokens
     equal those vLLM's own ``Qwen2ForCausalLM`` gives the same session (started here, after the MACER session: vLLM
     0.32's session tokens are not those of its whole prompt served as one request, on vLLM's own model too), and the
-    record says the session was served unpruned, with the whole session prompt. Runs last: on a worker without the
-    re-plan the engine stops here."""
+    record (the request's first, its first turn's) says the session was served unpruned. Runs last: on a worker
+    without the re-plan (a request planned again when its prompt length changes) the engine stops here."""
     turns = [TEXT, (CLIP, params(5, {"macer_keep_ratio": 0.5}))]
     tokens, record = served(loop, engine, turns, params(6), "session-2")
-    assert record["note"] == NOTE and record["layer_tokens"] == [len(TEXT) + 5 + len(CLIP)] * 6
+    # A request keeps its first record (macer.vllm.records): the first turn's prompt; every turn says the same note.
+    assert record["note"] == NOTE and record["layer_tokens"] == [len(TEXT)] * 6
     vanilla = start(loop, tiny_checkpoint, hf_overrides={"architectures": ["Qwen2ForCausalLM"]})
     try:
         want, _ = served(loop, vanilla, [TEXT, (CLIP, params(5))], params(6), "session-2")

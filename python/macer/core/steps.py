@@ -13,8 +13,10 @@ A step is a flattened batch of requests in the engine's order. Each request cont
 ``layer_tokens[l]`` is the number of prompt rows entering decoder layer ``l`` (``macer.core.layout``); the prompt
 rows a request's stages dropped before layer ``l`` are ``D(l) = prompt_len - layer_tokens[l]``. The layers split
 into **segments** at every layer where some request's ``layer_tokens`` changes (layer 0 counts when a stage prunes
-before the first layer). Inside a segment every request has the same rows in every layer, so one attention metadata
-serves the segment's layers. Per request and segment, with ``K = layer_tokens[first layer]``, ``D = P - K``:
+before the first layer; ``layer_bounds``), and at any further layer the caller names (``boundaries``: an engine
+whose CUDA graphs were captured with one metadata per segment of a fixed layout). Inside a segment every request has
+the same rows in every layer, so one attention metadata serves the segment's layers. Per request and segment, with
+``K = layer_tokens[first layer]``, ``D = P - K``:
 
 | row kind | query rows ``q_s`` | sequence length ``seq_s`` |
 |---|---|---|
@@ -31,33 +33,56 @@ stage) followed by its generated rows; every other request keeps all its rows (h
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass, field
 
-__all__ = ["CHUNK", "DECODE", "KINDS", "PREFILL", "Piece", "Row", "Segment", "StepPlan", "plan_step", "row_kind"]
+__all__ = ["CHUNK", "DECODE", "KINDS", "PREFILL", "Piece", "Row", "Segment", "StepPlan", "layer_bounds", "plan_step",
+           "row_kind"]
 
 PREFILL, DECODE, CHUNK = "prefill", "decode", "chunk"
 KINDS = (PREFILL, DECODE, CHUNK)
 
 
-@dataclass(frozen=True)
+def layer_bounds(prompt_len: int, layer_tokens: tuple[int, ...]) -> tuple[int, ...]:
+    """The layers where a request's prompt rows change (layer 0 when a stage prunes before the first layer): where a
+    segment must start for it. Empty for an unpruned request. A function of the request's layout only, so an engine
+    computes it once per request and hands it to every ``Row`` of it."""
+    bounds, previous = [], prompt_len
+    for layer, tokens in enumerate(layer_tokens):
+        if tokens != previous:
+            bounds.append(layer)
+        previous = tokens
+    return tuple(bounds)
+
+
+@dataclass(slots=True)
 class Row:
-    """One request of a step, on the host.
+    """One request of a step, on the host (a value: never changed once made; slots, not frozen, because an engine
+    makes one per request per step and a frozen dataclass takes three times as long to make).
 
     Attributes:
         prompt_len: P.
         layer_tokens: prompt rows entering each decoder layer (``(P,) * L`` for an unpruned request).
         computed: tokens already in the request's cache before this step.
         query: rows this step feeds the request.
+        bounds: ``layer_bounds(prompt_len, layer_tokens)``, computed here when not given (an engine passes the one it
+            keeps per request, so a step does not walk every request's layers again).
     """
 
     prompt_len: int
     layer_tokens: tuple[int, ...]
     computed: int
     query: int
+    bounds: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.bounds is None:
+            self.bounds = layer_bounds(self.prompt_len, self.layer_tokens)
 
     @property
     def pruned(self) -> bool:
-        return any(tokens != self.prompt_len for tokens in self.layer_tokens)
+        return bool(self.bounds)
 
 
 def row_kind(computed: int, query: int, prompt_len: int) -> str:
@@ -141,67 +166,50 @@ class StepPlan:
         return self.segments[-1].num_tokens if self.segments else self.num_tokens
 
 
-def _boundaries(rows: list[Row], num_layers: int) -> list[int]:
-    bounds = set()
-    for row in rows:
-        if not row.pruned:
-            continue
-        previous = row.prompt_len
-        for layer, tokens in enumerate(row.layer_tokens):
-            if tokens != previous:
-                bounds.add(layer)
-            previous = tokens
-    return sorted(bounds)
-
-
-def plan_step(rows: list[Row]) -> StepPlan:
+def plan_step(rows: list[Row], boundaries: tuple[int, ...] = ()) -> StepPlan:
     """The step's plan (module docstring). ``rows``: the step's requests in row order; every ``layer_tokens`` has
-    the decoder's depth. ``ValueError`` for a chunk of a pruned request, or speculative rows."""
+    the decoder's depth. ``boundaries``: layers where a segment starts even if no request's rows change there (an
+    engine whose CUDA graphs were captured with one metadata per segment of a fixed layout passes that layout's
+    starts; such a segment just repeats the rows of the one before). ``ValueError`` for a chunk of a pruned request,
+    speculative rows, or a boundary outside the decoder."""
     if not rows:
         raise ValueError("plan_step: a step has at least one request")
     num_layers = len(rows[0].layer_tokens)
-    if any(len(row.layer_tokens) != num_layers for row in rows):
+    if len({len(row.layer_tokens) for row in rows}) != 1:
         raise ValueError("plan_step: every request's layer_tokens must have the decoder's depth")
-    kinds = [row_kind(row.computed, row.query, row.prompt_len) for row in rows]
-    for row, kind in zip(rows, kinds, strict=True):
+    if any(not 0 <= bound < num_layers for bound in boundaries):
+        raise ValueError(f"plan_step: boundaries must be layer indices in [0, {num_layers - 1}], got {boundaries}")
+    kinds = [DECODE if row.query == 1 and row.computed >= row.prompt_len else
+             row_kind(row.computed, row.query, row.prompt_len) for row in rows]
+    for row, kind in zip(rows, kinds, strict=True) if CHUNK in kinds else ():
         if kind == CHUNK and row.pruned:
             raise ValueError(f"plan_step: a chunk of a pruned prompt ({row.computed} of {row.prompt_len} prompt "
                              "tokens computed, this step feeds "
                              f"{row.query}): MACER needs the whole prompt in one step; serve it unpruned")
-    starts = [0]
-    for row in rows:
-        starts.append(starts[-1] + row.query)
-    bounds = _boundaries(rows, num_layers)
+    # Per request, with K its prompt rows entering the segment: sequence length K + offset, where offset =
+    # computed + query - P (a whole prefill's G generated rows, a decode's computed + 1 - P, an unpruned chunk's
+    # computed + query - P with K = P); query rows K + offset for a whole prefill, else the step's query.
+    queries = [row.query for row in rows]
+    offsets = [row.computed + row.query - row.prompt_len for row in rows]
+    prefills = [i for i, kind in enumerate(kinds) if kind == PREFILL]
+    whole = [kind == PREFILL for kind in kinds]
+    starts = [0, *itertools.accumulate(queries)]
+    bounds = sorted(set(boundaries).union(*(row.bounds for row in rows)))
     segments: list[Segment] = []
     previous_start, previous_tokens = starts, [row.prompt_len for row in rows]
     for j, first in enumerate(bounds):
         stop = bounds[j + 1] if j + 1 < len(bounds) else num_layers
-        query_lens, seq_lens, staged = [], [], []
-        for i, (row, kind) in enumerate(zip(rows, kinds, strict=True)):
-            k = row.layer_tokens[first]
-            drop = row.prompt_len - k
-            if kind == PREFILL:
-                generated = row.query - row.prompt_len
-                query_lens.append(k + generated)
-                seq_lens.append(k + generated)
-                if k != previous_tokens[i]:
-                    staged.append(i)
-            elif kind == DECODE:
-                query_lens.append(1)
-                seq_lens.append(row.computed + 1 - drop)
-            else:
-                query_lens.append(row.query)
-                seq_lens.append(row.computed + row.query)
-        query_start = [0]
-        for length in query_lens:
-            query_start.append(query_start[-1] + length)
+        tokens = [row.layer_tokens[first] for row in rows]
+        seq_lens = [k + o for k, o in zip(tokens, offsets, strict=True)]
+        query_lens = [s if w else q for s, w, q in zip(seq_lens, whole, queries, strict=True)]
+        staged = [i for i in prefills if tokens[i] != previous_tokens[i]]
+        query_start = [0, *itertools.accumulate(query_lens)]
         gather = _gather(staged, previous_start, previous_tokens) if staged else None
         first_index = [s - q for s, q in zip(seq_lens, query_lens, strict=True)]
         segments.append(Segment(first, stop, query_start, seq_lens, first_index, staged, gather))
-        previous_start = query_start
-        previous_tokens = [row.layer_tokens[first] for row in rows]
+        previous_start, previous_tokens = query_start, tokens
     plan = StepPlan(starts[-1], kinds, segments)
-    _check(rows, plan)
+    _check(rows, plan, prefills)
     return plan
 
 
@@ -219,19 +227,22 @@ def _gather(staged: list[int], start: list[int], tokens: list[int]) -> list[Piec
     return pieces
 
 
-def _check(rows: list[Row], plan: StepPlan) -> None:
+def _check(rows: list[Row], plan: StepPlan, prefills: list[int]) -> None:
     """The plan's invariants (host, cheap): every request keeps >= 1 row in every segment, its sequence holds its
     rows, the step only shrinks, unpruned requests are untouched, and a whole prefill's last prompt row survives."""
     previous = plan.num_tokens
+    unpruned = [i for i, row in enumerate(rows) if not row.bounds]
     for segment in plan.segments:
-        lens = segment.query_lens
-        if min(lens) < 1 or any(s < q for s, q in zip(segment.seq_lens, lens, strict=True)):
+        lens, seqs = segment.query_lens, segment.seq_lens
+        if min(lens) < 1 or any(map(operator.lt, seqs, lens)):
             raise AssertionError(f"plan_step: a request lost every row or reads fewer than it holds: {segment}")
         if segment.num_tokens > previous:
             raise AssertionError(f"plan_step: segment at layer {segment.start} grew the step")
         previous = segment.num_tokens
-        for i, row in enumerate(rows):
-            if not row.pruned and (lens[i] != row.query or segment.seq_lens[i] != row.computed + row.query):
+        for i in unpruned:
+            row = rows[i]
+            if lens[i] != row.query or seqs[i] != row.computed + row.query:
                 raise AssertionError(f"plan_step: unpruned request {i} changed at layer {segment.start}")
-            if plan.kinds[i] == PREFILL and row.layer_tokens[segment.start] < 1:
+        for i in prefills:
+            if rows[i].layer_tokens[segment.start] < 1:
                 raise AssertionError(f"plan_step: request {i} keeps no prompt row at layer {segment.start}")

@@ -9,10 +9,11 @@ hook (``macer.vllm.checks.MacerEngineHook``) for them. Select one with ``--hf-ov
 
 Modules: ``registry`` (what ``register()`` installs), ``settings`` (the ``"macer"`` settings), ``checks`` (engine
 settings and policies refused), ``guard`` (the per-request check), ``records`` (per-request record and log line),
-``model`` (the architectures), ``staged`` (the layer loop with the stages), ``prompt`` (row labels and temporal
-positions), ``backend`` (everything specific to vLLM's attention backends and metadata), ``testing`` (a tiny
-checkpoint, tokenizer and prompts built in code). Built on
-``macer.core``; it never imports the transformers engine (``macer.hf``). Importing this package does not import
+``model`` (the architectures), ``staged`` (the decoder's forward with the stages), ``plan`` (each step's host plan),
+``runner`` (the hooks on vLLM's V1 model runner, and the runner a MACER engine asks for), ``graphcheck`` (the load-time
+check of FULL decode CUDA graphs), ``prompt`` (row labels and temporal positions), ``backend`` (everything specific to
+vLLM's attention backends and metadata), ``testing`` (a tiny checkpoint, tokenizer and prompts built in code). Built
+on ``macer.core``; it never imports the transformers engine (``macer.hf``). Importing this package does not import
 vLLM.
 """
 
@@ -37,6 +38,8 @@ def register() -> None:
     process)."""
     from macer.vllm.kv import register_kv
     from macer.vllm.registry import register_architectures
+    from macer.vllm.runner import prefer_v1_runner
 
     register_architectures(ARCHITECTURES)
     register_kv()  # the compacted layers' KV cache spec (issue 29), in every process that groups or manages KV
+    prefer_v1_runner(ARCHITECTURES)  # they choose vLLM's V1 model runner, in every process that reads the choice

@@ -5,7 +5,9 @@ module imports torchvision, which does not import beside the CPU torch build the
 Rows are labelled from the thinker config's audio / video / image token ids, and the question closes at the
 family's end-of-turn id, exactly as the transformers adapter does (``macer.vllm.prompt.omni_prompt_labels`` over
 ``macer.core.families``); the temporal position of a row is its M-RoPE temporal row (``StagedDecoder`` reads
-``positions[0]``), as the adapter's ``position_ids[-3]``.
+``positions[0]``), as the adapter's ``position_ids[-3]``. The labels come from the prompt ids the runner holds for
+each request (``runner.requests``), so the runner need not pass the step's token ids beside the merged embeddings
+(``requires_raw_input_tokens`` stays vLLM's default, off).
 """
 
 from __future__ import annotations
@@ -25,9 +27,6 @@ __all__ = ["MacerQwen2_5OmniThinkerForConditionalGeneration"]
 
 class MacerQwen2_5OmniThinkerForConditionalGeneration(Qwen2_5OmniThinkerForConditionalGeneration):
     """vLLM's Qwen2.5-Omni thinker with MACER's stages inside its language model."""
-
-    # The runner then passes the step's token ids beside the merged embeddings: the labels come from them.
-    requires_raw_input_tokens = True
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         check_engine(vllm_config)

@@ -16,6 +16,9 @@ an image or video row), ``forward`` hands ``deepstack_input_embeds_<i>`` to the 
 any stage all of them (the same addition as vLLM's, so keep ratio 1 is bit-identical), after a stage the kept rows,
 which get exactly their own rows of each level (and text or audio rows their zeros), as the transformers adapter's
 deepstack remapping does (``macer.hf.adapters.qwen3_omni``).
+
+The labels come from the prompt ids the runner holds for each request (``runner.requests``), so the runner need not
+pass the step's token ids beside the merged embeddings (``requires_raw_input_tokens`` stays vLLM's default, off).
 """
 
 from __future__ import annotations
@@ -36,9 +39,6 @@ __all__ = ["MacerQwen3OmniMoeThinkerForConditionalGeneration"]
 class MacerQwen3OmniMoeThinkerForConditionalGeneration(Qwen3OmniMoeThinkerForConditionalGeneration):
     """vLLM's Qwen3-Omni thinker with MACER's stages inside its language model (deepstack: module docstring)."""
 
-    # The runner then passes the step's token ids beside the merged embeddings: the labels come from them.
-    requires_raw_input_tokens = True
-
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         check_engine(vllm_config)
         policy, labels = policy_from_config(vllm_config)
@@ -54,11 +54,11 @@ class MacerQwen3OmniMoeThinkerForConditionalGeneration(Qwen3OmniMoeThinkerForCon
         if inputs_embeds is None:
             return self.macer.forward(input_ids, positions, None)
         # As vLLM's forward: this step's rows of the buffer embed_input_ids filled (zeros on a step without images or
-        # videos), cleared after the step.
+        # videos), cleared after the step; vLLM's own forward of the language model adds them when no stage runs.
         rows = inputs_embeds.size(0)
         self._deepstack = self._get_deepstack_input_embeds(rows)
         try:
-            hidden = self.macer.forward(input_ids, positions, inputs_embeds)
+            hidden = self.macer.forward(input_ids, positions, inputs_embeds, deepstack_input_embeds=self._deepstack)
         finally:
             self._deepstack = None
         self._clear_deepstack_input_embeds(rows)

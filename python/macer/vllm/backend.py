@@ -9,10 +9,17 @@ runner). The layer loop (``macer.vllm.staged``) reaches them through this module
 * ``StageMetadata``: the attention metadata of every compacted layer group for a whole step, built **before** the
   step's forward from host integers (``macer.core.steps``) by copies of the runner's own attention groups (same
   builder class, spec, kernel block size; one copy per segment and KV cache group, so a builder's persistent state
-  never serves two segments), on persistent buffers, with slots from the runner's host block table
-  (``block * block_size + index % block_size`` at each row's compacted index: no slot history); the zero-KV writes of
-  a prefill's unused tail slots; the load-time self-test of the metadata layout;
-* ``step_context``: per-layer copies of the forward context's metadata and slot-mapping dicts for one forward.
+  never serves two segments; the segment's other KV cache groups reuse its first build through the builder's
+  ``update_block_table`` where the backend has it, as the runner does), with slots from the runner's host block table
+  (``block * block_size + index % block_size`` at each row's compacted index: no slot history). A step's small arrays
+  (query starts, sequence lengths, slots, tail slots) are written into one pinned host buffer and reach the device in
+  one copy (``macer.vllm.buffers``). A step that replays a FULL CUDA graph writes them in place into the buffers the
+  graph was captured with (one set per segment of the engine's layout, ``capture``), padded as the runner pads its
+  own: query starts repeat the last, sequence lengths 0, slots -1;
+* the zero-KV writes of a prefill's unused tail slots, for the backends whose kernels read whole blocks past a
+  sequence's end (``needs_tails``);
+* ``installed``: the forward context's metadata and slot mapping with a step's entries, for one forward;
+* the load-time self-test of the metadata layout.
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ import torch
 from torch import nn
 
 from macer.core.steps import DECODE, Segment, StepPlan
+from macer.vllm.buffers import Arena, ArenaFull, CaptureBuffers
 
-__all__ = ["BACKENDS", "StageMetadata", "attention_modules", "check_backends", "readout", "slots_at", "step_context",
-           "zero_tail"]
+__all__ = ["BACKENDS", "StageMetadata", "attention_modules", "check_backends", "installed", "needs_tails",
+           "readout", "self_test", "slots_at"]
 
 BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
 """Attention backends whose metadata the compacted layers build (CPU_ATTN ran; the others are written for, unrun)."""
@@ -40,7 +48,7 @@ BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
 # one fails loudly here instead of being dropped.
 _DROPPED = ("logits_indices_padded", "encoder_seq_lens", "dcp_local_seq_lens", "mm_req_doc_ranges",
             "rswa_prefix_lens", "replayssm_decode_base_cpu")
-_BASE = -2  # buffers key of the layers before the first segment (they keep the runner's metadata)
+_PAD_SLOT = -1  # vLLM's PAD_SLOT_ID: the cache writers skip such a slot
 
 
 def attention_modules(layers: list[nn.Module]) -> list[nn.Module]:
@@ -71,43 +79,46 @@ def check_backends(attns: list[nn.Module], architecture: str) -> None:
                 "attention_backend=...)); only CPU_ATTN has run"], f"{architecture} (macer)")
 
 
+def needs_tails(backend: str, flash_attn_version: int | None, block_size: int) -> bool:
+    """Whether a layer's attention kernel reads a block's key/value rows past the sequence's end (then a stale,
+    possibly non-finite tail from a freed block's earlier owner reaches the output as 0 * NaN), so the unwritten rest
+    of a sequence's last block must hold zeros:
+
+    * ``CPU_ATTN``: yes (it multiplies the masked rows of a whole block by zero; this is how the NaN was found);
+    * ``TRITON_ATTN``: no (``kernel_unified_attention_*`` loads keys and values with ``mask=tile_mask, other=0.0``);
+    * ``FLASH_ATTN`` 2: no (the last key tile's scores are masked by assignment, the value tile's rows past
+      ``seqlen_k`` are cleared in shared memory, ``Clear_OOB_MN``);
+    * ``FLASH_ATTN`` 3: only on its paged-TMA path, which loads whole tiles; FA3 takes it when the block size is a
+      multiple of the key tile (``page_size % kBlockN == 0``; its Hopper tiles have ``kBlockN >= 64``), else the
+      cp.async path with zero fill: yes for blocks of 64 or more;
+    * ``FLASH_ATTN`` 4 and later: yes (whole tiles, Dao-AILab/flash-attention#2374).
+
+    Unknown: yes (zeroing is always correct)."""
+    if backend == "TRITON_ATTN":
+        return False
+    if backend == "FLASH_ATTN" and flash_attn_version is not None:
+        if flash_attn_version == 2:
+            return False
+        if flash_attn_version == 3:
+            return block_size >= 64
+    return True
+
+
 @contextlib.contextmanager
-def step_context(context: Any) -> Iterator[None]:
-    """Inside the block the forward context's per-layer metadata and slot mapping are this forward's own copies (the
-    compacted layers' entries replace the runner's there); the originals are back after it."""
+def installed(context: Any, metadata: dict[str, tuple[Any, torch.Tensor]]) -> Iterator[None]:
+    """Inside the block the forward context's per-layer metadata and slot mapping are this forward's own copies, with
+    ``metadata`` (``{layer name: (attention metadata, slot mapping)}``) replacing the runner's entries; the originals
+    are back after it. The attention op and the cache writer read them by layer name at run time (they are opaque,
+    graph-splitting custom ops), so a compiled forward serves any step's metadata unchanged."""
     saved = context.attn_metadata, context.slot_mapping
-    context.attn_metadata, context.slot_mapping = dict(saved[0]), dict(saved[1])
+    if metadata:
+        context.attn_metadata, context.slot_mapping = dict(saved[0]), dict(saved[1])
+        for name, (built, slots) in metadata.items():
+            context.attn_metadata[name], context.slot_mapping[name] = built, slots
     try:
         yield
     finally:
         context.attn_metadata, context.slot_mapping = saved
-
-
-class _Buffers:
-    """Persistent host/device buffers of one (segment start, KV group): query starts, sequence lengths, slots and
-    tail slots. Refilled in place every step, so a decode step's metadata always points at the same memory (what a
-    captured decode graph would read)."""
-
-    def __init__(self, max_reqs: int, max_tokens: int, max_tail: int, device: torch.device):
-        from vllm.v1.utils import CpuGpuBuffer
-
-        def buffer(size: int, dtype: torch.dtype) -> Any:
-            made = CpuGpuBuffer(size, dtype=dtype, device=device)
-            if device.type == "cpu":
-                made.gpu = made.cpu  # one tensor on CPU, as the CPU runner does with its own buffers
-            return made
-
-        self.query_start = buffer(max_reqs + 1, torch.int32)
-        self.seq_lens = buffer(max_reqs, torch.int32)
-        self.slots = buffer(max_tokens, torch.int64)
-        self.tails = buffer(max_tail, torch.int64)
-
-    @staticmethod
-    def fill(buffer: Any, values: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(device, host)`` views of ``buffer`` holding ``values``."""
-        count = len(values)
-        buffer.np[:count] = values
-        return buffer.copy_to_gpu(count) if buffer.gpu is not buffer.cpu else buffer.gpu[:count], buffer.cpu[:count]
 
 
 def slots_at(table: np.ndarray, owned: np.ndarray, block_size: int, request: np.ndarray,
@@ -115,11 +126,12 @@ def slots_at(table: np.ndarray, owned: np.ndarray, block_size: int, request: np.
     """Slot of compacted cache index ``index[k]`` of request row ``request[k]``: vLLM's own rule
     (``block_table[row, index // block_size] * block_size + index % block_size``) on the host block table. Raises if
     an index lies outside the blocks the request owns (a wrong shift would write another request's block)."""
-    if len(index) and bool((index // block_size >= owned[request]).any()):
-        bad = int(np.argmax(index // block_size >= owned[request]))
+    blocks = index // block_size
+    if len(index) and bool((blocks >= owned[request]).any()):
+        bad = int(np.argmax(blocks >= owned[request]))
         raise RuntimeError(f"macer: compacted index {int(index[bad])} of request row {int(request[bad])} lies outside "
                            f"its {int(owned[request[bad]])} blocks of {block_size} (please report this)")
-    return table[request, index // block_size].astype(np.int64) * block_size + index % block_size
+    return table[request, blocks].astype(np.int64) * block_size + index % block_size
 
 
 class StageMetadata:
@@ -128,19 +140,29 @@ class StageMetadata:
     Args:
         runner: vLLM's V1 GPU/CPU model runner (``attn_groups``, ``input_batch``, ``kv_cache_config``).
         names: the decoder layers' attention layer names, in layer order.
+        attns: their ``Attention`` modules (the backend and cache writer of each).
+        capture_bounds: where the segments of the captured CUDA graphs' layout start (``StepPlanner``).
     """
 
-    def __init__(self, runner: Any, names: list[str]):
-        self.runner, self.names = runner, names
+    def __init__(self, runner: Any, names: list[str], attns: list[nn.Module], capture_bounds: tuple[int, ...] = ()):
+        self.runner, self.names, self.attns = runner, names, attns
         groups = runner.kv_cache_config.kv_cache_groups
         self.group_of = {name: gid for gid, group in enumerate(groups) for name in group.layer_names}
         missing = [name for name in names if name not in self.group_of]
         if missing:
             raise RuntimeError(f"macer: layers {missing[:3]} have no KV cache group (KV sharing is not supported)")
+        self.spec_of = {gid: group.kv_cache_spec for gid, group in enumerate(groups)}
+        self.capture_bounds = tuple(capture_bounds)
         scheduler = runner.vllm_config.scheduler_config
-        self.max_reqs, self.max_tokens = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+        self.max_reqs = scheduler.max_num_seqs
+        self.tails_of = [needs_tails(attn.attn_backend.get_name(), getattr(attn.impl, "vllm_flash_attn_version", None),
+                                     runner.input_batch.block_table[self.group_of[name]].block_size)
+                         for name, attn in zip(names, attns, strict=True)]
+        self.index_of = {name: i for i, name in enumerate(names)}
         self._copies: dict[tuple[int, int], list[Any]] = {}
-        self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self.arena = Arena(1 << 16, runner.device)
+        self.graphs: CaptureBuffers | None = None  # made at the first FULL capture
+        self._zeros: torch.Tensor | None = None
 
     # --------------------------------------------------------------------------------------- builder copies
     def copies(self, start: int, gid: int) -> list[Any]:
@@ -151,7 +173,7 @@ class StageMetadata:
             from vllm.config import set_current_vllm_config
 
             made = []
-            with set_current_vllm_config(self.runner.vllm_config):
+            with set_current_vllm_config(self.runner.vllm_config), torch.inference_mode(False):
                 for group in self.runner.attn_groups[gid]:
                     copy = dataclasses.replace(group, metadata_builders=[], kernel_block_table=None,
                                                kernel_block_offsets=None)
@@ -162,52 +184,188 @@ class StageMetadata:
             self._copies[key] = made
         return self._copies[key]
 
-    def buffers(self, start: int, gid: int) -> _Buffers:
-        key = (start, gid)
-        if key not in self._buffers:
-            block = self.runner.input_batch.block_table[gid].block_size
-            self._buffers[key] = _Buffers(self.max_reqs, self.max_tokens, self.max_reqs * block, self.runner.device)
-        return self._buffers[key]
-
     # --------------------------------------------------------------------------------------- one step
-    def build(self, plan: StepPlan, common: Any) -> dict[str, tuple[Any, torch.Tensor]]:
-        """``{layer name: (metadata, slot mapping)}`` of every layer of the plan's segments. ``common``: the runner's
-        ``CommonAttentionMetadata`` of KV group 0 (its ``is_prefilling``)."""
+    def build(self, step: Any, common: Any) -> None:
+        """Fill ``step.metadata`` (every layer of the plan's segments) and ``step.tails``, send the step's arrays to
+        the device in one copy and zero the tails. ``step``: a ``macer.vllm.plan.PreparedStep``; ``common``: the
+        runner's ``CommonAttentionMetadata`` of KV group 0 (its ``is_prefilling``, and the padded request count)."""
         for name in _DROPPED:
             if getattr(common, name, None) is not None:
                 raise RuntimeError(f"macer: the step's attention metadata sets {name!r}, which the compacted layers' "
                                    "metadata does not carry (a configuration the plugin should have refused)")
-        batch = self.runner.input_batch
-        n = len(plan.kinds)
-        installed: dict[str, tuple[Any, torch.Tensor]] = {}
+        # A FULL step refills the captured buffers; one without segments (an engine whose policy prunes nothing: no
+        # captured layout) has only tails, zeroed before the replay from any buffer.
+        arena = self.graphs.arena if step.graph and self.graphs is not None else self.arena
+        if step.graph and step.plan.segments and self.graphs is None:
+            raise RuntimeError("macer: a step replays a CUDA graph that was captured without the compacted layers' "
+                               "buffers (please report this)")
+        while True:
+            try:
+                self._build_step(arena, step, common)
+                break
+            except ArenaFull as full:  # a step larger than any before: a bigger arena, and build again
+                arena.grow(full.needed)
+        arena.upload()
+        self.zero_tails(step.tails)
+
+    def _build_step(self, arena: Arena, step: Any, common: Any) -> None:
+        plan: StepPlan = step.plan
+        arena.begin()
+        # Padding (CUDA graphs): the runner's request count and the forward's rows; a staged step is never padded.
+        n_pad = max(common.num_reqs, len(plan.kinds))
+        rows_pad = plan.num_tokens if step.staged else max(step.num_tokens_padded, plan.num_tokens)
+        installed_: dict[str, tuple[Any, torch.Tensor]] = {}
         for segment in plan.segments:
             layers = self.names[segment.start: segment.stop]
+            cached: dict[tuple[Any, type], Any] = {}
             for gid in sorted({self.group_of[name] for name in layers}):
-                metadata, slots = self._segment(segment, n, batch.block_table[gid], self.buffers(segment.start, gid),
-                                                common.is_prefilling)
+                table = self.runner.input_batch.block_table[gid]
+                arrays = self._arrays(arena, (segment.start, gid) if step.graph else None, n_pad, rows_pad)
+                # A staged step's segments have fewer rows than the step: its slots are exactly the segment's.
+                common_s = self._fill(arrays, segment, table, n_pad, common.is_prefilling, graph=step.graph,
+                                      padded_rows=0 if step.staged else rows_pad)
                 for copy in self.copies(segment.start, gid):
-                    built = None
-                    for name in copy.layer_names:
-                        if name in layers:
-                            built = built if built is not None else copy.build_metadata(metadata)
-                            installed[name] = (built, slots)
-        return installed
+                    names = [name for name in copy.layer_names if name in layers]
+                    if names:
+                        built = self._build(copy, common_s, cached, gid)
+                        installed_.update({name: (built, common_s.slot_mapping) for name in names})
+        step.metadata = installed_
+        step.tails = self._tail_slots(arena, plan, step.seq_lens)
 
-    def tails(self, plan: StepPlan, seq_lens: list[int]) -> dict[str, torch.Tensor]:
-        """``{layer name: slots}`` to zero after the layer writes its KV (``zero_tail``): the rest of the last block
-        holding a prefilled request's rows, and of a block a decode row starts. ``seq_lens``: the step's sequence
-        lengths (of the layers before the first segment, or of every layer in a plain step)."""
-        batch = self.runner.input_batch
-        regions = [(0, plan.segments[0].start if plan.segments else len(self.names), seq_lens, _BASE)]
-        regions += [(s.start, s.stop, s.seq_lens, s.start) for s in plan.segments]
-        out: dict[str, torch.Tensor] = {}
-        for start, stop, lens, key in regions:
+    def capture(self, common: Any) -> dict[str, tuple[Any, torch.Tensor]]:
+        """The compacted layers' metadata of a FULL CUDA-graph capture (or a FULL dummy run), on the fixed buffers
+        of the captured layout's segments, with the runner's dummy contents (no request drops anything) and every slot
+        -1 (nothing is written). Every later FULL step rewrites those buffers in place (``build``)."""
+        if not self.capture_bounds:
+            return {}
+        if self.graphs is None:
+            self._make_graph_buffers()
+        arena = self.graphs.arena
+        arena.begin()
+        n_pad, rows_pad = common.num_reqs, common.num_actual_tokens
+        out: dict[str, tuple[Any, torch.Tensor]] = {}
+        starts = [*self.capture_bounds, len(self.names)]
+        for start, stop in itertools.pairwise(starts):
             layers = self.names[start:stop]
+            cached: dict[tuple[Any, type], Any] = {}
             for gid in sorted({self.group_of[name] for name in layers}):
-                slots = self._tails(plan.kinds, lens, batch.block_table[gid], self.buffers(key, gid))
-                if slots is not None:
-                    out.update({name: slots for name in layers if self.group_of[name] == gid})
+                pair = self.graphs.pair((start, gid))
+                qsl = pair.query_start[0][: n_pad + 1]
+                qsl[:] = common.query_start_loc_cpu[: n_pad + 1].numpy()
+                pair.seq_lens[0][:n_pad] = common.seq_lens_cpu_upper_bound[:n_pad].numpy()
+                pair.slots[0][:rows_pad] = _PAD_SLOT
+                common_s = _common(pair.query_start, pair.seq_lens, pair.slots, n_pad, rows_pad, rows_pad,
+                                        common.max_query_len, common.max_seq_len,
+                                        self.runner.input_batch.block_table[gid].get_device_tensor(n_pad),
+                                        common.is_prefilling)
+                for copy in self.copies(start, gid):
+                    names = [name for name in copy.layer_names if name in layers]
+                    if names:
+                        built = self._build(copy, common_s, cached, gid, capture=True)
+                        out.update({name: (built, common_s.slot_mapping) for name in names})
+        arena.upload()
+        self.graphs.captured = out
         return out
+
+    def _make_graph_buffers(self) -> None:
+        compilation = self.runner.vllm_config.compilation_config
+        reqs = max(self.max_reqs, compilation.max_cudagraph_capture_size or 0)
+        starts = [*self.capture_bounds, len(self.names)]
+        pairs = [(start, gid) for start, stop in itertools.pairwise(starts)
+                 for gid in sorted({self.group_of[name] for name in self.names[start:stop]})]
+        block = max(self.runner.input_batch.block_table[gid].block_size for _, gid in pairs)
+        # A FULL step's tails: at most the rest of a block per decode row, per region and KV cache group.
+        tails = (len(pairs) + len(self.spec_of)) * reqs * block * 8
+        self.graphs = CaptureBuffers(pairs, reqs, tails, self.runner.device)
+
+    def _arrays(self, arena: Arena, key: tuple[int, int] | None, n_pad: int, rows: int) -> tuple[Any, Any, Any]:
+        if key is not None:
+            pair = self.graphs.pair(key)
+            return pair.query_start, pair.seq_lens, pair.slots
+        return arena.take(torch.int32, n_pad + 1), arena.take(torch.int32, n_pad), arena.take(torch.int64, rows)
+
+    def _fill(self, arrays: tuple[Any, Any, Any], segment: Segment, table: Any, n_pad: int,
+              is_prefilling: torch.Tensor | None, *, graph: bool, padded_rows: int) -> Any:
+        """Write one segment's query starts, sequence lengths and slots (in KV group ``table``) into ``arrays``,
+        padded to ``n_pad`` requests (query starts repeat the last, lengths 0) and the slots to the forward's rows
+        (-1); its ``CommonAttentionMetadata``."""
+        query_start, seq_lens, slots = arrays
+        n = len(segment.seq_lens)
+        qsl = query_start[0]
+        qsl[: n + 1] = segment.query_start
+        qsl[n + 1: n_pad + 1] = segment.query_start[-1]
+        lens = seq_lens[0]
+        lens[:n] = segment.seq_lens
+        lens[n:n_pad] = 0
+        count = segment.num_tokens
+        written = _segment_slots(segment, table)
+        out = slots[0]
+        out[:count] = written
+        rows = max(padded_rows, count)
+        out[count:rows] = _PAD_SLOT
+        # Under a FULL graph the runner's own metadata counts the padded rows too (its pad_attn).
+        return _common(query_start, seq_lens, slots, n_pad, rows if graph else count, rows,
+                            segment.max_query_len, segment.max_seq_len, table.get_device_tensor(n_pad), is_prefilling)
+
+    def _build(self, copy: Any, common: Any, cached: dict[tuple[Any, type], Any], gid: int, *,
+               capture: bool = False) -> Any:
+        """``copy``'s metadata for ``common``: built, or, for a later KV group of the segment whose builder has
+        ``update_block_table`` (FlashAttention), the segment's first build with this group's block table and slots
+        (as the runner does across its own groups; a captured graph then reads the first build's scheduler metadata,
+        which every step refreshes)."""
+        builder = copy.get_metadata_builder()
+        key = (self.spec_of[gid], type(builder))
+        if key in cached and builder.supports_update_block_table:
+            return builder.update_block_table(cached[key], copy.map_to_kernel_block_table(common.block_table_tensor),
+                                              common.slot_mapping)
+        built = copy.build_metadata_for_cudagraph_capture(common) if capture else copy.build_metadata(common)
+        if builder.supports_update_block_table:
+            cached[key] = built
+        return built
+
+    # --------------------------------------------------------------------------------------- tails
+    def _tail_slots(self, arena: Arena, plan: StepPlan, seq_lens: list[int]) -> dict[str, torch.Tensor]:
+        """``{layer name: slots}`` to zero before the forward (``zero_tails``), for the layers whose backend reads
+        past a sequence's end (``needs_tails``): the rest of the last block holding a prefilled request's rows, and
+        of a block a decode row starts. ``seq_lens``: the step's sequence lengths (of the layers before the first
+        segment, or of every layer in a plain step)."""
+        batch = self.runner.input_batch
+        regions = [(0, plan.segments[0].start if plan.segments else len(self.names), seq_lens)]
+        regions += [(s.start, s.stop, s.seq_lens) for s in plan.segments]
+        kinds = np.asarray([kind == DECODE for kind in plan.kinds])
+        out: dict[str, torch.Tensor] = {}
+        for start, stop, lens in regions:
+            layers = [i for i in range(start, stop) if self.tails_of[i]]
+            if not layers:
+                continue
+            ends, found = np.asarray(lens, dtype=np.int64), {}
+            for gid in sorted({self.group_of[self.names[i]] for i in layers}):
+                table = batch.block_table[gid]
+                if table.block_size not in found:  # the same rows in every group of one block size
+                    found[table.block_size] = _tail_index(kinds, ends, table.block_size)
+                index, request = found[table.block_size]
+                if not len(index):
+                    continue
+                view = arena.take(torch.int64, len(index))
+                view[0][:] = slots_at(table.block_table.np, table.num_blocks_per_row, table.block_size, request, index)
+                out.update({self.names[i]: view[2] for i in layers if self.group_of[self.names[i]] == gid})
+        return out
+
+    def zero_tails(self, tails: dict[str, torch.Tensor]) -> None:
+        """Write zero keys and values at each layer's tail slots with the backend's own cache writer."""
+        if not tails:
+            return
+        count = max(slots.shape[0] for slots in tails.values())
+        first = self.attns[self.index_of[next(iter(tails))]]
+        if self._zeros is None or self._zeros.shape[0] < count:
+            # The activations' dtype: the writer casts or quantizes them into the cache as it does the layer's own.
+            with torch.inference_mode(False):
+                self._zeros = torch.zeros(max(count, 64), first.num_kv_heads, first.head_size,
+                                          dtype=self.runner.model_config.dtype, device=self.runner.device)
+        for name, slots in tails.items():
+            attn = self.attns[self.index_of[name]]
+            zeros = self._zeros[: slots.shape[0]]
+            attn.impl.do_kv_cache_update(attn, zeros, zeros, attn.kv_cache, slots)
 
     def check_owned(self, plan: StepPlan, seq_lens: list[int]) -> None:
         """Raise unless every request owns, in every KV cache group of the layers before the first segment (all of
@@ -226,79 +384,80 @@ class StageMetadata:
                                    f"but owns {int(owned[row])} (the scheduler and the worker planned it "
                                    "differently; please report this)")
 
-    def _segment(self, segment: Segment, n: int, table: Any, buffers: _Buffers,
-                 is_prefilling: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
-        lens = np.asarray(segment.query_lens, dtype=np.int64)
-        request = np.repeat(np.arange(n), lens)
-        starts = np.asarray(segment.query_start[:-1], dtype=np.int64)
-        index = np.repeat(np.asarray(segment.first_index, dtype=np.int64), lens) + (
-            np.arange(segment.num_tokens) - np.repeat(starts, lens))
-        slots = slots_at(table.block_table.np, table.num_blocks_per_row, table.block_size, request, index)
-        return self.common(segment.query_start, segment.seq_lens, slots, table.get_device_tensor(n), buffers,
-                           is_prefilling)
-
-    def common(self, query_start: list[int], seq_lens: list[int], slots: np.ndarray, block_table: torch.Tensor,
-               buffers: _Buffers, is_prefilling: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
-        """The stage's ``CommonAttentionMetadata`` on ``buffers`` and its slot mapping (host integers in)."""
-        from vllm.v1.attention.backend import CommonAttentionMetadata
-
-        qsl, qsl_cpu = buffers.fill(buffers.query_start, np.asarray(query_start, dtype=np.int32))
-        seq, seq_cpu = buffers.fill(buffers.seq_lens, np.asarray(seq_lens, dtype=np.int32))
-        slot_mapping, _ = buffers.fill(buffers.slots, slots)
-        lens = [b - a for a, b in itertools.pairwise(query_start)]
-        common = CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl_cpu, seq_lens=seq, seq_lens_cpu_upper_bound=seq_cpu,
-            num_reqs=len(seq_lens), num_actual_tokens=query_start[-1], max_query_len=max(lens),
-            max_seq_len=max(seq_lens), block_table_tensor=block_table, slot_mapping=slot_mapping, causal=True,
-            is_prefilling=is_prefilling)
-        return common, slot_mapping
-
-    @staticmethod
-    def _tails(kinds: list[str], seq_lens: list[int], table: Any, buffers: _Buffers) -> torch.Tensor | None:
-        bs = table.block_size
-        request: list[int] = []
-        index: list[int] = []
-        for i, (kind, end) in enumerate(zip(kinds, seq_lens, strict=True)):
-            if kind == DECODE and (end - 1) % bs:
-                continue  # the rest of its block was zeroed when a prefill or an earlier decode first wrote there
-            stop = -(-end // bs) * bs
-            request += [i] * (stop - end)
-            index += range(end, stop)
-        if not index:
-            return None
-        slots = slots_at(table.block_table.np, table.num_blocks_per_row, bs, np.asarray(request),
-                         np.asarray(index, dtype=np.int64))
-        return buffers.fill(buffers.tails, slots)[0]
-
-    # --------------------------------------------------------------------------------------- load-time self-test
-    def self_test(self, version: str) -> None:
-        """Build stage metadata for a made-up step (a prefill keeping 3 of its 5 rows, a decode shifted by 2) with
-        every builder copy of the first layer's KV group and check the fields the compacted layers rely on; a changed
-        metadata layout (another vLLM release) fails here, naming the field, before any request is served."""
-        gid = self.group_of[self.names[0]]
-        table = self.runner.input_batch.block_table[gid]
-        bs = table.block_size
-        blocks = torch.zeros(2, table.block_table.gpu.shape[1], dtype=table.block_table.gpu.dtype,
-                             device=self.runner.device)
-        buffers = _Buffers(2, 8, 2 * bs, self.runner.device)
-        query_start, seq_lens = [0, 3, 4], [3, 10]
-        slots = np.asarray([0, 1, 2, 9], dtype=np.int64)
-        common, _ = self.common(query_start, seq_lens, slots, blocks, buffers)
-        want = {"query_start_loc": query_start, "seq_lens": seq_lens, "slot_mapping": slots.tolist(),
-                "max_query_len": 3, "max_seq_len": 10, "num_actual_tokens": 4}
-        for copy in self.copies(-1, gid):
-            built = copy.build_metadata(common)
-            for field, value in want.items():
-                got = getattr(built, field, None)
-                got = got.tolist() if isinstance(got, torch.Tensor) else got
-                if got != value:
-                    raise RuntimeError(f"macer: the load-time self-test of vLLM {version}'s attention metadata failed: "
-                                       f"{type(built).__name__}.{field} is {got!r} where the stage metadata set "
-                                       f"{value!r}; the compacted layers cannot run on this vLLM release")
-            if not isinstance(getattr(built, "block_table", None), torch.Tensor):
+def self_test(metadata: StageMetadata, version: str) -> None:
+    """Build stage metadata for a made-up step (a decode shifted by 2, then a prefill keeping 3 of its 5 rows: the
+    longer query second, so a maximum taken from the first request shows) with every builder copy of the first
+    layer's KV group and check the fields the compacted layers rely on; a changed metadata layout (another vLLM
+    release) fails here, naming the field, before any request is served."""
+    gid = metadata.group_of[metadata.names[0]]
+    table = metadata.runner.input_batch.block_table[gid]
+    width = table.block_table.gpu.shape[1]
+    arena = Arena(1 << 12, metadata.runner.device)
+    query_start, seq_lens = [0, 1, 4], [10, 3]
+    slots = np.asarray([9, 0, 1, 2], dtype=np.int64)
+    views = arena.take(torch.int32, 3), arena.take(torch.int32, 2), arena.take(torch.int64, 4)
+    views[0][0][:], views[1][0][:], views[2][0][:] = query_start, seq_lens, slots
+    arena.upload()
+    with torch.inference_mode(False):
+        blocks = torch.zeros(2, width, dtype=table.block_table.gpu.dtype, device=metadata.runner.device)
+    common = _common(*views, 2, 4, 4, 3, 10, blocks, None)
+    want = {"query_start_loc": query_start, "seq_lens": seq_lens, "slot_mapping": slots.tolist(),
+            "max_query_len": 3, "max_seq_len": 10, "num_actual_tokens": 4}
+    for copy in metadata.copies(-1, gid):
+        built = copy.build_metadata(common)
+        for field, value in want.items():
+            got = getattr(built, field, None)
+            got = got.tolist() if isinstance(got, torch.Tensor) else got
+            if got != value:
                 raise RuntimeError(f"macer: the load-time self-test of vLLM {version}'s attention metadata failed: "
-                                   f"{type(built).__name__} has no block_table tensor")
-        self._copies.pop((-1, gid), None)
+                                   f"{type(built).__name__}.{field} is {got!r} where the stage metadata set "
+                                   f"{value!r}; the compacted layers cannot run on this vLLM release")
+        if not isinstance(getattr(built, "block_table", None), torch.Tensor):
+            raise RuntimeError(f"macer: the load-time self-test of vLLM {version}'s attention metadata failed: "
+                               f"{type(built).__name__} has no block_table tensor")
+    metadata._copies.pop((-1, gid), None)
+
+
+def _common(query_start: Any, seq_lens: Any, slots: Any, n_pad: int, num_tokens: int, slot_rows: int,
+            max_query_len: int, max_seq_len: int, block_table: torch.Tensor,
+            is_prefilling: torch.Tensor | None) -> Any:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    return CommonAttentionMetadata(
+        query_start_loc=query_start[2][: n_pad + 1], query_start_loc_cpu=query_start[1][: n_pad + 1],
+        seq_lens=seq_lens[2][:n_pad], seq_lens_cpu_upper_bound=seq_lens[1][:n_pad], num_reqs=n_pad,
+        num_actual_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        block_table_tensor=block_table, slot_mapping=slots[2][:slot_rows], causal=True, is_prefilling=is_prefilling)
+
+
+def _segment_slots(segment: Segment, table: Any) -> np.ndarray:
+    """The slots of a segment's rows in one KV cache group: row ``k`` of request ``i`` at compacted index
+    ``first_index[i] + k``."""
+    first = np.asarray(segment.first_index, dtype=np.int64)
+    starts = np.asarray(segment.query_start, dtype=np.int64)
+    lens = starts[1:] - starts[:-1]
+    n = len(first)
+    if segment.num_tokens == n:  # one row per request (a decode segment)
+        request, index = np.arange(n), first
+    else:
+        request = np.repeat(np.arange(n), lens)
+        index = np.repeat(first - starts[:-1], lens) + np.arange(segment.num_tokens)
+    return slots_at(table.block_table.np, table.num_blocks_per_row, table.block_size, request, index)
+
+
+def _tail_index(decode: np.ndarray, ends: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Compacted indices (and their request rows) of the unwritten rest of each request's last block: every
+    prefill's, and a decode's whose row starts a block (the rest of its block was zeroed when a prefill or an earlier
+    decode first wrote there)."""
+    stops = -(-ends // block_size) * block_size
+    counts = np.where(decode & ((ends - 1) % block_size != 0), 0, stops - ends)
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    request = np.repeat(np.arange(len(ends)), counts)
+    offsets = np.cumsum(counts) - counts
+    index = np.repeat(ends - offsets, counts) + np.arange(total)
+    return index, request
 
 
 def _share_scratch(runner_builder: Any, copy_builder: Any) -> None:
@@ -307,10 +466,3 @@ def _share_scratch(runner_builder: Any, copy_builder: Any) -> None:
     for name in ("softmax_segm_output", "softmax_segm_max", "softmax_segm_expsum"):
         if hasattr(runner_builder, name) and hasattr(copy_builder, name):
             setattr(copy_builder, name, getattr(runner_builder, name))
-
-
-def zero_tail(attn: nn.Module, slots: torch.Tensor, dtype: torch.dtype) -> None:
-    """Write zero K and V (``dtype``: the layer's activations') at ``slots`` of ``attn``'s KV cache with the
-    backend's own cache writer."""
-    zeros = torch.zeros(slots.shape[0], attn.num_kv_heads, attn.head_size, dtype=dtype, device=slots.device)
-    attn.impl.do_kv_cache_update(attn, zeros, zeros, attn.kv_cache, slots)

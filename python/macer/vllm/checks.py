@@ -14,15 +14,21 @@ Why each setting is refused (docs/serving.md has the long form):
   prefill off too, whenever more than one request is running or waiting): the question rows must be in the same
   forward as the audio/video rows they score.
 * prefix caching: a cached prefix's KV was written by another request's compaction (or none).
-* CUDA graphs / ``torch.compile``: the compacted forward has data-dependent row gathers and rebuilt attention
-  metadata, which a captured graph or a traced graph would freeze.
-* the parallel layouts MACER does not run (``macer.vllm.parallel.parallel_problems``): pipeline parallel, prefill /
-  decode context parallel (each rank holds a shard of the prompt, the stage would rank a shard), data parallel of a
-  MoE model (its ranks step together with dummy batches). Tensor parallel and a dense model's data parallel run.
+* Inductor graph partition with CUDA graphs (``use_inductor_graph_partition``): the KV-cache writes then sit inside
+  the captured piecewise graphs, at the slots of the capture, while a compacted layer writes its own slots each step.
+  (``torch.compile`` and CUDA graphs themselves are served: ``macer.vllm.staged``.)
+* the parallel layouts MACER does not run (``macer.vllm.parallel.parallel_problems``): pipeline parallel of the Omni
+  thinkers, prefill / decode context parallel (each rank holds a shard of the prompt, the stage would rank a shard),
+  data parallel of a MoE model (its ranks step together with dummy batches). Tensor parallel, pipeline parallel of
+  the Qwen2 decoder and a dense model's data parallel run.
 * micro-batching (dual-batch overlap, ``ubatch_size > 1``): micro-batches run in threads against one request state.
 * prompt embeddings: audio/video rows are labelled by their token ids, which embeddings do not carry.
 * sliding-window layers: the window counts key slots, and a compacted layer's slots are kept tokens, not positions.
-* Model Runner V2 (vLLM 0.32's default where Triton runs, i.e. on GPUs): the plugin has run on the V1 runner only.
+* a Qwen-Omni checkpoint whose ``thinker_config`` and its ``text_config`` disagree on ``tie_word_embeddings``: vLLM
+  follows the text config, transformers the thinker config (``tied_embeddings_problem``).
+* Model Runner V2 asked for with ``VLLM_USE_V2_MODEL_RUNNER=1`` (or by a feature that needs it): the compacted
+  layers' metadata is built for the V1 runner; without the variable the MACER architectures choose V1 themselves
+  (``macer.vllm.runner.prefer_v1_runner``).
 * speculative decoding: a verify step feeds several tokens per request; the decode shifts assume one.
 * LoRA: the LoRA layers' per-token adapter mapping has the step's N rows; the compacted layers see K.
 * KV transfer connectors (disaggregated prefill, offloading): compacted pages hold kept tokens at slots 0..K-1.
@@ -85,9 +91,11 @@ __all__ = [
     "check_request",
     "engine_problems",
     "guarded_hook",
+    "kv_summary",
     "no_pipeline",
     "platform_problem",
     "refuse",
+    "tied_embeddings_problem",
     "version_problem",
 ]
 
@@ -196,6 +204,29 @@ fill it (``check(vllm_config, who)``: the refusal's line, or None). One entry pe
 refusal and the runtime guard name the same fields (``tests/vllm/test_refusals.py`` compares the two)."""
 
 
+def tied_embeddings_problem(hf_config: Any, who: str) -> str | None:
+    """The refusal of a Qwen-Omni checkpoint whose ``thinker_config`` and ``thinker_config.text_config`` disagree on
+    ``tie_word_embeddings``, or None. vLLM builds the thinker's language model from the text config (tying its
+    ``lm_head`` to the embeddings, and ignoring the checkpoint's ``lm_head``, when that says so), while transformers'
+    thinker follows ``thinker_config``: served as it is, the engine and ``macer.compress`` on transformers would
+    disagree from the first token (transformers' Qwen2.5-Omni text config defaults to tied, its thinker config to
+    untied, so a config.json that leaves the text config's flag out has the two disagree)."""
+    thinker = getattr(hf_config, "thinker_config", None)
+    text = getattr(thinker, "text_config", None)
+    outer, inner = getattr(thinker, "tie_word_embeddings", None), getattr(text, "tie_word_embeddings", None)
+    if outer is None or inner is None or bool(outer) == bool(inner):
+        return None
+    vllm = ("ties lm_head to the embeddings and ignores the checkpoint's lm_head" if inner
+            else "loads an lm_head the checkpoint may not have")
+    value = "true" if outer else "false"
+    return (f"{who}: the checkpoint's thinker_config.tie_word_embeddings={outer} and "
+            f"thinker_config.text_config.tie_word_embeddings={inner} disagree: vLLM builds the language model from the "
+            f"text config (it {vllm}) while transformers' thinker follows thinker_config, so outputs would differ from "
+            f"the model's: set thinker_config.text_config.tie_word_embeddings to {value} in the checkpoint's "
+            f"config.json, or add \"thinker_config\": {{\"text_config\": {{\"tie_word_embeddings\": {value}}}}} "
+            "to --hf-overrides (beside \"architectures\")")
+
+
 def platform_problem(platform: Any, who: str) -> str | None:
     """The refusal of a platform the MACER worker does not serve (vLLM's ``current_platform``), or None: the worker is
     vLLM's CPU worker or its GPU worker (CUDA, ROCm) with MACER's additions, and on any other platform (XPU, TPU, an
@@ -243,19 +274,20 @@ def engine_problems(vllm_config: Any) -> list[str]:
                         "each layer holds, which after a stage are the kept rows, not the step's tokens): drop "
                         "--enable-return-routed-experts")
     compilation = vllm_config.compilation_config
-    # None = not resolved yet (the config hook runs before vLLM resolves them): vLLM's default, which compiles and,
-    # on a GPU, captures graphs, unless TORCH_COMPILE_DISABLE=1.
-    compiled = _mode_name(compilation.mode) != "NONE" and not (
-        compilation.mode is None and os.environ.get("TORCH_COMPILE_DISABLE") == "1")
-    graphs = _mode_name(compilation.cudagraph_mode) != "NONE"
-    if not model_config.enforce_eager and (compiled or graphs):
-        problems.append(f"{who}: the compacted forward gathers a data-dependent set of rows and rebuilds the attention "
-                        "metadata, which CUDA graphs and torch.compile would freeze (compilation mode "
-                        f"{_mode_name(compilation.mode)}, cudagraph mode {_mode_name(compilation.cudagraph_mode)}): "
-                        "run eager with --enforce-eager (LLM(..., enforce_eager=True))")
+    # None = not resolved yet (the config hook runs before vLLM resolves them): vLLM's default captures graphs on a
+    # GPU, and never partitions with Inductor.
+    graphs = not model_config.enforce_eager and _mode_name(compilation.cudagraph_mode) != "NONE"
+    if graphs and getattr(compilation, "use_inductor_graph_partition", False):
+        problems.append(f"{who}: Inductor graph partition with CUDA graphs (cudagraph mode "
+                        f"{_mode_name(compilation.cudagraph_mode)}) captures the KV-cache writes inside piecewise "
+                        "graphs at the slots of the capture, and the compacted layers write their own slots every "
+                        "step: drop use_inductor_graph_partition from --compilation-config (vLLM's default)")
     if getattr(model_config, "enable_prompt_embeds", False):
         problems.append(f"{who}: prompt embeddings carry no token ids, and MACER labels audio/video rows by their ids: "
                         "drop --enable-prompt-embeds")
+    tied = tied_embeddings_problem(getattr(model_config, "hf_config", None), who)
+    if tied is not None:
+        problems.append(tied)
     window = _sliding_window(model_config)
     if window is not None:
         problems.append(f"{who}: sliding-window attention layers ({window}) are not supported (a window counts key "
@@ -273,9 +305,9 @@ def engine_problems(vllm_config: Any) -> list[str]:
                         "(micro-batches run in threads against one request's stage state): drop --enable-dbo and "
                         "--ubatch-size")
     if getattr(vllm_config, "use_v2_model_runner", False):
-        problems.append(f"{who} has run on vLLM's V1 model runner only (the compacted layers' metadata is rebuilt for "
-                        "it), and this engine would use Model Runner V2 (vLLM's default where Triton runs): set "
-                        "VLLM_USE_V2_MODEL_RUNNER=0")
+        problems.append(f"{who} runs on vLLM's V1 model runner (the compacted layers' metadata is built for it; it "
+                        "chooses V1 by itself), and this engine asks for Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, "
+                        "or a feature that needs V2): unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
     if getattr(vllm_config, "speculative_config", None) is not None:
         problems.append(f"{who}: speculative decoding is not supported (a verify step feeds several tokens per "
                         "request, the compacted layers' decode shifts assume one): drop --speculative-config")
@@ -375,6 +407,25 @@ def no_pipeline(intermediate_tensors: Any) -> None:
                          "(pipeline_parallel_size must be 1)")
 
 
+def kv_summary(vllm_config: Any, policy: Policy) -> str:
+    """What the engine frees of the KV memory, for its start-up line (vLLM's own "Maximum concurrency" line counts
+    every request at its whole length in every layer)."""
+    from macer.core.config import decoder_depth
+    from macer.core.kv_memory import compacted_start
+
+    additional = getattr(vllm_config, "additional_config", None)
+    settings = additional.get(SETTINGS_KEY) if isinstance(additional, Mapping) else None
+    depth = decoder_depth(vllm_config.model_config.hf_config)
+    start = compacted_start(policy, depth) if free_kv(settings) else None
+    if start is None:
+        why = "free_kv is off" if not free_kv(settings) else "its policy drops nothing"
+        return f"no KV memory is freed ({why})"
+    layers = f"layer {start} holds" if start == depth - 1 else f"layers {start}-{depth - 1} hold"
+    return (f"decoder {layers} only each request's kept rows (free_kv): vLLM's KV cache size "
+            "and 'Maximum concurrency' lines count every request at its whole length in every layer, so the engine "
+            "holds more pruned requests than they say (docs/serving.md, \"Watching KV memory\")")
+
+
 class MacerEngineHook:
     """``MODELS_CONFIG_MAP`` entry of the MACER architectures: checks the engine's settings and the ``"macer"``
     settings while vLLM builds its config (every problem in one ``Refusal``), and adds ``GUARD`` to the engine's
@@ -397,7 +448,7 @@ class MacerEngineHook:
         processors = list(model_config.logits_processors or [])
         if GUARD not in processors:
             model_config.logits_processors = [*processors, GUARD]
-        logger.info("macer: %s with policy %r", model_config.architecture, policy)
+        logger.info("macer: %s with policy %r; %s", model_config.architecture, policy, kv_summary(vllm_config, policy))
 
     @staticmethod
     def verify_and_update_model_config(model_config: Any) -> None:

@@ -12,7 +12,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from macer.vllm.checks import check_request
-from macer.vllm.request_settings import remembered_engine, request_overrides, request_policy
+from macer.vllm.request_settings import remembered_engines, request_overrides, request_policy
 
 __all__ = ["MacerRequestGuard", "check_request_settings"]
 
@@ -20,16 +20,27 @@ __all__ = ["MacerRequestGuard", "check_request_settings"]
 def check_request_settings(sampling_params: Any) -> None:
     """``ValueError`` for a request MACER cannot serve as asked (module docstring). With the engine's settings known
     in this process (the config hook ran here), the request's policy is resolved in full (e.g. a policy whose
-    fields the engine's settings do not give); otherwise names, types and ranges are checked."""
+    fields the engine's settings do not give); otherwise names, types and ranges are checked. The check does not know
+    which engine a request goes to: in a process that built several MACER engines, a request is refused only when
+    none of them could serve it as asked (the model then serves it unpruned with a WARNING record if its own engine
+    cannot), with the newest engine's reason."""
     check_request(sampling_params)
     extra_args = getattr(sampling_params, "extra_args", None)
-    engine = remembered_engine()
-    default = "macer"
-    if engine is not None and isinstance(engine[0], dict):
-        default = engine[0].get("policy", "macer")
-    overrides = request_overrides(extra_args, default)
-    if overrides and engine is not None:
-        request_policy(engine[0], overrides, engine[1], engine[2])
+    engines = remembered_engines()
+    if not engines:
+        request_overrides(extra_args, "macer")
+        return
+    refusal: ValueError | None = None
+    for settings, hf_config, architecture in reversed(engines):
+        default = settings.get("policy", "macer") if isinstance(settings, dict) else "macer"
+        try:
+            overrides = request_overrides(extra_args, default)
+            if overrides:
+                request_policy(settings, overrides, hf_config, architecture)
+            return
+        except ValueError as error:
+            refusal = refusal or error
+    raise refusal
 
 
 class MacerRequestGuard(LogitsProcessor):

@@ -121,6 +121,17 @@ class TensorRanks:
         self.flags.append((request_id, layer, (gathered != gathered[:1]).any()))
         _PENDING.append(self)
 
+    def verdict(self, reason: str | None) -> str | None:
+        """One answer for every rank to a check each rank ran on its own (the load-time CUDA-graph check): None when
+        no rank found a reason, else this rank's reason or one naming the rank that found one (a host read, at load
+        time)."""
+        flag = torch.tensor([0.0 if reason is None else 1.0], device=self.group.device)
+        said = self.group.all_gather(flag, dim=0)
+        if reason is None and bool(said.any()):
+            ranks = [r for r, value in enumerate(said.tolist()) if value]
+            return f"tensor-parallel rank(s) {ranks} of {self.group.world_size} found a difference"
+        return reason
+
     def take(self) -> list[tuple[str, int, torch.Tensor]]:
         """The flags of the stages since the last ``take``."""
         flags, self.flags = self.flags, []
@@ -177,13 +188,18 @@ def after_output(out: Any, check: Callable[[], None]) -> Any:
 class PipelineRanks:
     """The pipeline-parallel side of one engine's staged decoder: this rank holds decoder layers ``[first, stop)``
     of ``num_layers``. Every rank plans every request from its prompt (the plan is a function of the prompt alone),
-    so each builds its own compacted metadata and KV groups for its layers; the data-dependent part, which rows a
-    stage kept, travels with the hidden states. A rank that is not the last hands over the step's ``[T, hidden]``
-    hidden states and residual (the rows it still holds at their step positions, the dropped ones zero) and
-    ``ROWS_KEY``: those rows' step positions, ``-1`` after them (fp32, exact below 2**24: the CPU build's collectives
-    move floating tensors only). The next rank gathers them where its plan's first segment starts and takes over
-    the stages that ran before it (``entered``). A stage whose readout is this rank's last layer is applied here,
-    before the hand-over (``PreparedStep.handover``: the gather the next rank's plan starts with)."""
+    so each builds its own compacted metadata and KV groups for its layers (``local_row``: a request's row of the
+    step on this rank's layers); the data-dependent part, which rows a stage kept, travels with the hidden states.
+
+    A step without a stage runs vLLM's own forward on every rank (compiled where the engine compiles), which hands
+    over vLLM's ``[T, hidden]`` hidden states and residual. In a staged step a rank that is not the last hands over
+    the step's ``[T, hidden]`` hidden states and residual (the rows it still holds at their step positions, the
+    dropped ones zero) and ``ROWS_KEY``: those rows' step positions, ``-1`` after them (fp32, exact below 2**24: the
+    CPU build's collectives move floating tensors only). The next rank gathers them where its plan's first segment
+    starts and takes over the stages that ran before it (``entered``). A stage whose readout is this rank's last
+    layer is applied here, before the hand-over (``handover_segment``: the gather the next rank's plan starts with).
+    A stage's drop lasts to the last layer, so every rank after one that dropped rows gathers at its first layer and
+    runs the step staged: the rows it reads were handed over by a staged step."""
 
     first: int
     stop: int
@@ -203,23 +219,39 @@ class PipelineRanks:
         group = get_pp_group()
         return cls(model.start_layer, model.end_layer, len(model.layers), group.is_first_rank, group.is_last_rank)
 
-    def local(self, layer_tokens: tuple[int, ...], extra: int = 0) -> tuple[int, ...]:
-        """A request's per-layer prompt rows of this rank's layers (and ``extra`` more after them)."""
-        return tuple(layer_tokens[self.first: self.stop + extra])
+    def local_bounds(self, bounds: tuple[int, ...]) -> tuple[int, ...]:
+        """Decoder layers where segments start (``macer.core.steps.layer_bounds``) as this rank's layer indices: a
+        bound before ``first`` starts the rank's first segment (its rows are compacted from its first layer)."""
+        return tuple(sorted({max(b - self.first, 0) for b in bounds if b < self.stop}))
+
+    def local_row(self, row: Any) -> Any:
+        """A request's ``macer.core.steps.Row`` on this rank's layers."""
+        from macer.core.steps import Row
+
+        return Row(row.prompt_len, row.layer_tokens[self.first: self.stop], row.computed, row.query,
+                   self.local_bounds(row.bounds))
 
     def handover_segment(self, rows: list[Any]) -> Any:
         """The segment of the next rank's first layer, if it starts with a gather (a stage read this rank's last
-        layer), planned over this rank's layers and that one (``rows``: the step's ``macer.core.steps.Row``)."""
-        from dataclasses import replace
-
-        from macer.core.steps import plan_step
-
-        if self.is_last:
+        layer), planned over this rank's layers and that one (``rows``: the step's rows on the whole decoder)."""
+        if self.is_last or not any(self.stop in row.bounds for row in rows):
             return None
-        plan = plan_step([replace(row, layer_tokens=self.local(row.layer_tokens, 1)) for row in rows])
+        from macer.core.steps import Row, plan_step
+
+        plan = plan_step([Row(row.prompt_len, row.layer_tokens[self.first: self.stop + 1], row.computed, row.query)
+                          for row in rows])
         last = self.stop - self.first
         found = [segment for segment in plan.segments if segment.start == last and segment.gather is not None]
         return found[0] if found else None
+
+    def for_vllm(self, intermediate: Any) -> Any:
+        """What vLLM's own forward receives from the previous rank (its hidden states and residual), or None on the
+        first rank."""
+        if intermediate is None or self.is_first:
+            return None
+        from vllm.sequence import IntermediateTensors
+
+        return IntermediateTensors({key: intermediate[key] for key in ("hidden_states", "residual")})
 
     def receive(self, intermediate: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous rank's hidden states and residual; keeps its rows for ``entered``."""
@@ -232,16 +264,15 @@ class PipelineRanks:
         run and the prompt positions of the rows it holds (sizes from the plan, no host read)."""
         rows = self.received[: segment.num_tokens].long()
         for i in step.fresh:
-            prefill = step.states[i].prefill
-            prefill.next = sum(1 for stage in prefill.plan.stages if stage.spec.layer <= self.first)
-            prefill.pending = None
-            kept = step.states[i].layout.layer_tokens[self.first]
-            start = segment.query_start[i]
-            prefill.current = rows[start: start + kept] - step.query_start[i]
+            state = step.states[i]
+            prefill = state.prefill
+            start, kept = segment.query_start[i], state.layout.layer_tokens[self.first]
+            prefill.resume(sum(1 for stage in prefill.plan.stages if stage.spec.layer <= self.first),
+                           rows[start: start + kept] - step.query_start[i])
         return rows
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor, origin: torch.Tensor | None, total: int) -> Any:
-        """What this rank hands to the next (class docstring)."""
+        """What this rank hands to the next in a staged step (class docstring)."""
         from vllm.sequence import IntermediateTensors
 
         if origin is None:

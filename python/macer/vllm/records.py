@@ -45,7 +45,7 @@ from macer.core.policy import AUDIO, MODALITY_NAMES, VISUAL, PromptFacts
 from macer_kernels import Budget
 
 __all__ = ["LATER", "MAX_RECORDS", "RECORDS", "RequestRecord", "by_request", "claim_pending", "clear", "drain",
-           "external_id", "finish", "finish_pending", "format_layers", "kept_rows", "last",
+           "empty_budget_note", "external_id", "finish", "finish_pending", "format_layers", "kept_rows", "last",
            "nonfinite_note", "prompt_counts", "receive", "record", "start_pending", "take"]
 
 # A child of vLLM's "vllm" logger, so the line goes through vLLM's handler and level (VLLM_LOGGING_LEVEL) in every
@@ -164,7 +164,8 @@ def record(request_id: str | None, budget: Budget | None, kept: Mapping[str, Seq
            layer_tokens: Sequence[int], *, policy: str, keep_ratio: float | None, prompt: Mapping[str, int],
            note: str | None = None) -> RequestRecord:
     """Store and log (INFO; WARNING with a ``note``) one request's record; returns it (the request's first record,
-    with ``note`` appended, when it has one already: the module docstring).
+    with ``note`` appended, when it has one already: the module docstring). A prompt with audio or video of which
+    the budget keeps none gets a note saying so.
 
     Args:
         request_id: vLLM's internal request id, or None.
@@ -176,6 +177,7 @@ def record(request_id: str | None, budget: Budget | None, kept: Mapping[str, Seq
         note: what went wrong for this request (``RequestRecord.note``).
     """
     rows = {name: tuple(int(p) for p in kept.get(name, ())) for name in ("audio", "video")}
+    note = _join(note, empty_budget_note(budget, prompt, keep_ratio))
     entry = RequestRecord(request_id, external_id(request_id), policy, keep_ratio, budget, dict(prompt),
                           {name: len(positions) for name, positions in rows.items()}, rows,
                           tuple(int(n) for n in layer_tokens), note)
@@ -193,6 +195,16 @@ def record(request_id: str | None, budget: Budget | None, kept: Mapping[str, Seq
 
 def _join(first: str | None, second: str | None) -> str | None:
     return first if not second else second if not first else f"{first}; {second}"
+
+
+def empty_budget_note(budget: Budget | None, prompt: Mapping[str, int], keep_ratio: float | None) -> str | None:
+    """The note of a pruned prompt with audio or video whose budget keeps none of it (``K_mm = round(rho n)`` is 0:
+    a keep ratio far below ``1 / n``, e.g. 0.001 typed for 0.01), else None."""
+    media = prompt.get("audio", 0) + prompt.get("video", 0)
+    if budget is None or budget.total > 0 or media == 0:
+        return None
+    return (f"the keep ratio {keep_ratio} keeps no audio or video token of this prompt (its budget round({keep_ratio} "
+            f"x {media}) is 0): every audio and video row was dropped after its stage")
 
 
 LATER = "then, in a later pass of this request (a recompute after preemption, a session's next turn): "

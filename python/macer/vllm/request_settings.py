@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import numbers
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,7 +43,7 @@ from macer.core.policy import Policy
 from macer.vllm.settings import LABEL_KEYS, SETTINGS_KEY, WHERE, policy_from_settings
 
 __all__ = ["REQUEST_KEYS", "SESSION_KEY", "SESSION_REASON", "RequestPolicies", "remember_engine", "remembered_engine",
-           "request_overrides", "request_policy", "session_params"]
+           "remembered_engines", "request_overrides", "request_policy", "session_params"]
 
 REQUEST_KEYS = ("macer_keep_ratio", "macer_policy")
 """The per-request keys of ``SamplingParams.extra_args`` / ``vllm_xargs``."""
@@ -57,7 +58,8 @@ SESSION_REASON = ("a streaming-input session (a resumable request: AsyncLLM.gene
 """Why a streaming-input session is served unpruned (its record's note: ``served without pruning: <this>``)."""
 
 _PREFIX = "macer_"
-_ENGINE: list[tuple[Any, Any, str]] = []  # (settings, hf_config, architecture) of the last MACER engine configured here
+_ENGINE: list[tuple[Any, Any, str]] = []  # (settings, hf_config, architecture) of the MACER engines configured here
+_MAX_ENGINES = 8
 
 
 def _where(key: str) -> str:
@@ -128,7 +130,8 @@ def request_policy(settings: Any, overrides: Mapping[str, Any], hf_config: Any, 
 
 
 class RequestPolicies:
-    """The policies of one engine's requests, by their overrides (``request_policy`` once per distinct setting).
+    """The policies of one engine's requests, by their overrides (``request_policy`` once per distinct setting, the
+    last ``CACHE_SIZE`` kept).
 
     Args:
         settings, hf_config, architecture: the engine's ``additional_config["macer"]``, ``hf_config`` and
@@ -136,10 +139,14 @@ class RequestPolicies:
         default: the engine's policy (``policy_from_config``), served to requests that set nothing.
     """
 
+    CACHE_SIZE = 256
+    """The most request policies kept (least recently used out first): a client may send a new keep ratio with every
+    request, and a cache keyed by them would grow without bound in the worker and the scheduler."""
+
     def __init__(self, settings: Any, hf_config: Any, architecture: str, default: Policy):
         self.settings, self.hf_config, self.architecture = settings, hf_config, architecture
         self.default = default
-        self._cache: dict[tuple, Policy] = {}
+        self._cache: OrderedDict[tuple, Policy] = OrderedDict()
 
     def use_default(self, policy: Policy) -> None:
         """Serve the requests that set nothing with ``policy`` from now on."""
@@ -155,19 +162,30 @@ class RequestPolicies:
         if not overrides:
             return self.default
         key = tuple(sorted(overrides.items()))
-        if key not in self._cache:
-            self._cache[key] = request_policy(self.settings, overrides, self.hf_config, self.architecture)
-        return self._cache[key]
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        policy = self._cache[key] = request_policy(self.settings, overrides, self.hf_config, self.architecture)
+        while len(self._cache) > self.CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return policy
 
 
 def remember_engine(settings: Any, hf_config: Any, architecture: str) -> None:
-    """Keep the engine's settings in this process for the admission check (the config hook calls this)."""
-    _ENGINE[:] = [(settings, hf_config, architecture)]
+    """Keep the engine's settings in this process for the admission check (the config hook calls this). A process
+    may build several MACER engines (``LLM(...)`` twice): the last ``_MAX_ENGINES`` are kept, newest last."""
+    others = [engine for engine in _ENGINE if engine[0] is not settings][-(_MAX_ENGINES - 1):]
+    _ENGINE[:] = [*others, (settings, hf_config, architecture)]
 
 
 def remembered_engine() -> tuple[Any, Any, str] | None:
     """The last MACER engine configured in this process (``remember_engine``), or None."""
-    return _ENGINE[0] if _ENGINE else None
+    return _ENGINE[-1] if _ENGINE else None
+
+
+def remembered_engines() -> list[tuple[Any, Any, str]]:
+    """The MACER engines configured in this process (``remember_engine``), newest last."""
+    return list(_ENGINE)
 
 
 def session_params(params: Any) -> Any:

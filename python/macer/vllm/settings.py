@@ -17,6 +17,11 @@ own config's audio/video/image token ids):
   default), and the question rows end before the prompt's last ``end_of_turn_token_id`` (a ``MacerConfig`` field;
   the labelled path has no model default, so name it, or use ``"question_span": "prompt_end"``).
 
+An engine whose own policy is ``"full"`` (pruning off, requests opt in with ``macer_policy``) may also carry MACER's
+fields (``audio_layer``, ``video_layer``, ``end_of_turn_token_id``, ...) for those requests; it frees no KV memory,
+since its own policy drops nothing (``macer.vllm.kv``). A policy carries the name it was asked by (``named``), so
+records say ``"no_coverage"``, not the class's ``"macer"``.
+
 Engine keys (not fields of the policy): ``"free_kv"`` (bool, default true): the layers after the engine policy's
 last stage allocate KV cache blocks for the rows each request keeps, not for its whole prompt (``macer.vllm.kv``);
 false allocates every layer's blocks for the whole prompt, as vLLM's own model does.
@@ -57,6 +62,7 @@ __all__ = [
     "architecture_end_of_turn",
     "free_kv",
     "misplaced_settings",
+    "named",
     "policy_from_config",
     "policy_from_settings",
     "policy_problems",
@@ -156,10 +162,40 @@ def _vocab_size(hf_config: Any) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
+_OPT_IN = tuple(f.name for f in dataclasses.fields(MacerConfig) if f.init and f.name != "keep_ratio")
+"""The MACER fields an engine whose own policy is ``"full"`` may carry for the requests that opt in to MACER or an
+ablation (``macer_policy``); the engine itself prunes nothing."""
+
+
 def _allowed_keys(name: str, architecture: str) -> list[str]:
     cls = _CLASSES.get(name, MacerConfig)
     labels = list(LABEL_KEYS) if architecture == LABELLED_ARCHITECTURE else []
-    return ["policy", *(f.name for f in dataclasses.fields(cls) if f.init), *labels, *ENGINE_KEYS]
+    opt_in = list(_OPT_IN) if name == "full" else []
+    return ["policy", *(f.name for f in dataclasses.fields(cls) if f.init), *opt_in, *labels, *ENGINE_KEYS]
+
+
+def named(policy: Policy, name: str) -> Policy:
+    """``policy`` carrying the name it was asked for (``make_policy``'s ``name``), which its records and log lines
+    show: an ablation is a ``MacerConfig`` (``"no_coverage"``, ``"macer_raw"``, ``"single_readout"``) or a
+    ``FastVConfig`` (``"shared_topk"``), whose class names say ``"macer"`` / ``"fastv"``. An instance attribute over
+    the class's ``name``: not a field, so it changes neither equality nor the policy's behaviour."""
+    if policy.name != name:
+        object.__setattr__(policy, "name", name)
+    return policy
+
+
+def _opt_in_problems(params: Mapping[str, Any], num_layers: int) -> list[str]:
+    """What is wrong with the MACER fields a ``"full"`` engine carries for opt-in requests (``_OPT_IN``): each value
+    as ``MacerConfig`` checks it, the layers against the decoder's depth. Missing ones are not a problem here (a
+    request that opts in is refused then, naming them)."""
+    fields = {key: value for key, value in params.items() if key in _OPT_IN}
+    if not fields:
+        return []
+    try:
+        MacerConfig(**{"audio_layer": 1, "video_layer": 1, **fields}).check_depth(num_layers)
+    except (ValueError, TypeError) as error:
+        return [f"{WHERE}: {error} (a setting for the requests that opt in to MACER on this engine)"]
+    return []
 
 
 def _unknown_key(key: str, name: str, allowed: list[str]) -> str:
@@ -290,11 +326,15 @@ def policy_from_settings(settings: Any, hf_config: Any, architecture: str) -> tu
     # (each problem once).
     fields = {key: value for key, value in params.items() if key in allowed and key not in LABEL_KEYS
               and (end_ok or key != "end_of_turn_token_id")}
+    if name == "full":  # the opt-in requests' MACER fields: checked, not the engine's own policy's
+        problems += _opt_in_problems(fields, decoder_depth(hf_config))
+        fields = {key: value for key, value in fields.items() if key not in _OPT_IN}
     try:
         # MACER and its ablations start from the paper's defaults for a recognised model (make_policy(name, model));
         # the baselines have none.
         policy = make_policy(name, **fields) if name in _BASELINES else make_policy(name, hf_config, **fields)
         policy.check_depth(decoder_depth(hf_config))
+        policy = named(policy, name)
     except (ValueError, TypeError) as error:
         policy = None
         problems.append(f"{WHERE}: {error}")

@@ -19,6 +19,7 @@ import torch
 from macer.core.layout import RequestLayout, plan_layout, unpruned_layout
 from macer.core.policy import Policy, PromptFacts, plan_prefill
 from macer.core.prefill import PrefillState
+from macer.core.steps import layer_bounds
 from macer.vllm import records
 from macer.vllm.prompt import PromptLabels
 from macer.vllm.request_settings import RequestPolicies
@@ -30,7 +31,8 @@ __all__ = ["RequestState", "RequestStates", "plan_request", "request_layout"]
 @dataclass
 class RequestState:
     """One request: its layout, policy and host facts; the stages' device state (pruned requests only); the keep
-    indices of its stages by first compacted layer (set at its first prefill)."""
+    indices of its stages by first compacted layer (set at its first prefill); the layers where its rows change
+    (``macer.core.steps.layer_bounds`` of its layout, computed once)."""
 
     request_id: str
     layout: RequestLayout
@@ -40,6 +42,10 @@ class RequestState:
     keeps: dict[int, torch.Tensor] = field(default_factory=dict)
     prefilled: bool = False  # its first whole prefill ran (a later whole prefill is a recompute)
     recorded: bool = False
+    bounds: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.bounds = layer_bounds(self.layout.prompt_len, self.layout.layer_tokens)
 
     def record_unpruned(self) -> None:
         """The record of a request served unpruned (host values only)."""

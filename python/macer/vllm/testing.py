@@ -41,6 +41,7 @@ __all__ = [
     "AUDIO_IDS",
     "END_OF_TURN",
     "MACER_SETTINGS",
+    "TOKENIZER_CONFIG",
     "VIDEO_IDS",
     "admission",
     "clip_prompt",
@@ -227,10 +228,17 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|> {{ message['role'] }
 """Renders a conversation as ``clip_prompt`` lays it out (words separated by spaces)."""
 
 
+TOKENIZER_CONFIG = {"model_type": "llama"}
+"""The tokenizer folder's ``config.json``. vLLM parses a config in the folder given as ``--tokenizer`` (without one it
+logs 4 ERROR lines and retries for seconds); transformers registers no tokenizer class for ``llama`` (in 5.x), so
+``AutoTokenizer`` takes ``tokenizer_config.json``'s. A Qwen2 config there would make it a Qwen2 tokenizer."""
+
+
 def write_tokenizer(directory: str | Path, vocab_size: int) -> Path:
-    """A word-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` with ``CHAT_TEMPLATE``) whose token
-    ``i`` is ``word(i)``, split on whitespace; written to ``directory`` (keep it apart from the checkpoint: beside a
-    Qwen2 ``config.json`` transformers would load it as a Qwen2 tokenizer). Needs the ``tokenizers`` package."""
+    """A word-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` with ``CHAT_TEMPLATE``, and
+    ``TOKENIZER_CONFIG`` as ``config.json``) whose token ``i`` is ``word(i)``, split on whitespace; written to
+    ``directory`` (keep it apart from the checkpoint: beside a Qwen2 ``config.json`` transformers would load it as a
+    Qwen2 tokenizer). Needs the ``tokenizers`` package."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     path = Path(directory)
@@ -243,6 +251,7 @@ def write_tokenizer(directory: str | Path, vocab_size: int) -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<pad>",
         "bos_token": None, "unk_token": "<pad>", "model_max_length": 4096, "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE}, indent=2))
+    (path / "config.json").write_text(json.dumps(TOKENIZER_CONFIG))
     return path
 
 

@@ -1,9 +1,11 @@
-"""The MACER worker: vLLM's own worker (``CPUWorker``, or ``Worker`` on a GPU) with three additions, installed by the
+"""The MACER worker: vLLM's own worker (``CPUWorker``, or ``Worker`` on a GPU) with four additions, installed by the
 config hook through ``parallel_config.worker_cls`` (the public ``--worker-cls``):
 
 * once the KV cache exists (``initialize_from_config``) it hands the V1 model runner to the model's staged decoder
   (``StagedDecoder.bind``: the request order, prompt ids, per-request settings and block tables of each step, all on
   the host; copies of the runner's attention groups; the load-time self-test);
+* once vLLM compiled the model and captured its CUDA graphs (``compile_or_warm_up_model``) it has the decoder prove
+  the FULL decode graphs against the same decode without them (``macer.vllm.graphcheck``);
 * each step (``execute_model``) it drops the state of the requests vLLM finished or aborted, and marks the step, so
   that only a step the scheduler made is planned (profiling, warm-up and graph-capture runs never are);
 * after the step's sampler (``sample_tokens``) it finishes the step's records (``macer.vllm.records``): at once
@@ -18,9 +20,12 @@ subclassed; the private runner names the decoder reads are checked when it binds
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 from macer.vllm import parallel, records
+
+logger = logging.getLogger("vllm.macer")
 
 # MacerCPUWorker and MacerGPUWorker are attributes too, built on first access (``__getattr__``).
 __all__ = ["MacerWorkerMixin", "configure_engine", "worker_problems"]
@@ -48,6 +53,13 @@ class MacerWorkerMixin:
                 decoder.bind(self.model_runner)  # type: ignore[attr-defined]
             if decoder.pipe is not None:
                 parallel.intermediate_buffers(self.model_runner)  # type: ignore[attr-defined]
+
+    def compile_or_warm_up_model(self) -> Any:
+        out = super().compile_or_warm_up_model()  # type: ignore[misc]
+        decoder = self._macer()
+        if decoder is not None:
+            decoder.check_graphs(self)  # FULL decode CUDA graphs, proven before any request (macer.vllm.graphcheck)
+        return out
 
     def execute_model(self, scheduler_output: Any) -> Any:
         records.finish_pending()
@@ -143,14 +155,18 @@ def configure_engine(vllm_config: Any) -> None:
     """The config hook's part for batched serving (after ``worker_problems``): the MACER worker (``--worker-cls``)
     and scheduler (``--scheduler-cls``: it attaches each request's record to its output); the engine's settings kept
     in this process for the per-request admission check."""
+    from vllm.platforms import current_platform
+
     from macer.vllm.request_settings import remember_engine
+    from macer.vllm.runner import would_use_v2
     from macer.vllm.settings import SETTINGS_KEY
 
     parallel = vllm_config.parallel_config
     if parallel.worker_cls == "auto":
-        from vllm.platforms import current_platform
-
         parallel.worker_cls = _WORKERS["cpu" if current_platform.is_cpu() else "gpu"]
+    if not current_platform.is_cpu() and not vllm_config.use_v2_model_runner and would_use_v2(vllm_config):
+        logger.info("macer: %s runs on vLLM's V1 model runner (the compacted layers' metadata is built for it; "
+                    "vLLM's default here would be Model Runner V2)", vllm_config.model_config.architecture)
     vllm_config.scheduler_config.scheduler_cls = _SCHEDULER
     additional = vllm_config.additional_config or {}
     remember_engine(additional.get(SETTINGS_KEY) if hasattr(additional, "get") else None,
