@@ -1,7 +1,9 @@
-"""What the parallel-layout tests (issue 38: ``test_parallel_tp.py``, ``test_parallel_dp.py``) share: a mixed batch of
-requests, their reference (each request alone on the session's TP=1 engine, in this process, and through transformers
-with ``macer.compress``), the comparison, and the environment of an engine whose ranks run in processes of their own
-(one CPU thread per rank, bound to a core of its own).
+"""What the parallel-layout tests (issue 38: ``test_parallel_tp.py``, ``test_parallel_pp.py``,
+``test_parallel_dp.py``) share: a mixed batch of requests, their reference (each request alone on a TP=1 engine in
+this process, and through transformers with ``macer.compress``), the comparison, the environment of an engine whose
+ranks run in processes of their own (one CPU thread per rank, bound to a core of its own), a serving run that counts
+preemptions, and what each rank saw (``watch`` / ``watched``: its steps with and without a stage, the calls of vLLM's
+eager decoder forward, what it compiled after the engine started).
 
 A request is compared by its tokens, its record (``kv_transfer_params["macer"]``: kept rows per modality, per-layer
 lengths, budget, note) and the logprob of every sampled token (fp32; within ``LOGPROB_ATOL`` of the TP=1 engine, whose
@@ -11,6 +13,7 @@ single rank sums the heads in another order than the ranks' all-reduces).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -135,3 +138,80 @@ def environment(**values: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def serve_counting_preemptions(llm: Any) -> tuple[list[Any], list[str]]:
+    """The mixed batch in one ``generate`` on ``llm`` (engine core in this process), and the requests its scheduler
+    preempted."""
+    from vllm_cases import scheduler_of
+
+    scheduler = scheduler_of(llm)
+    preempted: list[str] = []
+    preempt = scheduler._preempt_request
+
+    def counted(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = counted
+    try:
+        outputs = llm.generate([{"prompt_token_ids": prompt} for _, prompt, _ in requests()],
+                               [sampling(extra) for _, _, extra in requests()], use_tqdm=False)
+    finally:
+        del scheduler._preempt_request
+    return outputs, preempted
+
+
+def _compile_counters() -> dict:
+    """vLLM's counters of its model compilations (the decoder's graphs, their backend compilations). Dynamo's own
+    counters are not read: vLLM's sampler compiles its logprob-rank count (``batched_count_greater_than``) at its
+    first use, a graph of vLLM's own that a TP=1 engine asked for logprobs compiles too."""
+    from vllm.compilation.counter import compilation_counter
+
+    return dataclasses.asdict(compilation_counter)
+
+
+def watch(worker: Any) -> bool:
+    """From now on, on this rank (through ``collective_rpc``): its steps' ``staged`` flags, the calls of vLLM's
+    decoder ``forward`` as a Python method (a compiled engine's decoder runs its compiled code instead), and its
+    compilation counters."""
+    decoder = worker.model_runner.get_model().macer
+    model = decoder.model
+    seen: dict = {"staged": [], "eager": 0, "counters": _compile_counters()}
+    forward = model.forward
+
+    def counted(*args, **kwargs):
+        seen["eager"] += 1
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    decoder.on_step = lambda step, runner: seen["staged"].append(step.staged)
+    worker.macer_seen = seen
+    return True
+
+
+def watched(worker: Any) -> dict:
+    """What this rank saw since ``watch``: its pipeline and tensor-parallel ranks, the records it made (only the
+    output rank makes them), the steps with and without a stage, the eager forwards, what it compiled."""
+    from macer.vllm import records
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    seen = worker.macer_seen
+    return {"pp": get_pp_group().rank_in_group, "tp": get_tp_group().rank_in_group, "records": len(records.RECORDS),
+            "staged": sum(seen["staged"]), "plain": len(seen["staged"]) - sum(seen["staged"]),
+            "eager": seen["eager"], "compiled": _changed(seen["counters"], _compile_counters())}
+
+
+def _changed(before: dict, after: dict) -> dict:
+    return {key: (before.get(key), value) for key, value in after.items() if before.get(key) != value}
+
+
+def check_modes(facts: list[dict], eager: bool) -> None:
+    """Every rank ran steps with and without a stage; the steps without one ran vLLM's eager decoder forward in an
+    eager engine, its compiled code in a compiled engine (no eager forward, nothing compiled after the start)."""
+    for fact in facts:
+        assert fact["staged"] and fact["plain"], fact
+        if eager:
+            assert fact["eager"] == fact["plain"], fact
+        else:
+            assert fact["eager"] == 0 and not fact["compiled"], fact
