@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 
 import macer
+import macer.core.stage as stage_module
 import pytest
 import torch
 from macer.core.policy import AUDIO, TEXT, VISUAL, PromptFacts, plan_prefill
@@ -69,7 +70,7 @@ def run_ranks(plan, draws: list[tuple[torch.Tensor, torch.Tensor]], world: int =
                 k = key[:, r * per_kv:(r + 1) * per_kv, :n]
                 state.run(q, k, None, 1e-6, reduce=reduce)
                 if state.pending is not None:
-                    state.current = state.current[state.pending]
+                    state.take_pending()
                 kept[r].append(state.current.clone())
         except BaseException as error:  # reported by the test, after both threads stop
             errors.append(error)
@@ -104,7 +105,7 @@ def test_ranks_with_a_share_of_the_heads_keep_the_rows_of_all_heads(name, seed):
             m = alone.current.numel()
             alone.run(query[:, :, :m], key[:, :, :m], None, 1e-6)
             if alone.pending is not None:
-                alone.current = alone.current[alone.pending]
+                alone.take_pending()
             want.append(alone.current.clone())
         ranks = run_ranks(plan, draws)
         for got in ranks:
@@ -127,3 +128,38 @@ def test_a_reduce_that_differs_between_ranks_makes_them_select_differently(seed)
         state.run(query[:, 2 * r:2 * r + 2], key[:, r:r + 1], None, 1e-6, reduce=lambda local: local)
         kept.append(state.pending.tolist())
     assert kept[0] != kept[1]
+
+
+def test_one_device_stays_fused_and_a_reduce_composes_the_same_rows(monkeypatch, seed):
+    """Guards the split between the two paths (issue 38): without a reduce MACER's stages run the prepared stage (one
+    host call on the CUDA backend); with a reduce (here the identity, every head in one process) no stage is
+    prepared, the stage runs at once even in a deferring prefill, and it keeps the same rows; ``apply`` then compacts
+    the engine's tensors to them."""
+    calls: list[int] = []
+    prepare = stage_module.prepared_stage
+    monkeypatch.setattr(stage_module, "prepared_stage", lambda *args, **kwargs: calls.append(1) or prepare(*args,
+                                                                                                          **kwargs))
+    generator = torch.Generator().manual_seed(seed)
+    facts = prompt(generator)
+    plan = plan_prefill(policies()["macer"], facts)
+    n = facts.length
+    draws = [(torch.randn(1, HEADS, n, DIM, generator=generator), torch.randn(1, KV_HEADS, n, DIM,
+                                                                               generator=generator))
+             for _ in plan.stages]
+    kept = {}
+    for reduce in (None, lambda local: local):
+        calls.clear()
+        state = PrefillState(plan, torch.device("cpu"), defer=True)
+        hidden = torch.randn(n, 8, generator=generator)
+        rows = []
+        for query, key in draws:
+            m = state.current.numel()
+            state.run(query[:, :, :m], key[:, :, :m], None, 1e-6, reduce=reduce)
+            assert (state.pending is not None) == (reduce is not None)  # a fused stage is deferred to apply
+            before = hidden
+            keep, (hidden,) = state.apply([hidden], [0])
+            assert torch.equal(hidden, before[keep])
+            rows.append(state.current.tolist())
+        assert len(calls) == (len(plan.stages) if reduce is None else 0)
+        kept[reduce is None] = rows
+    assert kept[True] == kept[False]
