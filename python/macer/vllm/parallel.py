@@ -11,7 +11,15 @@
   way and writes the same KV layout. A guard checks it: after each stage the ranks all-gather their kept rows and
   compare them on the device; the flags are read once the step is done (``claim_agreement``, called by the MACER
   worker after the sampler), and a rank that kept other rows stops the engine with an error naming the request and
-  the layer, instead of serving a mixture.
+  the layer, instead of serving a mixture. The collectives run only in stage steps, which run eagerly in a compiled
+  engine too (``macer.vllm.staged``); the stage composes its ops around the all-gather (the prepared stage scores and
+  selects in one call), and a one-device engine keeps the prepared stage. Only the output rank (the first
+  tensor-parallel rank of the last pipeline stage) makes the requests' records.
+* **Pipeline parallel** (``PipelineRanks``, ``MacerQwen2ForCausalLM``): every rank plans every request from its
+  prompt on its own layers; a staged step hands the rows a rank holds to the next with ``ROWS_KEY``; a step without a
+  stage runs vLLM's own forward (compiled where the engine compiles) on every rank. The Omni thinkers are refused at
+  ``--pipeline-parallel-size`` > 1 (``parallel_problems``). An eager engine's later ranks get the receive buffer
+  vLLM's CPU runner allocates only in its compiled warm-up (``intermediate_buffers``).
 * **Data parallel** (``parallel_problems``): a dense model's DP ranks are independent engines (vLLM reconfigures each
   engine core as DP=1), each with its own MACER scheduler, KV cache, states and records: nothing to add. A MoE
   model's DP ranks step together (vLLM's ``DPEngineCoreProc``: idle ranks run dummy batches, the experts' tokens are
