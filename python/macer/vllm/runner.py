@@ -8,11 +8,11 @@ exists (``bind``), and three of its objects get a wrapper on the instance:
   any metadata is built): the step is planned here (``macer.vllm.plan.StepPlanner``) and dispatched so that a step
   whose forward runs stages (``staged``) gets no CUDA graph and no padding, and a step whose segments are not the
   captured layout's (``graphable``) no FULL graph;
-* the metadata builder of KV cache group 0 (of the group of the rank's first layer, on a later pipeline rank): its
-  ``build`` (once per step) then builds the compacted layers' metadata
-  for the step the dispatcher saw (``macer.vllm.backend.StageMetadata.build``), on the buffers a FULL graph reads when
-  the dispatcher chose one; its ``build_for_cudagraph_capture`` (FULL captures and dummy runs, never a step the
-  scheduler made) the capture's metadata on those buffers (``StageMetadata.capture``).
+* the metadata builder of KV cache group 0 (on a later pipeline rank, of its first layer's group): its ``build``
+  (once per step) then builds the compacted layers' metadata for the step the dispatcher saw
+  (``macer.vllm.backend.StageMetadata.build``), on the buffers a FULL graph reads when the dispatcher chose one; its
+  ``build_for_cudagraph_capture`` (FULL captures and dummy runs, never a step the scheduler made) the capture's
+  metadata on those buffers (``StageMetadata.capture``).
 
 Only steps the scheduler made are planned: the MACER worker marks them (``begin_step`` / ``end_step``); profiling,
 warm-up and capture runs are not. A step the worker marked whose plan or metadata build did not happen raises, naming
