@@ -5,6 +5,8 @@ weights.
     python -m benchmarks.bench_e2e --mode gpu                      # GPU: 7B and 3B text shapes, 2.4k and 16.3k clips
     python -m benchmarks.bench_e2e --mode gpu --attn flash_attention_2  # the same with FlashAttention-2
     python -m benchmarks.bench_e2e --mode cpu --threads 1 --record # write the committed benchmarks/results/ files
+    python -m benchmarks.bench_e2e --mode gpu --text-shapes 7B --policies macer --keep-ratios 0.25 --compile both
+                                                                   # compiled decoder layers beside eager ones
 
 For each synthetic clip (``--clips``: ``paper``, 12 frames -> 864 video + 1460 audio tokens, 2.4k tokens in all;
 ``long``, 192 frames + 2400 audio tokens, 16.3k tokens) it runs ``model.generate`` unpatched ("full") and inside
@@ -34,6 +36,15 @@ warm-up rounds:
   per-layer lengths and ``macer.cost``), the paper's proxy (``eq:appendix_efficiency``, for policies that prune
   after layer 1) and ``ratio_over_proxy`` = measured / token-layer ratio.
 
+``--compile on`` runs every configuration with the decoder layers compiled (``macer.compress(..., compile=...)``:
+regional ``torch.compile``, the full model as ``macer.FullConfig()``), ``--compile both`` each one eager and compiled
+(column ``compiled``; each policy's ratios are to the full model of the same setting, ``speedup_vs_eager_full`` to the
+eager full model). Compilation happens in the warm-up rounds (``first_prefill_ms`` shows the first round's prefill).
+Beside each compiled MACER row at rho = 0.25 the prefill-speedup target of issue 37 (``target_speedup``: >= 2.4x at the
+2.4k clip, >= 2.85x at 16.3k) and whether it is met: by the smaller of ``speedup`` (full / policy decoder prefill,
+same setting) and ``speedup_vs_eager_full``, i.e. against the faster full model. On CPU ``speedup_cpu`` gives the
+like-for-like ratio of process CPU times (wall time on a shared machine measures the other processes too).
+
 Modes:
 
 * ``cpu``: a mid-size thinker (12 layers, hidden 1024, 16 heads, 2 KV heads, MLP 2816; float32, sdpa) so that the
@@ -53,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import statistics
 import sys
@@ -81,6 +93,12 @@ CLIPS: dict[str, dict[str, int]] = {
 
 POLICIES = ("macer", "fastv", "random")
 """Policies the benchmark knows, besides the full model; ``--policies`` picks from those the installed ``macer`` has."""
+
+TARGET_SPEEDUP: dict[str, float] = {"paper": 2.4, "long": 2.85}
+"""Issue 37's decoder-prefill speedups for MACER at rho = 0.25 with compiled layers, per clip."""
+
+COMPILE = ("off", "on", "both")
+"""``--compile``: eager layers only, compiled only, or both side by side."""
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2")
 """The thinker's attention choices (``--attn``; default sdpa), as ``macer.compress`` accepts them."""
@@ -141,6 +159,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FastV's readout layer (default 5, the L_p that tab:main charges FastV with)")
     parser.add_argument("--naive-lengths", type=int, nargs="*", default=[2400, 20000],
                         help="gpu mode: sequence lengths of the naive output_attentions comparison (none: skip)")
+    parser.add_argument("--compile", choices=COMPILE, default="off",
+                        help="decoder layers through torch.compile (macer.compress(..., compile=...)): off, on, or "
+                             "both side by side")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the compiled configurations (default inductor)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice; 1 makes the CPU-time columns a clean "
                              "compute measure on a shared machine)")
@@ -182,7 +205,20 @@ def run(args: argparse.Namespace) -> int:
             "timing": "median of `reps` rounds after `warmup` rounds; all configurations alternate in one process",
             "load_average_at_end": list(os.getloadavg())}
     output.write(args.name or f"bench_e2e_{mode}", rows, naive_rows, meta, out_dir, plot_png=not args.no_plot)
+    if settings["compile"] != "off":
+        print_speedups(rows)
     return 0
+
+
+def print_speedups(rows: list[dict]) -> None:
+    """The decoder-prefill speedups, each target beside the measured value (``--compile``)."""
+    from benchmarks import common
+
+    keys = ("model", "clip", "method", "keep_ratio", "compiled", "llm_prefill_ms", "first_prefill_ms", "speedup",
+            "speedup_vs_eager_full", "speedup_cpu", "target_speedup", "meets_target", "decode_ms_per_token")
+    print("\nspeedup = full / policy decoder prefill (wall), same setting (eager or compiled layers); speedup_cpu: the "
+          "same in process CPU time (CPU mode); target: issue 37, met when both wall speedups reach it")
+    common.print_table([{k: r[k] for k in keys} for r in rows])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -244,6 +280,7 @@ def _settings(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         "num_layers": args.num_layers, "hidden_size": args.hidden_size, "num_heads": args.num_heads,
         "num_kv_heads": args.num_kv_heads, "intermediate_size": args.intermediate_size,
         "threads": torch.get_num_threads(), "attn_implementation": args.attn,
+        "compile": args.compile, "compile_options": {"backend": args.compile_backend},
         "dtype": "float32" if mode == "cpu" else "bfloat16",
         "load_average_at_start": list(os.getloadavg()),
     }
@@ -316,10 +353,14 @@ def benchmark_model(model: torch.nn.Module, label: str, settings: dict[str, Any]
     ids = inputs["input_ids"][0]
     n_audio = int((ids == SYNTHETIC_TOKENS.audio).sum())
     n_video = int((ids == SYNTHETIC_TOKENS.video).sum())
-    configs: list[tuple[str, float, Any]] = [("full", 1.0, None)]
-    configs += [(name, rho, _policy(name, model, rho, settings))
-                for name in settings["policies"] for rho in settings["keep_ratios"]]
+    configs: list[tuple[str, float, Any, dict[str, Any] | None]] = []
+    for compiled in {"off": [False], "on": [True], "both": [False, True]}[settings.get("compile", "off")]:
+        options = settings["compile_options"] if compiled else None
+        configs.append(("full", 1.0, None, options))
+        configs += [(name, rho, _policy(name, model, rho, settings), options)
+                    for name in settings["policies"] for rho in settings["keep_ratios"]]
     results: dict[int, list[Measurement]] = {i: [] for i in range(len(configs))}
+    first: dict[int, Measurement] = {}
     rounds = settings["warmup"] + settings["reps"]
     for r in range(rounds):
         order = list(range(len(configs)))
@@ -327,30 +368,57 @@ def benchmark_model(model: torch.nn.Module, label: str, settings: dict[str, Any]
         order = order[shift:] + order[:shift]  # rotate, so no configuration always runs first or after the same one
         latest: dict[int, Measurement] = {}
         for i in order:
-            latest[i] = measure.measure_generate(model, inputs, configs[i][2], settings["decode_tokens"])
+            latest[i] = measure.measure_generate(model, inputs, configs[i][2], settings["decode_tokens"],
+                                                 compile=configs[i][3])
+            first.setdefault(i, latest[i])
             if r >= settings["warmup"]:
                 results[i].append(latest[i])
         log(f"[{label} {clip}] round {r + 1}/{rounds}{' (warm-up)' if r < settings['warmup'] else ''}: " + ", ".join(
-            f"{configs[i][0]}@{configs[i][1]:g} llm {1e3 * latest[i].llm_prefill_s:.0f} ms" for i in sorted(latest)))
+            f"{configs[i][0]}@{configs[i][1]:g}{' compiled' if configs[i][3] is not None else ''} "
+            f"llm {1e3 * latest[i].llm_prefill_s:.0f} ms" for i in sorted(latest)))
     # Each policy's own work and the peak memory, measured apart: a few extra generates of each configuration.
     profiled: dict[int, list[Measurement]] = {i: [] for i in range(len(configs))}
     for _ in range(settings["profile_reps"]):
         for i in profiled:
             profiled[i].append(measure.measure_generate(model, inputs, configs[i][2], settings["decode_tokens"],
-                                                        profile=True))
+                                                        profile=True, compile=configs[i][3]))
     syncs: dict[int, int | None] = dict.fromkeys(range(len(configs)))
     if measure.uses_cuda(device):
         for i in syncs:
-            syncs[i] = sum(measure.host_syncs_per_prefill(model, inputs, configs[i][2]).values())
+            syncs[i] = sum(measure.host_syncs_per_prefill(model, inputs, configs[i][2], configs[i][3]).values())
     shape = cost.DecoderShape.from_config(model)
+    fulls = {configs[i][3] is not None: i for i, config in enumerate(configs) if config[0] == "full"}
     rows = []
-    for i, (method, keep_ratio, _) in enumerate(configs):
-        row = {"model": label, "clip": clip, **_row(method, keep_ratio, results[i], profiled[i], results[0], shape,
-                                                   n_audio, n_video)}
+    for i, (method, keep_ratio, _, options) in enumerate(configs):
+        compiled = options is not None
+        full = fulls[compiled]
+        row = {"model": label, "clip": clip, "compiled": compiled,
+               **_row(method, keep_ratio, results[i], profiled[i], results[full], shape, n_audio, n_video)}
+        row["first_prefill_ms"] = 1e3 * first[i].prefill_s
         row["host_syncs"] = syncs[i]
-        row["extra_host_syncs"] = None if syncs[i] is None else syncs[i] - syncs[0]
+        row["extra_host_syncs"] = None if syncs[i] is None else syncs[i] - syncs[full]
+        row.update(_speedups(method, keep_ratio, clip, compiled, results[i], results[full],
+                             results[fulls[False]] if False in fulls else None))
         rows.append(row)
     return rows
+
+
+def _speedups(method: str, keep_ratio: float, clip: str, compiled: bool, runs: list[Measurement],
+              full_runs: list[Measurement], eager_full_runs: list[Measurement] | None) -> dict[str, Any]:
+    """Decoder-prefill speedups (medians of per-round ratios of wall times): to the full model of the same setting
+    (``speedup``, like for like) and to the eager full model; on CPU also of process CPU times (``speedup_cpu``, like
+    for like: steady on a shared machine, where wall time is not). Beside a compiled MACER row at rho = 0.25 its
+    target; ``meets_target`` reads the smaller of the two wall-time speedups (the faster full model is the baseline)."""
+    speedup = _median([f.llm_prefill_s / m.llm_prefill_s for m, f in zip(runs, full_runs)])
+    versus_eager = (None if eager_full_runs is None else
+                    _median([f.llm_prefill_s / m.llm_prefill_s for m, f in zip(runs, eager_full_runs)]))
+    cpu = _median([None if m.llm_prefill_cpu_s is None or f.llm_prefill_cpu_s is None
+                   else f.llm_prefill_cpu_s / m.llm_prefill_cpu_s for m, f in zip(runs, full_runs)])
+    target = (TARGET_SPEEDUP.get(clip) if compiled and method == "macer" and math.isclose(keep_ratio, 0.25)
+              else None)
+    read = speedup if versus_eager is None else min(speedup, versus_eager)
+    return {"speedup": speedup, "speedup_vs_eager_full": versus_eager, "speedup_cpu": cpu, "target_speedup": target,
+            "meets_target": None if target is None else read >= target}
 
 
 def _row(method: str, keep_ratio: float, runs: list[Measurement], profiled: list[Measurement],

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import numbers
 from fractions import Fraction
 
 from macer_kernels._validate import check_count, check_real, decimal_fraction
-from macer_kernels.reference import split_budget_ref
 from macer_kernels.types import Budget
+
+__all__ = ["exact_ratio", "split_budget", "split_budget_exact"]
 
 
 def split_budget(n_audio: int, n_video: int, keep_ratio: float | Fraction, audio_share: float | Fraction) -> Budget:
@@ -42,5 +45,32 @@ def split_budget(n_audio: int, n_video: int, keep_ratio: float | Fraction, audio
         raise ValueError(f"keep_ratio must be in (0.0, 1.0], got {keep_ratio}")
     if not 0 <= decimal_fraction(audio_share) <= 1:
         raise ValueError(f"audio_share must be in [0.0, 1.0], got {audio_share}")
-    # Scalar arithmetic, once per prompt: the reference is the implementation, on validated arguments.
-    return split_budget_ref(n_audio, n_video, keep_ratio, audio_share)
+    return split_budget_exact(n_audio, n_video, decimal_fraction(keep_ratio), decimal_fraction(audio_share))
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _cached_ratio(value: numbers.Real) -> Fraction:
+    return decimal_fraction(value)
+
+
+def exact_ratio(value: numbers.Real) -> Fraction:
+    """``decimal_fraction(value)`` (the rational a user means by a real number: 0.35 is 35/100), cached by type and
+    value: a policy's ratios are constants, and reading a float's decimal digits costs microseconds per call."""
+    try:
+        return _cached_ratio(value)
+    except TypeError:  # an unhashable number type
+        return decimal_fraction(value)
+
+
+def split_budget_exact(n_audio: int, n_video: int, keep_ratio: Fraction, audio_share: Fraction) -> Budget:
+    """``split_budget`` on exact rationals, in integer arithmetic and without argument checks (a policy calls it with
+    its validated fields read by ``exact_ratio``). With rho = p / q, ``floor(rho n + 1/2) = (2 p n + q) // (2 q)``
+    exactly (Python integers), and the same for alpha K_mm: the result equals
+    ``macer_kernels.reference.split_budget_ref``'s ``Fraction`` arithmetic for every input."""
+    p, q = keep_ratio.numerator, keep_ratio.denominator
+    a, b = audio_share.numerator, audio_share.denominator
+    n = n_audio + n_video
+    total = min(n, (2 * p * n + q) // (2 * q))
+    nominal_audio = (2 * a * total + b) // (2 * b)
+    audio = min(n_audio, nominal_audio + max(0, total - nominal_audio - n_video))
+    return Budget(total, audio, total - audio)

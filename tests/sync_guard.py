@@ -64,6 +64,9 @@ def model_layer_caller(skip: str) -> str | None:
 READ_METHODS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 """The ``torch.Tensor`` methods that the model-layer read counters patch."""
 
+ENGINE_READ_METHODS = (*READ_METHODS, "argwhere", "unique", "unique_consecutive", "masked_select")
+"""``READ_METHODS`` and the methods whose output size depends on values (the engine's counter)."""
+
 
 def counting(name: str, original, window: list[int], found: list, skip: str):
     """``original`` wrapped to append ``(name, model_layer_caller(skip))`` to ``found`` for each call the model
@@ -80,11 +83,14 @@ def counting(name: str, original, window: list[int], found: list, skip: str):
 
 
 def count_engine_reads(monkeypatch, macer, skip: str) -> list[tuple[str, str]]:
-    """Count the model layer's host reads inside a vLLM engine's staged decoder ``macer``: ``READ_METHODS`` of
-    ``torch.Tensor`` are counted (``counting``) while its step plan (``planner.plan``), its metadata build (the runner
-    binding's ``_build``) or its forward run, except inside a request's planning (``planner.plan_request``: its host
-    prompt ids may be read). Returns the list the reads are appended to, as ``(method, module:line)``; ``skip`` is the
-    calling test's ``__name__``."""
+    """Count the model layer's host reads inside a vLLM engine's staged decoder ``macer``: ``ENGINE_READ_METHODS`` of
+    ``torch.Tensor``, the ``torch`` functions of ``no_host_reads`` (``nonzero``, ``equal``, ``allclose``, ...) and
+    ``Tensor.to`` towards the CPU are counted (``counting``) while its step plan (``planner.plan``), its metadata build
+    (the runner binding's ``_build``) or its forward run, except inside a request's planning
+    (``planner.plan_request``: its host prompt ids may be read). Returns the list the reads are appended to, as
+    ``(method, module:line)``; ``skip`` is the calling test's ``__name__``. (Reads inside aten kernels, e.g. a boolean
+    mask index, are not Python calls: ``no_host_reads`` on meta tensors and the transformers engine's counter see
+    those.)"""
     found: list[tuple[str, str]] = []
     window = [0]
 
@@ -99,9 +105,21 @@ def count_engine_reads(monkeypatch, macer, skip: str) -> list[tuple[str, str]]:
 
         return wrapped
 
-    for name in READ_METHODS:
+    for name in ENGINE_READ_METHODS:
         monkeypatch.setattr(torch.Tensor, name, counting(f"Tensor.{name}", getattr(torch.Tensor, name), window, found,
                                                          skip))
+    for name in _TORCH_FUNCTIONS:
+        monkeypatch.setattr(torch, name, counting(f"torch.{name}", getattr(torch, name), window, found, skip))
+    original_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if window[0] and _to_host(self, *args, **kwargs):
+            where = model_layer_caller(skip)
+            if where is not None:
+                found.append(("Tensor.to(cpu)", where))
+        return original_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
     monkeypatch.setattr(macer.planner, "plan", windowed(macer.planner.plan, 1))
     monkeypatch.setattr(macer.binding, "_build", windowed(macer.binding._build, 1))
     monkeypatch.setattr(macer, "forward", windowed(macer.forward, 1))

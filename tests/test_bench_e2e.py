@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import inspect
 import json
 import math
@@ -146,6 +147,52 @@ def test_count_sync_events():
              "cudaLaunchKernel", "cudaDeviceSynchronize", "cudaEventSynchronize"]
     assert measure.count_sync_events(names) == {"cudaStreamSynchronize": 2, "cudaDeviceSynchronize": 1,
                                                 "cudaEventSynchronize": 1, "cudaMemcpy": 1, "cudaMemcpy2D": 0}
+
+
+def test_compiled_rows_beside_eager_rows(tmp_path):
+    """``--compile both``: every configuration eager and with compiled decoder layers (aot_eager here: Dynamo's graphs
+    run by eager kernels, so the two settings prune and decode alike), each policy's ratio to the full model of its
+    own setting, the speedups to both full models, and the first round's prefill (where compilation happens)."""
+    threads = torch.get_num_threads()
+    try:
+        bench_e2e.run(_args([*_TINY, "--policies", "macer", "--compile", "both", "--compile-backend", "aot_eager",
+                             "--profile-reps", "0", "--no-plot", "--out", str(tmp_path), "--name", "compiled"]))
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "compiled.json").read_text())
+    rows = data["rows"]
+    assert data["meta"]["settings"]["compile"] == "both"
+    assert data["meta"]["settings"]["compile_options"] == {"backend": "aot_eager"}
+    assert [(r["method"], r["keep_ratio"], r["compiled"]) for r in rows] == [
+        ("full", 1.0, False), ("macer", 0.25, False), ("macer", 0.45, False),
+        ("full", 1.0, True), ("macer", 0.25, True), ("macer", 0.45, True)]
+    eager, compiled = rows[:3], rows[3:]
+    for e, c in zip(eager, compiled):
+        assert (c["layer_tokens"], c["kept_audio"], c["kept_video"]) == (e["layer_tokens"], e["kept_audio"],
+                                                                       e["kept_video"])
+        assert c["cache_matches_trace"] and c["first_prefill_ms"] > 0
+    for group in (eager, compiled):
+        full = group[0]
+        for row in group[1:]:  # one round: each ratio is that round's, against the full model of the same setting
+            assert math.isclose(row["llm_prefill_ratio"], row["llm_prefill_ms"] / full["llm_prefill_ms"], rel_tol=1e-9)
+            assert math.isclose(row["speedup"], full["llm_prefill_ms"] / row["llm_prefill_ms"], rel_tol=1e-9)
+            assert math.isclose(row["speedup_vs_eager_full"], eager[0]["llm_prefill_ms"] / row["llm_prefill_ms"],
+                                rel_tol=1e-9)
+            assert row["target_speedup"] is None  # a custom clip has no target
+            assert math.isclose(row["speedup_cpu"], full["llm_prefill_cpu_ms"] / row["llm_prefill_cpu_ms"],
+                                rel_tol=1e-9)
+    # The targets: compiled MACER rows at rho = 0.25 on the two clips of issue 37, like-for-like speedup read.
+    base = measure.Measurement(**{f.name: None for f in dataclasses.fields(measure.Measurement)})
+    fast, slow = dataclasses.replace(base, llm_prefill_s=1.0), dataclasses.replace(base, llm_prefill_s=2.5)
+    assert bench_e2e._speedups("macer", 0.25, "paper", True, [fast], [slow], None) == {
+        "speedup": 2.5, "speedup_vs_eager_full": None, "speedup_cpu": None, "target_speedup": 2.4,
+        "meets_target": True}
+    assert bench_e2e._speedups("macer", 0.25, "long", True, [fast], [slow], [slow])["meets_target"] is False
+    # Met only against the faster full model: 2.5x over a slow compiled full model, 2x over the eager one.
+    eager_full = dataclasses.replace(base, llm_prefill_s=2.0)
+    assert bench_e2e._speedups("macer", 0.25, "paper", True, [fast], [slow], [eager_full])["meets_target"] is False
+    assert bench_e2e._speedups("macer", 0.25, "long", False, [fast], [slow], [slow])["target_speedup"] is None
+    assert bench_e2e._speedups("macer", 0.45, "paper", True, [fast], [slow], None)["target_speedup"] is None
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The package's layout (issue 26, docs/architecture.md): three rooms with one-way doors, checked on the source.
 
-* ``macer.core`` imports the standard library, torch, ``macer_kernels`` and itself only (no transformers, no vLLM);
+* ``macer.core`` imports the standard library, torch, numpy (the host plan's arrays), ``macer_kernels`` and itself
+  only (no transformers, no vLLM);
 * ``macer.hf`` (the transformers engine) and ``macer.vllm`` (the vLLM plugin) import the core and never each other;
 * the tools beside them (``macer`` itself, ``cli``, ``diagnostics``, ``cost``, ``eval``, ``testing*``, ``batching``)
   import the rooms, never the other way round;
@@ -23,7 +24,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "macer"
 ROOMS = ("core", "hf", "vllm")
-CORE_MAY_IMPORT = {"torch", "macer_kernels", "macer"}  # macer: the core's own modules (checked below)
+CORE_MAY_IMPORT = {"torch", "numpy", "macer_kernels", "macer"}  # macer: the core's own modules (checked below)
 
 
 def read_package(root: Path) -> dict[str, str]:

@@ -129,3 +129,61 @@ def test_budget_invariants(n_audio, n_video, keep_ratio, audio_share):
     # Neither modality gets less than its nominal share unless it lacks the tokens.
     assert b.audio >= min(n_audio, nominal_audio)
     assert b.video >= min(n_video, b.total - nominal_audio)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The integer path the policies plan with (issue 37): split_budget_exact and exact_ratio
+# ---------------------------------------------------------------------------------------------------------------
+
+_RATIOS = st.one_of(
+    st.fractions(min_value=0, max_value=1, max_denominator=10**30),
+    st.sampled_from([Fraction(1, 2), Fraction(7, 20), Fraction(1, 3), Fraction(2, 3), Fraction(0), Fraction(1)]),
+)
+
+
+@given(n_audio=st.integers(0, 10**7), n_video=st.integers(0, 10**7), keep_ratio=_RATIOS, audio_share=_RATIOS)
+def test_integer_split_equals_the_fraction_reference(n_audio, n_video, keep_ratio, audio_share):
+    """The policies' integer arithmetic against ``split_budget_ref``'s ``Fraction`` arithmetic (floor(x + 1/2) of
+    exact rationals, denominators up to 10**30), reassignment included."""
+    from macer_kernels.reference import split_budget_ref
+    from macer_kernels.split_budget import split_budget_exact
+
+    if keep_ratio == 0:
+        keep_ratio = Fraction(1, 10**30)
+    assert split_budget_exact(n_audio, n_video, keep_ratio, audio_share) == split_budget_ref(
+        n_audio, n_video, keep_ratio, audio_share)
+
+
+def test_exact_ratio_reads_each_type_as_split_budget_does():
+    """The ratio cache keys on type and value: numpy's float32 0.35 prints "0.35" (35/100), the Python float
+    nearest to it prints its 16 digits, and the two compare equal, so an untyped cache would give one the other's
+    fraction."""
+    import numpy as np
+
+    from macer_kernels.split_budget import exact_ratio
+
+    near = float(np.float32(0.35))
+    assert np.float32(0.35) == near
+    assert exact_ratio(np.float32(0.35)) == Fraction(35, 100)
+    assert exact_ratio(near) == Fraction(repr(near)) != Fraction(35, 100)
+    assert exact_ratio(np.float32(0.35)) == Fraction(35, 100)  # again, after the float's entry
+    assert exact_ratio(0.35) == Fraction(7, 20) and exact_ratio(Fraction(1, 3)) == Fraction(1, 3)
+    assert exact_ratio(1) == 1 and exact_ratio(True) == 1
+
+
+@given(n_audio=st.integers(0, 30_000), n_video=st.integers(0, 30_000),
+       keep_ratio=st.one_of(st.sampled_from([0.25, 0.35, 0.45, 0.7, 1 / 3]), st.floats(1e-6, 1.0)),
+       audio_share=st.one_of(st.sampled_from([0.3, 0.32, 0.35, 0.15]), st.floats(0.0, 1.0)))
+def test_policy_budgets_equal_the_fraction_reference(n_audio, n_video, keep_ratio, audio_share):
+    """MacerConfig, FastVConfig and RandomConfig budget with ``split_budget_exact``: the same numbers as the public
+    ``split_budget`` and as ``split_budget_ref`` on the fields as written."""
+    import macer
+
+    from macer_kernels.reference import split_budget_ref
+
+    want = split_budget_ref(n_audio, n_video, keep_ratio, audio_share)
+    assert macer.MacerConfig(keep_ratio=keep_ratio, audio_share=audio_share).budget(n_audio, n_video) == want
+    assert split_budget(n_audio, n_video, keep_ratio, audio_share) == want
+    joint = split_budget_ref(n_audio, n_video, keep_ratio, 0.5).total
+    assert macer.FastVConfig(keep_ratio=keep_ratio, layer=1).budget(n_audio, n_video).total == joint
+    assert macer.RandomConfig(keep_ratio=keep_ratio).budget(n_audio, n_video).total == joint

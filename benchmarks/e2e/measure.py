@@ -276,9 +276,10 @@ class Measurement:
 
 
 def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], policy: Any, decode_tokens: int, *,
-                     profile: bool = False) -> Measurement:
+                     profile: bool = False, compile: dict[str, Any] | None = None) -> Measurement:
     """Run ``model.generate`` once (inside ``macer.compress(model, policy)`` unless the policy is None: the full
-    model).
+    model). With ``compile`` (``torch.compile`` arguments) the decoder layers run compiled
+    (``compress(..., compile=compile)``; the full model as ``macer.FullConfig()``, whose context prunes nothing).
 
     With ``profile`` MACER's own work is measured (``compress(..., profile=True)`` records it, with the device
     synchronised around it; each op's time is recorded) and so is the peak memory. Both disturb the timing (the
@@ -292,8 +293,10 @@ def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], policy: Any
     parts = get_adapter(model).parts(model)
     modules = {"llm": parts.decoder, "audio": parts.root.audio_tower, "visual": parts.root.visual}
     streamer = _TokenClock(device)
-    patch = (macer.compress(model, policy, profile=profile) if policy is not None
-             else contextlib.nullcontext())
+    if compile is not None and policy is None:
+        policy = macer.FullConfig()
+    patch = (macer.compress(model, policy, profile=profile, compile=False if compile is None else compile)
+             if policy is not None else contextlib.nullcontext())
     op_timer = _timed_ops(clock) if profile else contextlib.nullcontext({})
     memory_meter = _peak_memory(device) if profile else contextlib.nullcontext({"peak_extra": None})
     decode_timer = _timed_decode() if profile and policy is not None else contextlib.nullcontext(None)
@@ -335,7 +338,8 @@ def measure_generate(model: torch.nn.Module, inputs: dict[str, Any], policy: Any
 
 
 
-def host_syncs_per_prefill(model: torch.nn.Module, inputs: dict[str, Any], policy: Any) -> dict[str, int]:
+def host_syncs_per_prefill(model: torch.nn.Module, inputs: dict[str, Any], policy: Any,
+                           compile: dict[str, Any] | None = None) -> dict[str, int]:
     """Count the host synchronisations of one prefill (``model(**inputs)``, encoders included; inside
     ``macer.compress(model, policy)`` unless the policy is None) with ``torch.profiler``: the CUDA runtime calls in
     ``SYNC_EVENTS``, by name. CUDA devices only (on CPU nothing waits for a device)."""
@@ -345,7 +349,10 @@ def host_syncs_per_prefill(model: torch.nn.Module, inputs: dict[str, Any], polic
     # The activities this torch build can record: asking a CPU-only build for CUDA (as the tests' stand-ins for
     # torch.cuda would) makes every profiled op about 1000x slower.
     activities = [a for a in (ProfilerActivity.CPU, ProfilerActivity.CUDA) if a in supported_activities()]
-    patch = macer.compress(model, policy) if policy is not None else contextlib.nullcontext()
+    if compile is not None and policy is None:
+        policy = macer.FullConfig()
+    patch = (macer.compress(model, policy, compile=False if compile is None else compile) if policy is not None
+             else contextlib.nullcontext())
     with torch.no_grad(), patch:
         model(**inputs)  # warm-up: first-call allocations and lazy initialisation are not part of a prefill
         torch.cuda.synchronize()

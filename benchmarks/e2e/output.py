@@ -72,10 +72,11 @@ def plot(rows: list[dict], path: Path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = list(dict.fromkeys((r["model"], r["clip"]) for r in rows))
+    # One column per (model, clip, compiled layers or not): each setting against its own full model.
+    groups = list(dict.fromkeys((r["model"], r["clip"], bool(r.get("compiled"))) for r in rows))
     fig, axes = plt.subplots(3, len(groups), figsize=(6 * len(groups), 10), squeeze=False)
-    for col, (label, clip) in enumerate(groups):
-        mine = [r for r in rows if r["model"] == label and r["clip"] == clip]
+    for col, (label, clip, compiled) in enumerate(groups):
+        mine = [r for r in rows if r["model"] == label and r["clip"] == clip and bool(r.get("compiled")) == compiled]
         full = next(r for r in mine if r["method"] == "full")
         methods = list(dict.fromkeys(r["method"] for r in mine if r["method"] != "full"))
         time_key = "llm_prefill_cpu_ms" if full["llm_prefill_cpu_ms"] is not None else "llm_prefill_ms"
@@ -98,7 +99,9 @@ def plot(rows: list[dict], path: Path, title: str = "") -> Path:
         decode = ", ".join(f"{r['method']}@{r['keep_ratio']:g} {r[decode_key]:.1f}" for r in mine)
         # Wrapped to the column's width: one line of every policy's decode time ran past the figure's edge.
         decode_line = textwrap.fill(f"{decode_key}: {decode}", width=80, break_long_words=False)
-        axes[0][col].set_title(f"{label}, {clip} clip ({full['tokens']} tokens)\n{decode_line}", fontsize=8)
+        setting = ", compiled layers" if compiled else ""
+        axes[0][col].set_title(f"{label}, {clip} clip ({full['tokens']} tokens){setting}\n{decode_line}",
+                               fontsize=8)
         for row_index, _, unit in panels:
             axes[row_index][col].set_ylabel(unit)
             axes[row_index][col].legend(fontsize=6)

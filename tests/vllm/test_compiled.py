@@ -11,6 +11,7 @@ compilation counters), and the compiled code, not the eager ``Qwen2Model.forward
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -128,3 +129,43 @@ def test_no_host_reads_in_a_compiled_engines_steps(compiled, monkeypatch):
     found = count_engine_reads(monkeypatch, compiled.model.macer, __name__)
     generate_staggered(compiled, [(prompt, extra) for _, prompt, extra in REQUESTS[:5]], every=3, per=2)
     assert found == []
+
+
+
+def test_a_compiled_engines_stage_steps_run_the_platforms_kernels(compiled, monkeypatch):
+    """A stage step runs the layers eagerly, in a compiled engine too, where vLLM turned its custom ops off (they run
+    ``forward_native``, which Inductor fuses into the compiled forward, and which eagerly is plain torch): there the
+    step runs the platform's kernels of the stateless ones (``staged.PLATFORM_KERNELS``), as an eager engine does; the
+    rotary embedding, here, one vLLM CPU kernel per layer instead of its native form. The modules' own forwards are
+    back after the step (the compiled code is untouched: the other tests of this module, nothing recompiles and the
+    tokens and logits are the eager engine's). The modules are set to ``forward_native`` first, as a compiled engine
+    has them (vLLM shares one rotary module among the engines of a process, whichever made it first).
+    (Before: no kernel call in the stage step: the rotary embedding's native form, 958 aten calls per stage step of
+    this model against 742; ``benchmarks/bench_stage_kernels.py`` records the stage step's CPU time, 8.4 -> 7.3 ms
+    here.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    macer = compiled.model.macer
+    kernels = macer._kernels
+    assert {type(module).name for module, _ in kernels} >= {"rms_norm", "silu_and_mul", "rotary_embedding"}
+    for module, _ in kernels:
+        monkeypatch.setattr(module, "_forward_method", module.forward_native)
+    prompt = clip_prompt(n_audio=24, n_video=64, question=8, seed=21)
+    ops: collections.Counter = collections.Counter()
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    staged = macer._staged
+
+    def counted(*args):
+        with Counting():
+            return staged(*args)
+
+    monkeypatch.setattr(macer, "_staged", counted)
+    generate(compiled, [(prompt, None)], max_tokens=1)
+    assert any(step["step"].staged for step in compiled.steps)
+    assert ops["_C.rotary_embedding"] == len(macer.layers)
+    assert all(module._forward_method == module.forward_native for module, _ in kernels)

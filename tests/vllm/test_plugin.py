@@ -155,6 +155,10 @@ def checkpoint(tmp_path_factory):
     ({"enforce_eager": False, "compilation_config": {"use_inductor_graph_partition": True,
                                                      "cudagraph_mode": "FULL_AND_PIECEWISE"}},
      r"Inductor graph partition with CUDA graphs .* drop use_inductor_graph_partition from --compilation-config"),
+    ({"enforce_eager": False, "compilation_config": {"splitting_ops": ["vllm::unified_attention_with_output"],
+                                                     "cudagraph_mode": "FULL_AND_PIECEWISE"}},
+     r"piecewise CUDA graphs \(cudagraph mode FULL_AND_PIECEWISE\) with --compilation-config splitting_ops .*"
+     r"add vllm::unified_kv_cache_update to splitting_ops"),
     ({"additional_config": {"macer": {"keep_ratio": 2.0, "audio_layer": 2, "video_layer": 3, **LABELS, **EOT}}},
      r"additional_config\[\"macer\"\]: MacerConfig.keep_ratio must be a finite real number in \(0.0, 1.0\], "
      r"got 2.0"),

@@ -259,6 +259,11 @@ def engine(**changes):
      r"a pooling runner \(--runner pooling / --convert embed\) is not supported \(a pooler reads the hidden states"),
     ({"aux_output_config": SimpleNamespace(enable_return_routed_experts=True)},
      r"--enable-return-routed-experts is not supported \(it records the experts of the rows each layer holds"),
+    ({"model_config.enforce_eager": False, "compilation_config": SimpleNamespace(
+        mode=None, cudagraph_mode=None, splitting_ops=["vllm::unified_attention_with_output"])},
+     r"piecewise CUDA graphs \(cudagraph mode DEFAULT\) with --compilation-config splitting_ops "
+     r"\['vllm::unified_attention_with_output'\] capture the KV-cache writes .*add vllm::unified_kv_cache_update "
+     r"to splitting_ops, or leave splitting_ops unset"),
     ({"scheduler_config.disable_hybrid_kv_cache_manager": True},
      r'freeing the dropped rows\' KV memory \(additional_config\["macer"\]\["free_kv"\], on by default\) needs '
      r"vLLM's hybrid KV cache manager .*drop that flag, or set additional_config\[\"macer\"\]\[\"free_kv\"\] to false"),
@@ -272,6 +277,23 @@ def test_engine_settings_refused_by_name(changes, message):
                                      "parallel_config.tensor_parallel_size": 2})) == []
     problems = engine_problems(engine(**changes))
     assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+def test_splitting_ops_that_keep_the_kv_cache_writes_between_the_pieces_are_served():
+    """Only piecewise CUDA graphs whose pieces would hold the KV-cache writes are refused: vLLM's default splitting
+    ops (unset: it adds the writes' op), a list naming ``vllm::unified_kv_cache_update``, an empty list (no pieces),
+    FULL-only graphs, or no graphs at all are served."""
+    attention = ["vllm::unified_attention_with_output"]
+    for ops, mode, eager in ((None, None, False), ([*attention, "vllm::unified_kv_cache_update"], None, False),
+                             ([], None, False), (attention, "FULL_DECODE_ONLY", False), (attention, "FULL", False),
+                             (attention, "NONE", False), (attention, None, True)):
+        compilation = SimpleNamespace(mode=None, cudagraph_mode=mode, splitting_ops=ops)
+        assert engine_problems(engine(**{"model_config.enforce_eager": eager, "compilation_config": compilation})) \
+            == [], (ops, mode, eager)
+    for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+        compilation = SimpleNamespace(mode=None, cudagraph_mode=mode, splitting_ops=attention)
+        (problem,) = engine_problems(engine(**{"model_config.enforce_eager": False, "compilation_config": compilation}))
+        assert f"piecewise CUDA graphs (cudagraph mode {mode})" in problem
 
 
 def test_every_metadata_field_the_compacted_layers_drop_has_its_refusal():

@@ -12,7 +12,8 @@ from typing import Any
 from macer.core.checks import field_bool, field_choice, field_int, field_real
 from macer.core.families import MODEL_TYPE_TO_FAMILY, family_for, text_config
 from macer.core.policy import AUDIO, QUESTION_SPANS, SCORINGS, VISUAL, Policy, Selection, StageSpec
-from macer_kernels import Budget, split_budget
+from macer_kernels import Budget
+from macer_kernels.split_budget import exact_ratio, split_budget_exact
 
 __all__ = ["PAPER_DEFAULTS", "MacerConfig", "decoder_depth", "paper_defaults"]
 
@@ -139,7 +140,9 @@ class MacerConfig(Policy):
                 )
 
     def budget(self, n_audio: int, n_video: int) -> Budget:
-        return split_budget(n_audio, n_video, self.keep_ratio, self.audio_share)
+        # macer_kernels.split_budget on the validated fields, without its checks: integer arithmetic on the ratios'
+        # exact decimal values (read once per value).
+        return split_budget_exact(n_audio, n_video, exact_ratio(self.keep_ratio), exact_ratio(self.audio_share))
 
     def stage_specs(self, n_audio: int, n_video: int) -> list[StageSpec]:
         if not n_audio + n_video:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from macer.core.policy import AUDIO, VISUAL, Policy, PromptFacts, check_prunable
+from macer.core.policy import AUDIO, VISUAL, Policy, PromptFacts, check_prunable, policy_layout
 from macer_kernels import Budget
 
 __all__ = ["RequestLayout", "plan_layout", "unpruned_layout"]
@@ -61,8 +61,8 @@ def plan_layout(policy: Policy, facts: PromptFacts) -> RequestLayout:
     """The request's layout (``facts.temporal`` is not read). Raises ``ValueError`` for a prompt the policy cannot
     prune (see the module docstring); an engine that cannot fail one request serves it with ``unpruned_layout``."""
     n, n_audio, n_video = facts.length, facts.count(AUDIO), facts.count(VISUAL)
-    layer_tokens = tuple(policy.layer_tokens(n - n_audio - n_video, n_audio, n_video, facts.num_layers))
+    layout = policy_layout(policy, n - n_audio - n_video, n_audio, n_video, facts.num_layers)
     if not n_audio + n_video:
-        return RequestLayout(n, layer_tokens)
-    check_prunable(policy, facts, policy.stage_specs(n_audio, n_video), list(layer_tokens))
-    return RequestLayout(n, layer_tokens, policy.budget(n_audio, n_video))
+        return RequestLayout(n, layout.layer_tokens)
+    check_prunable(policy, facts, layout.specs, layout.layer_tokens)
+    return RequestLayout(n, layout.layer_tokens, layout.budget)

@@ -9,23 +9,26 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from macer.core.checks import field_bool, field_choice, field_int, field_real
 from macer.core.config import MacerConfig
 from macer.core.policy import AUDIO, QUESTION_SPANS, VISUAL, Policy, Selection, StageSpec
-from macer_kernels import Budget, split_budget
+from macer_kernels import Budget
+from macer_kernels.split_budget import exact_ratio, split_budget_exact
 
 __all__ = ["ABLATIONS", "ABLATION_FIELDS", "POLICY_NAMES", "FastVConfig", "FullConfig", "RandomConfig", "make_policy",
            "policy_class"]
 
 _MEDIA = (AUDIO, VISUAL)
+_HALF = Fraction(1, 2)
 
 
 def _joint_budget(n_audio: int, n_video: int, keep_ratio: float) -> Budget:
     # K_mm as MACER's (split_budget's rounding); the audio/video split is whatever the joint selection picks, so it
     # is unknown before the selection runs (the trace's record reports the split that was kept).
-    total = split_budget(n_audio, n_video, keep_ratio, 0.5).total
+    total = split_budget_exact(n_audio, n_video, exact_ratio(keep_ratio), _HALF).total
     return Budget(total, None, None)  # type: ignore[arg-type]
 
 

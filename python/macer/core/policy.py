@@ -16,11 +16,25 @@ the dropped tokens are gone from ``layers[l]`` on; ``layer = 0`` prunes before t
 from __future__ import annotations
 
 import abc
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
+import numpy as np
 import torch
 
+from macer.core.prompt import (
+    PlanCache,
+    Runs,
+    chunk_ids,
+    computed_once,
+    host_array,
+    last_index,
+    random_picks,
+    runs_of,
+)
+from macer.core.prompt import member_mask as host_member_mask
 from macer_kernels import Budget, temporal_chunks
 
 __all__ = [
@@ -33,12 +47,17 @@ __all__ = [
     "Plan",
     "PlannedStage",
     "Policy",
+    "PolicyLayout",
     "PromptFacts",
     "Selection",
     "StageSpec",
+    "cacheable",
     "check_prunable",
+    "clear_plan_cache",
     "member_mask",
+    "plan_cache_info",
     "plan_prefill",
+    "policy_layout",
     "question_rows",
 ]
 
@@ -121,7 +140,37 @@ class PromptFacts:
         return self.labels.numel()
 
     def count(self, *modalities: int) -> int:
-        return int(sum(int((self.labels == m).sum()) for m in modalities))
+        counts, total = self._counts, 0
+        for m in modalities:
+            if m not in counts:
+                counts[m] = int(np.count_nonzero(self.host_labels == m))
+            total += counts[m]
+        return total
+
+    # Host views, computed once per prompt (the dataclass is frozen; ``computed_once`` stores them beside it).
+    @computed_once
+    def host_labels(self) -> np.ndarray:
+        """``labels`` as a numpy array (a view of a CPU tensor)."""
+        return host_array(self.labels)
+
+    @computed_once
+    def host_ids(self) -> np.ndarray:
+        """``input_ids`` as a numpy array (they must be given)."""
+        return host_array(self.input_ids)
+
+    @computed_once
+    def host_temporal(self) -> np.ndarray:
+        """``temporal`` as a numpy array."""
+        return host_array(self.temporal)
+
+    @computed_once
+    def runs(self) -> Runs:
+        """The labels' maximal runs (they determine the labels exactly)."""
+        return runs_of(self.host_labels)
+
+    @computed_once
+    def _counts(self) -> dict[int, int]:
+        return {}  # tokens per label, filled by ``count``
 
 
 class Policy(abc.ABC):
@@ -158,14 +207,20 @@ class Policy(abc.ABC):
 
     def layer_tokens(self, n_text: int, n_audio: int, n_video: int, num_layers: int) -> list[int]:
         """Sequence length entering each of ``num_layers`` decoder layers for a prompt with these counts."""
-        tokens, length = [], n_text + n_audio + n_video
-        stages = {spec.layer: spec for spec in self.stage_specs(n_audio, n_video)}
-        counts = {AUDIO: n_audio, VISUAL: n_video}
-        for i in range(num_layers):
-            if i in stages:
-                length = _after(stages[i], counts, length)
-            tokens.append(length)
-        return tokens
+        return _layer_tokens(self.stage_specs(n_audio, n_video), n_text, n_audio, n_video, num_layers)
+
+
+def _layer_tokens(specs: Sequence[StageSpec], n_text: int, n_audio: int, n_video: int, num_layers: int) -> list[int]:
+    """Layer ``i`` sees the length after every stage at a layer <= ``i`` (one stage per layer: the last spec given
+    for it)."""
+    tokens, length = [], n_text + n_audio + n_video
+    stages = {spec.layer: spec for spec in specs}
+    counts = {AUDIO: n_audio, VISUAL: n_video}
+    for layer in sorted(layer for layer in stages if 0 <= layer < num_layers):
+        tokens += [length] * (layer - len(tokens))
+        length = _after(stages[layer], counts, length)
+    tokens += [length] * (num_layers - len(tokens))
+    return tokens
 
 
 def _after(spec: StageSpec, counts: dict[int, int], length: int) -> int:
@@ -185,11 +240,9 @@ def _after(spec: StageSpec, counts: dict[int, int], length: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def question_rows(facts: PromptFacts, query_tokens: int, question_span: str) -> torch.Tensor:
-    """Prompt positions of the question rows: the last ``query_tokens`` tokens before the prompt's last
-    end-of-turn token (``question_span="end_of_turn"``), or the prompt's last ``query_tokens`` tokens
-    (``"prompt_end"``); before ``facts.question_end`` when the adapter gave it. They must all come after every
-    audio/video token."""
+def _question_end(facts: PromptFacts, query_tokens: int, question_span: str) -> int:
+    """The position closing the question span (its rows are the ``query_tokens`` positions before it), after every
+    check ``question_rows`` documents."""
     n = facts.length
     if facts.question_end is not None:
         end, where = facts.question_end, f"question_end={facts.question_end}"
@@ -207,35 +260,37 @@ def question_rows(facts: PromptFacts, query_tokens: int, question_span: str) -> 
             raise ValueError("macer.compress: end_of_turn_token_id is unknown for this model (its adapter cannot "
                              "tell): pass end_of_turn_token_id=<id of the token closing the user's question>, or "
                              "question_span='prompt_end' to read the prompt's last query_tokens tokens")
-        hits = (facts.input_ids == eot).nonzero().reshape(-1)
-        if not hits.numel():
+        last = last_index(facts.host_ids, eot)
+        if last < 0:
             raise ValueError(
                 f"macer.compress: end_of_turn_token_id={eot} does not occur in the prompt (searched all {n} "
                 "input_ids for the token that closes the user's question); pass the right end_of_turn_token_id, "
                 "or question_span='prompt_end' to read the prompt's last query_tokens tokens instead")
-        end, where = int(hits[-1]), f"the last end-of-turn token {eot} (position {int(hits[-1])})"
+        end, where = last, f"the last end-of-turn token {eot} (position {last})"
     if end < query_tokens:
         raise ValueError(f"macer.compress: the question span needs query_tokens={query_tokens} tokens before "
                          f"{where}; the prompt has only {end} there")
-    rows = torch.arange(end - query_tokens, end)
-    media = (facts.labels != TEXT).nonzero().reshape(-1)
-    if media.numel() and int(rows[0]) <= int(media[-1]):
+    media = last_index(facts.host_labels, TEXT, other=True)
+    if media >= 0 and end - query_tokens <= media:
         raise ValueError(
-            f"macer.compress: the question rows (prompt positions {int(rows[0])}..{int(rows[-1])}: the last "
+            f"macer.compress: the question rows (prompt positions {end - query_tokens}..{end - 1}: the last "
             f"query_tokens={query_tokens} tokens before {where}) must come after every audio/video token (last at "
-            f"{int(media[-1])}); check end_of_turn_token_id, question_span and the prompt layout")
-    return rows
+            f"{media}); check end_of_turn_token_id, question_span and the prompt layout")
+    return end
 
 
-def check_prunable(policy: Policy, facts: PromptFacts, specs: list[StageSpec], layer_tokens: list[int]) -> None:
-    """Raise ``ValueError`` for a prompt ``policy`` cannot prune (both engines then keep the message): its question
-    rows are not after every audio/video row (``question_rows``), or its last row, which the next token is predicted
-    from, is an audio/video row that the stages could drop (text rows are never dropped). ``specs`` and
-    ``layer_tokens``: the policy's stages and per-layer lengths for this prompt."""
-    if any(spec.needs_scores and spec.query == "question" for spec in specs):
-        question_rows(facts, policy.query_tokens, policy.question_span)
-    last = int(facts.labels[-1]) if facts.length else TEXT
-    if last != TEXT and any(tokens < facts.length for tokens in layer_tokens):
+def question_rows(facts: PromptFacts, query_tokens: int, question_span: str) -> torch.Tensor:
+    """Prompt positions of the question rows: the last ``query_tokens`` tokens before the prompt's last
+    end-of-turn token (``question_span="end_of_turn"``), or the prompt's last ``query_tokens`` tokens
+    (``"prompt_end"``); before ``facts.question_end`` when the adapter gave it. They must all come after every
+    audio/video token."""
+    end = _question_end(facts, query_tokens, question_span)
+    return torch.arange(end - query_tokens, end)
+
+
+def _check_last_row(facts: PromptFacts, layer_tokens: Sequence[int]) -> None:
+    last = int(facts.host_labels[-1]) if facts.length else TEXT
+    if last != TEXT and layer_tokens and min(layer_tokens) < facts.length:
         name = MODALITY_NAMES.get(last, f"label-{last}")
         raise ValueError(f"macer.compress: the prompt's last row (position {facts.length - 1}) is a {name} token, "
                          "and the next token is predicted from that row: a policy that drops audio/video tokens "
@@ -243,7 +298,22 @@ def check_prunable(policy: Policy, facts: PromptFacts, specs: list[StageSpec], l
                          "it without pruning")
 
 
-@dataclass
+def _asks_question(specs: Sequence[StageSpec]) -> bool:
+    return any(spec.needs_scores and spec.query == "question" for spec in specs)
+
+
+def check_prunable(policy: Policy, facts: PromptFacts, specs: Sequence[StageSpec], layer_tokens: Sequence[int]
+                   ) -> None:
+    """Raise ``ValueError`` for a prompt ``policy`` cannot prune (both engines then keep the message): its question
+    rows are not after every audio/video row (``question_rows``), or its last row, which the next token is predicted
+    from, is an audio/video row that the stages could drop (text rows are never dropped). ``specs`` and
+    ``layer_tokens``: the policy's stages and per-layer lengths for this prompt."""
+    if _asks_question(specs):
+        _question_end(facts, policy.query_tokens, policy.question_span)
+    _check_last_row(facts, layer_tokens)
+
+
+@dataclass(frozen=True)
 class PlannedStage:
     """A stage with everything the host knows: its spec, the query rows (prompt positions), the random picks
     (prompt positions) and the sequence length entering and leaving it."""
@@ -268,50 +338,185 @@ class Plan:
     chunks: torch.Tensor | None = None
 
 
-def plan_prefill(policy: Policy, facts: PromptFacts) -> Plan:
-    """Everything a prefill needs that the prompt determines, on the host, before layer 1 runs."""
-    n_audio, n_video = facts.count(AUDIO), facts.count(VISUAL)
-    n_text = facts.length - n_audio - n_video
-    layer_tokens = policy.layer_tokens(n_text, n_audio, n_video, facts.num_layers)
-    if not n_audio + n_video:
-        return Plan(facts, None, [], layer_tokens)
-    budget = policy.budget(n_audio, n_video)
+class PolicyLayout(NamedTuple):
+    """What a policy plans from a prompt's counts alone: the length entering each layer, the budget (None without
+    audio/video), the stages, whether a stage reads the question rows and the modality sets a coverage rule chunks."""
+
+    layer_tokens: tuple[int, ...]
+    budget: Budget | None
+    specs: tuple[StageSpec, ...]
+    asks_question: bool = False
+    covered: tuple[tuple[int, ...], ...] = ()
+
+
+def _make_layout(policy: Policy, n_text: int, n_audio: int, n_video: int, num_layers: int) -> PolicyLayout:
     specs = policy.stage_specs(n_audio, n_video)
-    check_prunable(policy, facts, specs, layer_tokens)  # macer.core.layout.plan_layout makes the same check
-    counts = {AUDIO: n_audio, VISUAL: n_video}
-    length, stages = facts.length, []
-    chunks: torch.Tensor | None = None
-    for spec in specs:
-        if spec.needs_scores:
-            if spec.query == "last":
-                query = torch.tensor([facts.length - 1])
-            else:
-                query = question_rows(facts, policy.query_tokens, policy.question_span)
+    if type(policy).layer_tokens is Policy.layer_tokens:  # the base rule, on the specs just made
+        layer_tokens = tuple(_layer_tokens(specs, n_text, n_audio, n_video, num_layers))
+    else:
+        layer_tokens = tuple(policy.layer_tokens(n_text, n_audio, n_video, num_layers))
+    if not n_audio + n_video:
+        return PolicyLayout(layer_tokens, None, ())
+    covered = dict.fromkeys(sel.modalities for spec in specs for sel in spec.selections if sel.rule == "coverage")
+    return PolicyLayout(layer_tokens, policy.budget(n_audio, n_video), tuple(specs), _asks_question(specs),
+                        tuple(covered))
+
+
+_cached_layout = functools.lru_cache(maxsize=1024)(_make_layout)
+
+
+def cacheable(policy: Policy) -> bool:
+    """Whether plans of ``policy`` may be cached: a frozen dataclass (its fields cannot change, and ``Policy``'s
+    contract makes its stages a function of its fields and the prompt's counts) whose fields hash."""
+    params = getattr(type(policy), "__dataclass_params__", None)
+    if params is None or not params.frozen:
+        return False
+    try:
+        hash(policy)
+    except TypeError:
+        return False
+    return True
+
+
+def policy_layout(policy: Policy, n_text: int, n_audio: int, n_video: int, num_layers: int, *,
+                  cache: bool = True) -> PolicyLayout:
+    """``PolicyLayout`` for a prompt with these counts (cached per policy and counts when ``cacheable``)."""
+    if cache and cacheable(policy):
+        return _cached_layout(policy, n_text, n_audio, n_video, num_layers)
+    return _make_layout(policy, n_text, n_audio, n_video, num_layers)
+
+
+class _StageEntry(NamedTuple):
+    query: tuple[int, int]  # prompt positions start .. stop - 1
+    tokens_before: int
+    tokens_after: int
+    members: tuple[int, ...]
+    picks: tuple[np.ndarray | None, ...]
+
+
+class _PlanEntry(NamedTuple):
+    stages: tuple[_StageEntry, ...]
+    chunks: np.ndarray | None
+
+
+PLAN_CACHE_SIZE = 32
+"""Plans kept by prompt layout (a 16k-token prompt's plan holds ~130 KB of chunk ids)."""
+
+_PLANS = PlanCache(PLAN_CACHE_SIZE)
+
+_NUMPY_KEYED = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.float64, torch.float32,
+                torch.float16)
+"""Temporal dtypes read as numpy (others, e.g. bfloat16, go to ``temporal_chunks`` and are not cached)."""
+
+
+def plan_cache_info() -> dict[str, int]:
+    """Hits, misses and entries of the plan cache (``plan_prefill``)."""
+    return {"hits": _PLANS.hits, "misses": _PLANS.misses, "entries": len(_PLANS), "maxsize": _PLANS.maxsize}
+
+
+def clear_plan_cache() -> None:
+    """Empty the plan and layout caches (and reset their counters)."""
+    _PLANS.clear()
+    _cached_layout.cache_clear()
+
+
+def plan_prefill(policy: Policy, facts: PromptFacts, *, cache: bool = True) -> Plan:
+    """Everything a prefill needs that the prompt determines, on the host, before layer 1 runs.
+
+    The plan is a function of the policy, the decoder depth, the prompt's labels (by their runs), the question's end
+    and the temporal positions of the tokens a coverage stage chunks; with ``cache`` (and a ``cacheable`` policy) it
+    is cached under exactly that key (``PLAN_CACHE_SIZE`` layouts, least recently used first out), so a prompt with
+    the layout of an earlier one (the same clip shape and question position, other token ids) is planned without
+    recomputing its tables. Every returned plan holds its own tensors. Refusals (``ValueError``) are never cached.
+    """
+    n = facts.length
+    n_audio, n_video = facts.count(AUDIO), facts.count(VISUAL)
+    cache = cache and cacheable(policy)
+    layout = policy_layout(policy, n - n_audio - n_video, n_audio, n_video, facts.num_layers, cache=cache)
+    if not n_audio + n_video:
+        return Plan(facts, None, [], list(layout.layer_tokens))
+    end = _question_end(facts, policy.query_tokens, policy.question_span) if layout.asks_question else None
+    _check_last_row(facts, layout.layer_tokens)
+    # The tokens each coverage selection chunks, and their temporal positions (the key's last part).
+    covered = {m: _coverage_input(facts, m) for m in layout.covered}  # modalities -> (mask, temporal runs)
+    key = None
+    if cache and facts.temporal.dtype in _NUMPY_KEYED:
+        key = (type(policy), policy, facts.num_layers, facts.runs.key(), end,
+               tuple((m, t.key()) for m, (_, t) in covered.items()))
+        entry = _PLANS.get(key)
+        if entry is not None:
+            return _plan_from(facts, layout, entry, copy=True)
+    entry = _plan_entry(facts, layout, (n_audio, n_video), policy.query_tokens, end, covered)
+    if key is not None:
+        _PLANS.put(key, entry)
+    return _plan_from(facts, layout, entry, copy=key is not None)
+
+
+def _coverage_input(facts: PromptFacts, modalities: tuple[int, ...]) -> tuple[np.ndarray, Runs | None]:
+    """Which positions hold ``modalities`` (a mask: cheaper than indices here) and the runs of their temporal
+    positions (None for a dtype numpy does not hold)."""
+    if facts.temporal.numel() != facts.length:
+        raise ValueError(f"PromptFacts.temporal must hold one position per prompt token ({facts.length}), got "
+                         f"{facts.temporal.numel()}")
+    mask = host_member_mask(facts.host_labels, modalities)
+    if facts.temporal.dtype not in _NUMPY_KEYED:
+        return mask, None
+    return mask, runs_of(facts.host_temporal[mask])
+
+
+def _plan_entry(facts: PromptFacts, layout: PolicyLayout, media: tuple[int, int], query_tokens: int, end: int | None,
+                covered: dict[tuple[int, ...], tuple[np.ndarray, Runs | None]]) -> _PlanEntry:
+    """The plan's host tables as numpy (what the cache keeps); ``media``: the prompt's audio and video counts."""
+    n = facts.length
+    prompt_counts = {AUDIO: media[0], VISUAL: media[1]}
+    counts = dict(prompt_counts)
+    length, stages = n, []
+    chunks: np.ndarray | None = None
+    for spec in layout.specs:
+        if not spec.needs_scores:
+            query = (0, 0)
+        elif spec.query == "last":
+            query = (n - 1, n)
         else:
-            query = torch.empty(0, dtype=torch.long)
+            query = (end - query_tokens, end)
         members, picks = [], []
         for sel in spec.selections:
-            in_sel = member_mask(facts.labels, sel.modalities)
             members.append(sum(counts[m] for m in sel.modalities))
             if sel.rule == "random":
-                if any(counts[m] != facts.count(m) for m in sel.modalities):
+                if any(counts[m] != prompt_counts[m] for m in sel.modalities):
                     raise ValueError("the random rule draws from the prompt's tokens: it must run before any other "
                                      "stage prunes its modalities")
-                positions = in_sel.nonzero().reshape(-1)
-                generator = torch.Generator().manual_seed(sel.seed)
-                order = torch.randperm(positions.numel(), generator=generator)
-                picks.append(positions[order[: sel.k]].sort().values)
+                positions = np.nonzero(host_member_mask(facts.host_labels, sel.modalities))[0]
+                picks.append(random_picks(positions, sel.k, sel.seed))
             else:
                 picks.append(None)
             if sel.rule == "coverage":
                 # Chunk ids over the prompt's tokens of these modalities: the set the stage sees when no earlier
                 # stage pruned them (MACER's video stage).
-                chunks = torch.full((facts.length,), -1, dtype=torch.long) if chunks is None else chunks
-                chunks[in_sel] = temporal_chunks(facts.temporal[in_sel], sel.num_chunks)
+                mask, t = covered[sel.modalities]
+                ids = chunk_ids(t, sel.num_chunks) if t is not None else None
+                if ids is None:  # floating positions or a huge span: the op's own arithmetic (and refusals)
+                    ids = temporal_chunks(facts.temporal[torch.from_numpy(mask)], sel.num_chunks).numpy()
+                chunks = np.full(n, -1, dtype=np.int64) if chunks is None else chunks
+                chunks[mask] = ids
         after = _after(spec, counts, length)
-        stages.append(PlannedStage(spec, query, length, after, tuple(members), tuple(picks)))
+        stages.append(_StageEntry(query, length, after, tuple(members), tuple(picks)))
         length = after
-    return Plan(facts, budget, stages, layer_tokens, chunks)
+    return _PlanEntry(tuple(stages), chunks)
+
+
+def _plan_from(facts: PromptFacts, layout: PolicyLayout, entry: _PlanEntry, *, copy: bool) -> Plan:
+    """A ``Plan`` with tensors of its own (``copy``: the entry's arrays are cached, and a caller may change a plan's
+    tensors in place)."""
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array.copy() if copy else array)
+
+    stages = [PlannedStage(spec, torch.from_numpy(np.arange(*st.query, dtype=np.int64)), st.tokens_before,
+                           st.tokens_after, st.members, tuple(None if p is None else tensor(p) for p in st.picks))
+              for spec, st in zip(layout.specs, entry.stages, strict=True)]
+    chunks = None if entry.chunks is None else tensor(entry.chunks)
+    return Plan(facts, layout.budget, stages, list(layout.layer_tokens), chunks)
 
 
 def member_mask(labels: torch.Tensor, modalities: tuple[int, ...]) -> torch.Tensor:

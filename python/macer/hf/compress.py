@@ -17,6 +17,7 @@ from macer.core.families import text_config
 from macer.core.policy import Policy
 from macer.hf.adapters import Adapter, DecoderParts, get_adapter
 from macer.hf.attention import ACTIVE
+from macer.hf.compiled import compile_options
 from macer.hf.session import Session
 from macer.hf.trace import Trace
 
@@ -26,8 +27,8 @@ SUPPORTED_ATTENTION = ("sdpa", "eager", "flash_attention_2")
 """Attention implementations the runtime wraps (the user's choice runs unchanged)."""
 
 
-def compress(model: nn.Module, config: Policy, *, profile: bool = False,
-             adapter: Adapter | None = None) -> contextlib.AbstractContextManager[Trace]:
+def compress(model: nn.Module, config: Policy, *, profile: bool = False, adapter: Adapter | None = None,
+             compile: bool | dict[str, Any] = False) -> contextlib.AbstractContextManager[Trace]:
     """Run a selection policy's staged pruning in every prefill of ``model`` inside the ``with`` block.
 
     ``model(**inputs)`` and ``model.generate(**inputs)`` work as usual, for one prompt or a left-padded batch (each
@@ -42,13 +43,20 @@ def compress(model: nn.Module, config: Policy, *, profile: bool = False,
         profile: synchronise the device around MACER's own work and record it in ``PrefillRecord.overhead_s``.
         adapter: use this adapter instead of the one registered for the model type, e.g.
             ``macer.LabelledAdapter(labels, ...)`` for any decoder called with ``inputs_embeds``.
+        compile: run the decoder layers through ``torch.compile`` (regional: each layer's forward, the sequence
+            length dynamic, MACER's stages and hooks between the compiled regions; ``macer.hf.compiled``). ``True``
+            for ``torch.compile``'s defaults (Inductor), or a dict of its ``backend``, ``mode``, ``options``,
+            ``fullgraph``. Prefills and decode steps both run compiled (the layers a prefill reads a stage's
+            scores from run eagerly in that prefill); the graphs are kept for later contexts on the same model. Needs
+            transformers' ``DynamicCache`` (the default). Off by default.
 
     Returns:
         A single-use context manager (one ``with`` block; entering it again is a ``RuntimeError``) whose ``as``
         target is a ``macer.Trace``: budgets, kept tokens, tokens per layer and cache lengths of every prefill
         (``trace.samples``: the last prefill's record per prompt).
     """
-    return _Compress(_session(model, config, profile=profile, adapter=adapter))
+    options = compile_options(compile)
+    return _Compress(_session(model, config, profile=profile, adapter=adapter, compile_options=options))
 
 
 class _Compress(contextlib.AbstractContextManager):
@@ -70,7 +78,8 @@ class _Compress(contextlib.AbstractContextManager):
 
 
 @contextlib.contextmanager
-def _session(model: nn.Module, config: Policy, *, profile: bool, adapter: Adapter | None) -> Iterator[Trace]:
+def _session(model: nn.Module, config: Policy, *, profile: bool, adapter: Adapter | None,
+             compile_options: dict[str, Any] | None) -> Iterator[Trace]:
     """The body of ``compress``: checks, install, yield the trace, uninstall."""
     if not isinstance(config, Policy):
         raise TypeError(f"macer.compress: config must be a policy (macer.MacerConfig, FastVConfig, RandomConfig, "
@@ -94,7 +103,7 @@ def _session(model: nn.Module, config: Policy, *, profile: bool, adapter: Adapte
         raise ValueError(f"macer.compress: only full-attention decoders are supported, got layer_types "
                          f"{sorted(set(layer_types))} (sliding-window caches cannot be compacted)")
     end_of_turn = _end_of_turn(model, adapter, config)
-    session = Session(model, config, adapter, parts, base, profile, end_of_turn)
+    session = Session(model, config, adapter, parts, base, profile, end_of_turn, compile_options)
     session.install()
     try:
         yield session.trace

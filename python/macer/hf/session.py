@@ -47,6 +47,7 @@ from macer.hf.adapters import Adapter, DecoderParts
 from macer.hf.attention import ACTIVE, register_names, unregister_names
 from macer.hf.batch import BatchLayout, BatchPrefill
 from macer.hf.cache import cache_argument, output_cache
+from macer.hf.compiled import CompiledLayers, check_cache
 from macer.hf.decode import DecodeSteps, PromptDecode
 from macer.hf.plan import plan_batch, plan_prompt
 from macer.hf.prefill import PromptPrefill, raise_if_nonfinite
@@ -79,9 +80,12 @@ class Session(DecodeSteps):
     cached layer holds (for decoding: ``DecodeSteps``)."""
 
     def __init__(self, model, policy: Policy, adapter: Adapter, parts: DecoderParts, base: str, profile: bool,
-                 end_of_turn: int | None):
+                 end_of_turn: int | None, compile_options: dict[str, Any] | None = None):
         self.model, self.policy, self.adapter, self.parts = model, policy, adapter, parts
         self.base, self.profile, self.end_of_turn = base, profile, end_of_turn
+        # compress(..., compile=...): the layers run compiled, but for a prefill's readout layers (macer.hf.compiled)
+        self.compiled = None if compile_options is None else CompiledLayers(parts.layers, compile_options,
+                                                                             self._eager_layer)
         self.clock = _Clock(profile)
         self.trace = Trace()
         self.handles: list[Any] = []
@@ -113,6 +117,8 @@ class Session(DecodeSteps):
             for obj, attr, value in self.adapter.guards(self.model):
                 self.guarded.append((obj, attr, obj.__dict__.get(attr, _MISSING)))
                 obj.__dict__[attr] = value
+            if self.compiled is not None:
+                self.compiled.install()
         except BaseException:
             self.uninstall()
             raise
@@ -120,6 +126,8 @@ class Session(DecodeSteps):
     def uninstall(self) -> None:
         self._close_prefill()
         self.step = None
+        if self.compiled is not None:
+            self.compiled.uninstall()
         for handle in [*self.handles, *self.decode_hooks.values()]:
             handle.remove()
         self.handles.clear()
@@ -175,6 +183,8 @@ class Session(DecodeSteps):
         if cache is not None and getattr(cache, "is_compileable", False):
             raise ValueError(f"macer.compress: {type(cache).__name__} is not supported (static caches cannot hold "
                              "layers of different lengths); use the default DynamicCache")
+        if self.compiled is not None:
+            check_cache(cache)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict):
             raise ValueError("macer.compress: precomputed attention-mask dicts are not supported; pass a 2-D mask")
@@ -196,7 +206,8 @@ class Session(DecodeSteps):
             for i in range(first, len(self.parts.layers)):
                 hook = self._layer_hook(i)
                 state.handles.append(self.parts.layers[i].register_forward_pre_hook(hook, with_kwargs=True))
-            if any(s.spec.needs_scores for s in stages):
+            if any(s.spec.needs_scores for s in stages) and self.compiled is None:
+                # Compiled layers keep the user's implementation; a readout layer switches for its own call.
                 self.parts.attn_config._attn_implementation = self.name
         self.state = state
         state.overhead += self.clock.tock(start)
@@ -234,6 +245,23 @@ class Session(DecodeSteps):
         scale = kwargs.get("scaling") or getattr(module, "scaling", None)
         state.run(query, key, scale, getattr(self.policy, "eps", 0.0), index + 1)
         state.overhead += self.clock.tock(start)
+
+    def _eager_layer(self, index: int):
+        """With compiled layers: how ``layers[index]`` runs eagerly in this prefill, or None (compiled). A layer whose
+        attention a stage reads runs its own forward with the tapped attention for that call."""
+        state = self.state
+        stage = None if state is None else state.stage_at(index + 1)
+        if stage is None or not stage.spec.needs_scores:
+            return None
+        return self._readout_call
+
+    def _readout_call(self, forward, args: tuple, kwargs: dict[str, Any]):
+        config = self.parts.attn_config
+        config._attn_implementation = self.name
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            config._attn_implementation = self.base
 
     def _layer_hook(self, index: int):
         def hook(module, args, kwargs):

@@ -13,9 +13,10 @@ runner). The layer loop (``macer.vllm.staged``) reaches them through this module
   ``update_block_table`` where the backend has it, as the runner does), with slots from the runner's host block table
   (``block * block_size + index % block_size`` at each row's compacted index: no slot history). A step's small arrays
   (query starts, sequence lengths, slots, tail slots) are written into one pinned host buffer and reach the device in
-  one copy (``macer.vllm.buffers``). A step that replays a FULL CUDA graph writes them in place into the buffers the
-  graph was captured with (one set per segment of the engine's layout, ``capture``), padded as the runner pads its
-  own: query starts repeat the last, sequence lengths 0, slots -1;
+  one copy (``macer.vllm.buffers``), before any builder runs (a build may launch device work that reads them). A
+  step that replays a FULL CUDA graph writes them in place into the buffers the graph was captured with (one set per
+  segment of the engine's layout, ``capture``), padded as the runner pads its own: query starts repeat the last,
+  sequence lengths 0, slots -1;
 * the zero-KV writes of a prefill's unused tail slots, for the backends whose kernels read whole blocks past a
   sequence's end (``needs_tails``);
 * ``installed``: the forward context's metadata and slot mapping with a step's entries, for one forward;
@@ -188,7 +189,12 @@ class StageMetadata:
     def build(self, step: Any, common: Any) -> None:
         """Fill ``step.metadata`` (every layer of the plan's segments) and ``step.tails``, send the step's arrays to
         the device in one copy and zero the tails. ``step``: a ``macer.vllm.plan.PreparedStep``; ``common``: the
-        runner's ``CommonAttentionMetadata`` of KV group 0 (its ``is_prefilling``, and the padded request count)."""
+        runner's ``CommonAttentionMetadata`` of KV group 0 (its ``is_prefilling``, and the padded request count).
+
+        The copy goes out before any builder runs: a build may launch device work that reads the step's query starts
+        and sequence lengths (FlashAttention 3's AOT scheduler metadata, CPU_ATTN's scheduler), which must find this
+        step's values there, as the runner's own builders find theirs (``query_start_loc.copy_to_gpu`` before
+        ``_build_attention_metadata``)."""
         for name in _DROPPED:
             if getattr(common, name, None) is not None:
                 raise RuntimeError(f"macer: the step's attention metadata sets {name!r}, which the compacted layers' "
@@ -201,36 +207,50 @@ class StageMetadata:
                                "buffers (please report this)")
         while True:
             try:
-                self._build_step(arena, step, common)
+                filled = self._fill_step(arena, step, common)
                 break
-            except ArenaFull as full:  # a step larger than any before: a bigger arena, and build again
+            except ArenaFull as full:  # a step larger than any before: a bigger arena, and fill again
                 arena.grow(full.needed)
         arena.upload()
+        step.metadata = self._build_filled(filled)
         self.zero_tails(step.tails)
 
-    def _build_step(self, arena: Arena, step: Any, common: Any) -> None:
+    def _fill_step(self, arena: Arena, step: Any, common: Any) -> list[tuple[list[str], int, Any]]:
+        """Write the step's arrays on the host (``step.tails`` too); ``(layers, KV group, CommonAttentionMetadata)``
+        of every (segment, KV group), in order, for ``_build_filled`` once they are on the device."""
         plan: StepPlan = step.plan
         arena.begin()
         # Padding (CUDA graphs): the runner's request count and the forward's rows; a staged step is never padded.
         n_pad = max(common.num_reqs, len(plan.kinds))
         rows_pad = plan.num_tokens if step.staged else max(step.num_tokens_padded, plan.num_tokens)
-        installed_: dict[str, tuple[Any, torch.Tensor]] = {}
+        filled = []
         for segment in plan.segments:
             layers = self.names[segment.start: segment.stop]
-            cached: dict[tuple[Any, type], Any] = {}
             for gid in sorted({self.group_of[name] for name in layers}):
                 table = self.runner.input_batch.block_table[gid]
                 arrays = self._arrays(arena, (segment.start, gid) if step.graph else None, n_pad, rows_pad)
                 # A staged step's segments have fewer rows than the step: its slots are exactly the segment's.
-                common_s = self._fill(arrays, segment, table, n_pad, common.is_prefilling, graph=step.graph,
-                                      padded_rows=0 if step.staged else rows_pad)
-                for copy in self.copies(segment.start, gid):
-                    names = [name for name in copy.layer_names if name in layers]
-                    if names:
-                        built = self._build(copy, common_s, cached, gid)
-                        installed_.update({name: (built, common_s.slot_mapping) for name in names})
-        step.metadata = installed_
-        step.tails = self._tail_slots(arena, plan, step.seq_lens)
+                filled.append((layers, gid, self._fill(arrays, segment, table, n_pad, common.is_prefilling,
+                                                       graph=step.graph, padded_rows=0 if step.staged else rows_pad)))
+        step.tails = _tail_slots(self, arena, plan, step.seq_lens)
+        return filled
+
+    def _build_filled(self, filled: list[tuple[list[str], int, Any]], *,
+                      capture: bool = False) -> dict[str, tuple[Any, torch.Tensor]]:
+        """``{layer name: (metadata, slots)}`` built by each segment's builder copies (``_fill_step``'s list, or
+        ``capture``'s), its arrays already on the device."""
+        out: dict[str, tuple[Any, torch.Tensor]] = {}
+        cached: dict[tuple[Any, type], Any] = {}
+        for i, (layers, gid, common_s) in enumerate(filled):
+            start = self.index_of[layers[0]]
+            if i and layers[0] != filled[i - 1][0][0]:  # a later KV group reuses a build of its own segment only
+                cached = {}
+            for copy in self.copies(start, gid):
+                names = [name for name in copy.layer_names if name in layers]
+                if names:
+                    built = self._build(copy, common_s, cached, gid, capture=capture)
+                    out.update({name: (built, common_s.slot_mapping) for name in names})
+        return out
 
     def capture(self, common: Any) -> dict[str, tuple[Any, torch.Tensor]]:
         """The compacted layers' metadata of a FULL CUDA-graph capture (or a FULL dummy run), on the fixed buffers
@@ -243,27 +263,22 @@ class StageMetadata:
         arena = self.graphs.arena
         arena.begin()
         n_pad, rows_pad = common.num_reqs, common.num_actual_tokens
-        out: dict[str, tuple[Any, torch.Tensor]] = {}
+        filled = []
         starts = [*self.capture_bounds, len(self.names)]
         for start, stop in itertools.pairwise(starts):
             layers = self.names[start:stop]
-            cached: dict[tuple[Any, type], Any] = {}
             for gid in sorted({self.group_of[name] for name in layers}):
                 pair = self.graphs.pair((start, gid))
                 qsl = pair.query_start[0][: n_pad + 1]
                 qsl[:] = common.query_start_loc_cpu[: n_pad + 1].numpy()
                 pair.seq_lens[0][:n_pad] = common.seq_lens_cpu_upper_bound[:n_pad].numpy()
                 pair.slots[0][:rows_pad] = _PAD_SLOT
-                common_s = _common(pair.query_start, pair.seq_lens, pair.slots, n_pad, rows_pad, rows_pad,
-                                        common.max_query_len, common.max_seq_len,
-                                        self.runner.input_batch.block_table[gid].get_device_tensor(n_pad),
-                                        common.is_prefilling)
-                for copy in self.copies(start, gid):
-                    names = [name for name in copy.layer_names if name in layers]
-                    if names:
-                        built = self._build(copy, common_s, cached, gid, capture=True)
-                        out.update({name: (built, common_s.slot_mapping) for name in names})
-        arena.upload()
+                filled.append((layers, gid, _common(pair.query_start, pair.seq_lens, pair.slots, n_pad, rows_pad,
+                                                    rows_pad, common.max_query_len, common.max_seq_len,
+                                                    self.runner.input_batch.block_table[gid].get_device_tensor(n_pad),
+                                                    common.is_prefilling)))
+        arena.upload()  # before the builds, as in ``build``
+        out = self._build_filled(filled, capture=True)
         self.graphs.captured = out
         return out
 
@@ -324,33 +339,6 @@ class StageMetadata:
         return built
 
     # --------------------------------------------------------------------------------------- tails
-    def _tail_slots(self, arena: Arena, plan: StepPlan, seq_lens: list[int]) -> dict[str, torch.Tensor]:
-        """``{layer name: slots}`` to zero before the forward (``zero_tails``), for the layers whose backend reads
-        past a sequence's end (``needs_tails``): the rest of the last block holding a prefilled request's rows, and
-        of a block a decode row starts. ``seq_lens``: the step's sequence lengths (of the layers before the first
-        segment, or of every layer in a plain step)."""
-        batch = self.runner.input_batch
-        regions = [(0, plan.segments[0].start if plan.segments else len(self.names), seq_lens)]
-        regions += [(s.start, s.stop, s.seq_lens) for s in plan.segments]
-        kinds = np.asarray([kind == DECODE for kind in plan.kinds])
-        out: dict[str, torch.Tensor] = {}
-        for start, stop, lens in regions:
-            layers = [i for i in range(start, stop) if self.tails_of[i]]
-            if not layers:
-                continue
-            ends, found = np.asarray(lens, dtype=np.int64), {}
-            for gid in sorted({self.group_of[self.names[i]] for i in layers}):
-                table = batch.block_table[gid]
-                if table.block_size not in found:  # the same rows in every group of one block size
-                    found[table.block_size] = _tail_index(kinds, ends, table.block_size)
-                index, request = found[table.block_size]
-                if not len(index):
-                    continue
-                view = arena.take(torch.int64, len(index))
-                view[0][:] = slots_at(table.block_table.np, table.num_blocks_per_row, table.block_size, request, index)
-                out.update({self.names[i]: view[2] for i in layers if self.group_of[self.names[i]] == gid})
-        return out
-
     def zero_tails(self, tails: dict[str, torch.Tensor]) -> None:
         """Write zero keys and values at each layer's tail slots with the backend's own cache writer."""
         if not tails:
@@ -443,6 +431,35 @@ def _segment_slots(segment: Segment, table: Any) -> np.ndarray:
         request = np.repeat(np.arange(n), lens)
         index = np.repeat(first - starts[:-1], lens) + np.arange(segment.num_tokens)
     return slots_at(table.block_table.np, table.num_blocks_per_row, table.block_size, request, index)
+
+
+def _tail_slots(metadata: StageMetadata, arena: Arena, plan: StepPlan,
+                seq_lens: list[int]) -> dict[str, torch.Tensor]:
+    """``{layer name: slots}`` to zero before the forward (``StageMetadata.zero_tails``), for the layers whose
+    backend reads past a sequence's end (``needs_tails``): the rest of the last block holding a prefilled request's
+    rows, and of a block a decode row starts. ``seq_lens``: the step's sequence lengths (of the layers before the
+    first segment, or of every layer in a plain step)."""
+    batch = metadata.runner.input_batch
+    regions = [(0, plan.segments[0].start if plan.segments else len(metadata.names), seq_lens)]
+    regions += [(s.start, s.stop, s.seq_lens) for s in plan.segments]
+    kinds = np.asarray([kind == DECODE for kind in plan.kinds])
+    out: dict[str, torch.Tensor] = {}
+    for start, stop, lens in regions:
+        layers = [i for i in range(start, stop) if metadata.tails_of[i]]
+        if not layers:
+            continue
+        ends, found = np.asarray(lens, dtype=np.int64), {}
+        for gid in sorted({metadata.group_of[metadata.names[i]] for i in layers}):
+            table = batch.block_table[gid]
+            if table.block_size not in found:  # the same rows in every group of one block size
+                found[table.block_size] = _tail_index(kinds, ends, table.block_size)
+            index, request = found[table.block_size]
+            if not len(index):
+                continue
+            view = arena.take(torch.int64, len(index))
+            view[0][:] = slots_at(table.block_table.np, table.num_blocks_per_row, table.block_size, request, index)
+            out.update({metadata.names[i]: view[2] for i in layers if metadata.group_of[metadata.names[i]] == gid})
+    return out
 
 
 def _tail_index(decode: np.ndarray, ends: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -14,8 +14,9 @@ Why each setting is refused (docs/serving.md has the long form):
   prefill off too, whenever more than one request is running or waiting): the question rows must be in the same
   forward as the audio/video rows they score.
 * prefix caching: a cached prefix's KV was written by another request's compaction (or none).
-* Inductor graph partition with CUDA graphs (``use_inductor_graph_partition``): the KV-cache writes then sit inside
-  the captured piecewise graphs, at the slots of the capture, while a compacted layer writes its own slots each step.
+* Inductor graph partition with CUDA graphs (``use_inductor_graph_partition``), and piecewise CUDA graphs under a
+  ``splitting_ops`` list without ``vllm::unified_kv_cache_update``: the KV-cache writes then sit inside the captured
+  piecewise graphs, at the slots of the capture, while a compacted layer writes its own slots each step.
   (``torch.compile`` and CUDA graphs themselves are served: ``macer.vllm.staged``.)
 * the parallel layouts MACER does not run (``macer.vllm.parallel.parallel_problems``): pipeline parallel of the Omni
   thinkers, prefill / decode context parallel (each rank holds a shard of the prompt, the stage would rank a shard),
@@ -84,6 +85,7 @@ __all__ = [
     "ALLOW_UNTESTED_ENV",
     "DROPPED_FIELDS",
     "GUARD",
+    "KV_UPDATE_OP",
     "TESTED_VLLM_VERSIONS",
     "MacerEngineHook",
     "check_engine",
@@ -109,6 +111,10 @@ ALLOW_UNTESTED_ENV = "MACER_VLLM_ALLOW_UNTESTED"
 
 GUARD = "macer.vllm.guard:MacerRequestGuard"
 """The logits processor (FQCN) that refuses per-request settings MACER cannot honour."""
+
+KV_UPDATE_OP = "vllm::unified_kv_cache_update"
+"""vLLM's KV-cache write, a graph-splitting op by default: it reads each layer's slots from the forward context at run
+time, where the compacted layers install theirs."""
 
 _REFUSALS_ENV = "MACER_VLLM_REFUSALS"  # "<pid of the process that built the config>:<file>" (``refuse``)
 
@@ -282,6 +288,14 @@ def engine_problems(vllm_config: Any) -> list[str]:
                         f"{_mode_name(compilation.cudagraph_mode)}) captures the KV-cache writes inside piecewise "
                         "graphs at the slots of the capture, and the compacted layers write their own slots every "
                         "step: drop use_inductor_graph_partition from --compilation-config (vLLM's default)")
+    ops = getattr(compilation, "splitting_ops", None)
+    pieces = _mode_name(compilation.cudagraph_mode) in ("DEFAULT", "PIECEWISE", "FULL_AND_PIECEWISE")
+    if graphs and pieces and ops and KV_UPDATE_OP not in ops:
+        problems.append(f"{who}: piecewise CUDA graphs (cudagraph mode {_mode_name(compilation.cudagraph_mode)}) with "
+                        f"--compilation-config splitting_ops {list(ops)} capture the KV-cache writes inside the "
+                        "pieces, at the slots of the capture, and the compacted layers write their own slots every "
+                        f"step: add {KV_UPDATE_OP} to splitting_ops, or leave splitting_ops unset (vLLM's default adds "
+                        "it)")
     if getattr(model_config, "enable_prompt_embeds", False):
         problems.append(f"{who}: prompt embeddings carry no token ids, and MACER labels audio/video rows by their ids: "
                         "drop --enable-prompt-embeds")

@@ -11,7 +11,8 @@ with one WARNING naming why, and serves them without (``RunnerBinding.full_graph
 
 The requests go through the worker's own ``execute_model`` / ``sample_tokens`` with scheduler outputs made here
 (vLLM 0.32's ``SchedulerOutput``, ``NewRequestData``, ``CachedRequestData``), on KV blocks nobody holds yet (the
-scheduler has not run a step), and make no record. Their prefill is text only (unpruned); the compacted layouts of
+scheduler has not run a step), blocks of their own in each KV cache group as the scheduler would give them, and make no
+record. Their prefill is text only (unpruned); the compacted layouts of
 their decodes are written into the planner's states afterwards, so the check needs no multimodal input and no
 readout, only what a decode step reads.
 """
@@ -90,7 +91,7 @@ def check_decode_graphs(worker: Any, decoder: Any) -> str | None:
     layout = RequestLayout(prompt_len, _compacted_layout(prompt_len, bounds, num_layers))
     groups = len(runner.kv_cache_config.kv_cache_groups)
     blocks = max(cdiv(prompt_len + 2, runner.input_batch.block_table[g].block_size) for g in range(groups))
-    if runner.kv_cache_config.num_blocks <= 2 * blocks + 1:
+    if runner.kv_cache_config.num_blocks <= 2 * groups * blocks + 1:
         return None  # too small a cache to hold two made-up requests: nothing to check with
     model = runner.get_model()
     seen: list[torch.Tensor] = []
@@ -103,13 +104,17 @@ def check_decode_graphs(worker: Any, decoder: Any) -> str | None:
     ids = [f"{QUIET_PREFIX}{name}" for name in ("graph", "eager")]
     planner.quiet.update(ids)
     model.compute_logits = recording
+    reason = None
     try:
         for index, request_id in enumerate(ids):
-            block_ids = list(range(1 + index * blocks, 1 + (index + 1) * blocks))
+            # Blocks of its own in each KV cache group (block 0 is vLLM's null block): the groups overlay each other
+            # in memory, a block id being one group's at a time, and a FULL path that read another group's block
+            # table must not find the same blocks there.
+            first = 1 + index * groups * blocks
+            block_ids = tuple(list(range(first + g * blocks, first + (g + 1) * blocks)) for g in range(groups))
             new = NewRequestData(req_id=request_id, prompt_token_ids=prompt, mm_features=[],
                                  sampling_params=SamplingParams(max_tokens=4, temperature=0.0), pooling_params=None,
-                                 block_ids=tuple(list(block_ids) for _ in range(groups)), num_computed_tokens=0,
-                                 lora_request=None)
+                                 block_ids=block_ids, num_computed_tokens=0, lora_request=None)
             _step(worker, _scheduler_output(new=[new], scheduled={request_id: prompt_len}))
             state = planner.states.get(request_id)
             planner.states.add(dataclasses.replace(state, layout=layout, prefill=None, prefilled=True,
@@ -132,15 +137,22 @@ def check_decode_graphs(worker: Any, decoder: Any) -> str | None:
             finally:
                 decoder.on_step = record
             if graphs != [index == 0]:
-                return (f"the {'first' if index == 0 else 'second'} decode was "
-                        f"{'not ' if index == 0 else ''}dispatched to a FULL graph")
-        _step(worker, _scheduler_output(finished=set(ids)))
+                reason = (f"the {'first' if index == 0 else 'second'} decode was "
+                          f"{'not ' if index == 0 else ''}dispatched to a FULL graph")
+                break
     except Exception as error:  # a runner this check does not know: no proof, so no FULL graphs
-        return f"the check could not run ({type(error).__name__}: {error})"
+        reason = f"the check could not run ({type(error).__name__}: {error})"
     finally:
         model.compute_logits = compute
         binding.full_graphs = True
+    try:  # the made-up requests leave the runner and the planner, whatever happened above
+        _step(worker, _scheduler_output(finished=set(ids)))
+    except Exception as error:
+        reason = reason or f"the check could not finish its requests ({type(error).__name__}: {error})"
+    finally:
         planner.quiet.difference_update(ids)
+    if reason is not None:
+        return reason
     if len(seen) != 4:
         return f"the check saw {len(seen)} sampled steps, not 4"
     graph, eager = seen[1][0], seen[3][0]

@@ -105,6 +105,42 @@ def _compacted(attns: list[nn.Module], policy: Policy, settings: Any, first: int
     return start
 
 
+PLATFORM_KERNELS = frozenset({"rms_norm", "silu_and_mul", "rotary_embedding"})
+"""vLLM custom ops (registered names) that a stage step runs through the platform's kernel even in a compiled
+engine: tensor ops without state, which an eager engine runs that way in every step."""
+
+
+def platform_kernels_of(model: nn.Module) -> list[tuple[nn.Module, Callable[..., Any]]]:
+    """``(module, platform method)`` of each of ``model``'s ``PLATFORM_KERNELS`` modules. In a compiled engine vLLM
+    turns its custom ops off (``custom_ops`` "none" under Inductor) and they run ``forward_native``, which Inductor
+    fuses into the compiled forward but which, in a stage step's eager layers, is plain torch: the rotary embedding
+    alone is some 35 small ops per layer instead of one kernel (vLLM 0.32 ``CustomOp.dispatch_forward``; its private
+    ``_forward_method`` is replaced for a stage step only, ``platform_kernels``)."""
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.platforms import current_platform as platform
+
+    method = ("forward_hip" if platform.is_rocm() else "forward_cpu" if platform.is_cpu() else "forward_tpu"
+              if platform.is_tpu() else "forward_xpu" if platform.is_xpu() else "forward_oot"
+              if platform.is_out_of_tree() else "forward_cuda")
+    return [(module, getattr(module, method)) for module in model.modules()
+            if isinstance(module, CustomOp) and getattr(type(module), "name", None) in PLATFORM_KERNELS
+            and hasattr(module, "_forward_method")]
+
+
+@contextlib.contextmanager
+def platform_kernels(kernels: list[tuple[nn.Module, Callable[..., Any]]]) -> Iterator[None]:
+    """Inside the block each module of ``kernels`` (``platform_kernels_of``) runs the platform's kernel; its own
+    forward is back after it."""
+    saved = [module._forward_method for module, _ in kernels]
+    try:
+        for module, method in kernels:
+            module._forward_method = method
+        yield
+    finally:
+        for (module, _), forward in zip(kernels, saved, strict=True):
+            module._forward_method = forward
+
+
 class StagedDecoder:
     """Serves the decoder of one vLLM model with each request's stages (module docstring).
 
@@ -141,6 +177,7 @@ class StagedDecoder:
         self.metadata: StageMetadata | None = None
         self.on_step: Any = None  # tests: called with each step's PreparedStep and the runner once it is built
         self._armed: tuple[int, list[tuple[RequestState, int, int]]] | None = None
+        self._kernels = platform_kernels_of(model)  # what a stage step runs as an eager engine does
 
     # ------------------------------------------------------------------------------------------- the runner
     def bind(self, runner: Any) -> None:
@@ -269,9 +306,9 @@ class StagedDecoder:
                 raise RuntimeError(f"macer: the forward has {hidden.shape[0]} rows for the step's "
                                    f"{step.plan.num_tokens} tokens (a padded batch in a step that runs stages: the "
                                    "dispatch hook should have kept it unpadded; please report this)")
-            # Eager for this step only: vLLM's natively implemented ops (compiled on their own in a compiled engine)
-            # run as plain torch, so a stage step never compiles anything.
-            with self._readouts(), torch.compiler.set_stance("force_eager"):
+            # Eager for this step only, so a stage step never compiles anything; vLLM's ops that a compiled engine
+            # leaves to Inductor run the platform's kernels, as in an eager engine (``platform_kernels``).
+            with self._readouts(), torch.compiler.set_stance("force_eager"), platform_kernels(self._kernels):
                 hidden = self._staged(step, hidden, positions, residual)
         for i in step.fresh:
             step.states[i].prefilled = True
