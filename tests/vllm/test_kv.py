@@ -259,7 +259,7 @@ def test_use_policy_on_a_freeing_engine_needs_its_scheduler_in_process():
     from macer.vllm.prompt import PromptLabels
     from macer.vllm.staged import StagedDecoder
 
-    decoder = SimpleNamespace(layers=[None] * 6, prompt=PromptLabels(lambda ids: ids, 2), kv_start=4,
+    decoder = SimpleNamespace(layers=[None] * 6, num_layers=6, prompt=PromptLabels(lambda ids: ids, 2), kv_start=4,
                               vllm_config=object())
     policy = make_policy("macer", keep_ratio=0.5, audio_layer=2, video_layer=4, end_of_turn_token_id=2)
     with pytest.raises(RuntimeError, match=r"use_policy on an engine that frees KV memory \(free_kv\) needs the "

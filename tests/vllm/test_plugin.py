@@ -190,10 +190,13 @@ def test_parallel_speculative_and_runner_refusals_name_the_flag():
             kv_transfer_config=kv_transfer)
 
     check_engine(config())
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size=2 is not supported .* use --tensor-parallel-size 1"):
-        check_engine(config(tp=2))
-    with pytest.raises(ValueError, match=r"--pipeline-parallel-size=4 is not supported"):
-        check_engine(config(pp=4))
+    check_engine(config(tp=2))  # tensor and pipeline parallel run (issue 38: tests/vllm/test_parallel_*.py)
+    check_engine(config(pp=4))
+    omni = config(pp=4)
+    omni.model_config.architecture = "MacerQwen2_5OmniThinkerForConditionalGeneration"
+    with pytest.raises(ValueError, match=r"--pipeline-parallel-size=4 is not supported for this architecture .*only "
+                                         r"MacerQwen2ForCausalLM is built for it"):
+        check_engine(omni)
     with pytest.raises(ValueError, match=r"speculative decoding is not supported .* drop --speculative-config"):
         check_engine(config(speculative=SimpleNamespace(method="ngram")))
     with pytest.raises(ValueError, match=r"runs on vLLM's V1 model runner .* asks for Model Runner V2 "

@@ -238,7 +238,9 @@ def engine(**changes):
      r"--prefill-context-parallel-size=2 is not supported \(each rank holds a shard of the prompt.*use "
      r"--prefill-context-parallel-size 1"),
     ({"parallel_config.decode_context_parallel_size": 2}, r"--decode-context-parallel-size=2 is not supported"),
-    ({"parallel_config.data_parallel_size": 2}, r"--data-parallel-size=2 is not supported .* use --data-parallel"),
+    ({"parallel_config.data_parallel_size": 2, "model_config.is_moe": True},
+     r"--data-parallel-size=2 with a MoE model is not supported \(its ranks step together.*no all_gatherv.*use "
+     r"--tensor-parallel-size, or run independent engines"),
     ({"parallel_config.enable_dbo": True}, r"micro-batching \(--enable-dbo / --ubatch-size 0\) is not supported"),
     ({"parallel_config.ubatch_size": 2}, r"micro-batching .*--ubatch-size 2\) is not supported"),
     ({"model_config.hf_text_config": SimpleNamespace(layer_types=["full_attention", "sliding_attention"])},
@@ -268,8 +270,11 @@ def engine(**changes):
 ])
 def test_engine_settings_refused_by_name(changes, message):
     """Guards the engine settings that killed the engine or silently skipped MACER (issue 28 item 4): prompt
-    embeddings, context parallel, data parallel, micro-batching, sliding-window layers; each names its flag."""
+    embeddings, context parallel, data parallel of a MoE model, micro-batching, sliding-window layers; each names
+    its flag. (A dense model's data parallel and tensor parallel run: issue 38, tests/vllm/test_parallel.py.)"""
     assert engine_problems(engine()) == []
+    assert engine_problems(engine(**{"parallel_config.data_parallel_size": 2,
+                                     "parallel_config.tensor_parallel_size": 2})) == []
     problems = engine_problems(engine(**changes))
     assert len(problems) == 1 and re.search(message, problems[0]), problems
 
@@ -356,7 +361,7 @@ def test_engine_settings_all_refused_at_once():
     """Guards one refusal per start: three bad flags give one error listing the three, one line each."""
     with pytest.raises(Refusal) as caught:
         check_engine(engine(**{"scheduler_config.enable_chunked_prefill": True, "parallel_config.data_parallel_size": 2,
-                               "model_config.enable_prompt_embeds": True}))
+                               "model_config.is_moe": True, "model_config.enable_prompt_embeds": True}))
     lines = str(caught.value).splitlines()
     assert lines[0].startswith("MacerQwen2ForCausalLM (macer) cannot start: 3 settings refused")
     assert [line.split(" ")[5] for line in lines[1:]] == ["needs", "prompt", "--data-parallel-size=2"]

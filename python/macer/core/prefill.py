@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from macer.core.policy import AUDIO, VISUAL, Plan
-from macer.core.stage import StageRows, batched, fused, run_stage
+from macer.core.stage import ScoreReduce, StageRows, batched, fused, run_stage
 from macer.core.transfer import to_device
 from macer_kernels import compact_many
 
@@ -137,26 +137,32 @@ class PrefillState:
         return count
 
     def run(self, query: torch.Tensor | None, key: torch.Tensor | None, scale: float | None, eps: float,
-            layer: int | None = None) -> None:
-        """The next stage on the current rows (``layer`` is the batch's argument; one prompt has one next stage)."""
+            layer: int | None = None, *, reduce: ScoreReduce | None = None) -> None:
+        """The next stage on the current rows (``layer`` is the batch's argument; one prompt has one next stage).
+        ``reduce``: where ``query`` holds only this process's share of the heads (tensor parallel), what makes its
+        scores those of all heads (``macer.core.stage.ScoreReduce``); the stage then runs now, composed (never
+        deferred to ``apply``), and ``pending`` holds its rows."""
         stage, i = self.plan.stages[self.next], self.next
         self.next += 1
         rows = self._rows if self._rows_for == i else self._rebuild_rows()
         if stage.tokens_after == stage.tokens_before:
             self._rows, self._rows_for = rows, i + 1
             return  # the plan says nothing is dropped (keep ratio 1): no device work
-        if self.defer and self._outs[i] is not None:  # a fused stage: run by apply, with the engine's tensors
+        if self.defer and self._outs[i] is not None and reduce is None:
+            # A fused stage: run by apply, with the engine's tensors.
             self._deferred = (i, query, key, scale, eps, rows)
             return
-        self._run(i, rows, query, key, scale, eps)
+        self._run(i, rows, query, key, scale, eps, reduce=reduce)
 
     def _run(self, i: int, rows: StageRows, query: torch.Tensor | None, key: torch.Tensor | None,
              scale: float | None, eps: float, extra: list[torch.Tensor] | None = None,
-             extra_dims: list[int] | None = None) -> list[torch.Tensor]:
-        stage, out = self.plan.stages[i], self._outs[i]
+             extra_dims: list[int] | None = None, reduce: ScoreReduce | None = None) -> list[torch.Tensor]:
+        stage = self.plan.stages[i]
+        out = self._outs[i] if reduce is None else None  # with a reduce the stage is composed: new tensors
         keep, flag, self._rows, compacted = run_stage(
             stage, query, key, rows, self._questions[i], self.picks[i], prompt_length=self.plan.facts.length,
-            scale=scale, eps=eps, out=None if out is None else out[0], extra=extra or (), extra_dims=extra_dims or ())
+            scale=scale, eps=eps, out=None if out is None else out[0], extra=extra or (), extra_dims=extra_dims or (),
+            reduce=reduce)
         self._rows_for = i + 1
         self.pending, self._next_current = (keep[0], self._rows.current[0]) if out is None else out[1]
         if flag is not None:
@@ -188,6 +194,14 @@ class PrefillState:
         keep, self.pending = self.pending, None
         self.current = self._next_current
         return keep, [t.squeeze(d - 1) if add else t for t, d, add in zip(compacted, view_dims, inserted, strict=True)]
+
+    def resume(self, next_stage: int, current: torch.Tensor) -> None:
+        """Take over a prefill whose stages before ``next_stage`` ran in another process (a later pipeline rank of a
+        serving engine): ``current`` holds the prompt positions of the rows it received (device); the next stage's
+        tables are gathered from the prompt's."""
+        self.next, self.current = next_stage, current
+        self.pending, self._deferred, self._next_current = None, None, None
+        self._rows_for = -1  # the tables in _rows are not those of the received rows
 
     def _rebuild_rows(self) -> StageRows:
         """The tables of the current rows from the prompt's (after a stage that a batch ran itself)."""

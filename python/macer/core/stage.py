@@ -10,13 +10,18 @@ rows: every drop happens before them.
 MACER's stages (``fused``) run a ``macer_kernels.prepared.PreparedStage``, prepared once per stage shape and cached
 (``prepared_stage``): on the CUDA backend one host call launches the scoring, the selection and the gather of the
 next stage's tables; the outputs are the caller's buffers. Raw scores, joint and random selections compose the ops.
+
+A tensor-parallel engine holds a share of the readout layer's heads in each process: it passes a ``ScoreReduce``
+that turns its share's scores into all heads' scores between the scoring and the selection. The prepared stage has no
+point between the two (one host call scores and selects), so with a reduce every stage composes the ops; without one
+(a single device) MACER's stages stay fused.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +30,14 @@ from macer.core.policy import PlannedStage, Scoring, member_mask
 from macer_kernels import StageModality, compact_many, coverage_select, modality_scores, topk_indices
 from macer_kernels.prepared import PreparedStage, prepare_stage
 
-__all__ = ["CACHE_SIZE", "StageRows", "batched", "fused", "positions_where", "prepared_stage", "run_stage", "score"]
+__all__ = ["CACHE_SIZE", "ScoreReduce", "StageRows", "batched", "fused", "positions_where", "prepared_stage",
+           "run_stage", "score"]
+
+ScoreReduce = Callable[[torch.Tensor], torch.Tensor]
+"""``reduce(local) -> scores``: a stage's ``[n]`` fp32 scores from this process's share of the readout layer's heads
+to the scores of all of them, before the selection (a tensor-parallel engine's all-gather and fixed-order sum,
+``macer.vllm.parallel``). It must return the same bits in every process that takes part, or they select different
+rows."""
 
 CACHE_SIZE = 16
 """Prepared stages kept (least recently used dropped first); each holds a scoring workspace and ``[N]`` scores per
@@ -137,7 +149,7 @@ def prepared_stage(stage: PlannedStage, query: torch.Tensor, key: torch.Tensor, 
 def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor | None, rows: StageRows,
               question: range, picks: tuple[torch.Tensor | None, ...], *, prompt_length: int, scale: float | None,
               eps: float, out: tuple[torch.Tensor, ...] | None = None, extra: Sequence[torch.Tensor] = (),
-              extra_dims: Sequence[int] = ()
+              extra_dims: Sequence[int] = (), reduce: ScoreReduce | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None, StageRows, list[torch.Tensor]]:
     """``(keep, nonfinite, next_rows, compacted)``: the rows of the current sequence a stage keeps
     (``[1, tokens_after]``, sorted), a ``[1]`` bool device tensor, whether a token the stage ranks has a non-finite
@@ -151,13 +163,17 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
         picks: the random rule's picks (prompt positions, device); prompt_length: the prompt's token count.
         query, key: the readout layer's post-RoPE queries ``[1, Hq, n, D]`` and keys (None without scores).
         out: for a fused stage, ``(keep, flags, *next tables)`` buffers to write (``PreparedStage.allocate``
-            shapes; the compacted ``extra`` tensors are new tensors, model activations); None: new tensors.
+            shapes; the compacted ``extra`` tensors are new tensors, model activations); None: new tensors. Not
+            written with ``reduce``.
+        reduce: None where ``query`` holds every head; else what turns the scores of the heads ``query`` holds into
+            the scores of all heads (``ScoreReduce``), applied between the scores and the selection: the stage then
+            composes the ops (results as new tensors), fused or not.
 
     Both paths take their sizes from the host plan and read nothing back; both rank a NaN score below every number
     (ties to the lower index).
     """
     spec = stage.spec
-    if fused(stage):
+    if fused(stage) and reduce is None:
         prepared = prepared_stage(stage, query, key, rows, question, scale=scale, eps=eps, extra=extra,
                                   extra_dims=extra_dims)
         coverage = any(sel.rule == "coverage" for sel in spec.selections)
@@ -174,6 +190,8 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
         score_labels, score_eps = (torch.ones_like(labels), 0.0) if spec.scoring == "raw" else (labels, eps)
         scores = modality_scores(query[:, :, question.start:question.stop], key, score_labels[None], positions,
                                  scale=scale, eps=score_eps)[0]
+        if reduce is not None:
+            scores = reduce(scores)
         ranked = member_mask(labels, tuple(m for sel in spec.selections if sel.rule != "random"
                                            for m in sel.modalities))
         flag = (ranked & ~torch.isfinite(scores)).any()[None]

@@ -18,10 +18,10 @@ Why each setting is refused (docs/serving.md has the long form):
   ``splitting_ops`` list without ``vllm::unified_kv_cache_update``: the KV-cache writes then sit inside the captured
   piecewise graphs, at the slots of the capture, while a compacted layer writes its own slots each step.
   (``torch.compile`` and CUDA graphs themselves are served: ``macer.vllm.staged``.)
-* tensor / pipeline parallel > 1: each rank sees only its heads, and the scores must be summed over ranks before the
-  selection (not implemented).
-* prefill / decode context parallel > 1: each rank holds a shard of the prompt, the stage would rank a shard.
-* data parallel > 1: ranks pad their token counts to each other's, and a padded prefill is not one prompt.
+* the parallel layouts MACER does not run (``macer.vllm.parallel.parallel_problems``): pipeline parallel of the Omni
+  thinkers, prefill / decode context parallel (each rank holds a shard of the prompt, the stage would rank a shard),
+  data parallel of a MoE model (its ranks step together with dummy batches). Tensor parallel, pipeline parallel of
+  the Qwen2 decoder and a dense model's data parallel run.
 * micro-batching (dual-batch overlap, ``ubatch_size > 1``): micro-batches run in threads against one request state.
 * prompt embeddings: audio/video rows are labelled by their token ids, which embeddings do not carry.
 * sliding-window layers: the window counts key slots, and a compacted layer's slots are kept tokens, not positions.
@@ -309,17 +309,9 @@ def engine_problems(vllm_config: Any) -> list[str]:
                         "a config without them, e.g. --hf-overrides '{\"use_sliding_window\": false}' where the model "
                         "was trained so")
     parallel = vllm_config.parallel_config
-    for flag, size, why in (
-            ("tensor-parallel-size", parallel.tensor_parallel_size, "each rank holds part of the heads, and the "
-             "scores must be summed over ranks before the selection"),
-            ("pipeline-parallel-size", parallel.pipeline_parallel_size, "each rank holds part of the layers, and the "
-             "stages' selections must reach the later ranks"),
-            ("prefill-context-parallel-size", getattr(parallel, "prefill_context_parallel_size", 1), "each rank holds "
-             "a shard of the prompt, and a stage must rank all of its audio/video rows"),
-            ("data-parallel-size", getattr(parallel, "data_parallel_size", 1), "ranks pad their token counts to each "
-             "other's, and a padded prefill is not one prompt")):
-        if size > 1:
-            problems.append(f"{who}: --{flag}={size} is not supported ({why}): use --{flag} 1")
+    from macer.vllm.parallel import parallel_problems
+
+    problems += parallel_problems(vllm_config)  # tensor and dense data parallel run; the rest is refused there
     problems += [line for line in (check(vllm_config, who) for check in DROPPED_FIELDS.values()) if line]
     ubatch = getattr(parallel, "ubatch_size", 0)
     if getattr(parallel, "enable_dbo", False) or ubatch > 1:

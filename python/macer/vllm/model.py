@@ -22,7 +22,8 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.sequence import IntermediateTensors
 
-from macer.vllm.checks import check_engine, no_pipeline
+from macer.vllm.checks import check_engine
+from macer.vllm.parallel import with_rows
 from macer.vllm.prompt import engine_prompt_labels
 from macer.vllm.settings import policy_from_config
 from macer.vllm.staged import StagedDecoder
@@ -39,12 +40,13 @@ class MacerQwen2ForCausalLM(Qwen2ForCausalLM):
         policy, labels = policy_from_config(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.macer = StagedDecoder(self.model, policy, engine_prompt_labels(vllm_config, labels), vllm_config)
+        # Pipeline parallel: a later rank also receives which of the step's rows it holds (macer.vllm.parallel).
+        self.make_empty_intermediate_tensors = with_rows(self.make_empty_intermediate_tensors)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None,
-                **kwargs: Any) -> torch.Tensor:
-        no_pipeline(intermediate_tensors)
-        return self.macer.forward(input_ids, positions, inputs_embeds)
+                **kwargs: Any) -> torch.Tensor | IntermediateTensors:
+        return self.macer.forward(input_ids, positions, inputs_embeds, intermediate_tensors)
 
 
 def __getattr__(name: str) -> Any:

@@ -17,6 +17,11 @@ What the step needs from the forward follows from the plan alone (``PreparedStep
 * ``graphable``: every request's segments start at layers of the engine's captured layout (``capture_bounds``, the
   engine policy's stage layers), so a FULL decode CUDA graph captured with one metadata per segment of that layout
   can serve the step.
+
+At pipeline parallel (``pipe``: ``macer.vllm.parallel.PipelineRanks``) every rank plans every request from its prompt
+and plans the step on its own layers' slice of each layout; a stage that reads the rank's last layer is applied before
+the hand-over to the next rank (``handover``: the gather the next rank's layers start with), which makes the step
+staged on this rank too.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class PreparedStep:
         metadata: ``{layer name: (attention metadata, slot mapping)}`` of the compacted layers (the metadata build).
         tails: ``{layer name: slots}`` zeroed before the forward (``macer.vllm.backend.StageMetadata.tails``).
         built: the step's metadata build ran (the forward refuses a step whose build never ran).
+        handover: pipeline parallel: the gather applied before the rows go to the next rank (a stage read this
+            rank's last layer), or None.
     """
 
     plan: StepPlan
@@ -66,6 +73,7 @@ class PreparedStep:
     metadata: dict[str, tuple[Any, torch.Tensor]] = field(default_factory=dict)
     tails: dict[str, torch.Tensor] = field(default_factory=dict)
     built: bool = False
+    handover: Any = None
 
     @property
     def seq_lens(self) -> list[int]:
@@ -82,13 +90,16 @@ class StepPlanner:
         num_layers: the decoder's depth.
         device: where a pruned request's stage tables live.
         capture_bounds: the layers where the captured CUDA-graph layout's segments start (empty: no graph can
-            serve a pruned request's decode).
+            serve a pruned request's decode); of the rank's layers at pipeline parallel.
+        pipe: pipeline parallel: this rank's layers (``macer.vllm.parallel.PipelineRanks``), or None.
+        records: whether this worker makes the requests' records (the worker whose outputs reach the scheduler).
     """
 
     def __init__(self, policies: RequestPolicies, prompt: PromptLabels, num_layers: int, device: torch.device,
-                 capture_bounds: tuple[int, ...] = ()):
+                 capture_bounds: tuple[int, ...] = (), *, pipe: Any = None, records: bool = True):
         self.policies, self.prompt, self.num_layers, self.device = policies, prompt, num_layers, device
         self.capture_bounds = tuple(capture_bounds)
+        self.pipe, self.records = pipe, records
         self.states = RequestStates()
         self.quiet: set[str] = set()  # request ids planned without a record (the load-time graph check's)
 
@@ -122,9 +133,14 @@ class StepPlanner:
             graphable = graphable and capture.issuperset(state.bounds)
             rows.append(Row(prompt_len, state.layout.layer_tokens, computed[i], query, state.bounds))
             states.append(state)
+        handover = None
+        if self.pipe is not None:  # this rank's layers
+            handover = self.pipe.handover_segment(rows)
+            rows = [self.pipe.local_row(row) for row in rows]
+            graphable = all(capture.issuperset(row.bounds) for row in rows)
         plan = plan_step(rows)
-        staged = any(segment.gather is not None for segment in plan.segments)
-        return PreparedStep(plan, rows, states, fresh, query_start, staged, graphable)
+        staged = handover is not None or any(segment.gather is not None for segment in plan.segments)
+        return PreparedStep(plan, rows, states, fresh, query_start, staged, graphable, handover=handover)
 
     def graph_plan(self, step: PreparedStep) -> None:
         """Re-plan ``step`` on the captured layout's segments (a FULL CUDA graph reads one metadata per segment of
@@ -149,7 +165,7 @@ class StepPlanner:
         state = plan_request(request_id, request.prompt_token_ids, None if mrope is None else mrope[0],
                              getattr(params, "extra_args", None), self.policies, self.prompt, self.num_layers,
                              self.device, whole=whole)
-        if request_id in self.quiet:
+        if request_id in self.quiet or not self.records:
             state.recorded = True
         elif not state.layout.pruned:
             state.record_unpruned()

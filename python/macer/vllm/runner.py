@@ -8,10 +8,11 @@ exists (``bind``), and three of its objects get a wrapper on the instance:
   any metadata is built): the step is planned here (``macer.vllm.plan.StepPlanner``) and dispatched so that a step
   whose forward runs stages (``staged``) gets no CUDA graph and no padding, and a step whose segments are not the
   captured layout's (``graphable``) no FULL graph;
-* the metadata builder of KV cache group 0: its ``build`` (once per step) then builds the compacted layers' metadata
-  for the step the dispatcher saw (``macer.vllm.backend.StageMetadata.build``), on the buffers a FULL graph reads when
-  the dispatcher chose one; its ``build_for_cudagraph_capture`` (FULL captures and dummy runs, never a step the
-  scheduler made) the capture's metadata on those buffers (``StageMetadata.capture``).
+* the metadata builder of KV cache group 0 (on a later pipeline rank, of its first layer's group): its ``build``
+  (once per step) then builds the compacted layers' metadata for the step the dispatcher saw
+  (``macer.vllm.backend.StageMetadata.build``), on the buffers a FULL graph reads when the dispatcher chose one; its
+  ``build_for_cudagraph_capture`` (FULL captures and dummy runs, never a step the scheduler made) the capture's
+  metadata on those buffers (``StageMetadata.capture``).
 
 Only steps the scheduler made are planned: the MACER worker marks them (``begin_step`` / ``end_step``); profiling,
 warm-up and capture runs are not. A step the worker marked whose plan or metadata build did not happen raises, naming
@@ -49,11 +50,12 @@ class RunnerBinding:
         planner: the model's step planner.
         build: ``build(step, common)``: the step's metadata (``StageMetadata.build`` and its checks).
         capture: ``capture(common) -> {layer name: (metadata, slots)}``: a FULL capture's metadata.
+        group: the KV cache group whose metadata builder is hooked (0; a later pipeline rank's first layer's).
     """
 
     def __init__(self, planner: StepPlanner, build: Callable[[PreparedStep, Any], None],
-                 capture: Callable[[Any], dict[str, Any]]):
-        self.planner, self._build, self._capture = planner, build, capture
+                 capture: Callable[[Any], dict[str, Any]], group: int = 0):
+        self.planner, self._build, self._capture, self.group = planner, build, capture, group
         self.runner: Any = None
         self.in_step = False
         self.prepared: PreparedStep | None = None
@@ -72,7 +74,7 @@ class RunnerBinding:
                                "on vLLM's V1 model runner of the tested releases")
         self.runner = runner
         self._hook_dispatch(runner.cudagraph_dispatcher)
-        self._hook_builder(runner.attn_groups[0][0].get_metadata_builder())
+        self._hook_builder(runner.attn_groups[self.group][0].get_metadata_builder())
 
     def _hook_dispatch(self, dispatcher: Any) -> None:
         from vllm.config import CUDAGraphMode

@@ -33,6 +33,13 @@ features) passes ``after_layer`` (``AfterLayer``) for the eager path (vLLM's own
 called after every layer with the rows that layer held (their indices among the step's rows), so it adds exactly the
 kept rows' own features.
 
+Beyond one device (``macer.vllm.parallel``): at tensor parallel each stage's scores are reduced over the ranks before
+its selection (``TensorRanks``: the tap passes its ``reduce``, and compares the ranks' kept rows after the stage); at
+pipeline parallel this decoder holds the rank's layers only (``PipelineRanks``): it plans every request on the
+rank's slice of its layout, and a staged step hands the rows it holds to the next rank (``IntermediateTensors`` with
+``macer_rows``), after applying a stage that read the rank's last layer. A step without a stage hands over what
+vLLM's own forward hands over.
+
 Dummy, profiling and capture runs are never planned (the MACER worker marks the steps it runs) and take vLLM's own
 forward, with, in a FULL CUDA-graph capture, the compacted layers' metadata on the buffers every later FULL step
 refills in place.
@@ -52,6 +59,7 @@ from macer.core.kv_memory import compacted_start
 from macer.core.policy import Policy
 from macer.vllm.backend import StageMetadata, attention_modules, check_backends, installed, readout, self_test
 from macer.vllm.checks import check_policy, refuse
+from macer.vllm.parallel import PipelineRanks, TensorRanks
 from macer.vllm.plan import PreparedStep, StepPlanner
 from macer.vllm.prompt import PromptLabels
 from macer.vllm.request_settings import RequestPolicies
@@ -83,16 +91,17 @@ def capture_bounds(policy: Policy, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({spec.layer for spec in policy.stage_specs(1, 1) if spec.layer < num_layers}))
 
 
-def _compacted(attns: list[nn.Module], policy: Policy, settings: Any) -> int | None:
+def _compacted(attns: list[nn.Module], policy: Policy, settings: Any, first: int, num_layers: int) -> int | None:
     """The first layer whose KV cache groups hold only the kept rows (``macer.vllm.kv``), its layers made to declare
-    so; None where the engine does not free KV memory (``free_kv`` off, or nothing to compact)."""
+    so; None where the engine does not free KV memory (``free_kv`` off, or nothing to compact). ``attns``: the
+    decoder's layers ``first ..`` of ``num_layers`` (a pipeline rank holds some of them)."""
     if not free_kv(settings):
         return None
     from macer.vllm.kv import declare_compacted
 
-    start = compacted_start(policy, len(attns))
+    start = compacted_start(policy, num_layers)
     if start is not None:
-        declare_compacted(attns[start:])
+        declare_compacted(attns[max(start - first, 0):])
     return start
 
 
@@ -148,16 +157,21 @@ class StagedDecoder:
                  after_layer: AfterLayer | None = None):
         self.model, self.prompt, self.vllm_config = model, prompt, vllm_config
         self.after_layer = after_layer
-        self.layers = list(model.layers)
+        self.pipe = PipelineRanks.of(vllm_config, model)  # pipeline parallel: this rank's layers, the hand-over
+        self.num_layers = len(model.layers)  # the decoder's depth (a pipeline rank holds a slice)
+        self.first = 0 if self.pipe is None else self.pipe.first  # index of layers[0] in the decoder
+        self.layers = list(model.layers)[self.first: None if self.pipe is None else self.pipe.stop]
         self.attns = attention_modules(self.layers)
         self.names = [attn.layer_name for attn in self.attns]
         model_config = vllm_config.model_config
         check_backends(self.attns, model_config.architecture)
         settings = (vllm_config.additional_config or {}).get(SETTINGS_KEY)
-        _check_policy(policy, len(self.layers), prompt)
+        _check_policy(policy, self.num_layers, prompt)
         self.policies = RequestPolicies(settings, model_config.hf_config, model_config.architecture, policy)
-        self.kv_start = _compacted(self.attns, policy, settings)
-        self.bounds = capture_bounds(policy, len(self.layers))
+        self.kv_start = _compacted(self.attns, policy, settings, self.first, self.num_layers)
+        bounds = capture_bounds(policy, self.num_layers)
+        self.bounds = bounds if self.pipe is None else self.pipe.local_bounds(bounds)  # of self.layers
+        self.ranks = TensorRanks.of(vllm_config)  # tensor parallel: the stages' score reduce and guard
         self.planner: StepPlanner | None = None
         self.binding: RunnerBinding | None = None
         self.metadata: StageMetadata | None = None
@@ -173,9 +187,15 @@ class StagedDecoder:
 
         from macer.vllm.kv import check_groups
 
-        check_groups(runner.kv_cache_config, self.names, self.kv_start)
-        self.planner = StepPlanner(self.policies, self.prompt, len(self.layers), runner.device, self.bounds)
-        self.binding = RunnerBinding(self.planner, self._build, self._capture)
+        local = None if self.kv_start is None else min(max(self.kv_start - self.first, 0), len(self.names))
+        check_groups(runner.kv_cache_config, self.names, local)
+        self.planner = StepPlanner(self.policies, self.prompt, self.num_layers, runner.device, self.bounds,
+                                   pipe=self.pipe, records=_output_rank(self.vllm_config))
+        # The hooks sit on the builder of this rank's first layer's KV group (a later pipeline rank may hold no layer
+        # of group 0).
+        group = next(gid for gid, kv_group in enumerate(runner.kv_cache_config.kv_cache_groups)
+                     if self.names[0] in kv_group.layer_names)
+        self.binding = RunnerBinding(self.planner, self._build, self._capture, group=group)
         self.binding.bind(runner)
         self.metadata = StageMetadata(runner, self.names, self.attns, self.bounds)
         try:
@@ -199,7 +219,7 @@ class StagedDecoder:
         process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
         from macer.vllm.kv import follow_default
 
-        _check_policy(policy, len(self.layers), self.prompt)
+        _check_policy(policy, self.num_layers, self.prompt)
         if self.kv_start is not None and not follow_default(self.vllm_config, policy):
             raise RuntimeError("macer: use_policy on an engine that frees KV memory (free_kv) needs the engine's "
                                "scheduler in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): it sizes each request's "
@@ -239,7 +259,17 @@ class StagedDecoder:
             return
         from macer.vllm.graphcheck import check_decode_graphs
 
+        if self.pipe is not None:
+            # The check feeds made-up requests to one runner, and a pipeline rank's forward needs its neighbours':
+            # unproven, so unused (docs/serving.md, "Parallel layouts").
+            self.binding.full_graphs = False
+            logger.info("macer: FULL decode CUDA graphs are off for %s's steps with compacted layers at pipeline "
+                        "parallel (their load-time check runs on one rank's runner alone); those steps run with "
+                        "piecewise CUDA graphs", self.vllm_config.model_config.architecture)
+            return
         reason = check_decode_graphs(worker, self)
+        if self.ranks is not None:  # the tensor-parallel ranks take the same graphs, or their forwards differ
+            reason = self.ranks.verdict(reason)
         if reason is not None:
             self.binding.full_graphs = False
             logger.warning("macer: FULL decode CUDA graphs are off for %s's steps with compacted layers: %s; they "
@@ -248,23 +278,30 @@ class StagedDecoder:
 
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None, **model_kwargs: Any) -> torch.Tensor:
-        """vLLM's forward of the decoder (first and last pipeline rank) with the step's metadata and stages;
-        ``model_kwargs`` go to vLLM's forward (Qwen3-Omni: its deepstack features)."""
+                inputs_embeds: torch.Tensor | None = None, intermediate_tensors: Any = None,
+                **model_kwargs: Any) -> Any:
+        """vLLM's forward of the decoder with the step's metadata and stages; ``model_kwargs`` go to vLLM's forward
+        (Qwen3-Omni: its deepstack features). A pipeline rank after the first receives ``intermediate_tensors``; one
+        before the last returns them (``PipelineRanks``)."""
         from vllm.forward_context import get_forward_context
 
         step, captured = self.binding.take() if self.binding is not None else (None, None)
         context = get_forward_context()
+        received = None if self.pipe is None else self.pipe.for_vllm(intermediate_tensors)
         if step is None:  # profiling, warm-up or capture: vLLM's forward (FULL capture: the compacted buffers)
             from vllm.config import CUDAGraphMode
 
             full = captured and context.cudagraph_runtime_mode == CUDAGraphMode.FULL
             with installed(context, captured if full else {}):
-                return self.model(input_ids, positions, None, inputs_embeds, **model_kwargs)
+                return self.model(input_ids, positions, received, inputs_embeds, **model_kwargs)
         with installed(context, step.metadata):
             if not step.staged:
-                return self.model(input_ids, positions, None, inputs_embeds, **model_kwargs)
-            hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
+                return self.model(input_ids, positions, received, inputs_embeds, **model_kwargs)
+            residual = None
+            if received is not None:
+                hidden, residual = self.pipe.receive(intermediate_tensors)
+            else:
+                hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
             if hidden.shape[0] != step.plan.num_tokens:
                 raise RuntimeError(f"macer: the forward has {hidden.shape[0]} rows for the step's "
                                    f"{step.plan.num_tokens} tokens (a padded batch in a step that runs stages: the "
@@ -272,10 +309,10 @@ class StagedDecoder:
             # Eager for this step only, so a stage step never compiles anything; vLLM's ops that a compiled engine
             # leaves to Inductor run the platform's kernels, as in an eager engine (``platform_kernels``).
             with self._readouts(), torch.compiler.set_stance("force_eager"), platform_kernels(self._kernels):
-                hidden = self._staged(step, hidden, positions)
+                hidden = self._staged(step, hidden, positions, residual)
         for i in step.fresh:
             step.states[i].prefilled = True
-            step.states[i].start_record()
+            step.states[i].start_record()  # (a state planned without a record makes none: StepPlanner's records)
         return hidden
 
     @contextlib.contextmanager
@@ -288,63 +325,45 @@ class StagedDecoder:
             for handle in handles:
                 handle.remove()
 
-    def _staged(self, step: PreparedStep, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _staged(self, step: PreparedStep, hidden: torch.Tensor, positions: torch.Tensor,
+                residual: torch.Tensor | None) -> Any:
         total = hidden.shape[0]
         segments = {segment.start: segment for segment in step.plan.segments}
         offsets, origin = step.query_start, None
-        residual: torch.Tensor | None = None
         for i in step.fresh:  # a stage before the first layer (the random rule): no readout
-            if step.states[i].prefill.stage_at(0) is not None:
+            if self.first == 0 and step.states[i].prefill.stage_at(0) is not None:
                 step.states[i].prefill.run(None, None, None, 0.0)
         for index, layer in enumerate(self.layers):
             segment = segments.get(index)
             if segment is not None:
                 if segment.gather is not None:
-                    rows = self._rows(step, segment, hidden.device)
+                    # A later pipeline rank's first gather: the rows the previous rank handed over.
+                    entering = index == 0 and self.pipe is not None and not self.pipe.is_first
+                    rows = self.pipe.entered(step, segment) if entering else _gather_rows(step, segment, hidden.device)
                     hidden, positions = hidden[rows], positions[..., rows]
                     residual = None if residual is None else residual[rows]
                     origin = rows if origin is None else origin[rows]
                 offsets = segment.query_start
-            armed = [(step.states[i], offsets[i], step.states[i].layout.layer_tokens[index]) for i in step.fresh
-                     if step.states[i].prefill.stage_at(index + 1) is not None]
+            at = self.first + index  # in the whole decoder
+            armed = [(step.states[i], offsets[i], step.states[i].layout.layer_tokens[at]) for i in step.fresh
+                     if step.states[i].prefill.stage_at(at + 1) is not None]
             self._armed = (index, armed) if armed else None
             try:
                 hidden, residual = layer(positions, hidden, residual)
             finally:
                 self._armed = None
             if self.after_layer is not None:
-                hidden = self.after_layer(index, hidden, origin)
+                hidden = self.after_layer(at, hidden, origin)
+        if self.pipe is not None and not self.pipe.is_last:
+            if step.handover is not None:  # the stage that read this rank's last layer is applied before the send
+                rows = _gather_rows(step, step.handover, hidden.device)
+                hidden, residual = hidden[rows], residual[rows]
+                origin = rows if origin is None else origin[rows]
+            return self.pipe.send(hidden, residual, origin, total)
         hidden, _ = self.model.norm(hidden, residual)
         if origin is None:
             return hidden
         return hidden.new_zeros(total, hidden.shape[-1]).index_copy_(0, origin, hidden)
-
-    def _rows(self, step: PreparedStep, segment: Any, device: torch.device) -> torch.Tensor:
-        """The rows of the previous segment that enter ``segment`` (sizes from the host plan; the staged requests'
-        kept rows are device indices)."""
-        parts = []
-        for piece in segment.gather:
-            if piece.request is None:
-                parts.append(torch.arange(piece.start, piece.stop, device=device))
-                continue
-            state = step.states[piece.request]
-            if piece.request in step.fresh:
-                prefill = state.prefill
-                keep, prefill.pending = prefill.pending, None
-                if keep is None:
-                    raise RuntimeError(f"macer: request {state.request_id}'s stage before layer {segment.start + 1} "
-                                       "did not run (please report this)")
-                prefill.current = prefill.current[keep]
-                state.keeps[segment.start] = keep
-            else:
-                keep = state.keeps.get(segment.start)
-                if keep is None:
-                    raise RuntimeError(f"macer: request {state.request_id} is recomputed without the rows its stage "
-                                       f"before layer {segment.start + 1} kept (please report this)")
-            parts.append(keep + piece.start)
-            if piece.stop > piece.start + piece.before:
-                parts.append(torch.arange(piece.start + piece.before, piece.stop, device=device))
-        return torch.cat(parts)
 
     def _tap(self, index: int) -> Callable[[nn.Module, tuple], None]:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -352,11 +371,54 @@ class StagedDecoder:
             if armed is None or armed[0] != index:
                 return
             query, key = args[0], args[1]
+            ranks = self.ranks
             for state, offset, count in armed[1]:
                 q, k, scale = readout(module, query[offset: offset + count], key[offset: offset + count])
-                state.prefill.run(q, k, scale, getattr(state.policy, "eps", 0.0))
+                state.prefill.run(q, k, scale, getattr(state.policy, "eps", 0.0),
+                                  reduce=None if ranks is None else ranks.reduce)
+                if ranks is not None:
+                    ranks.agree(state.request_id, self.first + index + 1, state.prefill.pending)
 
         return hook
+
+
+def _gather_rows(step: PreparedStep, segment: Any, device: torch.device) -> torch.Tensor:
+    """The rows of the previous segment that enter ``segment`` (sizes from the host plan; the staged requests'
+    kept rows are device indices)."""
+    parts = []
+    for piece in segment.gather:
+        if piece.request is None:
+            parts.append(torch.arange(piece.start, piece.stop, device=device))
+            continue
+        state = step.states[piece.request]
+        if piece.request in step.fresh:
+            prefill = state.prefill
+            keep, prefill.pending = prefill.pending, None
+            if keep is None:
+                raise RuntimeError(f"macer: request {state.request_id}'s stage before layer {segment.start + 1} "
+                                   "did not run (please report this)")
+            prefill.current = prefill.current[keep]
+            state.keeps[segment.start] = keep
+        else:
+            keep = state.keeps.get(segment.start)
+            if keep is None:
+                raise RuntimeError(f"macer: request {state.request_id} is recomputed without the rows its stage "
+                                   f"before layer {segment.start + 1} kept (please report this)")
+        parts.append(keep + piece.start)
+        if piece.stop > piece.start + piece.before:
+            parts.append(torch.arange(piece.start + piece.before, piece.stop, device=device))
+    return torch.cat(parts)
+
+
+def _output_rank(vllm_config: Any) -> bool:
+    """Whether this worker's outputs reach the scheduler (vLLM's output rank: the first tensor-parallel rank of the
+    last pipeline stage), the one worker that makes the requests' records."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size <= 1 and parallel.pipeline_parallel_size <= 1:
+        return True
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    return get_pp_group().is_last_rank and get_tp_group().rank_in_group == 0
 
 
 class _NoStates:

@@ -23,7 +23,7 @@ import copy
 import logging
 from typing import Any
 
-from macer.vllm import records
+from macer.vllm import parallel, records
 
 logger = logging.getLogger("vllm.macer")
 
@@ -51,6 +51,8 @@ class MacerWorkerMixin:
             # Builders made under the engine's config, as the runner makes its own (FlashInfer's __init__ reads it).
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
                 decoder.bind(self.model_runner)  # type: ignore[attr-defined]
+            if decoder.pipe is not None:
+                parallel.intermediate_buffers(self.model_runner)  # type: ignore[attr-defined]
 
     def compile_or_warm_up_model(self) -> Any:
         out = super().compile_or_warm_up_model()  # type: ignore[misc]
@@ -74,13 +76,15 @@ class MacerWorkerMixin:
         out = super().sample_tokens(grammar_output)  # type: ignore[misc]
         # The records this step started wait for one device copy of their kept rows, enqueued before the sampler.
         step = records.claim_pending()
+        agree = parallel.claim_agreement()  # tensor parallel: the guard's flags of this step (macer.vllm.parallel)
         if hasattr(out, "get_output"):
             # Asynchronous scheduling: vLLM's output waits for the step on the executor's output thread
             # (AsyncModelRunnerOutput.get_output); the records are finished there, after that wait, so that this
             # thread prepares the next step meanwhile.
-            return _with_records(out, records.drain(), step)
+            return _with_records(parallel.after_output(out, agree), records.drain(), step)
         # Synchronous: the step is done by now (the sampler's tokens went to the host), so waiting costs nothing, and
         # a request that finishes in this step still gets its record.
+        agree()
         return _with_records(out, records.drain() + records.finish(step))
 
 
