@@ -349,7 +349,7 @@ def test_piecewise_steps_count_the_real_rows_and_pad_the_slots_as_the_runner_doe
     plain = generate_staggered(shared_engine, REQUESTS, every=2, per=2)
     seen, forward = [], macer.forward
 
-    def looking(input_ids, positions, inputs_embeds=None, **kwargs):
+    def looking(input_ids, positions, inputs_embeds=None, *rest, **kwargs):
         step, context = macer.binding.prepared, get_forward_context()
         if step is not None:
             own = context.attn_metadata[macer.names[0]]
@@ -357,7 +357,7 @@ def test_piecewise_steps_count_the_real_rows_and_pad_the_slots_as_the_runner_doe
                          context.slot_mapping[macer.names[0]].shape[0],
                          {name: (metadata.num_actual_tokens, slots.tolist(), metadata.query_start_loc.tolist(),
                                  metadata.seq_lens.shape[0]) for name, (metadata, slots) in step.metadata.items()}))
-        return forward(input_ids, positions, inputs_embeds, **kwargs)
+        return forward(input_ids, positions, inputs_embeds, *rest, **kwargs)
 
     monkeypatch.setattr(macer, "forward", looking)
     with emulated_piecewise_graphs(shared_engine, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512)):  # vLLM's default
