@@ -22,6 +22,37 @@ import pytest
 
 LOGPROB_ATOL = 1e-4
 TOKENS = 24
+NAN_ID = 509  # a text id only the NaN prompt holds; ``poison`` makes its embedding row NaN
+
+
+def nan_prompt() -> list[int]:
+    """A clip prompt with one text row (``NAN_ID``) whose embedding ``poison`` makes NaN: every stage's scores are
+    then non-finite, the first stage's (reading layer 2) included."""
+    from macer.vllm.testing import clip_prompt
+
+    prompt = clip_prompt(n_audio=16, n_video=32, question=6, seed=8)
+    prompt[4] = NAN_ID
+    return prompt
+
+
+def poison(worker: Any, on: bool = True) -> bool:
+    """On this rank (through ``collective_rpc``), where it holds the embedding (the first pipeline rank): make the
+    embedding of ``NAN_ID`` NaN (``on``), or stop doing so. A test hook, as the NaN tests of test_batched.py and
+    test_conformance.py plant it (no host read in it)."""
+    from vllm.distributed import get_pp_group
+
+    handle = getattr(worker, "macer_poison", None)
+    if handle is not None:
+        handle.remove()
+        worker.macer_poison = None
+    if on and get_pp_group().is_first_rank:
+        import torch
+
+        def hook(module, args, output):
+            return torch.where((args[0] == NAN_ID)[:, None], torch.full_like(output, float("nan")), output)
+
+        worker.macer_poison = worker.model_runner.get_model().macer.model.embed_tokens.register_forward_hook(hook)
+    return True
 
 
 def _refused() -> list[int]:
@@ -75,7 +106,8 @@ _REFERENCE: dict[str, dict] = {}
 def reference(tiny_checkpoint: Any, hf_model: Any) -> dict[str, dict]:
     """Each request alone on a TP=1 engine in this process (the session's engine settings, started for this and shut
     down after: an in-process engine that another engine's shutdown outlives loses its distributed groups), plus its
-    ``macer.compress`` tokens and kept rows (``hf``); computed once per session."""
+    ``macer.compress`` tokens and kept rows (``hf``); computed once per session. Under ``"NaN"``: ``nan_prompt`` on
+    that engine with its embedding row poisoned (``poison``), its record noting the non-finite scores."""
     if _REFERENCE:
         return _REFERENCE
     from macer.vllm.request_settings import request_overrides, request_policy
@@ -93,6 +125,14 @@ def reference(tiny_checkpoint: Any, hf_model: Any) -> dict[str, dict]:
             hf = hf_run(hf_model, None if name == "refused plan" else policy, prompt, steps=TOKENS)
             got["hf"] = {"tokens": hf["tokens"], "record": hf["record"]}
             _REFERENCE[name] = got
+        from vllm_cases import worker_of
+
+        poison(worker_of(llm))
+        try:
+            _REFERENCE["NaN"] = result(llm.generate([{"prompt_token_ids": nan_prompt()}], sampling(None),
+                                                    use_tqdm=False)[0])
+        finally:
+            poison(worker_of(llm), on=False)
     finally:
         llm.llm_engine.engine_core.shutdown()
     return _REFERENCE

@@ -29,9 +29,12 @@ from parallel_cases import (  # noqa: E402
     check,
     check_modes,
     environment,
+    nan_prompt,
+    poison,
     reference,
     requests,
     result,
+    sampling,
     serve_counting_preemptions,
     two_cores,
     watch,
@@ -87,3 +90,19 @@ def test_a_mixed_batch_at_pp2_equals_tp1_and_transformers(pp_engine, want):
     seen = sorted(llm.collective_rpc(watched), key=lambda f: f["pp"])
     check_modes(seen, eager)
     assert [f["records"] for f in seen] == [0, len(requests())]
+
+
+def test_a_stage_flag_from_rank_0_reaches_the_record(pp_engine, want):
+    """Guards the hand-over of the stages' non-finite flags (``macer_flags``): a prompt whose embedding row is NaN
+    makes every stage's scores non-finite, the audio stage's (reading layer 2, on rank 0) included. The record, made
+    on rank 1, has the TP=1 engine's note, which names layer 2: without the flags rank 1 saw only its own stage's
+    (layer 4) and its note named that layer."""
+    llm, _ = pp_engine
+    assert llm.collective_rpc(poison) == [True, True]
+    try:
+        got = result(llm.generate([{"prompt_token_ids": nan_prompt()}], sampling(None), use_tqdm=False)[0])
+    finally:
+        llm.collective_rpc(poison, args=(False,))
+    note = want["NaN"]["record"]["note"]
+    assert note is not None and note.startswith("the attention scores of the stage reading layer 2 are not finite")
+    assert got["record"] == want["NaN"]["record"]

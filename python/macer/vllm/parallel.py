@@ -17,8 +17,10 @@
   tensor-parallel rank of the last pipeline stage) makes the requests' records.
 * **Pipeline parallel** (``PipelineRanks``, ``MacerQwen2ForCausalLM``): every rank plans every request from its
   prompt on its own layers; a staged step hands the rows a rank holds to the next with ``ROWS_KEY``; a step without a
-  stage runs vLLM's own forward (compiled where the engine compiles) on every rank. The Omni thinkers are refused at
-  ``--pipeline-parallel-size`` > 1 (``parallel_problems``). An eager engine's later ranks get the receive buffer
+  stage runs vLLM's own forward (compiled where the engine compiles) on every rank. The stages' non-finite flags
+  travel beside the rows (``FLAGS_KEY``, device values), so the last rank, which makes the records, reads every
+  stage's flag where a one-rank engine reads them (after the sampler) and gives the same note. The Omni thinkers are refused
+  at ``--pipeline-parallel-size`` > 1 (``parallel_problems``). An eager engine's later ranks get the receive buffer
   vLLM's CPU runner allocates only in its compiled warm-up (``intermediate_buffers``).
 * **Data parallel** (``parallel_problems``): a dense model's DP ranks are independent engines (vLLM reconfigures each
   engine core as DP=1), each with its own MACER scheduler, KV cache, states and records: nothing to add. A MoE
@@ -45,8 +47,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PIPELINE_ARCHITECTURES", "ROWS_KEY", "PipelineRanks", "TensorRanks", "after_output", "claim_agreement",
-           "fixed_order_mean", "intermediate_buffers", "main", "parallel_problems", "plugin_status", "with_rows"]
+__all__ = ["FLAGS_KEY", "PIPELINE_ARCHITECTURES", "ROWS_KEY", "PipelineRanks", "TensorRanks", "after_output",
+           "claim_agreement", "fixed_order_mean", "intermediate_buffers", "main", "parallel_problems", "plugin_status", "with_rows"]
 
 PIPELINE_ARCHITECTURES = ("MacerQwen2ForCausalLM",)
 """The MACER architectures built for pipeline parallel (the Omni thinkers hand the encoders' outputs and
@@ -55,6 +57,11 @@ Qwen3-Omni's deepstack features between ranks as well, which is not built)."""
 ROWS_KEY = "macer_rows"
 """The intermediate tensor that carries, from one pipeline rank to the next, which of the step's rows the hidden
 states hold (``PipelineRanks``)."""
+
+FLAGS_KEY = "macer_flags"
+"""The intermediate tensor that carries, beside ``ROWS_KEY``, the non-finite flags of the stages that ran on this rank
+or an earlier one, for the requests whose first prefill is in the step (``PipelineRanks.stage_flags``), so the last
+rank's record has the note a one-rank engine gives."""
 
 
 def parallel_problems(vllm_config: Any) -> list[str]:
@@ -207,7 +214,9 @@ class PipelineRanks:
     starts and takes over the stages that ran before it (``entered``). A stage whose readout is this rank's last
     layer is applied here, before the hand-over (``handover_segment``: the gather the next rank's plan starts with).
     A stage's drop lasts to the last layer, so every rank after one that dropped rows gathers at its first layer and
-    runs the step staged: the rows it reads were handed over by a staged step."""
+    runs the step staged: the rows it reads were handed over by a staged step. Beside them travels ``FLAGS_KEY``:
+    the non-finite flags of the stages that ran on this rank or before it (``stage_flags``), which the next rank
+    puts before its own (``entered``), so the last rank's record notes every stage's flag as one rank's does."""
 
     first: int
     stop: int
@@ -215,6 +224,7 @@ class PipelineRanks:
     is_first: bool
     is_last: bool
     received: torch.Tensor | None = None
+    received_flags: torch.Tensor | None = None
 
     @classmethod
     def of(cls, vllm_config: Any, model: Any) -> PipelineRanks | None:
@@ -263,24 +273,48 @@ class PipelineRanks:
 
     def receive(self, intermediate: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous rank's hidden states and residual; keeps its rows for ``entered``."""
-        self.received = intermediate[ROWS_KEY]
+        self.received, self.received_flags = intermediate[ROWS_KEY], intermediate[FLAGS_KEY]
         return intermediate["hidden_states"], intermediate["residual"]
 
     def entered(self, step: Any, segment: Any) -> torch.Tensor:
         """The step rows this rank's first segment holds (the previous rank's ``ROWS_KEY``), and, for every request
         whose first prefill is in the step, the state of its stages that ran on earlier ranks: the next stage to
-        run and the prompt positions of the rows it holds (sizes from the plan, no host read)."""
+        run, the prompt positions of the rows it holds and the non-finite flags of those earlier stages (``FLAGS_KEY``;
+        sizes from the plan, no host read)."""
         rows = self.received[: segment.num_tokens].long()
         for i in step.fresh:
             state = step.states[i]
             prefill = state.prefill
             start, kept = segment.query_start[i], state.layout.layer_tokens[self.first]
-            prefill.resume(sum(1 for stage in prefill.plan.stages if stage.spec.layer <= self.first),
-                           rows[start: start + kept] - step.query_start[i])
+            before = [stage.spec.layer for stage in prefill.plan.stages if stage.spec.layer <= self.first]
+            prefill.resume(len(before), rows[start: start + kept] - step.query_start[i])
+            at = step.query_start[i]
+            prefill.nonfinite[:0] = [(layer, [0], self.received_flags[at + j: at + j + 1] != 0)
+                                     for j, layer in enumerate(before)]
         return rows
 
-    def send(self, hidden: torch.Tensor, residual: torch.Tensor, origin: torch.Tensor | None, total: int) -> Any:
-        """What this rank hands to the next in a staged step (class docstring)."""
+    def stage_flags(self, step: Any, total: int, device: torch.device) -> torch.Tensor:
+        """``FLAGS_KEY``: ``[total]`` fp32, for every request whose first prefill is in ``step``, ``1`` at its step row
+        ``query_start + j`` where stage ``j`` of its plan ran on this rank or an earlier one and ranked non-finite
+        scores (``PrefillState.nonfinite``), ``0`` elsewhere; device copies of the device flags, no host read."""
+        flags = torch.zeros(total, dtype=torch.float32, device=device)
+        for i in step.fresh:
+            prefill = step.states[i].prefill
+            if prefill is None or not prefill.nonfinite:
+                continue
+            layers = [stage.spec.layer for stage in prefill.plan.stages]
+            if len(layers) > step.states[i].layout.prompt_len:  # a first prefill holds its whole prompt
+                raise RuntimeError(f"macer: request {step.states[i].request_id} has {len(layers)} stages for "
+                                   f"{step.states[i].layout.prompt_len} prompt rows (please report this)")
+            at = step.query_start[i]
+            for layer, _, flag in prefill.nonfinite:
+                j = at + layers.index(layer)
+                flags[j: j + 1] = flag.reshape(-1)[:1]
+        return flags
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor, origin: torch.Tensor | None, total: int,
+             flags: torch.Tensor) -> Any:
+        """What this rank hands to the next in a staged step (class docstring; ``flags``: ``stage_flags``)."""
         from vllm.sequence import IntermediateTensors
 
         if origin is None:
@@ -290,16 +324,17 @@ class PipelineRanks:
             rows[: origin.numel()] = origin
             hidden = hidden.new_zeros(total, hidden.shape[-1]).index_copy_(0, origin, hidden)
             residual = residual.new_zeros(total, residual.shape[-1]).index_copy_(0, origin, residual)
-        return IntermediateTensors({"hidden_states": hidden, "residual": residual, ROWS_KEY: rows})
+        return IntermediateTensors({"hidden_states": hidden, "residual": residual, ROWS_KEY: rows, FLAGS_KEY: flags})
 
 
 def with_rows(make_empty: Any) -> Any:
-    """``make_empty_intermediate_tensors`` of a MACER model: vLLM's (hidden states, residual) and ``ROWS_KEY``,
-    the buffers a later pipeline rank receives into."""
+    """``make_empty_intermediate_tensors`` of a MACER model: vLLM's (hidden states, residual), ``ROWS_KEY`` and
+    ``FLAGS_KEY``, the buffers a later pipeline rank receives into."""
 
     def make(batch_size: int, dtype: torch.dtype, device: torch.device) -> Any:
         tensors = make_empty(batch_size=batch_size, dtype=dtype, device=device)
         tensors.tensors[ROWS_KEY] = torch.zeros(batch_size, dtype=torch.float32, device=device)
+        tensors.tensors[FLAGS_KEY] = torch.zeros(batch_size, dtype=torch.float32, device=device)
         return tensors
 
     return make

@@ -37,7 +37,8 @@ Beyond one device (``macer.vllm.parallel``): at tensor parallel each stage's sco
 its selection (``TensorRanks``: the tap passes its ``reduce``, and compares the ranks' kept rows after the stage); at
 pipeline parallel this decoder holds the rank's layers only (``PipelineRanks``): it plans every request on the
 rank's slice of its layout, and a staged step hands the rows it holds to the next rank (``IntermediateTensors`` with
-``macer_rows``), after applying a stage that read the rank's last layer. A step without a stage hands over what
+``macer_rows``, and ``macer_flags``: the non-finite flags of the stages run so far, for the last rank's records), after
+applying a stage that read the rank's last layer. A step without a stage hands over what
 vLLM's own forward hands over.
 
 Dummy, profiling and capture runs are never planned (the MACER worker marks the steps it runs) and take vLLM's own
@@ -359,7 +360,7 @@ class StagedDecoder:
                 rows = _gather_rows(step, step.handover, hidden.device)
                 hidden, residual = hidden[rows], residual[rows]
                 origin = rows if origin is None else origin[rows]
-            return self.pipe.send(hidden, residual, origin, total)
+            return self.pipe.send(hidden, residual, origin, total, self.pipe.stage_flags(step, total, hidden.device))
         hidden, _ = self.model.norm(hidden, residual)
         if origin is None:
             return hidden
