@@ -19,9 +19,9 @@
   prompt on its own layers; a staged step hands the rows a rank holds to the next with ``ROWS_KEY``; a step without a
   stage runs vLLM's own forward (compiled where the engine compiles) on every rank. The stages' non-finite flags
   travel beside the rows (``FLAGS_KEY``, device values), so the last rank, which makes the records, reads every
-  stage's flag where a one-rank engine reads them (after the sampler) and gives the same note. The Omni thinkers are refused
-  at ``--pipeline-parallel-size`` > 1 (``parallel_problems``). An eager engine's later ranks get the receive buffer
-  vLLM's CPU runner allocates only in its compiled warm-up (``intermediate_buffers``).
+  stage's flag where a one-rank engine reads them (after the sampler) and gives the same note. The Omni thinkers are
+  refused at ``--pipeline-parallel-size`` > 1 (``parallel_problems``). An eager engine's later ranks get the receive
+  buffer vLLM's CPU runner allocates only in its compiled warm-up (``intermediate_buffers``).
 * **Data parallel** (``parallel_problems``): a dense model's DP ranks are independent engines (vLLM reconfigures each
   engine core as DP=1), each with its own MACER scheduler, KV cache, states and records: nothing to add. A MoE
   model's DP ranks step together (vLLM's ``DPEngineCoreProc``: idle ranks run dummy batches, the experts' tokens are
@@ -48,7 +48,8 @@ from typing import Any
 import torch
 
 __all__ = ["FLAGS_KEY", "PIPELINE_ARCHITECTURES", "ROWS_KEY", "PipelineRanks", "TensorRanks", "after_output",
-           "claim_agreement", "fixed_order_mean", "intermediate_buffers", "main", "parallel_problems", "plugin_status", "with_rows"]
+           "claim_agreement", "fixed_order_mean", "intermediate_buffers", "main", "parallel_problems", "plugin_status",
+           "with_rows"]
 
 PIPELINE_ARCHITECTURES = ("MacerQwen2ForCausalLM",)
 """The MACER architectures built for pipeline parallel (the Omni thinkers hand the encoders' outputs and
