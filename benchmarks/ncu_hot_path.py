@@ -44,13 +44,15 @@ def _calls(device: torch.device):
     return calls
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def profile(tag: str, doc: str, make_calls, argv: list[str] | None = None) -> None:
+    """Run ``make_calls(device)``'s calls once to warm up, then once more between cudaProfilerStart/Stop (what
+    ``ncu --profile-from-start off`` profiles), printing each name; the Nsight scripts' one driver."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default; the CUDA backend) or cpu (torch backend)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     backend = "cuda" if device.type == "cuda" else "torch"
-    calls = _calls(device)
+    calls = make_calls(device)
     with mk.use_backend(backend):
         for _, call in calls:
             call()
@@ -63,7 +65,11 @@ def main(argv: list[str] | None = None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStop()
-    print("ncu_hot_path done:", backend, len(calls), "calls")
+    print(f"{tag} done:", backend, len(calls), "calls")
+
+
+def main(argv: list[str] | None = None) -> None:
+    profile("ncu_hot_path", __doc__, _calls, argv)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,10 @@ rate of the reduce's logit reads (S-A) and of S-B's spill read-back (plan: > 90 
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 import macer_kernels as mk
+from benchmarks.ncu_hot_path import profile
 
 
 def _inputs(n: int, device: torch.device, g: torch.Generator):
@@ -47,25 +46,7 @@ def calls(device: torch.device) -> list[tuple[str, object]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", help="cuda (default; the CUDA backend) or cpu (torch backend)")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    backend = "cuda" if device.type == "cuda" else "torch"
-    todo = calls(device)
-    with mk.use_backend(backend):
-        for _, call in todo:
-            call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStart()
-        for name, call in todo:
-            print("profiled:", name, flush=True)
-            call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStop()
-    print("ncu_scores done:", backend, len(todo), "calls")
+    profile("ncu_scores", __doc__, calls, argv)
 
 
 if __name__ == "__main__":
