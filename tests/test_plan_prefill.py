@@ -416,3 +416,20 @@ def test_a_macer_subclass_with_its_own_stages_is_planned_by_them():
                         temporal=torch.arange(39), input_ids=None, end_of_turn_token_id=None, num_layers=4,
                         question_end=38)
     assert [s.spec for s in plan_prefill(policy, facts).stages] == policy.stage_specs(10, 20)
+
+
+def test_host_array_views_a_plain_cpu_tensor_and_copies_what_numpy_refuses(seed):
+    """``host_array``'s fast path (``Tensor.numpy`` tried first) against the checked one: a 1-D CPU tensor is viewed
+    (the same memory), a tensor that requires grad or has more dims comes back flattened with equal values, and a
+    strided view keeps its values."""
+    from macer.core.prompt import host_array
+
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 9, (37,), generator=g)
+    a = host_array(t)
+    assert a.ndim == 1 and np.shares_memory(a, t.numpy()) and (a == t.numpy()).all()
+    f = torch.rand(5, generator=g, requires_grad=True)
+    np.testing.assert_array_equal(host_array(f), f.detach().numpy())
+    m = torch.randint(0, 9, (3, 4), generator=g)
+    np.testing.assert_array_equal(host_array(m), m.reshape(-1).numpy())
+    np.testing.assert_array_equal(host_array(t[::3]), t.numpy()[::3])

@@ -139,8 +139,9 @@ class PromptFacts:
     num_layers: int
     question_end: int | None = None
 
-    @property
+    @computed_once
     def length(self) -> int:
+        """Prompt tokens (read once: a plan asks several times)."""
         return self.labels.numel()
 
     def count(self, *modalities: int) -> int:

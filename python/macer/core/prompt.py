@@ -47,10 +47,13 @@ class computed_once:
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:
-    """A 1-D host tensor as a numpy array (a view when it is on the CPU)."""
-    if t.device.type == "cpu" and t.dim() == 1 and not t.requires_grad:
-        return t.numpy()
-    return t.detach().cpu().reshape(-1).numpy()
+    """A 1-D host tensor as a numpy array (a view when it is on the CPU). ``Tensor.numpy`` refuses a device tensor
+    and one that requires grad itself, so the common case costs one call (the checks in Python cost three)."""
+    try:
+        array = t.numpy()
+    except (RuntimeError, TypeError):  # on a device, or requires grad
+        return t.detach().cpu().reshape(-1).numpy()
+    return array if array.ndim == 1 else array.reshape(-1)
 
 
 class Runs(NamedTuple):
@@ -74,7 +77,7 @@ class Runs(NamedTuple):
 def runs_of(values: np.ndarray) -> Runs:
     """The runs of a 1-D array (one pass). A prompt's labels come in a few dozen runs (media blocks, interleaved
     2-second chunks), a video's temporal positions in one run per frame grid."""
-    inner = np.nonzero(values[1:] != values[:-1])[0]
+    inner = (values[1:] != values[:-1]).nonzero()[0]  # the method: np.nonzero adds a Python wrapper
     last = np.empty(inner.size + (values.size > 0), dtype=np.int64)
     last[: inner.size] = inner
     last[inner.size:] = values.size - 1
@@ -89,7 +92,7 @@ def last_index(values: np.ndarray, target: int, *, other: bool = False) -> int:
     while stop > 0:
         start = max(0, stop - size)
         block = values[start:stop]
-        hits = np.nonzero(block != target if other else block == target)[0]
+        hits = (block != target if other else block == target).nonzero()[0]
         if hits.size:
             return start + int(hits[-1])
         stop, size = start, size * 4
