@@ -247,3 +247,19 @@ def test_importing_the_plugin_loads_no_transformers_engine(tmp_path):
             "assert 'transformers' not in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
+
+
+def test_every_vllm_module_is_in_the_rooms_table_and_the_package_docstring():
+    """docs/architecture.md's "The vLLM room, module by module" lists every module of ``macer/vllm`` (and nothing
+    else), and ``macer.vllm``'s docstring names each: the map a joiner reads stays the room."""
+    import ast
+    import re
+
+    modules = sorted(p.stem for p in (PACKAGE / "vllm").glob("*.py"))
+    doc = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text()
+    section = doc.split("### The vLLM room, module by module", 1)[1].split("\n## ", 1)[0]
+    listed = sorted(re.findall(r"^\| `(\w+)\.py` \|", section, flags=re.M))
+    assert listed == modules, f"docs/architecture.md's vLLM table lists {listed}, the room has {modules}"
+    docstring = ast.get_docstring(ast.parse((PACKAGE / "vllm" / "__init__.py").read_text())) or ""
+    missing = [m for m in modules if m != "__init__" and f"``{m}``" not in docstring]
+    assert not missing, f"macer.vllm's docstring does not name {missing}"

@@ -32,7 +32,7 @@ def test_omni_labels_and_question_end_follow_the_transformers_adapter():
 
 
 def test_qwen3_omni_labels_and_question_end_follow_its_transformers_adapter():
-    """Guards the Qwen3-Omni thinker (``macer.vllm._qwen3_omni``) labelling its rows or closing its question
+    """Guards the Qwen3-Omni thinker (``macer.vllm.qwen3_omni``) labelling its rows or closing its question
     differently from the Qwen3-Omni adapter, on an interleaved clip prompt (its own audio id, 151675 in the real
     vocabulary, differs from Qwen2.5-Omni's)."""
     from macer.core.families import QWEN3_OMNI

@@ -547,7 +547,7 @@ def test_omni_thinker_import_failure_names_torchvision(tmp_path, monkeypatch):
     finally:
         registry._try_inspect_model_cls.cache_clear()
     assert seen == ["macer: MacerQwen2_5OmniThinkerForConditionalGeneration cannot be loaded: vLLM's Qwen2.5-Omni "
-                    "thinker module imports torchvision (through transformers' Qwen2-VL image processor), and "
+                    "thinker module imports torchvision (through transformers' image processors), and "
                     "torchvision is not installed: install the torchvision release built for torch "
                     f"{torch.__version__}"]
 
@@ -559,6 +559,22 @@ def test_omni_import_problem_says_what_is_missing():
     assert "and torchvision is not installed: install the torchvision release" in omni_import_problem(missing)
     other = omni_import_problem(ImportError("cannot import name 'X' from 'vllm.foo'"))
     assert "torchvision" not in other and "importing vLLM's Qwen2.5-Omni thinker module failed (ImportError" in other
+    qwen3 = omni_import_problem(missing, "MacerQwen3OmniMoeThinkerForConditionalGeneration", "Qwen3-Omni")
+    assert qwen3.startswith("macer: MacerQwen3OmniMoeThinkerForConditionalGeneration cannot be loaded: vLLM's "
+                            "Qwen3-Omni thinker module imports torchvision")
+
+
+def test_both_omni_thinkers_load_the_same_way():
+    """Every architecture is registered as ``macer.vllm.model:<class>``; the two thinkers are ``model``'s lazy
+    ``THINKERS`` and resolve to the classes of their own modules (qwen2_5_omni, qwen3_omni)."""
+    import importlib
+
+    from macer.vllm import ARCHITECTURES, model
+
+    assert {target.split(":")[0] for target in ARCHITECTURES.values()} == {"macer.vllm.model"}
+    assert set(model.THINKERS) == set(ARCHITECTURES) - {"MacerQwen2ForCausalLM"}
+    for name, (module, _) in model.THINKERS.items():
+        assert getattr(model, name) is getattr(importlib.import_module(module), name)
 
 
 # ------------------------------------------------------------------------------------ messages

@@ -7,12 +7,10 @@ hook (``macer.vllm.checks.MacerEngineHook``) for them. Select one with ``--hf-ov
 ["MacerQwen2_5OmniThinkerForConditionalGeneration"]}'`` (or a checkpoint whose config names it) and configure it with
 ``--additional-config '{"macer": {...}}'`` (``macer.vllm.settings``).
 
-Modules: ``registry`` (what ``register()`` installs), ``settings`` (the ``"macer"`` settings), ``checks`` (engine
-settings and policies refused), ``guard`` (the per-request check), ``records`` (per-request record and log line),
-``model`` (the architectures), ``staged`` (the decoder's forward with the stages), ``plan`` (each step's host plan),
-``runner`` (the hooks on vLLM's V1 model runner, and the runner a MACER engine asks for), ``graphcheck`` (the load-time
-check of FULL decode CUDA graphs), ``prompt`` (row labels and temporal positions), ``backend`` (everything specific to
-vLLM's attention backends and metadata), ``testing`` (a tiny checkpoint, tokenizer and prompts built in code). Built
+Modules: one per job, each listed with its job in docs/architecture.md ("The vLLM room, module by module"):
+``registry``, ``settings``, ``request_settings``, ``checks``, ``guard``, ``http``, ``model`` (with the thinkers
+``qwen2_5_omni`` and ``qwen3_omni``), ``prompt``, ``state``, ``plan``, ``staged``, ``runner``, ``backend``,
+``buffers``, ``graphcheck``, ``kv``, ``scheduler``, ``worker``, ``records``, ``parallel``, ``testing``. Built
 on ``macer.core``; it never imports the transformers engine (``macer.hf``). Importing this package does not import
 vLLM.
 """
@@ -26,7 +24,7 @@ ARCHITECTURES = {
     "MacerQwen2_5OmniThinkerForConditionalGeneration":
         "macer.vllm.model:MacerQwen2_5OmniThinkerForConditionalGeneration",
     "MacerQwen3OmniMoeThinkerForConditionalGeneration":
-        "macer.vllm._qwen3_omni:MacerQwen3OmniMoeThinkerForConditionalGeneration",
+        "macer.vllm.model:MacerQwen3OmniMoeThinkerForConditionalGeneration",
 }
 """Architecture name -> "module:Class" registered with vLLM's ``ModelRegistry``."""
 
@@ -41,5 +39,5 @@ def register() -> None:
     from macer.vllm.runner import prefer_v1_runner
 
     register_architectures(ARCHITECTURES)
-    register_kv()  # the compacted layers' KV cache spec (issue 29), in every process that groups or manages KV
+    register_kv()  # the compacted layers' KV cache spec, in every process that groups or manages KV
     prefer_v1_runner(ARCHITECTURES)  # they choose vLLM's V1 model runner, in every process that reads the choice

@@ -1,4 +1,4 @@
-"""The dropped rows' KV memory given back to vLLM (issue 29; docs/serving.md "KV memory").
+"""The dropped rows' KV memory given back to vLLM (docs/serving.md "KV memory").
 
 vLLM's KV cache manager gives every KV cache group of a request the same number of token slots. With
 ``additional_config["macer"]["free_kv"]`` on (the default) the decoder layers after the engine policy's last stage

@@ -1,5 +1,7 @@
-"""The plugin's architectures: vLLM's own Qwen2 decoder and Qwen2.5-Omni thinker with MACER's stages in the language
-model's forward (``macer.vllm.staged.StagedDecoder``). Registered lazily by ``macer.vllm.register``.
+"""The plugin's architectures: vLLM's own Qwen2 decoder, Qwen2.5-Omni thinker and Qwen3-Omni thinker with MACER's stages
+in the language model's forward (``macer.vllm.staged.StagedDecoder``). Registered lazily by ``macer.vllm.register``,
+all three as ``macer.vllm.model:<class>``; the two thinkers live in ``qwen2_5_omni`` / ``qwen3_omni`` and are loaded
+from here on first use (``THINKERS``).
 
 * ``MacerQwen2ForCausalLM``: a Qwen2 decoder whose audio/video rows are named by token-id sets in the settings
   (``additional_config["macer"]["audio_token_ids"]`` / ``["video_token_ids"]``): the labelled path inside the engine.
@@ -7,13 +9,15 @@ model's forward (``macer.vllm.staged.StagedDecoder``). Registered lazily by ``ma
   unchanged), rows labelled from its config's audio/video/image token ids (``macer.core.families``),
   temporal positions from the M-RoPE temporal row. Selected on a checkpoint with
   ``--hf-overrides '{"architectures": ["MacerQwen2_5OmniThinkerForConditionalGeneration"]}'``.
+* ``MacerQwen3OmniMoeThinkerForConditionalGeneration``: the same for vLLM's Qwen3-Omni (MoE) thinker.
 
-Both check the engine's settings when they load (``macer.vllm.checks.check_engine``) and build their policy from
+All check the engine's settings when they load (``macer.vllm.checks.check_engine``) and build their policy from
 ``additional_config["macer"]`` (``macer.vllm.settings.policy_from_config``).
 """
 
 from __future__ import annotations
 
+import importlib
 import traceback
 from typing import Any
 
@@ -49,23 +53,34 @@ class MacerQwen2ForCausalLM(Qwen2ForCausalLM):
         return self.macer.forward(input_ids, positions, inputs_embeds, intermediate_tensors)
 
 
+THINKERS = {
+    "MacerQwen2_5OmniThinkerForConditionalGeneration": ("macer.vllm.qwen2_5_omni", "Qwen2.5-Omni"),
+    "MacerQwen3OmniMoeThinkerForConditionalGeneration": ("macer.vllm.qwen3_omni", "Qwen3-Omni"),
+}
+"""The Omni thinkers this module loads on first use: class name -> (module, family)."""
+
+
 def __getattr__(name: str) -> Any:
-    # vLLM's Qwen2.5-Omni thinker module imports torchvision (through transformers' Qwen2-VL image processor), which
-    # the CPU environment may lack: the thinker class is loaded only when vLLM asks for it, and a failed import says
-    # what is missing (macer.vllm.registry logs it where vLLM would only say "failed to be inspected").
-    if name == "MacerQwen2_5OmniThinkerForConditionalGeneration":
+    # vLLM's Omni thinker modules import torchvision (through transformers' image processors), which the CPU
+    # environment may lack: a thinker class is loaded only when vLLM asks for it, and a failed import says what is
+    # missing (macer.vllm.registry logs it where vLLM would only say "failed to be inspected"). Both thinkers load
+    # this one way.
+    if name in THINKERS:
+        module, family = THINKERS[name]
         try:
-            from macer.vllm._omni import MacerQwen2_5OmniThinkerForConditionalGeneration
+            loaded = importlib.import_module(module)
         except Exception as error:  # torchvision's own failures are RuntimeErrors as often as ImportErrors
-            raise ImportError(omni_import_problem(error)) from error
-        return MacerQwen2_5OmniThinkerForConditionalGeneration
+            raise ImportError(omni_import_problem(error, name, family)) from error
+        return getattr(loaded, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def omni_import_problem(error: BaseException) -> str:
-    """One line naming what the thinker class could not import (``error``: what importing it raised)."""
-    head = ("macer: MacerQwen2_5OmniThinkerForConditionalGeneration cannot be loaded: vLLM's Qwen2.5-Omni thinker "
-            "module imports torchvision (through transformers' Qwen2-VL image processor), and ")
+def omni_import_problem(error: BaseException, architecture: str = "MacerQwen2_5OmniThinkerForConditionalGeneration",
+                        family: str = "Qwen2.5-Omni") -> str:
+    """One line naming what the thinker class ``architecture`` could not import (``error``: what importing it
+    raised)."""
+    head = (f"macer: {architecture} cannot be loaded: vLLM's {family} thinker module imports torchvision (through "
+            "transformers' image processors), and ")
     fix = f"install the torchvision release built for torch {torch.__version__}"
     if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == "torchvision":
         return f"{head}torchvision is not installed: {fix}"
@@ -73,5 +88,5 @@ def omni_import_problem(error: BaseException) -> str:
     said = " ".join(str(error).split())  # one line
     if "torchvision" in said or any("torchvision" in frame.filename for frame in frames):
         return f"{head}torchvision does not import ({type(error).__name__}: {said}): {fix}"
-    return (f"macer: MacerQwen2_5OmniThinkerForConditionalGeneration cannot be loaded: importing vLLM's Qwen2.5-Omni "
-            f"thinker module failed ({type(error).__name__}: {said})")
+    return (f"macer: {architecture} cannot be loaded: importing vLLM's {family} thinker module failed "
+            f"({type(error).__name__}: {said})")

@@ -1,4 +1,4 @@
-"""MACER engines beyond one device: tensor, pipeline and data parallel layouts (issue 38; docs/serving.md,
+"""MACER engines beyond one device: tensor, pipeline and data parallel layouts (docs/serving.md,
 "Parallel layouts").
 
 * **Tensor parallel** (``TensorRanks``): each rank holds ``H / tp`` of a readout layer's query heads, so it scores

@@ -1,6 +1,6 @@
 """``MacerQwen3OmniMoeThinkerForConditionalGeneration``: vLLM's Qwen3-Omni (MoE) thinker (encoders, processor,
-interleaved M-RoPE, sparse-MoE language model unchanged) with MACER's stages inside its language model. Registered
-lazily by ``macer.vllm.register`` (vLLM's thinker module imports torchvision).
+interleaved M-RoPE, sparse-MoE language model unchanged) with MACER's stages inside its language model. Loaded
+by ``macer.vllm.model`` on first use, as the Qwen2.5-Omni thinker is (vLLM's thinker module imports torchvision).
 
 Rows are labelled from the thinker config's audio / video / image token ids and the question closes at the family's
 end-of-turn id, as the transformers adapter does (``macer.vllm.prompt.omni_prompt_labels`` over

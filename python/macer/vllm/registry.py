@@ -5,7 +5,7 @@
 * every other registered architecture's ``MODELS_CONFIG_MAP`` entry wrapped by ``checks.guarded_hook``, so that
   ``additional_config["macer"]`` on an engine that would ignore it is refused, not silently served unpruned (an
   architecture registered after this plugin by another one is not covered);
-* the Qwen2.5-Omni thinker's entry made to say why it cannot be inspected: vLLM inspects a lazily registered class in
+* the Omni thinkers' entries made to say why they cannot be inspected: vLLM inspects a lazily registered class in
   a subprocess and, when that fails, only says "failed to be inspected"; the cause (torchvision, on the CPU build) is
   logged here as one ERROR line.
 
