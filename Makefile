@@ -66,7 +66,7 @@ wheel: $(STAMP)
 #
 # The registry's torchvision 0.28.0 (the release paired with torch 2.13.0, needed by the Qwen-Omni thinkers'
 # processors) links CUDA libraries this torch lacks: its compiled ops do not load, and `import torchvision` fails
-# unless two op schemas it registers fake kernels for are declared first. tests/vllm/site/macer_torchvision_ops.py does
+# unless two op schemas it registers fake kernels for are declared first. tests/serving/site/macer_torchvision_ops.py does
 # that, in every process of .venv-vllm (a .pth file in its site-packages; vLLM's engine workers included) and only
 # there: the package itself never declares anything. docs/serving.md, "Running the tests".
 VLLM_PYTHON ?= python3.11
@@ -78,7 +78,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_LOG := $(VLLM_VENV)/setup.log
 VLLM_TORCH_SOURCE := $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX)) \
 	$(if $(VLLM_TORCH_WHEELS),--find-links $(VLLM_TORCH_WHEELS))
-VLLM_SITE_FILES := tests/vllm/site/macer_torchvision_ops.py tests/vllm/site/macer_torchvision_ops.pth
+VLLM_SITE_FILES := tests/serving/site/macer_torchvision_ops.py tests/serving/site/macer_torchvision_ops.pth
 vllm_quietly = $(1) >>$(VLLM_LOG) 2>&1 || { echo "macer vllm setup: that step failed; the end of $(VLLM_LOG):"; \
 	tail -n 40 $(VLLM_LOG); exit 1; }
 
@@ -113,4 +113,4 @@ $(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py $(VLLM_SITE_FILES)
 venv-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest tests/vllm
+	$(VLLM_BIN)/python -m pytest tests/serving

@@ -19,7 +19,7 @@ layers; MACER at rho = 0.25 with the paper's 7B settings; the processor's layout
   copy on a GPU).
 
 On CPU the CUDA path's host code runs against a recording stand-in for ``macer_kernels._C`` (as
-``tests/test_prepared_stage.py``): every Python and torch step of the stage runs, the launch itself is recorded,
+``tests/core/test_prepared_stage.py``): every Python and torch step of the stage runs, the launch itself is recorded,
 not made. ``host_us`` is then measured (median over ``--calls`` prefills, one thread) and excludes the real
 ``cudaLaunchKernelEx`` calls (five per stage, ~2.5-4 us each on an H200 host, *est.*: ``launch_us_est``).
 ``device_us`` is an estimate on CPU (``device_source``): the kernel plan's budget for the restructured kernels

@@ -18,9 +18,9 @@
 #   3. correctness, side by side (none of it is timed; the sanitizers are mostly host work on 16 cores): `pytest -m
 #      cuda` over the tests of the ops in two processes (CUDA_TESTS and CUDA_OPS_TESTS below; GPU_CHECK_TESTS
 #      overrides), and compute-sanitizer over the new kernels' small cases: memcheck / racecheck / initcheck / synccheck over the scoring cases
-#      (tests/test_cuda_scores_emulation.py -k sanitizer) and over every op on the CUDA backend
+#      (tests/kernels/test_cuda_scores_emulation.py -k sanitizer) and over every op on the CUDA backend
 #      (benchmarks/sanitize_ops.py), memcheck / racecheck / synccheck over the radix selection's one-CTA, split and
-#      cluster shapes (benchmarks/sanitize_select.py), memcheck over the prepared stage (tests/test_prepared_stage.py);
+#      cluster shapes (benchmarks/sanitize_select.py), memcheck over the prepared stage (tests/core/test_prepared_stage.py);
 #   4. timed, one at a time on the idle GPU: bench_modality_scores, bench_select, bench_readout (each prints its
 #      targets beside their limits), Nsight Compute (ncu_scores: kernel-plan 8.7's metrics over both scoring paths and
 #      the K stream; ncu_l2_setaside: the microbenchmark's L2 hit rate as counted; ncu_hot_path: Speed Of Light,
@@ -44,7 +44,7 @@
 # (benchmarks/gpu_dry.py): pytest collects its selection, each benchmark's module is imported and its arguments
 # parsed, compute-sanitizer's and ncu's options are checked, the probes' imports resolved, the L2 microbenchmark is
 # compiled with the real nvcc and checks its arguments; nothing is timed or skipped for budget. A step fails when its
-# command line does not resolve. tests/test_gpu_check.py runs it; benchmarks/gpu_prepare.sh runs it before a device
+# command line does not resolve. tests/tools/test_gpu_check.py runs it; benchmarks/gpu_prepare.sh runs it before a device
 # call. docs/cuda.md, "The GPU check in one command", has the device call itself.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -74,11 +74,11 @@ rm -f "$OUT_DIR/targets.txt"
 # engine-level GPU tests that run them inside a prefill: two pytest processes side by side (pytest_cuda: the kernels'
 # file, 184 tests; pytest_cuda_ops: the other 238), so that neither is the correctness group's long pole alone.
 # GPU_CHECK_TESTS runs its paths in pytest_cuda alone.
-CUDA_TESTS=(tests/test_cuda_kernels.py)
-CUDA_OPS_TESTS=(tests/test_select.py tests/test_cuda_scores_emulation.py tests/test_modality_scores.py
-    tests/test_stage.py tests/test_batched_stage.py tests/test_prepared_stage.py tests/test_compact.py
-    tests/test_nonfinite_scores.py tests/test_nonfinite_select.py tests/test_nosync.py tests/test_macer_patch.py
-    tests/test_prefill_packing.py)
+CUDA_TESTS=(tests/kernels/test_cuda_kernels.py)
+CUDA_OPS_TESTS=(tests/kernels/test_select.py tests/kernels/test_cuda_scores_emulation.py tests/kernels/test_modality_scores.py
+    tests/kernels/test_stage.py tests/kernels/test_batched_stage.py tests/core/test_prepared_stage.py tests/kernels/test_compact.py
+    tests/kernels/test_nonfinite_scores.py tests/kernels/test_nonfinite_select.py tests/kernels/test_nosync.py tests/hf/test_macer_patch.py
+    tests/hf/test_prefill_packing.py)
 read -r -a TESTS <<<"${GPU_CHECK_TESTS:-}"
 if ((${#TESTS[@]})); then
     CUDA_TESTS=("${TESTS[@]}")
@@ -248,10 +248,10 @@ flash_attention() {
     fi
     if ! have flash_attn; then
         echo "flash-attn is not importable here: the FlashAttention-2 GPU checks are skipped (CI runs transformers'"
-        echo "FA2 path with the stand-in kernel of tests/flash_attn_standin.py)"
+        echo "FA2 path with the stand-in kernel of tests/helpers/flash_attn_standin.py)"
         return 0
     fi
-    "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_flash_attention.py \
+    "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/hf/test_flash_attention.py \
         --junitxml="$FILES/pytest_flash_attention.xml" &&
         "$PY" benchmarks/bench_e2e.py --mode gpu --attn flash_attention_2 --text-shapes 7B --clips paper --reps 3 \
             --warmup 1 --profile-reps 1 --naive-lengths --out "$FILES" --name bench_e2e_flash_attention_2
@@ -274,7 +274,7 @@ vllm_graphs() {
         echo "vLLM is not importable here: the compiled-serving checks are skipped (make test-vllm runs them on CPU)"
         return 0
     fi
-    "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/vllm/test_graphs_gpu.py \
+    "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/serving/test_graphs_gpu.py \
         --junitxml="$FILES/pytest_vllm_graphs.xml" &&
         "$PY" -m benchmarks.bench_vllm --mode gpu --serving --out "$FILES"
 }
@@ -304,7 +304,7 @@ fi
 # persistent S-B kernel on a small grid (tests named "sanitizer"): named barriers, mbarriers, the cooperative grid.
 for tool in memcheck racecheck initcheck synccheck; do
     step "sanitize_scores_$tool" 120 sanitize "$tool" -m pytest -m cuda -q -p no:cacheprovider \
-        tests/test_cuda_scores_emulation.py -k sanitizer &
+        tests/kernels/test_cuda_scores_emulation.py -k sanitizer &
 done
 # Every op on small awkward shapes, CUDA backend, each result compared with the torch backend.
 for tool in memcheck racecheck initcheck synccheck; do
@@ -318,7 +318,7 @@ done
 # The prepared stage: its five kernels chained with programmatic dependent launch, eager and replayed from a CUDA
 # graph (PyTorch's caching allocator stays on: graph capture needs it).
 step sanitize_prepared_memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 30 \
-    --leak-check no "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_prepared_stage.py &
+    --leak-check no "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/core/test_prepared_stage.py &
 wait
 DEFER_LOG=0
 for name in pytest_cuda pytest_cuda_ops sanitize_scores_{memcheck,racecheck,initcheck,synccheck} \
@@ -348,7 +348,7 @@ step bench_e2e_long 150/90 bench_e2e_clip long
 # Host time of one readout (the prepared stage, the fused stage and per-op), per stage and by host operator.
 step host_profile 60 "$PY" -m benchmarks.host_profile
 step pytest_triton 200 "$PY" -m pytest -m "triton and not cuda" -q -rfEs -p no:cacheprovider \
-    --deselect tests/test_triton_kernels.py::test_kernels_compile_for_sm90_and_sm89 \
+    --deselect tests/kernels/test_triton_kernels.py::test_kernels_compile_for_sm90_and_sm89 \
     --junitxml="$FILES/pytest_triton.xml" "${TESTS[@]}"
 step sanitize_triton_racecheck 150/60 sanitize racecheck -m benchmarks.sanitize_ops --backends triton
 step flash_attention_2 150 flash_attention

@@ -122,5 +122,5 @@ run(command="bash benchmarks/gpu_check.sh", carry=[".gpu-run"], timeout_s=570)
    gpu_check.tar.gz (tar xzf ... --strip-components=1), and
    python -m benchmarks.gpu_targets benchmarks/results/<card>-<date>/run1-<sha> --readme --date <date> > .../README.md
 a rerun of the steps a fix touches, on the still-warm machine (within its 30 s), e.g.:
-run(command="GPU_CHECK_BUDGET_S=200 GPU_CHECK_STEPS='environment build pytest_cuda' GPU_CHECK_TESTS=tests/test_stage.py bash benchmarks/gpu_check.sh", carry=[".gpu-run"], timeout_s=260)
+run(command="GPU_CHECK_BUDGET_S=200 GPU_CHECK_STEPS='environment build pytest_cuda' GPU_CHECK_TESTS=tests/kernels/test_stage.py bash benchmarks/gpu_check.sh", carry=[".gpu-run"], timeout_s=260)
 EOF

@@ -1,11 +1,12 @@
-"""Reduce pytest-benchmark's raw JSON of ``tests/test_microbench.py`` to a small results file.
+"""Reduce pytest-benchmark's raw JSON of ``tests/tools/test_microbench.py`` to a small results file.
 
 The raw file holds every timed round and the CPU flags (100k+ lines); this keeps per op and provider the median,
 the interquartile range and the number of rounds, and the naive / torch ratio, with the machine, thread count, timer,
 load average, versions and commit the raw file names. On a shared machine, one thread and CPU time
 (``time.process_time``) are far less disturbed by other processes than wall time::
 
-    OMP_NUM_THREADS=1 pytest tests/test_microbench.py --benchmark-enable -k bench_ --benchmark-timer time.process_time \
+    OMP_NUM_THREADS=1 pytest tests/tools/test_microbench.py --benchmark-enable -k bench_ \
+        --benchmark-timer time.process_time \
         --benchmark-json /tmp/microbench_raw.json
     python -m benchmarks.microbench_summary /tmp/microbench_raw.json benchmarks/results/microbench_cpu.json
 """

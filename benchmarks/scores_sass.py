@@ -1,5 +1,5 @@
 """The scoring kernels' machine code, read without a GPU: registers, shared memory and occupancy per architecture,
-and what the hot loops contain (``tests/test_cuda_scores_sass.py`` asserts on it; docs/cuda.md holds the table).
+and what the hot loops contain (``tests/kernels/test_cuda_scores_sass.py`` asserts on it; docs/cuda.md holds the table).
 
     python -m benchmarks.scores_sass              # the table for the built extension (macer_kernels/_C*.so)
 

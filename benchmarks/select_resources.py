@@ -11,7 +11,8 @@ instruction-cache finding of the H200 profile: the previous one-CTA kernel was 2
 them is in a per-dtype prologue loop: the hot loops read shared memory only), local-memory loads and stores,
 ``MATCH``, barriers and calls. It also records the largest row each path takes (``select_cta_max_n_for``) on
 sm_89 (99 KB of shared memory per block, no clusters) and sm_90 (227 KB, clusters of 8). Results go to
-``benchmarks/results/select_resources.json`` with the nvcc version and the git SHA; ``tests/test_select_resources.py``
+``benchmarks/results/select_resources.json`` with the nvcc version and the git SHA;
+``tests/kernels/test_select_resources.py``
 checks the built module against it.
 """
 

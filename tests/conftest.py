@@ -20,9 +20,6 @@ import shutil
 
 import pytest
 
-# The vLLM tests' shared engine and helpers (tests/vllm_cases.py; it imports vLLM only inside its fixtures).
-pytest_plugins = ["vllm_cases"]
-
 
 def _has_gpu() -> bool:
     # nvidia-smi's presence is a cheap proxy that does not initialise CUDA in this process.
@@ -36,11 +33,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _has_vllm() -> bool:
-    # vLLM lives in its own environment (`make test-vllm` builds .venv-vllm); `make test`'s .venv has none. pytest
-    # puts tests/ on sys.path, where the folder tests/vllm is a namespace package named `vllm`: only a real package
-    # (one with a file of its own) counts.
-    spec = importlib.util.find_spec("vllm")
-    return spec is not None and spec.origin is not None
+    # vLLM lives in its own environment (`make test-vllm` builds .venv-vllm); `make test`'s .venv has none.
+    return importlib.util.find_spec("vllm") is not None
 
 
 HAS_VLLM = _has_vllm()
@@ -171,7 +165,8 @@ def backend(request):
 
 @pytest.fixture
 def flash_attn(monkeypatch):
-    """A stand-in ``flash_attn`` (SDPA inside, ``tests/flash_attn_standin.py``) registered for transformers, so its
+    """A stand-in ``flash_attn`` (SDPA inside, ``tests/helpers/flash_attn_standin.py``) registered for transformers,
+    so its
     real FlashAttention-2 integration runs on CPU; removed again (``sys.modules``, transformers' cache of the loaded
     implementation) when the test ends. Yields the module; its functions can be wrapped to count calls."""
     import flash_attn_standin

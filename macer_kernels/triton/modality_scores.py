@@ -76,7 +76,7 @@ the lanes that share one result compute it in different orders, get values an ul
 the same shared-memory slot: compute-sanitizer's racecheck reported those writes as hazards (H200, 2026-11-27; the
 Triton issue is triton-lang/triton#7264). Unfused, each butterfly step is a plain commutative add, every lane of a
 group holds the same bits, and which lane's store lands cannot change the result. The offline compile test
-(``tests/test_triton_kernels.py``) checks that no ``fma`` takes a shuffled value."""
+(``tests/kernels/test_triton_kernels.py``) checks that no ``fma`` takes a shuffled value."""
 
 _LOG2E = 1.4426950408889634
 _INTERPRETED = bool(triton.knobs.runtime.interpret)

@@ -1,6 +1,6 @@
 """The KV memory arithmetic of issue 29 (``macer.core.kv_memory``): how vLLM 0.32 groups the decoder layers when the
 layers after the last stage declare their own KV cache spec, the blocks and pages one request holds with and without
-freeing, and the choice of the first compacted layer. ``tests/vllm/test_kv.py`` checks the grouping against vLLM's
+freeing, and the choice of the first compacted layer. ``tests/serving/test_kv.py`` checks the grouping against vLLM's
 own function and the block counts against a running engine."""
 
 from __future__ import annotations

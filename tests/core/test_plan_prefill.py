@@ -402,7 +402,7 @@ def test_macer_stage_specs_and_budget_and_specs_equal_the_rule_before(layers):
 
 def test_a_macer_subclass_with_its_own_stages_is_planned_by_them():
     """``MacerConfig.budget_and_specs`` (the plan's one-budget shortcut) defers to a subclass's own
-    ``stage_specs`` (found when the shortcut bypassed it: tests/test_macer_batch.py's per-prompt policy)."""
+    ``stage_specs`` (found when the shortcut bypassed it: tests/hf/test_macer_batch.py's per-prompt policy)."""
 
     @dataclass(frozen=True)
     class OneStage(macer.MacerConfig):
@@ -433,3 +433,21 @@ def test_host_array_views_a_plain_cpu_tensor_and_copies_what_numpy_refuses(seed)
     m = torch.randint(0, 9, (3, 4), generator=g)
     np.testing.assert_array_equal(host_array(m), m.reshape(-1).numpy())
     np.testing.assert_array_equal(host_array(t[::3]), t.numpy()[::3])
+
+
+@given(n_audio=st.integers(0, 30_000), n_video=st.integers(0, 30_000),
+       keep_ratio=st.one_of(st.sampled_from([0.25, 0.35, 0.45, 0.7, 1 / 3]), st.floats(1e-6, 1.0)),
+       audio_share=st.one_of(st.sampled_from([0.3, 0.32, 0.35, 0.15]), st.floats(0.0, 1.0)))
+def test_policy_budgets_equal_the_fraction_reference(n_audio, n_video, keep_ratio, audio_share):
+    """(Moved from tests/kernels/test_split_budget.py: it is the policies' budget.) MacerConfig, FastVConfig and
+    RandomConfig budget with ``split_budget_exact``: the same numbers as the public
+    ``split_budget`` and as ``split_budget_ref`` on the fields as written."""
+    from macer_kernels import split_budget
+    from macer_kernels.reference import split_budget_ref
+
+    want = split_budget_ref(n_audio, n_video, keep_ratio, audio_share)
+    assert macer.MacerConfig(keep_ratio=keep_ratio, audio_share=audio_share).budget(n_audio, n_video) == want
+    assert split_budget(n_audio, n_video, keep_ratio, audio_share) == want
+    joint = split_budget_ref(n_audio, n_video, keep_ratio, 0.5).total
+    assert macer.FastVConfig(keep_ratio=keep_ratio, layer=1).budget(n_audio, n_video).total == joint
+    assert macer.RandomConfig(keep_ratio=keep_ratio).budget(n_audio, n_video).total == joint

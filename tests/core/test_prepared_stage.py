@@ -24,9 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from binding_args import bind
-from sync_guard import no_host_reads
-from test_stage import stage_inputs
-from torch.utils._python_dispatch import TorchDispatchMode
+from score_inputs import stage_inputs
+from sync_guard import NoAtenOps, no_host_reads
 
 import macer_kernels as mk
 from macer_kernels import StageModality as Mod
@@ -177,18 +176,6 @@ class StageExt:
 
     def plans(self):
         return [args for name, args in self.calls if name == "StagePlan"]
-
-
-class NoAtenOps(TorchDispatchMode):
-    """Fails on any aten op (an allocation, a copy, an index kernel) made inside its block."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
@@ -348,7 +335,7 @@ def test_the_core_stage_tables_chain_on_the_cpu_backend():
 # ---- the build: the chain's kernels wait before they touch global memory ---------------------------------------
 
 CHAIN_KERNELS = ("scores_tile_kernel", "scores_reduce_kernel", "select_cta_kernel", "compact_kernel")
-# (S-B, the sm_90a scoring kernel, is checked the same way in tests/test_cuda_scores_sass.py.)
+# (S-B, the sm_90a scoring kernel, is checked the same way in tests/kernels/test_cuda_scores_sass.py.)
 # SASS instructions that access global (or generic) memory.
 GLOBAL_ACCESS = re.compile(r"\b(LDG|STG|LD|ST|ATOM|ATOMG|RED|LDGSTS|LDGDEPBAR|UBLKCP|UTMALDG)\b")
 

@@ -8,7 +8,7 @@ import functools
 import re
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _DEF = re.compile(r'\.def\(\s*(?:"(\w+)"|(py::init))')
 _ARG = re.compile(r'py::arg\("(\w+)"\)(\s*=)?')
 

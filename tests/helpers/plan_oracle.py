@@ -1,12 +1,12 @@
 """The host plan as ``macer.core.policy.plan_prefill`` computed it before the numpy rewrite (commit fd836a2, torch CPU
 ops, the policy's ``budget`` / ``stage_specs`` called as they were), kept as the oracle of the
-rewrite: ``tests/test_plan_prefill.py`` compares the two on fresh random prompts of every policy.
+rewrite: ``tests/core/test_plan_prefill.py`` compares the two on fresh random prompts of every policy.
 
 The code below is that implementation with two changes only: it returns plain Python values (``OraclePlan``) instead of
 the ``Plan`` classes, and it holds its own copies of what it called (the old ``PromptFacts.count``, a torch comparison;
 the old ``Policy.layer_tokens``), so nothing of the rewrite is under it. Its refusals raise the same ``ValueError``
 messages. (The budget split inside the policies is checked against ``split_budget_ref``'s ``Fraction`` arithmetic in
-``tests/test_split_budget.py``.)
+``tests/kernels/test_split_budget.py``.)
 """
 
 from __future__ import annotations

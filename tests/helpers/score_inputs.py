@@ -24,3 +24,26 @@ def score_inputs(b, hq, hkv, lq, n, d, *, labels=3, dtype=torch.float32, device=
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``||out - ref|| / ||ref||`` in float64 (``ref`` on the CPU)."""
     return ((out.cpu().double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def stage_inputs(seed, b, n, counts, *, hq=4, hkv=2, lq=3, d=32, dtype=torch.float32, device="cpu", layout="bhnd",
+                 chunks=4, dup_label=None):
+    """query, key, labels, chunk_ids for a stage: each sample holds exactly ``counts[label]`` tokens of each label
+    (at random places), label 0 elsewhere. ``dup_label``: the keys of that label's tokens repeat a few vectors, so
+    their scores tie exactly (identical logits in every implementation)."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(b, hq, lq, d, generator=g)
+    key = torch.randn(b, n, hkv, d, generator=g)
+    labels = torch.zeros(b, n, dtype=torch.long)
+    for i in range(b):
+        row = torch.cat([torch.full((c,), label) for label, c in counts.items()] +
+                        [torch.zeros(n - sum(counts.values()), dtype=torch.long)])
+        labels[i] = row[torch.randperm(n, generator=g)]
+        if dup_label is not None:
+            where = (labels[i] == dup_label).nonzero().flatten()
+            pick = torch.randint(0, 3, (len(where),), generator=g)
+            key[i, where] = key[i, where[:3]][pick] if len(where) >= 3 else key[i, where]
+    chunk_ids = torch.randint(0, chunks, (b, n), generator=g)
+    key = key.to(dtype).to(device)
+    key = key.transpose(1, 2) if layout == "bnhd" else key.transpose(1, 2).contiguous()
+    return query.to(dtype).to(device), key, labels.to(device), chunk_ids.to(device)

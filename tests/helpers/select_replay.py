@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-_CSRC = Path(__file__).resolve().parents[1] / "csrc"
+_CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _HEADER = (_CSRC / "kernels" / "select_cta.cuh").read_text()
 _COMMON = (_CSRC / "kernels" / "common.cuh").read_text()
 _LAUNCHERS = (_CSRC / "launchers.h").read_text()

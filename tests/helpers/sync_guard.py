@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class HostRead(AssertionError):
@@ -188,3 +189,15 @@ def no_host_reads() -> Iterator[None]:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
+
+
+class NoAtenOps(TorchDispatchMode):
+    """Fails on any aten op (an allocation, a copy, an index kernel) made inside its block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -1,6 +1,7 @@
 """``macer.compress`` and ``macer.diagnose`` under ``attn_implementation="flash_attention_2"``, through transformers'
 real FlashAttention-2 integration (its lazy import, unpadding and varlen path) with the stand-in kernel of
-``tests/flash_attn_standin.py`` (the ``flash_attn`` fixture): the same kept sets, logits and ``generate`` output as
+``tests/helpers/flash_attn_standin.py`` (the ``flash_attn`` fixture): the same kept sets, logits and ``generate``
+output as
 SDPA, keep ratio 1 identical to the model without ``compress``, a left-padded batch through FA2's varlen path. On a
 GPU with flash-attn installed the last test runs the real kernel."""
 

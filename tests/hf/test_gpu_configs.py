@@ -185,7 +185,7 @@ def test_decode_steps_do_no_per_step_work_for_a_prompt(monkeypatch, trim):
 def test_batch_decode_steps_register_hooks_once(monkeypatch):
     """Guards issue 23 item 5 for a pruned batch: each decode step registered a pre-hook per layer with another
     layout and rebuilt its whole layout mask; now the hooks live from the prefill's end and only the columns after
-    the prompt are built per step. The tokens stay those of each prompt alone (tests/test_macer_batch.py)."""
+    the prompt are built per step. The tokens stay those of each prompt alone (tests/hf/test_macer_batch.py)."""
     model = _thinker("eager")
     batch = batch_inputs(_prompts(model))
     steps = _DecodeSteps(decoder_parts(model).decoder, monkeypatch)

@@ -219,7 +219,7 @@ def _run(model, config, **inputs):
 
 
 def test_batch_needs_a_batch_ready_adapter(model, monkeypatch):
-    # Batches (issue #11, tests/test_macer_batch.py) run only where the adapter says its per-token state follows a
+    # Batches (issue #11, tests/hf/test_macer_batch.py) run only where the adapter says its per-token state follows a
     # re-packed batch; others refuse with a message naming the adapter.
     from macer.hf.adapters.qwen2_5_omni import Qwen25OmniAdapter
 

@@ -3,7 +3,7 @@ the layer, the sample and the cause, and leaves the model as it was (issue 21 it
 
 Before, ``"macer"`` kept the first tokens of each modality without a word while ``"macer_raw"``, ``"fastv"`` and
 ``"shared_topk"`` raised the selection op's "scores contains NaN" (on CPU tensors only). The flags are read once, at
-the prefill's end (``tests/test_macer_sync.py`` counts that read).
+the prefill's end (``tests/hf/test_macer_sync.py`` counts that read).
 """
 
 from __future__ import annotations

@@ -285,7 +285,7 @@ def test_decode_positions_after_trim_early_cache_follow_the_prompt():
 def test_image_tokens_count_as_visual():
     """An image block (``<|IMAGE|>`` tokens, one temporal position) with an audio block: the image tokens are scored
     and selected as the visual modality, and the kept sets equal the independent reference of
-    tests/test_macer_selection.py (eager attention probabilities, float64 ANMS, the literal greedy); keep ratio 1 is
+    tests/hf/test_macer_selection.py (eager attention probabilities, float64 ANMS, the literal greedy); keep ratio 1 is
     exact."""
     from budget_oracle import exact_budget
     from test_macer_selection import reference_kept

@@ -28,7 +28,7 @@ import macer_kernels
 from macer_kernels.cuda import _ext, compact, library, select
 from macer_kernels.cuda import modality_scores as cuda_scores
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAS_GPU = shutil.which("nvidia-smi") is not None
 ARCH_LIST = os.environ.get("MACER_CUDA_ARCHS", "89;90;90a").replace(",", ";").split(";")
 EXPECTED_ARCHS = sorted(int(a) for a in ARCH_LIST if a.isdigit())  # plain versions: SASS each, PTX for the highest

@@ -179,8 +179,8 @@ def test_coverage_select_exact(n, weight):
     for ties, chunk_dtype in ((False, torch.int64), (True, torch.int32), (True, torch.uint8)):
         scores = _random_scores(n, torch.float32, ties, seed=n + 7)
         chunks = torch.randint(0, min(16, n), (n,), generator=g, device=DEV).to(chunk_dtype)
-        # The literal greedy is O(k n) in Python; above 500 tokens the step-by-step oracle of tests/greedy_oracle.py,
-        # which shares nothing with the kernels' sort-based method.
+        # The literal greedy is O(k n) in Python; above 500 tokens the step-by-step oracle of
+        # tests/helpers/greedy_oracle.py, which shares nothing with the kernels' sort-based method.
         order = coverage_greedy_order(scores.cpu(), chunks.cpu().long(), weight) if n > 500 else None
         for k in {1, n // 4, n}:
             got = mk.coverage_select(scores, chunks, k, weight)
@@ -233,7 +233,8 @@ def _plan(n: int, coverage: bool, wide: bool = False) -> tuple:
 def test_limits_and_plan_are_the_replays_on_this_device():
     """The device's limits (its opt-in shared memory minus the kernels' static shared memory, and the largest
     cluster it co-schedules: 8 on sm_90, none below) give the limits and cluster sizes the CPU replay derives
-    (tests/select_replay.py): the recorded table of docs/cuda.md, if this device's runtime counts the same bytes."""
+    (tests/helpers/select_replay.py): the recorded table of docs/cuda.md, if this device's runtime counts the same
+    bytes."""
     import select_replay as R
 
     from macer_kernels.cuda._ext import ext
@@ -269,7 +270,8 @@ def test_selection_on_both_sides_of_each_limit(coverage):
         for ties in (False, True):
             scores = _random_scores(n, torch.float32, ties, seed=n + ties)
             chunks = torch.randint(0, 24, (n,), generator=g, device=DEV)
-            # Independent oracles: the step-by-step greedy (tests/greedy_oracle.py) and the reference's Python sort.
+            # Independent oracles: the step-by-step greedy (tests/helpers/greedy_oracle.py) and the reference's Python
+            # sort.
             order = coverage_greedy_order(scores.cpu(), chunks.cpu(), 0.2) if coverage else None
             for k in (1, n // 5, n - 1):
                 if coverage:

@@ -15,7 +15,7 @@ causal limit, in ``split_begin`` or in the fragment map fails here), and every c
 ``_C.MODALITY_SCORES_CONSTANTS``. Dot products are numpy's fp32 matmul rather than mma.sync's order of accumulation,
 and exp2 is numpy's rather than MUFU.EX2 (both fp32, rounding-level apart). What the replay cannot show is that the
 CUDA code matches it (barriers, races, the cp.async ring, ldmatrix addressing): the ``cuda``-marked tests at the end,
-tests/test_cuda_kernels.py, and the SASS tests (tests/test_cuda_scores_sass.py) do that.
+tests/kernels/test_cuda_kernels.py, and the SASS tests (tests/kernels/test_cuda_scores_sass.py) do that.
 
 PAD keys (label -1, a batch's padding: excluded from every row's softmax): the oracle is the contract's own, each
 sample's scores on its non-PAD keys equal the reference run on that sample alone with the PAD keys removed and the

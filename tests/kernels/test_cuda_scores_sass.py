@@ -144,7 +144,7 @@ def test_l2_microbenchmark_compiles_and_refuses_bad_arguments(tmp_path):
     if not Path(nvcc).exists():
         pytest.skip("nvcc not found")
     exe = tmp_path / "l2_setaside"
-    src = Path(__file__).resolve().parents[1] / "benchmarks" / "l2_setaside.cu"
+    src = Path(__file__).resolve().parents[2] / "benchmarks" / "l2_setaside.cu"
     subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90", "--Werror=all-warnings",
                     "-Xcompiler=-Wall,-Wextra,-Werror", str(src), "-o", str(exe)], check=True, capture_output=True)
     assert "usage: l2_setaside" in subprocess.run([exe, "--help"], capture_output=True, text=True).stdout

@@ -1,5 +1,5 @@
 """The radix selection kernel (csrc/kernels/select_cta.cuh) replayed step by step in numpy on CPU
-(tests/select_replay.py) and compared with the float64 references; plus the multi-CTA stage path (batched torch
+(tests/helpers/select_replay.py) and compared with the float64 references; plus the multi-CTA stage path (batched torch
 sorts), which runs on CPU as is.
 
 No GPU is needed: the replay follows the kernel's row split over a cluster's CTAs, its token codes and chunk bytes,
@@ -9,8 +9,9 @@ passes over the 96-bit composite (histograms summed over the cluster, the bin se
 list ranked pairwise, the tie scan across CTAs), the non-finite flags and the row assembly at its output stride. Its
 constants are read from the headers; where ``_C`` is built, its launch plan, limits, constants and keys are checked
 against the module's host code (``test_replay_matches_the_built_module``). What it cannot show is that the CUDA code
-matches it (races, barriers, the device's float conversions, distributed shared memory): tests/test_cuda_kernels.py
-and tests/test_nonfinite_select.py do that on a GPU (docs/cuda.md lists the rest).
+matches it (races, barriers, the device's float conversions, distributed shared memory):
+tests/kernels/test_cuda_kernels.py
+and tests/kernels/test_nonfinite_select.py do that on a GPU (docs/cuda.md lists the rest).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _cuda_module_built() -> bool:
 
 STATIC_SMEM_BYTES = 19920  # sizeof(cta::Shared) on the host: checked against _C where built
 # The kernels' static shared memory as ptxas reports it (benchmarks/results/select_resources.json, checked by
-# tests/test_select_resources.py): what the launcher subtracts from the opt-in maximum on each architecture.
+# tests/kernels/test_select_resources.py): what the launcher subtracts from the opt-in maximum on each architecture.
 SM90_AVAIL = R.OPTIN_BYTES[90] - R.STATIC_SMEM[90]
 SM89_AVAIL = R.OPTIN_BYTES[89] - R.STATIC_SMEM[89]
 # The limits these give (checked against _C where built; docs/cuda.md's table): one CTA / a cluster of 8 on sm_90.
@@ -125,7 +126,8 @@ def test_emulated_radix_select_splits_a_tie_group_by_score():
 
 @pytest.mark.parametrize("weight", [0.0, 0.2, 3.0])
 def test_emulated_coverage_equals_the_literal_loop_of_the_tie_rule(weight, seed):
-    """tests/test_coverage_tie_rule.py's cases through the replay: coarse scores (many exact ties), infinities, chunks
+    """tests/kernels/test_coverage_tie_rule.py's cases through the replay: coarse scores (many exact ties),
+    infinities, chunks
     of uneven sizes, against its literal Python loop over the key (value, score, -index); and the absorbed score
     differences (s + sqrt(0.2) equal for all four scores: the higher score wins, not the first index)."""
     from test_coverage_tie_rule import _literal_greedy

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_prepared_stage import NoAtenOps
-from test_stage import stage_inputs
+from score_inputs import stage_inputs
+from sync_guard import NoAtenOps
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import macer_kernels as mk

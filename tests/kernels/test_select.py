@@ -1,5 +1,6 @@
 """topk_indices and coverage_select (eq:chunk_coverage_greedy) against the literal float64 references, and above a
-few hundred tokens against the step-by-step greedy of tests/greedy_oracle.py (independent of the fast paths' sort)."""
+few hundred tokens against the step-by-step greedy of tests/helpers/greedy_oracle.py (independent of the fast paths'
+sort)."""
 
 import pytest
 import torch

@@ -123,6 +123,6 @@ def test_the_sanitizer_driver_runs_on_cpu():
 
     assert sanitize_select.CPU_SPLIT_SIZES == {"coverage": R.SINGLE_COVERAGE_MAX + 1, "top-K": R.SINGLE_TOPK_MAX + 1}
     run = subprocess.run([sys.executable, "-m", "benchmarks.sanitize_select", "--device", "cpu"], capture_output=True,
-                         text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+                         text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr[-2000:]
     assert "sanitize pass select" in run.stdout

@@ -169,21 +169,3 @@ def test_exact_ratio_reads_each_type_as_split_budget_does():
     assert exact_ratio(np.float32(0.35)) == Fraction(35, 100)  # again, after the float's entry
     assert exact_ratio(0.35) == Fraction(7, 20) and exact_ratio(Fraction(1, 3)) == Fraction(1, 3)
     assert exact_ratio(1) == 1 and exact_ratio(True) == 1
-
-
-@given(n_audio=st.integers(0, 30_000), n_video=st.integers(0, 30_000),
-       keep_ratio=st.one_of(st.sampled_from([0.25, 0.35, 0.45, 0.7, 1 / 3]), st.floats(1e-6, 1.0)),
-       audio_share=st.one_of(st.sampled_from([0.3, 0.32, 0.35, 0.15]), st.floats(0.0, 1.0)))
-def test_policy_budgets_equal_the_fraction_reference(n_audio, n_video, keep_ratio, audio_share):
-    """MacerConfig, FastVConfig and RandomConfig budget with ``split_budget_exact``: the same numbers as the public
-    ``split_budget`` and as ``split_budget_ref`` on the fields as written."""
-    import macer
-
-    from macer_kernels.reference import split_budget_ref
-
-    want = split_budget_ref(n_audio, n_video, keep_ratio, audio_share)
-    assert macer.MacerConfig(keep_ratio=keep_ratio, audio_share=audio_share).budget(n_audio, n_video) == want
-    assert split_budget(n_audio, n_video, keep_ratio, audio_share) == want
-    joint = split_budget_ref(n_audio, n_video, keep_ratio, 0.5).total
-    assert macer.FastVConfig(keep_ratio=keep_ratio, layer=1).budget(n_audio, n_video).total == joint
-    assert macer.RandomConfig(keep_ratio=keep_ratio).budget(n_audio, n_video).total == joint

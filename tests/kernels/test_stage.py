@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from score_inputs import rel_err
+from score_inputs import rel_err, stage_inputs
 
 from macer_kernels import MAX_MODALITIES, StageModality, modality_scores, select_stage, use_backend, validation
 from macer_kernels.reference import stage_ref, stage_select_ref
@@ -17,29 +17,6 @@ Mod = StageModality
 
 def _fresh_seed() -> int:
     return torch.seed() % 2**31
-
-
-def stage_inputs(seed, b, n, counts, *, hq=4, hkv=2, lq=3, d=32, dtype=torch.float32, device="cpu", layout="bhnd",
-                 chunks=4, dup_label=None):
-    """query, key, labels, chunk_ids for a stage: each sample holds exactly ``counts[label]`` tokens of each label
-    (at random places), label 0 elsewhere. ``dup_label``: the keys of that label's tokens repeat a few vectors, so
-    their scores tie exactly (identical logits in every implementation)."""
-    g = torch.Generator().manual_seed(seed)
-    query = torch.randn(b, hq, lq, d, generator=g)
-    key = torch.randn(b, n, hkv, d, generator=g)
-    labels = torch.zeros(b, n, dtype=torch.long)
-    for i in range(b):
-        row = torch.cat([torch.full((c,), label) for label, c in counts.items()] +
-                        [torch.zeros(n - sum(counts.values()), dtype=torch.long)])
-        labels[i] = row[torch.randperm(n, generator=g)]
-        if dup_label is not None:
-            where = (labels[i] == dup_label).nonzero().flatten()
-            pick = torch.randint(0, 3, (len(where),), generator=g)
-            key[i, where] = key[i, where[:3]][pick] if len(where) >= 3 else key[i, where]
-    chunk_ids = torch.randint(0, chunks, (b, n), generator=g)
-    key = key.to(dtype).to(device)
-    key = key.transpose(1, 2) if layout == "bnhd" else key.transpose(1, 2).contiguous()
-    return query.to(dtype).to(device), key, labels.to(device), chunk_ids.to(device)
 
 
 def check_stage(seed, query, key, labels, mods, chunk_ids=None, **kwargs):

@@ -298,7 +298,7 @@ def test_topk_exact(path, n, dtype, seed):
 
 def _check_coverage_all_k(s, c, weight, seed):
     """Every budget of ``_ks`` against the literal greedy (n <= 300) or the step-by-step oracle of
-    tests/greedy_oracle.py, which shares nothing with the fast paths' sort."""
+    tests/helpers/greedy_oracle.py, which shares nothing with the fast paths' sort."""
     n = s.numel()
     order = coverage_greedy_order(s.cpu(), c.cpu(), weight) if n > 300 else None
     for k in _ks(n):
@@ -711,8 +711,8 @@ def _compile_for_gpu_targets() -> None:
 def test_kernels_compile_for_sm90_and_sm89():
     # Interpreter runs check the arithmetic; this checks that the same source lowers to GPU code (tl.dot shapes,
     # float64 division and square root, int64 keys, shared memory) on a machine without a GPU.
-    # The tests' folder on sys.path, as pytest puts it there, for the shared helpers this file imports.
-    here = os.path.dirname(__file__)
+    # The tests' helpers folder on sys.path, as pytest's configuration puts it there, for the helpers this file imports.
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
     result = _run_without_interpreter(
         f"import runpy, sys; sys.path.insert(0, {here!r}); runpy.run_path({__file__!r}, run_name='__compile__')")
     assert result.returncode == 0, result.stderr[-3000:]

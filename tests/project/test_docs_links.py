@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 OUTSIDE = re.compile("|".join([r"\.\./" + "shared\\b", "/" + "work/"]))
 """Paths of the machines the project was built on, not of a clone (split so that this file does not name them)."""

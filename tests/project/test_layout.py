@@ -15,7 +15,11 @@ Every import statement counts, also inside functions and under ``if TYPE_CHECKIN
 nothing is imported. The checker is itself checked on a planted package that breaks each rule. Two more checks: the
 house's size limits (no module over 600 lines, no class over 250), and ``import macer.vllm`` with the plugin's modules
 that load without vLLM loads no module of ``macer.hf`` or of the tools (the rest, with vLLM, in
-``tests/vllm/test_rooms.py``).
+``tests/serving/test_rooms.py``).
+
+The tests live in rooms that mirror the package (docs/architecture.md, "The tests"): ``tests/kernels`` imports no
+``macer``, ``tests/core`` no engine, ``tests/hf`` no vLLM, helpers no test module, and no test module one of another
+room; no test module sits outside a room. The same ``ast`` reading, checked on a planted tree too.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "python" / "macer"
+PACKAGE = Path(__file__).resolve().parents[2] / "python" / "macer"
 ROOMS = ("core", "hf", "vllm")
 CORE_MAY_IMPORT = {"torch", "numpy", "macer_kernels", "macer"}  # macer: the core's own modules (checked below)
 
@@ -236,7 +240,8 @@ def test_no_module_over_600_lines_and_no_class_over_250():
 def test_importing_the_plugin_loads_no_transformers_engine(tmp_path):
     """``import macer.vllm`` imports the package ``macer`` first: the package loads the core eagerly and the
     transformers engine only when one of its names is used, so the plugin and its modules that load without vLLM
-    bring the core and themselves only (a fresh interpreter; the plugin's model classes in tests/vllm/test_rooms.py)."""
+    bring the core and themselves only (a fresh interpreter; the plugin's model classes in
+    tests/serving/test_rooms.py)."""
     code = ("import sys\n"
             "import macer.vllm, macer.vllm.backend, macer.vllm.checks, macer.vllm.prompt, macer.vllm.records\n"
             "import macer.vllm.settings, macer.vllm.staged, macer.vllm.testing\n"
@@ -263,3 +268,84 @@ def test_every_vllm_module_is_in_the_rooms_table_and_the_package_docstring():
     docstring = ast.get_docstring(ast.parse((PACKAGE / "vllm" / "__init__.py").read_text())) or ""
     missing = [m for m in modules if m != "__init__" and f"``{m}``" not in docstring]
     assert not missing, f"macer.vllm's docstring does not name {missing}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tests' house: rooms that mirror the package
+# ---------------------------------------------------------------------------------------------------------------
+TESTS = Path(__file__).resolve().parents[1]
+TEST_ROOMS = {
+    "kernels": "the ops of macer_kernels",
+    "core": "macer.core",
+    "hf": "the transformers engine, macer.hf",
+    "serving": "the vLLM engine, macer.vllm",
+    "tools": "macer.tools, macer.eval and the benchmarks",
+    "project": "the repository: layout, docs, README, public API, install lines, the test harness",
+    "helpers": "oracles and shared test utilities (on pytest's path)",
+}
+TEST_ROOM_MAY_NOT_IMPORT = {
+    "kernels": ("macer",),  # the ops alone: no engine, no core
+    "core": ("macer.hf", "macer.vllm"),
+    "hf": ("macer.vllm",),
+    "helpers": ("macer.hf", "macer.vllm"),
+}
+
+
+def violations_of_tests(tests: Path) -> list[str]:
+    """What breaks the tests' layout under ``tests``: a test module outside a room, a room that is not one of
+    ``TEST_ROOMS``, an import a room may not make (``TEST_ROOM_MAY_NOT_IMPORT``), a helper that imports a test
+    module, a test module that imports one of another room."""
+    bad = []
+    rooms = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    bad += [f"tests/{r}/ is not a room of {sorted(TEST_ROOMS)}" for r in sorted(rooms - set(TEST_ROOMS))]
+    bad += [f"tests/{p.name} sits outside the rooms" for p in sorted(tests.glob("*.py")) if p.name != "conftest.py"]
+    where = {p.stem: p.parent.name for room in TEST_ROOMS for p in (tests / room).glob("test_*.py")}
+    for room in sorted(rooms & set(TEST_ROOMS)):
+        for path in sorted((tests / room).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    at = f"tests/{room}/{path.name}:{node.lineno}"
+                    for banned in TEST_ROOM_MAY_NOT_IMPORT.get(room, ()):
+                        if name == banned or name.startswith(banned + "."):
+                            bad.append(f"{at} imports {name} ({room} tests may not import {banned})")
+                    if name in where and (room == "helpers" or where[name] != room):
+                        bad.append(f"{at} imports the test module {name} of tests/{where[name]}")
+    return bad
+
+
+
+
+def test_the_tests_mirror_the_package():
+    """tests/{kernels,core,hf,serving,tools,project,helpers}: every test module in a room, each room importing only
+    what its package room may (the ops' tests no ``macer``, the core's no engine, the transformers engine's no vLLM),
+    helpers importing no test module, and no test module importing one of another room (shared code lives in
+    tests/helpers)."""
+    assert violations_of_tests(TESTS) == []
+
+
+def test_the_tests_checker_finds_each_broken_rule(tmp_path):
+    for room in TEST_ROOMS:
+        (tmp_path / room).mkdir()
+    (tmp_path / "conftest.py").write_text("")
+    (tmp_path / "test_flat.py").write_text("")
+    (tmp_path / "misc").mkdir()
+    (tmp_path / "kernels" / "test_ops.py").write_text("import macer.core\n")
+    (tmp_path / "core" / "test_plan.py").write_text("from macer.vllm.state import x\nimport test_ops\n")
+    (tmp_path / "hf" / "test_engine.py").write_text("import macer.vllm\nimport test_engine_twin\n")
+    (tmp_path / "hf" / "test_engine_twin.py").write_text("import macer.core\n")
+    (tmp_path / "helpers" / "oracle.py").write_text("from test_plan import y\n")
+    found = "\n".join(violations_of_tests(tmp_path))
+    for expected in ("tests/misc/ is not a room", "tests/test_flat.py sits outside the rooms",
+                     "tests/kernels/test_ops.py:1 imports macer.core", "tests/core/test_plan.py:1 imports macer.vllm",
+                     "tests/core/test_plan.py:2 imports the test module test_ops of tests/kernels",
+                     "tests/hf/test_engine.py:1 imports macer.vllm",
+                     "tests/helpers/oracle.py:1 imports the test module"):
+        assert expected in found, (expected, found)
+    assert "test_engine_twin" not in found  # a sibling test module of the same room is allowed
+    assert len(violations_of_tests(tmp_path)) == 7

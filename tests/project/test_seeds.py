@@ -22,9 +22,9 @@ _RUN = ("-s", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:b
 
 
 def test_failure_names_the_seed_and_the_rerun_reproduces_it(pytester):
-    here = Path(__file__).parent
-    for name in ("conftest.py", "score_inputs.py"):
-        shutil.copy(here / name, pytester.path / name)
+    tests = Path(__file__).resolve().parents[1]
+    for path in (tests / "conftest.py", tests / "helpers" / "score_inputs.py"):
+        shutil.copy(path, pytester.path / path.name)
     pytester.makepyfile(test_draws=_FAILING)
     first = pytester.runpytest(*_RUN)
     first.assert_outcomes(failed=1)

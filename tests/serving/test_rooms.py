@@ -2,7 +2,7 @@
 labelled architecture's model class and the request guard bring no module of the transformers engine (``macer.hf``)
 nor of the tools beside it. A fresh interpreter: this test process has imported ``macer.hf`` for other tests. The
 Omni thinker's class imports torchvision, which does not import beside the CPU torch build; its imports are held to
-the same rule on the source by ``tests/test_layout.py``.
+the same rule on the source by ``tests/project/test_layout.py``.
 """
 
 from __future__ import annotations

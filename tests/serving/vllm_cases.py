@@ -1,4 +1,4 @@
-"""Helpers and fixtures of the vLLM conformance tests (``tests/vllm/test_conformance.py``, ``test_batched.py``,
+"""Helpers and fixtures of the serving tests (``tests/serving/test_conformance.py``, ``test_batched.py``,
 ``test_preemption.py``): one batching MACER engine shared by the session (engine starts are slow on CPU), in the
 test's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on a tiny random Qwen2 (``macer.vllm.testing``), with test-only
 recorders (the logits of every ``compute_logits`` call; per step, the plan and the block table rows of its requests:
@@ -6,8 +6,8 @@ recorders (the logits of every ``compute_logits`` call; per step, the plan and t
 ``macer.compress`` (the reference written from the paper's rules, on the same weights); what each request's layers
 wrote to the KV cache.
 
-A pytest plugin of ``tests/conftest.py`` (a ``conftest.py`` in ``tests/vllm`` would shadow that module's name); it
-imports vLLM only inside the fixtures, so ``make test`` (no vLLM) loads it and skips the vLLM tests.
+Its fixtures reach the serving room through ``tests/serving/conftest.py``; it imports vLLM only inside the fixtures, so
+``make test`` (no vLLM) loads it and skips the vLLM tests.
 """
 
 from __future__ import annotations

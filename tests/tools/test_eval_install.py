@@ -15,14 +15,13 @@ import importlib.metadata
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from install_tree import ROOT, copy_tracked_tree
 
-ROOT = Path(__file__).resolve().parents[1]
 EVAL_LINE = re.compile(r'^pip install "\.\[eval\]" && pip install --no-deps "lmms-eval==(?P<version>[^"]+)"')
 
 
@@ -53,16 +52,6 @@ def test_eval_extra_pulls_neither_torchvision_nor_torch():
     ci_lmms = next(line.split("==")[1] for line in pinned if line.startswith("lmms-eval=="))
     for doc in ("README.md", "docs/evaluation.md"):
         assert EVAL_LINE.match(_install_line(ROOT / doc))["version"] == ci_lmms, doc
-
-
-def _copy_tracked_tree(dest: Path) -> Path:
-    """The repository's tracked files (the working tree's versions), as a fresh clone would have them."""
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout.split(b"\0")
-    for name in filter(None, (f.decode() for f in files)):
-        if (ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, dest / name)
-    return dest
 
 
 def _smoke_block() -> str:
@@ -96,7 +85,7 @@ def test_documented_eval_install_keeps_torch(tmp_path):
                     f"indexes: {user_torch.stderr[-500:]}")
 
     line = _install_line(ROOT / "README.md")
-    installed = _run(["bash", "-c", line], cwd=_copy_tracked_tree(tmp_path / "clone"), env=env)
+    installed = _run(["bash", "-c", line], cwd=copy_tracked_tree(tmp_path / "clone"), env=env)
     assert installed.returncode == 0, (line, installed.stdout[-3000:], installed.stderr[-3000:])
     listing = _run([python, "-m", "pip", "list", "--format", "json"], env=env, check=True).stdout
     versions = {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(listing)}

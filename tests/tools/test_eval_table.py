@@ -1,6 +1,7 @@
 """macer.eval.table without lmms-eval: row specs, which model arguments each row gets, rows whose lmms-eval run
 failed (lmms-eval's own process is replaced by a stand-in that writes what lmms-eval writes), the markdown table and
-the --help texts of the evaluation commands. tests/test_eval_lmms.py runs the table through the real lmms-eval CLI."""
+the --help texts of the evaluation commands. tests/tools/test_eval_lmms.py runs the table through the real lmms-eval
+CLI."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks import common, gpu_targets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 RUN1 = ROOT / "benchmarks" / "results" / "h200-2026-11-27" / "run1-5133407"
 
@@ -75,8 +75,9 @@ def test_dry_run_resolves_every_step(tmp_path):
     assert all(status[name] == "ok" for name in STEPS), status
     # The ops' GPU tests, every file of both lists (a list read short selected 3 files of 13 once).
     counts = {}
-    for step, first, last in (("pytest_cuda", "tests/test_cuda_kernels.py", "tests/test_cuda_kernels.py"),
-                              ("pytest_cuda_ops", "tests/test_select.py", "tests/test_prefill_packing.py")):
+    for step, first, last in (
+            ("pytest_cuda", "tests/kernels/test_cuda_kernels.py", "tests/kernels/test_cuda_kernels.py"),
+            ("pytest_cuda_ops", "tests/kernels/test_select.py", "tests/hf/test_prefill_packing.py")):
         log = _log(tmp_path, step)
         selected = re.search(r"pytest .*: (\d+) tests selected", log)
         assert selected and first in log and last in log, log
@@ -124,7 +125,8 @@ def stand_in(monkeypatch, capsys):
     (["python", "-m", "benchmarks.bench_select", "--sizez", "5"], "exited 2"),
     (["python", "-m", "benchmarks.bench_selct"], "no module named 'benchmarks.bench_selct'"),
     (["python", "benchmarks/bench_e2e.py", "--clips", "paper", "short"], "exited 2"),
-    (["python", "-m", "pytest", "-m", "cuda", "tests/test_stage.py", "-k", "no_such_test_name"], "0 tests selected"),
+    (["python", "-m", "pytest", "-m", "cuda", "tests/kernels/test_stage.py", "-k", "no_such_test_name"],
+     "0 tests selected"),
     (["python", "setup.py", "-q", "build_ext", "--inplac"], "unknown options ['--inplac']"),
     (["python", "-c", "import no_such_module_xyz"], "not importable here"),
     (["python", "-c", "print(("], "does not compile"),

@@ -1,11 +1,11 @@
 """Microbenchmarks of every op against its naive PyTorch form (``macer_kernels.reference``). The end-to-end
-benchmark's tests are in ``tests/test_bench_e2e.py``.
+benchmark's tests are in ``tests/tools/test_bench_e2e.py``.
 
 No test here asserts a time. In CI pyproject's ``--benchmark-disable`` runs each benchmark body once, as a smoke
 test that also checks the op against the reference on the benchmark's inputs. The full run:
 
-    pytest tests/test_microbench.py --benchmark-enable            # CPU: the paper's clip sizes
-    pytest tests/test_microbench.py --benchmark-enable -m cuda    # GPU: every backend present, up to N = 20k
+    pytest tests/tools/test_microbench.py --benchmark-enable            # CPU: the paper's clip sizes
+    pytest tests/tools/test_microbench.py --benchmark-enable -m cuda    # GPU: every backend present, up to N = 20k
 
 Providers: ``naive`` (the reference: GQA expanded per head, full softmax materialised, literal greedy; the scorer
 in fp32 like ``benchmarks/bench_modality_scores.py``, the rest in float64),

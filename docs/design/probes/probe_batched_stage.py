@@ -102,7 +102,7 @@ check(len(STAGE_KV[rid]) == k and [s % bs for s in STAGE_KV[rid]] == [j % bs for
       f"p3's stage layers wrote its {k} kept rows to compacted indices 0..{k - 1} of its own blocks")
 
 # (4) host reads inside the forward
-from sync_guard import READ_METHODS  # noqa: E402  (tests/sync_guard.py)
+from sync_guard import READ_METHODS  # noqa: E402  (tests/helpers/sync_guard.py)
 
 found = []
 originals = {name: getattr(torch.Tensor, name) for name in READ_METHODS}

@@ -3,7 +3,7 @@ policy's stages drop (docs/serving.md, "KV memory"). Plain integers, no engine: 
 worker use ``compacted_drop``; the docs' memory table, the admission test's prediction and the admission benchmark
 use the rest.
 
-The model (vLLM 0.32's, which ``tests/vllm/test_kv.py`` checks against vLLM's own grouping function):
+The model (vLLM 0.32's, which ``tests/serving/test_kv.py`` checks against vLLM's own grouping function):
 
 * Decoder layers from ``start`` on (the engine policy's last stage) declare a KV cache spec of their own; the layers
   before keep vLLM's full-attention spec. vLLM then splits both buckets into KV cache groups of one size

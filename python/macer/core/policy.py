@@ -7,7 +7,7 @@ keeps, by which rule (top-k, the chunk-coverage greedy, a seeded random draw) an
 probability) from which query rows. Everything that follows from the prompt is then computed once on the host at the
 start of a prefill (``plan_prefill``): counts, budgets, question rows, temporal chunk ids and the length of the
 sequence after every stage. Inside a stage (``macer.core.stage.run_stage``) only device work remains, with sizes
-known on the host, so no stage reads device memory back (``tests/test_macer_sync.py`` fails if one does).
+known on the host, so no stage reads device memory back (``tests/hf/test_macer_sync.py`` fails if one does).
 
 Layers are counted from 1 as in the paper: a stage at ``layer = l`` reads the attention inside ``layers[l - 1]`` and
 the dropped tokens are gone from ``layers[l]`` on; ``layer = 0`` prunes before the first decoder layer (no readout).

@@ -76,7 +76,7 @@ def check_no_masked_row(allowed: torch.Tensor) -> None:
         return
     every = allowed.any(dim=-1).all()
     if allowed.device.type == "cpu":
-        # torch._assert_async raises at once on a CPU tensor; the hot-path test (tests/test_macer_sync.py), which
+        # torch._assert_async raises at once on a CPU tensor; the hot-path test (tests/hf/test_macer_sync.py), which
         # counts the Python-level reads a GPU would wait for, then sees none in a branch a GPU never takes.
         try:
             torch._assert_async(every)

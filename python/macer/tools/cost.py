@@ -78,7 +78,7 @@ PAPER_CONSTANTS: dict[str, CostConstants] = {
 FASTV_PRUNE_LAYER = 5
 """L_p with which ``tab:main`` charges FastV. The paper does not state it; 5 is the only integer L_p for which
 ``eq:appendix_probe_flops`` gives the printed FastV cells on both scales (54.1% on 7B, 49.2% on 3B), see
-``tests/test_cost.py``."""
+``tests/tools/test_cost.py``."""
 
 METHOD_PRUNE_STYLE: dict[str, str] = {"macer": "probe", "fastv": "probe", "omnizip": "input", "random": "input"}
 """How ``tab:main`` charges each method: ``"input"`` = pruned before the decoder (``eq:appendix_input_flops``),

@@ -207,7 +207,7 @@ DROPPED_FIELDS: dict[str, Callable[[Any, str], str | None]] = {
 """The ``CommonAttentionMetadata`` fields the compacted layers' metadata does not carry (``macer.vllm.backend``'s
 runtime guard raises on each, ``_DROPPED``), each with the check that refuses the engine setting that makes vLLM 0.32
 fill it (``check(vllm_config, who)``: the refusal's line, or None). One entry per field, so that the load-time
-refusal and the runtime guard name the same fields (``tests/vllm/test_refusals.py`` compares the two)."""
+refusal and the runtime guard name the same fields (``tests/serving/test_refusals.py`` compares the two)."""
 
 
 def tied_embeddings_problem(hf_config: Any, who: str) -> str | None:

@@ -9,7 +9,7 @@ Module tree (transformers 5.23)::
           .language_model: Qwen3OmniMoeThinkerTextModel   <- decoder: runs layers[i] in a loop
             .layers[i]: Qwen3OmniMoeThinkerTextDecoderLayer (attention + dense MLP or sparse MoE block)
 
-transformers 5.19 (the release vLLM 0.32 pins, checked by ``tests/vllm/test_omni_macer.py``) has no
+transformers 5.19 (the release vLLM 0.32 pins, checked by ``tests/serving/test_omni_macer.py``) has no
 ``Qwen3OmniMoeThinkerModel``: the thinker itself is the root and ``thinker.model`` is the text model (the decoder).
 ``parts`` accepts both.
 
@@ -119,7 +119,7 @@ class Qwen3OmniAdapter(QwenOmniAdapter):
             # False on padding) and, for the visual rows among them, their index into the embeddings, whose rows
             # follow the mask's True entries in batch-major order (rank = flat cumsum - 1). The boolean selection
             # reads its count back from the device (one host synchronisation per stage placed before a deepstack
-            # level, counted by tests/test_macer_sync.py), as transformers' own h[mask] does in every level.
+            # level, counted by tests/hf/test_macer_sync.py), as transformers' own h[mask] does in every level.
             mask = visual_pos_masks if visual_pos_masks.device == rows.device else visual_pos_masks.to(rows.device)
             present = rows.clamp(min=0)
             kept = mask.gather(1, present) & (rows >= 0)

@@ -3,7 +3,7 @@ Qwen3-Omni (MoE) model as the published ones are laid out (``config.json`` with 
 off, ``model.safetensors`` with the thinker's weights under ``thinker.``, the processor's files: ``tokenizer.json``,
 ``tokenizer_config.json``, ``processor_config.json``, the chat template), at tiny sizes but with the real vocabulary
 size and special token ids, so that vLLM's own processors expand the placeholders as for the published models. The
-vLLM tests of the thinkers (``tests/vllm``) and the CPU recipe of docs/serving.md ("Try the Qwen-Omni thinkers on a
+vLLM tests of the thinkers (``tests/serving``) and the CPU recipe of docs/serving.md ("Try the Qwen-Omni thinkers on a
 CPU") serve them::
 
     python -m macer.testing_omni qwen2_5_omni /tmp/macer-omni/qwen2_5_omni
