@@ -29,7 +29,8 @@ $(STAMP): requirements-ci.txt requirements-eval.txt pyproject.toml setup.py
 
 venv: $(STAMP)
 
-# ruff over the tree; mypy over the modules pyproject.toml's [tool.mypy] lists (the rest follows as it is cleaned).
+# ruff over the tree; mypy over the modules pyproject.toml's [tool.mypy] lists (the vLLM room needs vLLM's types:
+# make lint-vllm, which make test-vllm runs first).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
@@ -82,7 +83,7 @@ VLLM_SITE_FILES := tests/serving/site/macer_torchvision_ops.py tests/serving/sit
 vllm_quietly = $(1) >>$(VLLM_LOG) 2>&1 || { echo "macer vllm setup: that step failed; the end of $(VLLM_LOG):"; \
 	tail -n 40 $(VLLM_LOG); exit 1; }
 
-.PHONY: test-vllm venv-vllm
+.PHONY: lint-vllm test-vllm venv-vllm
 
 $(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py $(VLLM_SITE_FILES)
 	@if [ ! -x $(VLLM_BIN)/python ]; then echo "macer vllm setup: creating $(VLLM_VENV) with $$($(VLLM_PYTHON) --version)"; \
@@ -112,5 +113,10 @@ $(VLLM_STAMP): requirements-vllm.txt pyproject.toml setup.py $(VLLM_SITE_FILES)
 
 venv-vllm: $(VLLM_STAMP)
 
-test-vllm: $(VLLM_STAMP)
+# mypy over the vLLM room, against vLLM's own types: the pinned mypy of .venv (make lint's) reads .venv-vllm's packages
+# (--python-executable), so the serving room is checked where vLLM is installed; make lint checks the rest.
+lint-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/mypy --python-executable $(VLLM_BIN)/python --python-version 3.11 python/macer/vllm
+
+test-vllm: $(VLLM_STAMP) lint-vllm
 	$(VLLM_BIN)/python -m pytest tests/serving

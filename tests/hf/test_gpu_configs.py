@@ -11,14 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from macer.testing import batch_inputs, build_thinker, clip_inputs, decoder_parts, macer_config_for
+from tiny_models import SMALL_PROMPT, tiny_thinker
 from torch import nn
 from transformers import DynamicCache
 
-SMALL = {"question_tokens": 6, "system_tokens": 4}
+SMALL = SMALL_PROMPT
 
 
 def _thinker(attn: str = "eager"):
-    return build_thinker(num_layers=4, hidden_size=64, attn_implementation=attn, seed=7)
+    return tiny_thinker(attn)
 
 
 def _prompts(model):

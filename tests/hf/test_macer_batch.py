@@ -11,13 +11,14 @@ from __future__ import annotations
 import macer
 import pytest
 import torch
-from macer.testing import batch_inputs, build_thinker, clip_inputs, macer_config_for
+from macer.testing import batch_inputs, clip_inputs, macer_config_for
+from tiny_models import SMALL_PROMPT, tiny_thinker
 
-SMALL = {"question_tokens": 6, "system_tokens": 4}
+SMALL = SMALL_PROMPT
 
 
 def _thinker(attn: str):
-    return build_thinker(num_layers=4, hidden_size=64, attn_implementation=attn, seed=7)
+    return tiny_thinker(attn)
 
 
 def _block_prompts(model):

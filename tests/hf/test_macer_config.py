@@ -14,21 +14,13 @@ from macer.testing import (
     build_omni_model,
     build_thinker,
     clip_inputs,
-    decoder_parts,
     macer_config_for,
     thinker_config,
 )
+from tiny_models import decoder_of as _decoder
 from torch import nn
 
 SMALL = {"frames": 4, "grid_hw": (8, 8), "audio_tokens": 60, "seed": 1}
-
-
-def _decoder(model):
-    return decoder_parts(model).decoder
-
-
-def _root(model):
-    return decoder_parts(model).root
 
 
 @pytest.fixture(scope="module")

@@ -13,23 +13,17 @@ from macer.testing import (
     build_omni_model,
     build_thinker,
     clip_inputs,
-    decoder_parts,
     macer_config_for,
 )
+from tiny_models import decoder_of as _decoder
+from tiny_models import root_of as _root
+from tiny_models import tiny_thinker
 
 CLIP = {"frames": 8, "grid_hw": (8, 8), "audio_tokens": 150, "seed": 1}  # 64 video + 150 audio tokens
 
 
-def _decoder(model):
-    return decoder_parts(model).decoder
-
-
-def _root(model):
-    return decoder_parts(model).root
-
-
 def _thinker(attn: str = "sdpa", layers: int = 6):
-    return build_thinker(num_layers=layers, hidden_size=64, attn_implementation=attn, seed=5)
+    return tiny_thinker(attn, layers=layers, seed=5)
 
 
 def _counts(inputs) -> tuple[int, int, int]:

@@ -20,9 +20,10 @@ import torch
 from macer.testing import SYNTHETIC_TOKENS, batch_inputs
 from macer.testing_qwen3 import build_qwen3_omni_model, build_qwen3_thinker, qwen3_clip_inputs
 from test_macer_batch import check_batch_against_each_prompt_alone, check_expanded_rows, check_mixed_layouts_refused
+from tiny_models import SMALL_PROMPT
 
 TOK = SYNTHETIC_TOKENS
-SMALL = {"question_tokens": 6, "system_tokens": 4}
+SMALL = SMALL_PROMPT
 
 
 @functools.cache

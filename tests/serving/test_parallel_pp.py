@@ -31,7 +31,7 @@ from parallel_cases import (  # noqa: E402
     environment,
     nan_prompt,
     poison,
-    reference,
+    preempting_blocks,
     requests,
     result,
     sampling,
@@ -43,13 +43,7 @@ from parallel_cases import (  # noqa: E402
 from vllm_cases import ENGINE_ARGS, engine_settings, in_process_llm  # noqa: E402
 
 PROMPTS = [prompt for _, prompt, _ in requests()]
-BLOCKS = 2 + sum(-(-(len(p) + 8) // 32) for p in PROMPTS)  # every prompt admitted, not every whole sequence
-
-
-@pytest.fixture(scope="module")
-def want(tiny_checkpoint, hf_model):
-    """The reference, computed before this module's engine starts."""
-    return reference(tiny_checkpoint, hf_model)
+BLOCKS = preempting_blocks(PROMPTS)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["eager", "compiled"])

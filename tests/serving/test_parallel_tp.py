@@ -26,7 +26,7 @@ from parallel_cases import (  # noqa: E402
     check,
     check_modes,
     environment,
-    reference,
+    preempting_blocks,
     requests,
     result,
     sampling,
@@ -38,13 +38,7 @@ from parallel_cases import (  # noqa: E402
 from vllm_cases import ENGINE_ARGS, engine_settings, in_process_llm  # noqa: E402
 
 PROMPTS = [prompt for _, prompt, _ in requests()]
-BLOCKS = 2 + sum(-(-(len(p) + 8) // 32) for p in PROMPTS)  # every prompt admitted, not every whole sequence
-
-
-@pytest.fixture(scope="module")
-def want(tiny_checkpoint, hf_model):
-    """The reference, computed before this module's engine starts."""
-    return reference(tiny_checkpoint, hf_model)
+BLOCKS = preempting_blocks(PROMPTS)
 
 
 @pytest.fixture(scope="module")

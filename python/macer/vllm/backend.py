@@ -29,14 +29,16 @@ import contextlib
 import dataclasses
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from macer.core.steps import DECODE, Segment, StepPlan
 from macer.vllm.buffers import Arena, ArenaFull, CaptureBuffers
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.attention.attention import Attention
 
 __all__ = ["BACKENDS", "StageMetadata", "attention_modules", "check_backends", "installed", "needs_tails",
            "readout", "self_test", "slots_at"]
@@ -52,12 +54,12 @@ _DROPPED = ("logits_indices_padded", "encoder_seq_lens", "dcp_local_seq_lens", "
 _PAD_SLOT = -1  # vLLM's PAD_SLOT_ID: the cache writers skip such a slot
 
 
-def attention_modules(layers: list[nn.Module]) -> list[nn.Module]:
+def attention_modules(layers: list[Any]) -> list[Attention]:
     """The ``Attention`` module of each of vLLM's Qwen2 decoder layers (``self_attn.attn``)."""
     return [layer.self_attn.attn for layer in layers]
 
 
-def readout(module: nn.Module, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+def readout(module: Attention, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The queries and keys an ``Attention`` module receives, as ``[1, H, T, D]`` views, and its softmax scale."""
     rows = query.shape[0]
     # vLLM's [T, H * D] post-RoPE rows -> the [1, H, T, D] layout the stage reads (a view, no copy).
@@ -66,7 +68,7 @@ def readout(module: nn.Module, query: torch.Tensor, key: torch.Tensor) -> tuple[
     return query, key, module.impl.scale
 
 
-def check_backends(attns: list[nn.Module], architecture: str) -> None:
+def check_backends(attns: list[Attention], architecture: str) -> None:
     """``ValueError`` naming ``--attention-backend`` for a layer whose backend the compacted metadata is not built
     for (called when the model loads)."""
     from macer.vllm.checks import refuse
@@ -145,7 +147,7 @@ class StageMetadata:
         capture_bounds: where the segments of the captured CUDA graphs' layout start (``StepPlanner``).
     """
 
-    def __init__(self, runner: Any, names: list[str], attns: list[nn.Module], capture_bounds: tuple[int, ...] = ()):
+    def __init__(self, runner: Any, names: list[str], attns: list[Attention], capture_bounds: tuple[int, ...] = ()):
         self.runner, self.names, self.attns = runner, names, attns
         groups = runner.kv_cache_config.kv_cache_groups
         self.group_of = {name: gid for gid, group in enumerate(groups) for name in group.layer_names}
@@ -258,9 +260,8 @@ class StageMetadata:
         -1 (nothing is written). Every later FULL step rewrites those buffers in place (``build``)."""
         if not self.capture_bounds:
             return {}
-        if self.graphs is None:
-            self._make_graph_buffers()
-        arena = self.graphs.arena
+        graphs = self._graph_buffers()
+        arena = graphs.arena
         arena.begin()
         n_pad, rows_pad = common.num_reqs, common.num_actual_tokens
         filled = []
@@ -268,7 +269,7 @@ class StageMetadata:
         for start, stop in itertools.pairwise(starts):
             layers = self.names[start:stop]
             for gid in sorted({self.group_of[name] for name in layers}):
-                pair = self.graphs.pair((start, gid))
+                pair = graphs.pair((start, gid))
                 qsl = pair.query_start[0][: n_pad + 1]
                 qsl[:] = common.query_start_loc_cpu[: n_pad + 1].numpy()
                 pair.seq_lens[0][:n_pad] = common.seq_lens_cpu_upper_bound[:n_pad].numpy()
@@ -279,8 +280,15 @@ class StageMetadata:
                                                     common.is_prefilling)))
         arena.upload()  # before the builds, as in ``build``
         out = self._build_filled(filled, capture=True)
-        self.graphs.captured = out
+        graphs.captured = out
         return out
+
+    def _graph_buffers(self) -> CaptureBuffers:
+        """The fixed buffers FULL CUDA graphs read (made on first use)."""
+        if self.graphs is None:
+            self._make_graph_buffers()
+        assert self.graphs is not None
+        return self.graphs
 
     def _make_graph_buffers(self) -> None:
         compilation = self.runner.vllm_config.compilation_config
@@ -295,7 +303,7 @@ class StageMetadata:
 
     def _arrays(self, arena: Arena, key: tuple[int, int] | None, n_pad: int, rows: int) -> tuple[Any, Any, Any]:
         if key is not None:
-            pair = self.graphs.pair(key)
+            pair = self._graph_buffers().pair(key)
             return pair.query_start, pair.seq_lens, pair.slots
         return arena.take(torch.int32, n_pad + 1), arena.take(torch.int32, n_pad), arena.take(torch.int64, rows)
 
@@ -353,7 +361,8 @@ class StageMetadata:
         for name, slots in tails.items():
             attn = self.attns[self.index_of[name]]
             zeros = self._zeros[: slots.shape[0]]
-            attn.impl.do_kv_cache_update(attn, zeros, zeros, attn.kv_cache, slots)
+            impl: Any = attn.impl  # the backend's own writer (AttentionImpl does not declare it; CPU_ATTN's has it)
+            impl.do_kv_cache_update(attn, zeros, zeros, attn.kv_cache, slots)
 
     def check_owned(self, plan: StepPlan, seq_lens: list[int]) -> None:
         """Raise unless every request owns, in every KV cache group of the layers before the first segment (all of

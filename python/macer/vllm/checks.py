@@ -499,9 +499,11 @@ def guarded_hook(base: type | None) -> type:
     if getattr(base, "_macer_guarded", False):
         return base
 
+    own: Any = base  # an entry of vLLM's MODELS_CONFIG_MAP: a class with a static verify_and_update_config
+
     def verify_and_update_config(vllm_config: Any) -> None:
         _refuse_misplaced(vllm_config)
-        base.verify_and_update_config(vllm_config)
+        own.verify_and_update_config(vllm_config)
 
     return type(base.__name__, (base,), {"verify_and_update_config": staticmethod(verify_and_update_config),
                                          "_macer_guarded": True, "__doc__": base.__doc__})

@@ -123,7 +123,7 @@ def check_decode_graphs(worker: Any, decoder: Any) -> str | None:
             cached = CachedRequestData(req_ids=[request_id], resumed_req_ids=set(), new_token_ids=[[]],
                                        all_token_ids={}, new_block_ids=[None], num_computed_tokens=[prompt_len],
                                        num_output_tokens=[1])
-            graphs = []
+            graphs: list[Any] = []
             record = decoder.on_step
 
             def tapped(step: Any, bound: Any, _record: Any = record, _graphs: list = graphs) -> None:
@@ -156,8 +156,8 @@ def check_decode_graphs(worker: Any, decoder: Any) -> str | None:
     if len(seen) != 4:
         return f"the check saw {len(seen)} sampled steps, not 4"
     graph, eager = seen[1][0], seen[3][0]
-    error = float((graph - eager).norm() / eager.norm().clamp_min(1e-12))
-    if not error <= TOLERANCE:  # also catches NaN
+    difference = float((graph - eager).norm() / eager.norm().clamp_min(1e-12))
+    if not difference <= TOLERANCE:  # also catches NaN
         return (f"a replayed FULL decode graph's hidden state differs from the same decode without it by "
-                f"{error:.3g} (relative L2; at most {TOLERANCE} allowed)")
+                f"{difference:.3g} (relative L2; at most {TOLERANCE} allowed)")
     return None

@@ -40,6 +40,7 @@ def check_request_settings(sampling_params: Any) -> None:
             return
         except ValueError as error:
             refusal = refusal or error
+    assert refusal is not None  # the loop returned unless every engine refused
     raise refusal
 
 

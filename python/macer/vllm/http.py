@@ -86,8 +86,8 @@ class MacerRequestCheck:
         if problem is None:
             await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive), send)
             return
-        message, parameter = problem
-        payload = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": parameter,
+        text, parameter = problem
+        payload = json.dumps({"error": {"message": text, "type": "BadRequestError", "param": parameter,
                                         "code": 400}}).encode()
         await send({"type": "http.response.start", "status": 400,
                     "headers": [(b"content-type", b"application/json"),

@@ -282,7 +282,11 @@ class PipelineRanks:
         whose first prefill is in the step, the state of its stages that ran on earlier ranks: the next stage to
         run, the prompt positions of the rows it holds and the non-finite flags of those earlier stages (``FLAGS_KEY``;
         sizes from the plan, no host read)."""
-        rows = self.received[: segment.num_tokens].long()
+        received, flags = self.received, self.received_flags
+        if received is None or flags is None:
+            raise RuntimeError("macer: a later pipeline rank entered its layers before it received the previous "
+                               "rank's rows (please report this)")
+        rows = received[: segment.num_tokens].long()
         for i in step.fresh:
             state = step.states[i]
             prefill = state.prefill
@@ -290,7 +294,7 @@ class PipelineRanks:
             before = [stage.spec.layer for stage in prefill.plan.stages if stage.spec.layer <= self.first]
             prefill.resume(len(before), rows[start: start + kept] - step.query_start[i])
             at = step.query_start[i]
-            prefill.nonfinite[:0] = [(layer, [0], self.received_flags[at + j: at + j + 1] != 0)
+            prefill.nonfinite[:0] = [(layer, [0], flags[at + j: at + j + 1] != 0)
                                      for j, layer in enumerate(before)]
         return rows
 

@@ -137,7 +137,7 @@ class StepPlanner:
         if self.pipe is not None:  # this rank's layers
             handover = self.pipe.handover_segment(rows)
             rows = [self.pipe.local_row(row) for row in rows]
-            graphable = all(capture.issuperset(row.bounds) for row in rows)
+            graphable = all(capture.issuperset(row.bounds or ()) for row in rows)  # Row sets bounds
         plan = plan_step(rows)
         staged = handover is not None or any(segment.gather is not None for segment in plan.segments)
         return PreparedStep(plan, rows, states, fresh, query_start, staged, graphable, handover=handover)

@@ -273,7 +273,8 @@ def finish(claimed: Sequence[_Pending]) -> list[dict[str, Any]]:
     """Make the records of ``claimed`` (``claim_pending``), waiting for their copies; returns them as JSON objects,
     for the step's output (they are not queued for ``drain``). Thread-safe: under asynchronous scheduling it runs on
     the executor's output thread while the worker's thread plans the next step."""
-    _COLLECTING.entries = collected = []
+    collected: list[Any] = []
+    _COLLECTING.entries = collected
     try:
         for pending in claimed:
             if pending.event is not None and not pending.event.query():

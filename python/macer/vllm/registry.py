@@ -55,7 +55,8 @@ def register_architectures(architectures: dict[str, str]) -> None:
         if architecture not in supported:
             module, name = target.split(":")
             ModelRegistry.models[architecture] = ExplainedLazyModel(module, name)  # register_model's lazy entry
-        MODELS_CONFIG_MAP[architecture] = MacerEngineHook
+        # vLLM types the map as its VerifyAndUpdateConfig classes; the hook has the same static method.
+        MODELS_CONFIG_MAP[architecture] = MacerEngineHook  # type: ignore[assignment]
     for architecture in ModelRegistry.get_supported_archs():
         if architecture not in architectures:
             MODELS_CONFIG_MAP[architecture] = guarded_hook(MODELS_CONFIG_MAP.get(architecture))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from macer.vllm.plan import PreparedStep, StepPlanner
@@ -149,7 +149,7 @@ class RunnerBinding:
 
 
 # ----------------------------------------------------------------------------------------- the runner asked for
-def _is_macer(vllm_config: Any, architectures: Iterable[str]) -> bool:
+def _is_macer(vllm_config: Any, architectures: Collection[str]) -> bool:
     model_config = getattr(vllm_config, "model_config", None)
     return model_config is not None and getattr(model_config, "architecture", None) in architectures
 
@@ -163,7 +163,8 @@ def _forces_v2(vllm_config: Any) -> bool:
 
 def would_use_v2(vllm_config: Any) -> bool:
     """Whether vLLM itself would run this engine on Model Runner V2 (its GPU default) with the environment as it is."""
-    return bool(_ORIGINAL[0].fget(vllm_config)) if _ORIGINAL else bool(vllm_config.use_v2_model_runner)
+    original = _ORIGINAL[0].fget if _ORIGINAL else None
+    return bool(original(vllm_config)) if original is not None else bool(vllm_config.use_v2_model_runner)
 
 
 _ORIGINAL: list[property] = []
@@ -178,13 +179,16 @@ def prefer_v1_runner(architectures: Iterable[str]) -> None:
 
     if _ORIGINAL:
         return
-    original = VllmConfig.__dict__["use_v2_model_runner"]
+    original: property = VllmConfig.__dict__["use_v2_model_runner"]
     _ORIGINAL.append(original)
     names = frozenset(architectures)
+    read: Any = original.fget
 
     def use_v2_model_runner(self: Any) -> bool:
         if _is_macer(self, names) and os.environ.get(_V2_ENV) is None and not _forces_v2(self):
             return False
-        return original.fget(self)
+        return bool(read(self))
 
-    VllmConfig.use_v2_model_runner = property(use_v2_model_runner, doc=original.__doc__)
+    # vLLM's property replaced on purpose (mypy sees a method of VllmConfig assigned).
+    VllmConfig.use_v2_model_runner = property(  # type: ignore[method-assign,assignment]
+        use_v2_model_runner, doc=original.__doc__)

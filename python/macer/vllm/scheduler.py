@@ -45,6 +45,10 @@ class MacerSchedulerMixin:
     """Adds the request's record to what a finishing request returns; sizes the compacted KV cache groups per request
     (module docstring)."""
 
+    # Typing: a mixin over vLLM's Scheduler or AsyncScheduler (``make_scheduler`` picks the base at run time), so mypy
+    # sees neither its ``super()`` nor the scheduler's attributes; each ``# type: ignore[misc]`` / ``[attr-defined]``
+    # below is one of those.
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         from macer.vllm.kv import SchedulerKV
@@ -119,13 +123,18 @@ _CLASSES: dict[bool, type] = {}
 def make_scheduler(*args: Any, **kwargs: Any) -> Any:
     """The scheduler of a MACER engine (``scheduler_config.scheduler_cls``): the mixin over ``AsyncScheduler`` or
     ``Scheduler``, chosen from the final ``async_scheduling``."""
-    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    vllm_config: Any = kwargs.get("vllm_config", args[0] if args else None)
     asynchronous = bool(vllm_config.scheduler_config.async_scheduling)
     if asynchronous not in _CLASSES:
+        base: type
         if asynchronous:
-            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+            base = AsyncScheduler
         else:
-            from vllm.v1.core.sched.scheduler import Scheduler as base
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            base = Scheduler
         name = "MacerAsyncScheduler" if asynchronous else "MacerScheduler"
         _CLASSES[asynchronous] = type(name, (MacerSchedulerMixin, base), {"__module__": __name__})
     return _CLASSES[asynchronous](*args, **kwargs)

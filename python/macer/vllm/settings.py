@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from macer.core.config import MacerConfig, decoder_depth
-from macer.core.families import QWEN2_5_OMNI, QWEN3_OMNI, Family, LabelSpec, text_config
+from macer.core.families import QWEN2_5_OMNI, QWEN3_OMNI, LabelSpec, QwenOmni, text_config
 from macer.core.policies import POLICY_NAMES, FastVConfig, FullConfig, RandomConfig, make_policy
 from macer.core.policy import Policy
 
@@ -79,7 +79,7 @@ WHERE = f'additional_config["{SETTINGS_KEY}"]'
 LABELLED_ARCHITECTURE = "MacerQwen2ForCausalLM"
 OMNI_THINKER_ARCHITECTURE = "MacerQwen2_5OmniThinkerForConditionalGeneration"
 QWEN3_OMNI_THINKER_ARCHITECTURE = "MacerQwen3OmniMoeThinkerForConditionalGeneration"
-_THINKER_FAMILIES: dict[str, Family] = {OMNI_THINKER_ARCHITECTURE: QWEN2_5_OMNI,
+_THINKER_FAMILIES: dict[str, QwenOmni] = {OMNI_THINKER_ARCHITECTURE: QWEN2_5_OMNI,
                                         QWEN3_OMNI_THINKER_ARCHITECTURE: QWEN3_OMNI}
 """The thinker architectures, each with the model family whose config labels its rows."""
 MACER_ARCHITECTURES = (LABELLED_ARCHITECTURE, *_THINKER_FAMILIES)
@@ -87,7 +87,8 @@ MACER_ARCHITECTURES = (LABELLED_ARCHITECTURE, *_THINKER_FAMILIES)
 LABEL_KEYS = ("audio_token_ids", "video_token_ids")
 ENGINE_KEYS = ("free_kv",)
 """Settings of the engine rather than of its policy (a request cannot set them)."""
-_CLASSES = {"full": FullConfig, "fastv": FastVConfig, "random": RandomConfig}  # the rest: MacerConfig's fields
+_CLASSES: dict[str, type[Policy]] = {"full": FullConfig, "fastv": FastVConfig,
+                                    "random": RandomConfig}  # the rest: MacerConfig's fields
 _BASELINES = frozenset(_CLASSES)  # no per-model defaults: make_policy(name, **fields) without the model
 
 
@@ -148,8 +149,8 @@ def validate_end_of_turn(value: Any, where: str = f'{WHERE}["end_of_turn_token_i
 
 
 def _is_id(value: Any, vocab_size: int | None) -> bool:
-    return (not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 0
-            and (vocab_size is None or value < vocab_size))
+    return (not isinstance(value, bool) and isinstance(value, numbers.Integral) and int(value) >= 0
+            and (vocab_size is None or int(value) < vocab_size))
 
 
 def _id_range(vocab_size: int | None) -> str:
@@ -168,7 +169,7 @@ ablation (``macer_policy``); the engine itself prunes nothing."""
 
 
 def _allowed_keys(name: str, architecture: str) -> list[str]:
-    cls = _CLASSES.get(name, MacerConfig)
+    cls: Any = _CLASSES.get(name, MacerConfig)  # a policy dataclass
     labels = list(LABEL_KEYS) if architecture == LABELLED_ARCHITECTURE else []
     opt_in = list(_OPT_IN) if name == "full" else []
     return ["policy", *(f.name for f in dataclasses.fields(cls) if f.init), *opt_in, *labels, *ENGINE_KEYS]
@@ -240,7 +241,7 @@ def free_kv(settings: Any) -> bool:
     return not isinstance(settings, Mapping) or settings.get("free_kv", True) is not False
 
 
-def thinker_family(architecture: str) -> Family | None:
+def thinker_family(architecture: str) -> QwenOmni | None:
     """The model family whose config labels a thinker architecture's rows (None: the labelled architecture)."""
     return _THINKER_FAMILIES.get(architecture)
 

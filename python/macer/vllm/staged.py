@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -67,6 +67,11 @@ from macer.vllm.request_settings import RequestPolicies
 from macer.vllm.runner import RunnerBinding
 from macer.vllm.settings import SETTINGS_KEY, free_kv
 from macer.vllm.state import RequestState
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    from macer.core.prefill import PrefillState
 
 __all__ = ["AfterLayer", "PreparedStep", "StagedDecoder", "capture_bounds"]
 
@@ -92,7 +97,7 @@ def capture_bounds(policy: Policy, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({spec.layer for spec in policy.stage_specs(1, 1) if spec.layer < num_layers}))
 
 
-def _compacted(attns: list[nn.Module], policy: Policy, settings: Any, first: int, num_layers: int) -> int | None:
+def _compacted(attns: list[Attention], policy: Policy, settings: Any, first: int, num_layers: int) -> int | None:
     """The first layer whose KV cache groups hold only the kept rows (``macer.vllm.kv``), its layers made to declare
     so; None where the engine does not free KV memory (``free_kv`` off, or nothing to compact). ``attns``: the
     decoder's layers ``first ..`` of ``num_layers`` (a pipeline rank holds some of them)."""
@@ -129,7 +134,7 @@ def platform_kernels_of(model: nn.Module) -> list[tuple[nn.Module, Callable[...,
 
 
 @contextlib.contextmanager
-def platform_kernels(kernels: list[tuple[nn.Module, Callable[..., Any]]]) -> Iterator[None]:
+def platform_kernels(kernels: list[tuple[Any, Callable[..., Any]]]) -> Iterator[None]:
     """Inside the block each module of ``kernels`` (``platform_kernels_of``) runs the platform's kernel; its own
     forward is back after it."""
     saved = [module._forward_method for module, _ in kernels]
@@ -154,7 +159,7 @@ class StagedDecoder:
         after_layer: what the architecture adds to the hidden states after each layer (``AfterLayer``), or None.
     """
 
-    def __init__(self, model: nn.Module, policy: Policy, prompt: PromptLabels, vllm_config: Any,
+    def __init__(self, model: Any, policy: Policy, prompt: PromptLabels, vllm_config: Any,
                  after_layer: AfterLayer | None = None):
         self.model, self.prompt, self.vllm_config = model, prompt, vllm_config
         self.after_layer = after_layer
@@ -238,19 +243,20 @@ class StagedDecoder:
 
     def plan(self, request_id: str, request: Any, whole: bool = True) -> RequestState:
         """A request's state from the runner's host copy of it (``StepPlanner.plan_request``)."""
-        return self.planner.plan_request(request_id, request, whole)
+        return _present(self.planner, "the step planner").plan_request(request_id, request, whole)
 
     def _build(self, step: PreparedStep, common: Any) -> None:
         """The step's metadata (the runner binding calls this when the runner builds its own)."""
+        metadata = _present(self.metadata, "the stage metadata")
         if step.graph:
-            self.planner.graph_plan(step)
-        self.metadata.check_owned(step.plan, step.seq_lens)
-        self.metadata.build(step, common)
+            _present(self.planner, "the step planner").graph_plan(step)
+        metadata.check_owned(step.plan, step.seq_lens)
+        metadata.build(step, common)
         if self.on_step is not None:
             self.on_step(step, self.runner)
 
     def _capture(self, common: Any) -> dict[str, Any]:
-        return self.metadata.capture(common)
+        return _present(self.metadata, "the stage metadata").capture(common)
 
     def check_graphs(self, worker: Any) -> None:
         """After the engine captured its CUDA graphs (the worker): if FULL decode graphs were captured with the
@@ -263,7 +269,7 @@ class StagedDecoder:
         if self.pipe is not None:
             # The check feeds made-up requests to one runner, and a pipeline rank's forward needs its neighbours':
             # unproven, so unused (docs/serving.md, "Parallel layouts").
-            self.binding.full_graphs = False
+            _present(self.binding, "the runner binding").full_graphs = False
             logger.info("macer: FULL decode CUDA graphs are off for %s's steps with compacted layers at pipeline "
                         "parallel (their load-time check runs on one rank's runner alone); those steps run with "
                         "piecewise CUDA graphs", self.vllm_config.model_config.architecture)
@@ -272,7 +278,7 @@ class StagedDecoder:
         if self.ranks is not None:  # the tensor-parallel ranks take the same graphs, or their forwards differ
             reason = self.ranks.verdict(reason)
         if reason is not None:
-            self.binding.full_graphs = False
+            _present(self.binding, "the runner binding").full_graphs = False
             logger.warning("macer: FULL decode CUDA graphs are off for %s's steps with compacted layers: %s; they "
                            "run with piecewise CUDA graphs or none (please report this)",
                            self.vllm_config.model_config.architecture, reason)
@@ -293,14 +299,14 @@ class StagedDecoder:
             from vllm.config import CUDAGraphMode
 
             full = captured and context.cudagraph_runtime_mode == CUDAGraphMode.FULL
-            with installed(context, captured if full else {}):
+            with installed(context, captured if full and captured is not None else {}):
                 return self.model(input_ids, positions, received, inputs_embeds, **model_kwargs)
         with installed(context, step.metadata):
             if not step.staged:
                 return self.model(input_ids, positions, received, inputs_embeds, **model_kwargs)
             residual = None
             if received is not None:
-                hidden, residual = self.pipe.receive(intermediate_tensors)
+                hidden, residual = _present(self.pipe, "the pipeline ranks").receive(intermediate_tensors)
             else:
                 hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
             if hidden.shape[0] != step.plan.num_tokens:
@@ -332,22 +338,25 @@ class StagedDecoder:
         segments = {segment.start: segment for segment in step.plan.segments}
         offsets, origin = step.query_start, None
         for i in step.fresh:  # a stage before the first layer (the random rule): no readout
-            if self.first == 0 and step.states[i].prefill.stage_at(0) is not None:
-                step.states[i].prefill.run(None, None, None, 0.0)
+            prefill = _prefill(step.states[i])
+            if self.first == 0 and prefill.stage_at(0) is not None:
+                prefill.run(None, None, None, 0.0)
         for index, layer in enumerate(self.layers):
             segment = segments.get(index)
             if segment is not None:
                 if segment.gather is not None:
                     # A later pipeline rank's first gather: the rows the previous rank handed over.
-                    entering = index == 0 and self.pipe is not None and not self.pipe.is_first
-                    rows = self.pipe.entered(step, segment) if entering else _gather_rows(step, segment, hidden.device)
+                    pipe = self.pipe
+                    entering = pipe is not None and index == 0 and not pipe.is_first
+                    rows = pipe.entered(step, segment) if pipe is not None and entering else \
+                        _gather_rows(step, segment, hidden.device)
                     hidden, positions = hidden[rows], positions[..., rows]
                     residual = None if residual is None else residual[rows]
                     origin = rows if origin is None else origin[rows]
                 offsets = segment.query_start
             at = self.first + index  # in the whole decoder
             armed = [(step.states[i], offsets[i], step.states[i].layout.layer_tokens[at]) for i in step.fresh
-                     if step.states[i].prefill.stage_at(at + 1) is not None]
+                     if _prefill(step.states[i]).stage_at(at + 1) is not None]
             self._armed = (index, armed) if armed else None
             try:
                 hidden, residual = layer(positions, hidden, residual)
@@ -358,16 +367,17 @@ class StagedDecoder:
         if self.pipe is not None and not self.pipe.is_last:
             if step.handover is not None:  # the stage that read this rank's last layer is applied before the send
                 rows = _gather_rows(step, step.handover, hidden.device)
-                hidden, residual = hidden[rows], residual[rows]
+                hidden, residual = hidden[rows], _present(residual, "the residual")[rows]
                 origin = rows if origin is None else origin[rows]
-            return self.pipe.send(hidden, residual, origin, total, self.pipe.stage_flags(step, total, hidden.device))
+            return self.pipe.send(hidden, _present(residual, "the residual"), origin, total,
+                                  self.pipe.stage_flags(step, total, hidden.device))
         hidden, _ = self.model.norm(hidden, residual)
         if origin is None:
             return hidden
         return hidden.new_zeros(total, hidden.shape[-1]).index_copy_(0, origin, hidden)
 
-    def _tap(self, index: int) -> Callable[[nn.Module, tuple], None]:
-        def hook(module: nn.Module, args: tuple) -> None:
+    def _tap(self, index: int) -> Callable[[Any, tuple], None]:
+        def hook(module: Attention, args: tuple) -> None:
             armed = self._armed
             if armed is None or armed[0] != index:
                 return
@@ -375,12 +385,30 @@ class StagedDecoder:
             ranks = self.ranks
             for state, offset, count in armed[1]:
                 q, k, scale = readout(module, query[offset: offset + count], key[offset: offset + count])
-                state.prefill.run(q, k, scale, getattr(state.policy, "eps", 0.0),
-                                  reduce=None if ranks is None else ranks.reduce)
+                prefill = _prefill(state)
+                prefill.run(q, k, scale, getattr(state.policy, "eps", 0.0),
+                            reduce=None if ranks is None else ranks.reduce)
                 if ranks is not None:
-                    ranks.agree(state.request_id, self.first + index + 1, state.prefill.pending)
+                    ranks.agree(state.request_id, self.first + index + 1, prefill.pending)
 
         return hook
+
+
+_T = TypeVar("_T")
+
+
+def _present(value: _T | None, what: str) -> _T:
+    """``value``, which the worker's binding (``StagedDecoder.bind``) or the step's plan made; a clear error where it
+    is missing."""
+    if value is None:
+        raise RuntimeError(f"macer: {what} is missing here (the worker binds it before the first step; please "
+                           "report this)")
+    return value
+
+
+def _prefill(state: RequestState) -> PrefillState:
+    """The prefill state of a request in the step's ``fresh`` list (the planner lists only requests that have one)."""
+    return _present(state.prefill, f"request {state.request_id}'s prefill state")
 
 
 def _gather_rows(step: PreparedStep, segment: Any, device: torch.device) -> torch.Tensor:

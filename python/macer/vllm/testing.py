@@ -100,7 +100,7 @@ def write_checkpoint(directory: str | Path, *, num_layers: int = 6, hidden_size:
     config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                          max_position_embeddings=4096, initializer_range=init_std, tie_word_embeddings=False,
-                         eos_token_id=END_OF_TURN, bos_token_id=_IM_START, pad_token_id=0, torch_dtype="float32")
+                         eos_token_id=END_OF_TURN, bos_token_id=_IM_START, pad_token_id=0, dtype="float32")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).eval()

@@ -35,7 +35,10 @@ _SCHEDULER = "macer.vllm.scheduler.make_scheduler"
 
 
 class MacerWorkerMixin:
-    """The additions to vLLM's worker (module docstring); first base of ``MacerCPUWorker`` / ``MacerGPUWorker``."""
+    """The additions to vLLM's worker (module docstring); first base of ``MacerCPUWorker`` / ``MacerGPUWorker``.
+
+    Typing: a mixin, so mypy sees neither its ``super()`` (vLLM's worker, the second base) nor the worker's attributes;
+    each ``# type: ignore[misc]`` / ``[attr-defined]`` below is one of those."""
 
     def _macer(self) -> Any:
         runner = getattr(self, "model_runner", None)
