@@ -53,7 +53,7 @@ def _cached_ratio(value: numbers.Real) -> Fraction:
     return decimal_fraction(value)
 
 
-def exact_ratio(value: numbers.Real) -> Fraction:
+def exact_ratio(value: float | numbers.Real) -> Fraction:
     """``decimal_fraction(value)`` (the rational a user means by a real number: 0.35 is 35/100), cached by type and
     value: a policy's ratios are constants, and reading a float's decimal digits costs microseconds per call."""
     try:

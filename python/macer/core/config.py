@@ -11,7 +11,7 @@ from typing import Any
 
 from macer.core.checks import field_bool, field_choice, field_int, field_real
 from macer.core.families import MODEL_TYPE_TO_FAMILY, family_for, text_config
-from macer.core.policy import AUDIO, QUESTION_SPANS, SCORINGS, VISUAL, Policy, Selection, StageSpec
+from macer.core.policy import AUDIO, QUESTION_SPANS, SCORINGS, VISUAL, Policy, Scoring, Selection, StageSpec
 from macer_kernels import Budget
 from macer_kernels.split_budget import exact_ratio, split_budget_exact
 
@@ -99,7 +99,7 @@ class MacerConfig(Policy):
     end_of_turn_token_id: int | None = None
     trim_early_cache: bool = False
     question_span: str = "end_of_turn"
-    scoring: str = "anms"
+    scoring: Scoring = "anms"
 
     def __post_init__(self) -> None:
         owner, setattr_ = "MacerConfig", object.__setattr__  # frozen: normalise the validated values in place
@@ -218,7 +218,8 @@ def _derived_defaults(model_or_config: Any) -> tuple[str, dict[str, Any]] | None
     """(model name, settings) the family derived for a known model the paper does not report, or None."""
     family = family_for(model_or_config)
     fields = family.derived_defaults(model_or_config) if family is not None else None
-    return (family.identify(model_or_config), fields) if fields is not None else None
+    name = None if family is None or fields is None else family.identify(model_or_config)
+    return None if name is None or fields is None else (name, fields)
 
 
 def paper_defaults(model_or_config: Any) -> dict[str, Any] | None:

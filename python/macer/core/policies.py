@@ -10,7 +10,7 @@ import dataclasses
 import numbers
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 from macer.core.checks import field_bool, field_choice, field_int, field_real
 from macer.core.config import MacerConfig
@@ -76,7 +76,7 @@ class FastVConfig(Policy):
     name = "fastv"
     keep_ratio: float
     layer: int
-    query: str = "last"
+    query: Literal["question", "last"] = "last"
     query_tokens: int = 4
     end_of_turn_token_id: int | None = None
     question_span: str = "end_of_turn"
@@ -223,7 +223,8 @@ def make_policy(name: str, model: Any = None, **params: Any) -> Policy:
         return FastVConfig(**params)
     if name == "random":
         return RandomConfig(**params)
-    fixed = {"macer_raw": {"scoring": "raw"}, "no_coverage": {"coverage_weight": 0.0}}.get(name, {})
+    ablations: dict[str, dict[str, Any]] = {"macer_raw": {"scoring": "raw"}, "no_coverage": {"coverage_weight": 0.0}}
+    fixed = ablations.get(name, {})
     clash = sorted(set(ABLATION_FIELDS.get(name, ())) & set(params))
     if clash:
         raise ValueError(f"make_policy({name!r}) sets {clash} itself ({ABLATIONS[name]}); do not pass them")

@@ -161,6 +161,8 @@ class PromptFacts:
     @computed_once
     def host_ids(self) -> np.ndarray:
         """``input_ids`` as a numpy array (they must be given)."""
+        if self.input_ids is None:
+            raise ValueError("PromptFacts.input_ids is None: this prompt came without token ids")
         return host_array(self.input_ids)
 
     @computed_once
@@ -223,7 +225,8 @@ class Policy(abc.ABC):
 def _layer_tokens(specs: Sequence[StageSpec], n_text: int, n_audio: int, n_video: int, num_layers: int) -> list[int]:
     """Layer ``i`` sees the length after every stage at a layer <= ``i`` (one stage per layer: the last spec given
     for it)."""
-    tokens, length = [], n_text + n_audio + n_video
+    tokens: list[int] = []
+    length = n_text + n_audio + n_video
     stages = {spec.layer: spec for spec in specs}
     counts = {AUDIO: n_audio, VISUAL: n_video}
     for layer in sorted(layer for layer in stages if 0 <= layer < num_layers):
@@ -457,7 +460,7 @@ def plan_prefill(policy: Policy, facts: PromptFacts, *, cache: bool = True) -> P
     key = None
     if cache and facts.temporal.dtype in _NUMPY_KEYED:
         key = (type(policy), policy, facts.num_layers, facts.runs.key(), end,
-               tuple((m, c.runs.key()) for m, c in covered.items()))
+               tuple((m, None if c.runs is None else c.runs.key()) for m, c in covered.items()))
         entry = _PLANS.get(key)
         if entry is not None:
             return _plan_from(facts, layout, entry, copy=True)
@@ -501,8 +504,12 @@ def _plan_entry(facts: PromptFacts, layout: PolicyLayout, media: tuple[int, int]
         elif spec.query == "last":
             query = (n - 1, n)
         else:
+            if end is None:
+                raise RuntimeError("macer: a stage reads the question rows but the plan found no question end "
+                                   "(please report this)")
             query = (end - query_tokens, end)
-        members, picks = [], []
+        members: list[int] = []
+        picks: list[np.ndarray | None] = []
         for sel in spec.selections:
             modalities = sel.modalities
             members.append(counts[modalities[0]] if len(modalities) == 1 else sum(counts[m] for m in modalities))
@@ -539,7 +546,8 @@ def _plan_from(facts: PromptFacts, layout: PolicyLayout, entry: _PlanEntry, *, c
 
     stages = [PlannedStage(spec, torch.from_numpy(np.arange(*st.query, dtype=np.int64)), st.tokens_before,
                            st.tokens_after, st.members,
-                           tuple(None if p is None else tensor(p) for p in st.picks) if st.drawn else st.picks)
+                           tuple(None if p is None else tensor(p) for p in st.picks) if st.drawn else
+                           (None,) * len(st.picks))
               for spec, st in zip(layout.specs, entry.stages, strict=True)]
     chunks = None if entry.chunks is None else tensor(entry.chunks)
     return Plan(facts, layout.budget, stages, list(layout.layer_tokens), chunks)

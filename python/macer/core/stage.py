@@ -146,6 +146,13 @@ def prepared_stage(stage: PlannedStage, query: torch.Tensor, key: torch.Tensor, 
     return prepared
 
 
+def _needed(value: torch.Tensor | None, what: str, stage: PlannedStage) -> torch.Tensor:
+    """``value``, which this stage needs (a stage that ranks scores needs the layer's query and key)."""
+    if value is None:
+        raise ValueError(f"run_stage: the stage after layer {stage.spec.layer} needs {what}, got None")
+    return value
+
+
 def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor | None, rows: StageRows,
               question: range, picks: tuple[torch.Tensor | None, ...], *, prompt_length: int, scale: float | None,
               eps: float, out: tuple[torch.Tensor, ...] | None = None, extra: Sequence[torch.Tensor] = (),
@@ -174,6 +181,7 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
     """
     spec = stage.spec
     if fused(stage) and reduce is None:
+        query, key = _needed(query, "query", stage), _needed(key, "key", stage)
         prepared = prepared_stage(stage, query, key, rows, question, scale=scale, eps=eps, extra=extra,
                                   extra_dims=extra_dims)
         coverage = any(sel.rule == "coverage" for sel in spec.selections)
@@ -186,6 +194,7 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
     labels = rows.labels[0]
     scores, flag = None, None
     if spec.needs_scores:
+        query, key = _needed(query, "query", stage), _needed(key, "key", stage)
         positions = _row_positions(question.start, question.stop, labels.device)
         score_labels, score_eps = (torch.ones_like(labels), 0.0) if spec.scoring == "raw" else (labels, eps)
         scores = modality_scores(query[:, :, question.start:question.stop], key, score_labels[None], positions,
@@ -205,13 +214,16 @@ def run_stage(stage: PlannedStage, query: torch.Tensor | None, key: torch.Tensor
         if sel.rule == "random":
             # The picks are prompt positions: on the whole prompt (RandomPolicy's stage before layer 1) they are
             # the rows themselves; after other stages dropped rows, the rows holding them are found on the device.
+            pick = _needed(pick, "the random rule's picks", stage)
             chosen = pick if stage.tokens_before == prompt_length else torch.searchsorted(rows.current[0], pick)
         else:
             members = positions_where(in_sel, count)
+            ranked_scores = _needed(scores, "scores", stage)
             if sel.rule == "coverage":
-                picked = coverage_select(scores[members], rows.chunks[0][members], sel.k, sel.coverage_weight)
+                chunks = _needed(rows.chunks, "the rows' chunk ids", stage)
+                picked = coverage_select(ranked_scores[members], chunks[0][members], sel.k, sel.coverage_weight)
             else:
-                picked = topk_indices(scores[members], sel.k)
+                picked = topk_indices(ranked_scores[members], sel.k)
             chosen = members[picked]
         keep[chosen] = True
     kept = positions_where(keep, stage.tokens_after)[None]

@@ -41,7 +41,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -54,7 +54,7 @@ from macer.hf.attention import call_as, register_refcounted, unregister_names
 from macer_kernels import coverage_select, temporal_chunks, topk_indices
 
 if TYPE_CHECKING:
-    from macer.core.policy import Scoring
+    pass
 
 __all__ = ["DiagnosticReport", "default_policies", "diagnose", "gini"]
 
@@ -354,8 +354,7 @@ class _FullForward:
             cos.append(torch.nn.functional.cosine_similarity(q_mean, centroid, dim=-1).mean())
         scale = kwargs.get("scaling") or getattr(module, "scaling", None)
         rows = self.question.to(query.device)
-        scoring = cast("Scoring", self.config.scoring)  # MacerConfig checks it is one of SCORINGS
-        scores = score(query, key, labels, rows, scoring, scale=scale, eps=self.config.eps)
+        scores = score(query, key, labels, rows, self.config.scoring, scale=scale, eps=self.config.eps)
         # One host copy per layer; the diagnostics are an analysis pass, not the pruning hot path.
         values = torch.stack([mass_a, mass_v, cos[0], cos[1]]).double().cpu().tolist()
         self.mass.append((values[0], values[1]))
