@@ -270,16 +270,11 @@ def run(args: argparse.Namespace) -> int:
             "recorded_launches": launches,
             "estimates": {"launch_us_est": LAUNCH_US_EST, "device_us_est": DEVICE_US_EST,
                           "flag_read_device_us_est": FLAG_READ_DEVICE_US_EST},
-            "load_average_at_start": load_start, "load_average_at_end": list(os.getloadavg())}
+            "load_average_at_start": load_start}
     from benchmarks import common
 
-    out_dir = output.output_dir(args.out, args.record)
-    paths = common.write_results(args.name or f"bench_own_work_{device.type}", rows, meta, out_dir)
-    print(f"{machine.get('cpu_model')} ({device})  git {machine['git_sha']}  load {load_start[0]:.2f} -> "
-          f"{meta['load_average_at_end'][0]:.2f}")
-    common.print_table(rows)
-    for path in paths:
-        print(f"wrote {path}")
+    common.report(args.name or f"bench_own_work_{device.type}", rows, meta, output.output_dir(args.out, args.record),
+                  f"{machine.get('cpu_model')} ({device})  git {machine['git_sha']}")
     return 0
 
 

@@ -142,16 +142,11 @@ def run(args: argparse.Namespace) -> int:
                                              "num_layers": args.num_layers, "torch_threads": 1},
             "timing": "perf_counter_ns around each plan_prefill call on a fresh PromptFacts; median and p90 of "
                       "`calls` calls after `warmup`; cpu_us_per_call: process CPU time over the same calls",
-            "load_average_at_start": load_start, "load_average_at_end": list(os.getloadavg())}
+            "load_average_at_start": load_start}
     from benchmarks import common
 
-    out_dir = output.output_dir(args.out, args.record)
-    paths = common.write_results(args.name, rows, meta, out_dir)
-    print(f"cpu: {machine['cpu_model']} (1 torch thread)  torch {machine['torch']}  git {machine['git_sha']}  "
-          f"load {load_start[0]:.2f} -> {meta['load_average_at_end'][0]:.2f}")
-    common.print_table(rows)
-    for path in paths:
-        print(f"wrote {path}")
+    common.report(args.name, rows, meta, output.output_dir(args.out, args.record),
+                  f"cpu: {machine['cpu_model']} (1 torch thread)  torch {machine['torch']}  git {machine['git_sha']}")
     return 0
 
 

@@ -279,6 +279,18 @@ def write_results(name: str, rows: list[dict], meta: dict, out_dir: Path | None 
     return csv_path, json_path
 
 
+def report(name: str, rows: list[dict], meta: dict, out_dir: Path | None, header: str) -> None:
+    """A host benchmark's ending: ``meta`` gets the load average at the end, the results are written
+    (``write_results``), and ``header`` (the machine; the load average at start and end are appended), the table and
+    the written paths are printed."""
+    meta["load_average_at_end"] = list(os.getloadavg())
+    paths = write_results(name, rows, meta, out_dir)
+    print(f"{header}  load {meta['load_average_at_start'][0]:.2f} -> {meta['load_average_at_end'][0]:.2f}")
+    print_table(rows)
+    for path in paths:
+        print(f"wrote {path}")
+
+
 def slug(text: str) -> str:
     """``text`` (a device name) as a file-name part: lower case, runs of other characters as one ``_``."""
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
