@@ -13,31 +13,14 @@ case sets ``SEED_SCOPE = "module"``: its tests share one seed (``module_seed``),
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
-import shutil
 
 import pytest
+from gating import HAS_GPU, HAS_TRITON, HAS_VLLM  # tests/helpers/gating.py (pytest's pythonpath)
 
-
-def _has_gpu() -> bool:
-    # nvidia-smi's presence is a cheap proxy that does not initialise CUDA in this process.
-    return shutil.which("nvidia-smi") is not None
-
-
-HAS_GPU = _has_gpu()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def _has_vllm() -> bool:
-    # vLLM lives in its own environment (`make test-vllm` builds .venv-vllm); `make test`'s .venv has none.
-    return importlib.util.find_spec("vllm") is not None
-
-
-HAS_VLLM = _has_vllm()
 
 
 def pytest_addoption(parser):

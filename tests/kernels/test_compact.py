@@ -70,7 +70,7 @@ def test_compact_many_matches_compact(backend, seed):
 def test_triton_compact_many_is_one_launch_per_eight_tensors(monkeypatch, seed):
     """Every dtype in one launch (each slot has its own typed pointers); nine tensors take two launches."""
     pytest.importorskip("triton")
-    from conftest import HAS_GPU
+    from gating import HAS_GPU
 
     from macer_kernels.triton import compact as triton_compact
 

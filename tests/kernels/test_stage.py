@@ -233,7 +233,7 @@ def test_triton_stage_is_at_most_four_launches(monkeypatch):
 
         monkeypatch.setattr(cls, "run", counting)
     seed = _fresh_seed()
-    from conftest import HAS_GPU
+    from gating import HAS_GPU
 
     q, k, labels, chunks = stage_inputs(seed, 2, 45, {1: 15, 2: 20}, device="cuda" if HAS_GPU else "cpu")
     mods = [Mod(1, 15, 4), Mod(2, 20, 6, coverage_weight=0.5)]
@@ -326,7 +326,7 @@ def test_triton_paths_read_nothing_back_to_the_host(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, method, guarded)
     monkeypatch.setattr(stage, "values_checked", lambda t: False)
-    from conftest import HAS_GPU
+    from gating import HAS_GPU
 
     # The interpreter on CPU tensors; on a GPU machine the compiled kernels on CUDA tensors (there the interpreter is
     # off and the Triton backend refuses CPU tensors).

@@ -316,6 +316,8 @@ def violations_of_tests(tests: Path) -> list[str]:
                             bad.append(f"{at} imports {name} ({room} tests may not import {banned})")
                     if name in where and (room == "helpers" or where[name] != room):
                         bad.append(f"{at} imports the test module {name} of tests/{where[name]}")
+                    if name == "conftest":  # every room's conftest.py is a module named conftest: which one loads?
+                        bad.append(f"{at} imports conftest (the gates are in tests/helpers/gating.py)")
     return bad
 
 
@@ -340,12 +342,14 @@ def test_the_tests_checker_finds_each_broken_rule(tmp_path):
     (tmp_path / "hf" / "test_engine.py").write_text("import macer.vllm\nimport test_engine_twin\n")
     (tmp_path / "hf" / "test_engine_twin.py").write_text("import macer.core\n")
     (tmp_path / "helpers" / "oracle.py").write_text("from test_plan import y\n")
+    (tmp_path / "kernels" / "test_gate.py").write_text("def test_x():\n    from conftest import HAS_GPU\n")
     found = "\n".join(violations_of_tests(tmp_path))
     for expected in ("tests/misc/ is not a room", "tests/test_flat.py sits outside the rooms",
                      "tests/kernels/test_ops.py:1 imports macer.core", "tests/core/test_plan.py:1 imports macer.vllm",
                      "tests/core/test_plan.py:2 imports the test module test_ops of tests/kernels",
                      "tests/hf/test_engine.py:1 imports macer.vllm",
-                     "tests/helpers/oracle.py:1 imports the test module"):
+                     "tests/helpers/oracle.py:1 imports the test module",
+                     "tests/kernels/test_gate.py:2 imports conftest"):
         assert expected in found, (expected, found)
     assert "test_engine_twin" not in found  # a sibling test module of the same room is allowed
-    assert len(violations_of_tests(tmp_path)) == 7
+    assert len(violations_of_tests(tmp_path)) == 8

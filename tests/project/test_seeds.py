@@ -23,7 +23,7 @@ _RUN = ("-s", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:b
 
 def test_failure_names_the_seed_and_the_rerun_reproduces_it(pytester):
     tests = Path(__file__).resolve().parents[1]
-    for path in (tests / "conftest.py", tests / "helpers" / "score_inputs.py"):
+    for path in (tests / "conftest.py", tests / "helpers" / "gating.py", tests / "helpers" / "score_inputs.py"):
         shutil.copy(path, pytester.path / path.name)
     pytester.makepyfile(test_draws=_FAILING)
     first = pytester.runpytest(*_RUN)
