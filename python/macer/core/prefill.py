@@ -175,16 +175,16 @@ class PrefillState:
         rows with one more launch). A deferred stage runs now."""
         if self._deferred is not None:
             return self.apply([], [])[0]
-        keep, self.pending = self._applied()
+        keep = self._applied()
         return keep
 
-    def _applied(self) -> tuple[torch.Tensor, None]:
-        """The pending keep and its prompt positions made current (``pending`` then clears)."""
+    def _applied(self) -> torch.Tensor:
+        """The pending keep, cleared, with the prompt positions of its rows made current."""
         keep, current = self.pending, self._next_current
         if keep is None or current is None:
             raise RuntimeError("macer: no stage is pending here (please report this)")
-        self.current = current
-        return keep, None
+        self.pending, self.current = None, current
+        return keep
 
     def apply(self, tensors: list[torch.Tensor], dims: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Before the next layer: ``(keep, compacted)``, the pending stage applied (as ``take_pending``) and the
@@ -198,7 +198,7 @@ class PrefillState:
         self._deferred = None
         views, view_dims, inserted = batched(tensors, dims)
         compacted = self._run(i, rows, query, key, scale, eps, views, view_dims)
-        keep, self.pending = self._applied()
+        keep = self._applied()
         return keep, [t.squeeze(d - 1) if add else t for t, d, add in zip(compacted, view_dims, inserted, strict=True)]
 
     def resume(self, next_stage: int, current: torch.Tensor) -> None:
