@@ -41,7 +41,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,9 +52,6 @@ from macer.core.stage import score
 from macer.hf.adapters import AUDIO, TEXT, VISUAL, get_adapter
 from macer.hf.attention import call_as, register_refcounted, unregister_names
 from macer_kernels import coverage_select, temporal_chunks, topk_indices
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["DiagnosticReport", "default_policies", "diagnose", "gini"]
 

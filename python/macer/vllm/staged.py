@@ -347,9 +347,8 @@ class StagedDecoder:
                 if segment.gather is not None:
                     # A later pipeline rank's first gather: the rows the previous rank handed over.
                     pipe = self.pipe
-                    entering = pipe is not None and index == 0 and not pipe.is_first
-                    rows = pipe.entered(step, segment) if pipe is not None and entering else \
-                        _gather_rows(step, segment, hidden.device)
+                    rows = pipe.entered(step, segment) if pipe is not None and index == 0 and not pipe.is_first \
+                        else _gather_rows(step, segment, hidden.device)
                     hidden, positions = hidden[rows], positions[..., rows]
                     residual = None if residual is None else residual[rows]
                     origin = rows if origin is None else origin[rows]
@@ -398,11 +397,10 @@ _T = TypeVar("_T")
 
 
 def _present(value: _T | None, what: str) -> _T:
-    """``value``, which the worker's binding (``StagedDecoder.bind``) or the step's plan made; a clear error where it
-    is missing."""
+    """``value``, which the worker's binding (``StagedDecoder.bind``), the step's plan or the layers made before this
+    point; a clear error where it is missing."""
     if value is None:
-        raise RuntimeError(f"macer: {what} is missing here (the worker binds it before the first step; please "
-                           "report this)")
+        raise RuntimeError(f"macer: {what} is missing here (please report this)")
     return value
 
 
