@@ -34,7 +34,7 @@ macer::StagePlan make_plan(int q_dtype, int labels_dtype, const std::array<int64
                            const std::vector<Modality>& modalities, int chunk_dtype,
                            const std::array<int64_t, 2>& chunk_stride, std::uintptr_t keeps,
                            const std::vector<Gather>& gather, int64_t query_row0, bool chain, int device,
-                           std::uintptr_t counters) {
+                           int64_t positions_stride, std::uintptr_t counters) {
   macer::StagePlan plan{};
   macer::ModalityScoresParams& s = plan.scores;
   s.query_positions = ptr<const void>(positions);
@@ -52,7 +52,15 @@ macer::StagePlan make_plan(int q_dtype, int labels_dtype, const std::array<int64
   s.num_keys = sizes[5];
   s.mod_stride[0] = labels_stride[0];
   s.mod_stride[1] = labels_stride[1];
-  s.pos_stride[0] = 0;  // every sample reads the same question rows: the positions row0 .. row0 + Lq - 1
+  // 0: every sample reads the same question rows, the positions row0 .. row0 + Lq - 1; Lq: a [B, Lq] table of
+  // each sample's own rows (a left-padded batch), whose query rows the caller gathered to rows 0 .. Lq - 1.
+  if (positions_stride != 0 && positions_stride != sizes[2])
+    fail("positions_stride must be 0 (rows shared by every sample) or Lq=" + std::to_string(sizes[2]) +
+         " (a [B, Lq] table), got " + std::to_string(positions_stride));
+  if (positions_stride != 0 && query_row0 != 0)
+    fail("per-sample question rows (positions_stride = Lq) are read from query row 0, got query_row0 = " +
+         std::to_string(query_row0));
+  s.pos_stride[0] = positions_stride;
   s.pos_stride[1] = 1;
   s.scale = scale;
   s.eps = eps;
@@ -135,7 +143,7 @@ void macer_bind_stage(py::module_& m) {
            py::arg("labels_stride"), py::arg("positions"), py::arg("scores"), py::arg("workspace"), py::arg("scale"),
            py::arg("eps"), py::arg("out_len"), py::arg("modalities"), py::arg("chunk_dtype"),
            py::arg("chunk_stride"), py::arg("keeps"), py::arg("gather"), py::arg("query_row0"), py::arg("chain"),
-           py::arg("device"), py::arg("counters") = 0)
+           py::arg("device"), py::arg("positions_stride") = 0, py::arg("counters") = 0)
       .def("launch", &launch, "One stage: scoring, selection, compaction, chained on `stream`", py::arg("query"),
            py::arg("q_stride"), py::arg("key"), py::arg("k_stride"), py::arg("labels"), py::arg("chunk_ids"),
            py::arg("keep"), py::arg("nonfinite"), py::arg("gather_src"), py::arg("gather_dst"), py::arg("stream"))

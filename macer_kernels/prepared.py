@@ -15,7 +15,11 @@ stage:
   own implementations, then the backend's ``compact_many``: the same results.
 
 The question rows are a contiguous, host-known range of the query's rows (MACER's question span; FastV's last row),
-so no gather of the query and no positions tensor is built per call.
+so no gather of the query and no positions tensor is built per call. A left-padded batch of prompts
+(``macer.hf.batch``) may give each sample its own range (its question sits at its own distance from the batch's last
+row): the positions are then a ``[B, Lq]`` table uploaded once, at prepare, and a call gathers each sample's rows of
+the query into a buffer of the stage first (on CUDA one ``torch.gather`` into the stream's persistent buffer before
+the ``_C`` call: one launch more, still no allocation); ranges equal in every sample are one shared range.
 """
 
 from __future__ import annotations
@@ -62,10 +66,12 @@ class PreparedStage:
     def __init__(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, spec: StageSpec, out_len: int,
                  keeps: torch.Tensor | None, positions: torch.Tensor, rows: range | None, scale: float, eps: float,
                  chunk_ids: torch.Tensor | None, gather: list[torch.Tensor], dims: list[int],
-                 checks: tuple, chain: bool = True) -> None:
+                 checks: tuple, chain: bool = True, row_index: torch.Tensor | None = None) -> None:
         self.spec, self.out_len = spec, out_len
         self.batch, self.num_keys = labels.shape
         self._keeps, self._positions, self._rows = keeps, positions, rows
+        # Per-sample question rows: the [B, Hq, Lq, D] index (a view of the positions table) that gathers them.
+        self._row_index = row_index
         self._scale, self._eps, self._dims = scale, eps, dims
         self._value_checks = checks  # (mods, counts, pads): select_stage's value checks, where values are checked
         self._coverage = chunk_ids is not None
@@ -84,7 +90,7 @@ class PreparedStage:
         if cuda_stage.prepared_on_cuda(labels, self._coverage):
             self.cuda = cuda_stage.StageHandle(query, key, labels, spec, out_len, keeps, positions,
                                                0 if rows is None else rows.start, scale, eps, chunk_ids, gather,
-                                               dims, chain)
+                                               dims, chain, row_index=row_index)
 
     def output_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """``(shape, dtype)`` of each output ``(keep, flags, *gathered)``."""
@@ -169,7 +175,10 @@ class PreparedStage:
             self.last_scores = self.cuda.launch(query, key, labels, chunk_ids, gather, outs)
             return outs
         rows = self._rows
-        q = query if rows is None else query[:, :, rows.start:rows.stop]
+        if self._row_index is not None:
+            q = query.gather(2, self._row_index)
+        else:
+            q = query if rows is None else query[:, :, rows.start:rows.stop]
         scores = resolve("modality_scores", q.device)[1](q, key, labels, self._positions, self._scale, self._eps)
         self.last_scores = scores
         extra = () if self._keeps is None else (self._keeps,)
@@ -190,7 +199,7 @@ def _out_shape(t: torch.Tensor, dim: int, length: int) -> tuple[int, ...]:
 
 
 def prepare_stage(query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, modalities: Sequence[StageModality],
-                  *, chunk_ids: torch.Tensor | None = None, query_rows: range | None = None,
+                  *, chunk_ids: torch.Tensor | None = None, query_rows: range | Sequence[range] | None = None,
                   scale: float | None = None, eps: float = 1e-6, padding: Counts = 0,
                   gather: Sequence[torch.Tensor] = (), gather_dims: Sequence[int] = (),
                   chain: bool = True) -> PreparedStage:
@@ -203,7 +212,9 @@ def prepare_stage(query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, 
         query_rows: None: ``query`` is ``[B, Hq, Lq, D]``, the question rows, at positions ``N - Lq .. N - 1``
             (``select_stage``'s default). A ``range(start, stop)`` (step 1) inside ``[0, N)``: ``query`` is
             ``[B, Hq, N, D]``, one row per sequence position, and rows ``start .. stop - 1`` are the question rows,
-            at those positions (the kernels read them in place: no gather).
+            at those positions (the kernels read them in place: no gather). A sequence of B such ranges, all of one
+            length: sample b's question rows are ``query_rows[b]`` (a left-padded batch whose samples' questions end
+            at different distances from the last row); where they differ, a call gathers them (one launch).
         gather, gather_dims: tensors compacted with the stage's keep in the same call, each with a batch dim of
             size B just before its sequence dim ``gather_dims[i]`` (of size N): e.g. the prompt positions, labels
             and chunk ids of the rows entering the stage, which become those of the next stage.
@@ -212,20 +223,34 @@ def prepare_stage(query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, 
     """
     b_q, _, rows_in_query, _ = check_tensor("query", query, 4).shape
     n = check_tensor("key", key, 4).shape[2]
+    rows: range | None = None
+    positions, row_index = None, None
     if query_rows is None:
-        rows = None
         q_view = query
     else:
-        if not isinstance(query_rows, range) or query_rows.step != 1 or len(query_rows) == 0:
-            raise ValueError(f"query_rows must be a non-empty range with step 1, got {query_rows!r}")
-        if rows_in_query != n or not 0 <= query_rows.start < query_rows.stop <= n:
-            raise ValueError(f"query_rows must lie in [0, N={n}) and query must hold N={n} rows (one per position) "
-                             f"with query_rows given; got {query_rows!r} and {rows_in_query} rows")
-        rows = query_rows
-        q_view = query[:, :, rows.start:rows.stop]
-    positions = None
-    if rows is not None:
-        positions = torch.arange(rows.start, rows.stop, device=query.device).expand(b_q, len(rows))
+        per_sample = list(query_rows) if not isinstance(query_rows, range) else [query_rows] * b_q
+        if len(per_sample) != b_q:
+            raise ValueError(f"query_rows must be one range or B={b_q} ranges (one per sample), got "
+                             f"{len(per_sample)}")
+        for i, r in enumerate(per_sample):
+            name = "query_rows" if isinstance(query_rows, range) else f"query_rows[{i}]"
+            if not isinstance(r, range) or r.step != 1 or len(r) == 0:
+                raise ValueError(f"{name} must be a non-empty range with step 1, got {r!r}")
+            if rows_in_query != n or not 0 <= r.start < r.stop <= n:
+                raise ValueError(f"{name} must lie in [0, N={n}) and query must hold N={n} rows (one per position) "
+                                 f"with query_rows given; got {r!r} and {rows_in_query} rows")
+            if len(r) != len(per_sample[0]):
+                raise ValueError(f"query_rows must all have one length (the question's Lq rows), got "
+                                 f"{len(per_sample[0])} rows in query_rows[0] and {len(r)} in {name}")
+        lq = len(per_sample[0])
+        if all(r == per_sample[0] for r in per_sample):
+            rows = per_sample[0]
+            q_view = query[:, :, rows.start:rows.stop]
+            positions = torch.arange(rows.start, rows.stop, device=query.device).expand(b_q, lq)
+        else:  # one table, uploaded now; the calls gather the rows with a view of it
+            positions = torch.tensor([list(r) for r in per_sample], dtype=torch.long).to(query.device)
+            row_index = positions[:, None, :, None].expand(b_q, query.shape[1], lq, query.shape[3])
+            q_view = query[:, :, :lq]  # the gathered rows' metadata, for the checks
     _, key, labels, positions, scale, eps = check_score_inputs(q_view, key, labels, positions, scale, eps,
                                                               labels_name="labels")
     b, n = labels.shape
@@ -259,4 +284,4 @@ def prepare_stage(query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, 
     if not isinstance(chain, bool):
         raise ValueError(f"chain must be a bool, got {chain!r}")
     return PreparedStage(query, key, labels, spec, out_len, table, positions, rows, scale, eps, chunk_ids, gather,
-                         dims, (mods, counts, pads), chain)
+                         dims, (mods, counts, pads), chain, row_index)

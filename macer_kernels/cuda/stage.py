@@ -209,12 +209,17 @@ class StageHandle:
     """The CUDA half of a prepared stage: the arguments of its ``_C.StagePlan`` (checked here once) and, per stream
     it has run on, a plan with its own persistent buffers (the scoring workspace and the ``[B, N]`` fp32 scores,
     which every call overwrites in that stream's order). The question rows' positions and the per-sample budgets are
-    read-only and shared."""
+    read-only and shared.
+
+    ``row_index`` (per-sample question rows, ``macer_kernels.prepared``): the ``[B, Hq, Lq, D]`` index of each
+    sample's rows in the query; a call gathers them (``torch.gather`` with ``out=``: one launch, no allocation) into
+    the stream's ``[B, Hq, Lq, D]`` query buffer, which the plan reads from row 0 with per-sample positions."""
 
     def __init__(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor,
                  spec: tuple[Modality, ...], out_len: int, keeps: torch.Tensor | None, positions: torch.Tensor,
                  query_row0: int, scale: float, eps: float, chunk_ids: torch.Tensor | None,
-                 gather: list[torch.Tensor], dims: list[int], chain: bool = True):
+                 gather: list[torch.Tensor], dims: list[int], chain: bool = True,
+                 row_index: torch.Tensor | None = None):
         b, hq, lq, d = query.shape[0], query.shape[1], positions.shape[1], query.shape[3]
         hkv, n = key.shape[1], key.shape[2]
         for name, t in (("query", query), ("key", key), ("labels", labels), ("chunk_ids", chunk_ids)):
@@ -231,6 +236,11 @@ class StageHandle:
         self.index, stream = launch_args(labels)
         self.positions = positions if positions.stride(1) == 1 else positions.contiguous()
         self.keeps = keeps
+        self.row_index = row_index
+        self.query_shape, self.query_dtype = (b, hq, lq, d), query.dtype
+        if row_index is not None and not (self.positions.is_contiguous() and query_row0 == 0):
+            raise ValueError(f"{_OP} (cuda): per-sample question rows need a contiguous [B, Lq] positions table "
+                             "and query_row0 = 0")
         self.workspace_bytes = int(ext().modality_scores_workspace_bytes(b, hq, lq, hkv, n))
         self.counter_count = int(ext().modality_scores_counter_count(b, hq, lq, hkv))
         self.score_shape = (b, n)
@@ -249,8 +259,9 @@ class StageHandle:
             scale=float(scale), eps=float(eps), out_len=out_len, modalities=mods, chunk_dtype=chunk_code,
             chunk_stride=chunk_stride, keeps=0 if keeps is None else keeps.data_ptr(), gather=layouts,
             query_row0=query_row0, chain=bool(chain) and bool(ext().stage_chain_supported(self.index)),
-            device=self.index)
-        self.streams: dict[int, tuple] = {}  # stream -> (plan, scores, workspace, scoring counters)
+            device=self.index, positions_stride=0 if row_index is None else lq)
+        # stream -> (plan, scores, workspace, scoring counters, the gathered question rows' buffer or None)
+        self.streams: dict[int, tuple] = {}
         self._for_stream(stream)  # the current stream's buffers now: a first call allocates nothing either
 
     def _for_stream(self, stream: int) -> tuple:
@@ -262,7 +273,10 @@ class StageHandle:
             counters = torch.zeros(self.counter_count, dtype=torch.int32, device=self.device)
             plan = ext().StagePlan(**self._plan_args, scores=scores.data_ptr(), workspace=scratch.data_ptr(),
                                    counters=counters.data_ptr())
-            entry = self.streams[stream] = (plan, scores, scratch, counters)
+            rows = None
+            if self.row_index is not None:
+                rows = torch.empty(self.query_shape, dtype=self.query_dtype, device=self.device)
+            entry = self.streams[stream] = (plan, scores, scratch, counters, rows)
         return entry
 
     @property
@@ -275,7 +289,9 @@ class StageHandle:
         """One host call on the current stream: scoring, selection and the gather, into ``outs = (keep, flags,
         *gathered)``. Returns the stream's scores buffer."""
         stream = _raw_stream(self.index)
-        plan, scores = self._for_stream(stream)[:2]
+        plan, scores, _, _, rows = self._for_stream(stream)
+        if rows is not None:  # each sample's question rows into the stream's buffer, read from its row 0
+            query = torch.gather(query, 2, self.row_index, out=rows)
         plan.launch(query=query.data_ptr(), q_stride=query.stride(), key=key.data_ptr(), k_stride=key.stride()[:3],
                     labels=labels.data_ptr(), chunk_ids=0 if chunk_ids is None else chunk_ids.data_ptr(),
                     keep=outs[0].data_ptr(), nonfinite=outs[1].data_ptr(),

@@ -170,16 +170,27 @@ def check_mixed_layouts_refused(model, config, interleaved, block, flag: bool) -
         model(**batch)
 
 
-@pytest.mark.parametrize(("family", "attn", "policy"), [("llama", "eager", "macer"), ("qwen2", "sdpa", "macer-trim")])
-def test_labelled_batch_matches_each_prompt_alone(family, attn, policy):
+@pytest.mark.parametrize(("family", "attn", "policy", "shifts"), [
+    ("llama", "eager", "macer", (0, 0, 0)), ("qwen2", "sdpa", "macer-trim", (0, 0, 0)),
+    ("qwen2", "eager", "macer", (0, 3, 1))])
+def test_labelled_batch_matches_each_prompt_alone(monkeypatch, family, attn, policy, shifts):
     """The labelled path (``BatchLabelledAdapter`` on a decoder called with left-padded ``inputs_embeds``): per
-    prompt the kept sets, prefill logits and greedy tokens of ``LabelledAdapter`` on that prompt alone."""
+    prompt the kept sets, prefill logits and greedy tokens of ``LabelledAdapter`` on that prompt alone. ``shifts``:
+    each prompt's question ends that many rows earlier (more text after it), so the samples' question rows lie at
+    different distances from the batch's last row and the batched stage reads each sample's own rows (the prepared
+    stage's per-sample ``query_rows``, checked to be taken); with no shift they are one shared range."""
+    import macer.hf.batch as batch_module
     from test_macer_labelled import build_decoder, media_prompt
 
+    rows_given = []
+    prepare = batch_module.prepare_stage
+    monkeypatch.setattr(batch_module, "prepare_stage",
+                        lambda *a, **k: rows_given.append(k["query_rows"]) or prepare(*a, **k))
     model = build_decoder(family, attn=attn, seed=3)
     config = POLICIES[policy](model)
     prompts = [media_prompt(model, seed=1, frames=3, question=6), media_prompt(model, seed=2, frames=5, question=9),
                media_prompt(model, seed=3, frames=2, audio_per_segment=0, question=7)]
+    prompts = [(*p[:3], p[3] - shift) for p, shift in zip(prompts, shifts, strict=True)]
     width = max(p[0].shape[1] for p in prompts)
     pads = [width - p[0].shape[1] for p in prompts]
     embeds = torch.cat([torch.nn.functional.pad(p[0], (0, 0, pad, 0)) for p, pad in zip(prompts, pads, strict=True)])
@@ -208,6 +219,7 @@ def test_labelled_batch_matches_each_prompt_alone(family, attn, policy):
         torch.testing.assert_close(logits[b, -want.shape[0]:], want, rtol=1e-4, atol=1e-4, msg=where)
         assert tokens[b].tolist() == want_tokens.tolist(), where
     assert all(s.pruned for s in samples)
+    assert rows_given and all((len(set(rows)) > 1) == (len(set(shifts)) > 1) for rows in rows_given), rows_given
 
 
 def test_batch_labelled_adapter_checks_its_rows():
@@ -229,23 +241,25 @@ def test_batch_labelled_adapter_checks_its_rows():
 
 @pytest.mark.parametrize("policy", ["macer", "macer-trim"])
 def test_a_macer_stage_is_one_call_for_the_whole_batch(monkeypatch, policy):
-    """Issue #11 item 3: a MACER stage runs one ``select_stage`` and one ``compact_many`` for the whole batch (so a
-    fixed number of kernel launches whatever B), and the result is still each prompt alone (checked above on the
-    same prompts); FastV's raw scores run per sample."""
+    """Issue #11 item 3, issue #37 items 1 and 4: a MACER stage runs one prepared stage for the whole batch (scoring,
+    selection and the re-pack of every per-token input in one call, so a fixed number of kernel launches whatever
+    B, and one host call on CUDA) and no ``compact_many``; a repeated batch layout prepares nothing again; and the
+    result is still each prompt alone (checked above on the same prompts). FastV's raw scores run per sample and
+    re-pack with one ``compact_many``."""
     import macer.hf.batch as batch_module
+    from macer_kernels.prepared import PreparedStage
 
-    calls = {"select_stage": 0, "compact_many": 0}
+    calls = {"prepare_stage": 0, "compact_many": 0, "run": 0}
 
-    def counting(name):
-        original = getattr(batch_module, name)
-
+    def counting(name, original):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return original(*args, **kwargs)
         return wrapper
 
-    for name in calls:
-        monkeypatch.setattr(batch_module, name, counting(name))
+    for name in ("prepare_stage", "compact_many"):
+        monkeypatch.setattr(batch_module, name, counting(name, getattr(batch_module, name)))
+    monkeypatch.setattr(PreparedStage, "run", counting("run", PreparedStage.run))
     runs = []
     original_run = batch_module.BatchPrefill.run
     monkeypatch.setattr(batch_module.BatchPrefill, "run",
@@ -254,25 +268,27 @@ def test_a_macer_stage_is_one_call_for_the_whole_batch(monkeypatch, policy):
     prompts = _interleaved_prompts(model)
     for size in (2, 4):
         config = POLICIES[policy](model)
-        calls.update(select_stage=0, compact_many=0)
-        with torch.no_grad(), macer.compress(model, config) as trace:
-            model(**batch_inputs(prompts[:size]))
-        stages = {s.layer for sample in trace.samples for s in sample.stages}
-        assert calls == {"select_stage": len(stages), "compact_many": len(stages)}, (size, calls)
-        assert sorted(runs) == sorted(stages), runs  # the stage machinery runs at stage layers only
-        runs.clear()
-    calls.update(select_stage=0, compact_many=0)
+        for repeat in range(2):
+            calls.update(prepare_stage=0, compact_many=0, run=0)
+            with torch.no_grad(), macer.compress(model, config) as trace:
+                model(**batch_inputs(prompts[:size]))
+            stages = {s.layer for sample in trace.samples for s in sample.stages}
+            prepared = 0 if repeat else len(stages)  # the second run of the layout: every stage from the cache
+            assert calls == {"prepare_stage": prepared, "compact_many": 0, "run": len(stages)}, (size, calls)
+            assert sorted(runs) == sorted(stages), runs  # the stage machinery runs at stage layers only
+            runs.clear()
+    calls.update(prepare_stage=0, compact_many=0, run=0)
     with torch.no_grad(), macer.compress(model, POLICIES["fastv"](model)):
         model(**batch_inputs(prompts[:2]))
-    assert calls == {"select_stage": 0, "compact_many": 1}, calls
+    assert calls == {"prepare_stage": 0, "compact_many": 1, "run": 0}, calls
     # Keep ratio 1: the plans drop nothing, so the batch does no selection and no compaction, and is the model itself.
-    calls.update(select_stage=0, compact_many=0)
+    calls.update(prepare_stage=0, compact_many=0, run=0)
     batch = batch_inputs(prompts[:3])
     with torch.no_grad():
         plain = model(**batch).logits
         with macer.compress(model, macer_config_for(model, keep_ratio=1.0, audio_layer=1, video_layer=2)):
             same = model(**batch).logits
-    assert calls == {"select_stage": 0, "compact_many": 0}, calls
+    assert calls == {"prepare_stage": 0, "compact_many": 0, "run": 0}, calls
     assert torch.equal(same, plain)
 
 

@@ -30,8 +30,8 @@ from macer.core.policy import PlannedStage, Scoring, member_mask
 from macer_kernels import StageModality, compact_many, coverage_select, modality_scores, topk_indices
 from macer_kernels.prepared import PreparedStage, prepare_stage
 
-__all__ = ["CACHE_SIZE", "ScoreReduce", "StageRows", "batched", "fused", "positions_where", "prepared_stage",
-           "run_stage", "score"]
+__all__ = ["CACHE_SIZE", "ScoreReduce", "StageRows", "batched", "cached_prepared", "fused", "positions_where",
+           "prepared_stage", "run_stage", "score"]
 
 ScoreReduce = Callable[[torch.Tensor], torch.Tensor]
 """``reduce(local) -> scores``: a stage's ``[n]`` fp32 scores from this process's share of the readout layer's heads
@@ -127,20 +127,31 @@ def prepared_stage(stage: PlannedStage, query: torch.Tensor, key: torch.Tensor, 
             question.stop, rows.chunks is not None, query.shape[1], key.shape[1], query.shape[3], query.dtype,
             query.device, scale, eps, tuple(extra_dims),
             *((t.shape, t.stride(), t.dtype) for t in extra))
-    prepared = _PREPARED.get(key_)
-    if prepared is not None:
-        _PREPARED.move_to_end(key_)
-        return prepared
-    modalities = [StageModality(sel.modalities[0], count, sel.k,
-                                sel.coverage_weight if sel.rule == "coverage" else None,
-                                sel.num_chunks if sel.rule == "coverage" else None)
-                  for sel, count in zip(stage.spec.selections, stage.members, strict=True)]
-    coverage = any(sel.rule == "coverage" for sel in stage.spec.selections)
-    tables = rows.tables
-    prepared = prepare_stage(query, key, rows.labels, modalities, chunk_ids=rows.chunks if coverage else None,
+
+    def make() -> PreparedStage:
+        modalities = [StageModality(sel.modalities[0], count, sel.k,
+                                    sel.coverage_weight if sel.rule == "coverage" else None,
+                                    sel.num_chunks if sel.rule == "coverage" else None)
+                      for sel, count in zip(stage.spec.selections, stage.members, strict=True)]
+        coverage = any(sel.rule == "coverage" for sel in stage.spec.selections)
+        tables = rows.tables
+        return prepare_stage(query, key, rows.labels, modalities, chunk_ids=rows.chunks if coverage else None,
                              query_rows=question, scale=scale, eps=eps, gather=[*tables, *extra],
                              gather_dims=[1] * len(tables) + list(extra_dims))
-    _PREPARED[key_] = prepared
+
+    return cached_prepared(key_, make)
+
+
+def cached_prepared(key: tuple, make: Callable[[], PreparedStage]) -> PreparedStage:
+    """The prepared stage cached under ``key`` (made by ``make()`` on a miss; ``CACHE_SIZE`` stages are kept, the
+    least recently used dropped first). ``key`` must pin everything the preparation reads: the stage's selections,
+    counts and budgets, the question rows, and the shape, strides and dtype of every tensor whose metadata the call
+    no longer checks (``PreparedStage.run``); the query's and key's strides are read per call."""
+    prepared = _PREPARED.get(key)
+    if prepared is not None:
+        _PREPARED.move_to_end(key)
+        return prepared
+    prepared = _PREPARED[key] = make()
     while len(_PREPARED) > CACHE_SIZE:
         _PREPARED.popitem(last=False)
     return prepared

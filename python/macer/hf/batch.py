@@ -7,16 +7,23 @@ Procedure (the runtime calls this module only for ``B > 1``):
    copy. Each sample's padding is stripped and the sample is planned exactly as if it ran alone
    (``macer.core.policy.plan_prefill`` on its own row): counts, budget split, question rows, chunk ids, stage layers.
 2. At a readout layer a MACER stage (ANMS scores, top-K / coverage per modality: ``macer.core.stage.fused``) runs
-   once for the whole batch: ``macer_kernels.select_stage`` on the padded batch with the padding labelled
+   once for the whole batch, as a prompt alone runs it: a ``macer_kernels.prepared.PreparedStage`` (prepared once
+   per batch layout and cached, ``macer.core.stage.cached_prepared``) on the padded batch with the padding labelled
    ``PAD_LABEL`` (outside every softmax, so each sample scores as if alone, up to fp32 rounding), each sample's own
-   counts and budgets and its own question rows. The result is the re-packed layout itself: each sample's kept rows
-   right-aligned after ``-1``s. So a stage is a fixed number of launches whatever ``B`` (scoring + one selection on
-   the GPU backends). Other stages (raw scores, joint or random selections, a stage before layer 1) run
-   ``macer.core.stage.run_stage`` per sample on its own real rows, as a prompt alone.
-3. Before the next layer the batch is re-packed by one ``compact_many`` with the ``[B, W]`` keep (``-1`` slots give
-   zero rows): one launch per 8 per-token tensors. The 4-D mask is rebuilt for the new layout (causal over each
-   sample's real rows, padded keys masked; a padded query row sees only itself, so no row is fully masked and no NaN
-   appears: ``check_no_masked_row`` asserts it on CPU tensors, and on a GPU in validation mode).
+   counts and budgets (a table uploaded at prepare) and its own question rows. The rows are host-known: every drop
+   lies before the question and the batch stays right-aligned, so sample b's question position p sits at row
+   ``W - (prompt_length_b - p)`` of the current width W (one shared range when every sample's question ends at the
+   same distance from its prompt's end, the usual chat template; else each sample's range, gathered by one more
+   launch). The readout waits for the next layer's entry (``compact``), whose one prepared call scores, selects and
+   gathers the batch's row tables and every per-token layer input into the re-packed layout: each sample's kept
+   rows right-aligned after empty slots (the keep's ``-1``s). On the CUDA backend that is one host call (scoring,
+   selection, gather, chained) whatever ``B``. Other stages (raw scores, joint or random selections, a stage before
+   layer 1) run ``macer.core.stage.run_stage`` per sample on its own real rows, as a prompt alone.
+3. Before the next layer the batch is re-packed with the ``[B, W]`` keep (``-1`` slots give zero rows): by the
+   prepared call above, or (per-sample stages) one ``compact_many``: one launch per 8 per-token tensors. The 4-D mask
+   is rebuilt for the new layout (causal over each sample's real rows, padded keys masked; a padded query row sees
+   only itself, so no row is fully masked and no NaN appears: ``check_no_masked_row`` asserts it on CPU tensors, and
+   on a GPU in validation mode).
 4. Every layer's cache keeps the layout it was filled in; the session remembers each layer's ``[B, N_l]`` validity
    (``BatchLayout``), and a decode step gives every layer whose layout differs from layer 0's a mask built from it.
 """
@@ -28,12 +35,12 @@ from typing import Any
 
 import torch
 
-from macer.core.stage import fused
-from macer.core.transfer import upload
+from macer.core.stage import cached_prepared, fused
 from macer.hf.inputs import layer_inputs, token_tensors
 from macer.hf.prefill import PromptPrefill
 from macer.hf.trace import PrefillRecord
-from macer_kernels import PAD_LABEL, StageModality, compact_many, select_stage, validation_enabled
+from macer_kernels import PAD_LABEL, StageModality, compact_many, validation_enabled
+from macer_kernels.prepared import prepare_stage
 from macer_kernels.stage import Counts
 
 
@@ -152,8 +159,11 @@ class BatchPrefill:
         self.layer_tokens = self._widths(width)
         self.repacked = False
         self.original_valid, self.original_pads = valid, self.pads
-        self.pending: torch.Tensor | None = None  # [B, W] keep of a batched stage, applied at the next layer
-        self.pending_pads: list[int] = []
+        # A batched stage read at a readout, run by compact at the next layer's entry (_BatchedStage).
+        self.deferred: _BatchedStage | None = None
+        # The current rows' labels (PAD_LABEL on the padding) and chunk ids (>= 0; None: not made yet), as the last
+        # batched stage gathered them; None: made from `rows` when a stage needs them.
+        self._tables: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.nonfinite: list[tuple[int, list[int | None], torch.Tensor]] = []  # the batched stages' flags
 
     def nonfinite_flags(self) -> list[tuple[int, list[int | None], torch.Tensor]]:
@@ -175,7 +185,7 @@ class BatchPrefill:
         return out
 
     def has_pending(self) -> bool:
-        return self.pending is not None or any(s.pending is not None for s in self.samples)
+        return self.deferred is not None or any(s.pending is not None for s in self.samples)
 
     def stage_at(self, layer: int) -> Any:
         """Some sample's stage at ``layer`` (1-based readout; 0 = before the first layer), or None."""
@@ -226,13 +236,37 @@ class BatchPrefill:
             coverage = rule == "coverage"
             mods.append(StageModality(m, counts[m], keeps[m], weight if coverage else None,
                                       chunks if coverage else None))
-        lq = present[0].query.numel()
-        # A sample without a stage here reads its last original row (the prompt's last token: text, never dropped);
-        # its scores are unused (it keeps all its tokens of the stage's labels).
-        last = self.labels.shape[1] - 1
-        rows = [[last] * lq if st is None else [r + pad for r in sample.question_rows[sample.next]]
-                for sample, st, pad in zip(self.samples, stages, self.original_pads, strict=True)]
+        rows = self._question_rows(stages)
+        if rows is None:
+            return None
         return mods, rows
+
+    def _question_rows(self, stages: list[Any]) -> list[range] | None:
+        """Each sample's question rows as a range of the current (right-aligned) rows: prompt position p of sample
+        b at ``W - (prompt_length_b - p)``, since every drop lies before the question. A sample without a stage here
+        reads the rows of the first that has one (its scores are unused: it keeps all its tokens of the stage's
+        labels), or its own last rows where those fall in its padding. None where a sample's rows are not a range
+        of its real rows (the per-sample path then runs: it checks and reports)."""
+        width = self.rows.shape[1]
+        rows: list[range | None] = []
+        for sample, st, pad in zip(self.samples, stages, self.pads, strict=True):
+            if st is None:
+                rows.append(None)
+                continue
+            question = sample.question_rows[sample.next]
+            start = width - (sample.plan.facts.length - question[0])
+            if question != list(range(question[0], question[0] + len(question))) or start < pad:
+                return None
+            rows.append(range(start, start + len(question)))
+        shared = next(r for r in rows if r is not None)
+        out = []
+        for r, pad in zip(rows, self.pads, strict=True):
+            if r is None:
+                r = shared if shared.start >= pad else range(width - len(shared), width)
+                if r.start < pad:
+                    return None
+            out.append(r)
+        return out
 
     def _run_batched(self, query: torch.Tensor, key: torch.Tensor, scale: float | None, eps: float,
                      layer: int) -> bool:
@@ -249,25 +283,56 @@ class BatchPrefill:
                 sample.next += 1
         if all(m.count == m.keep for m in mods):
             return True  # the plans drop nothing here (keep ratio 1): no device work, as for a prompt alone
-        device = self.rows.device
-        original = upload(torch.tensor(rows, dtype=torch.long), device)
-        # Current row of each question row: self.rows is ascending in every row (-1 padding first).
-        positions = torch.searchsorted(self.rows, original)
-        b, hq, _, d = query.shape
-        q = query.gather(2, positions[:, None, :, None].expand(b, hq, positions.shape[1], d))
-        safe = self.rows.clamp(min=0)
-        labels = torch.where(self.rows >= 0, self.labels.gather(1, safe), PAD_LABEL)
-        coverage = any(m.coverage_weight is not None for m in mods)
-        # A sample without the coverage selection keeps all its tokens of that label, so their chunk ids do not
-        # matter, but they must be valid ids (the plan has -1 where a sample's own stages read none).
-        chunks = self.chunks.gather(1, safe).clamp_(min=0) if coverage else None
-        keep, flags = select_stage(q, key, labels, mods, chunk_ids=chunks, query_positions=positions, scale=scale,
-                                   eps=eps, padding=self.pads, return_flags=True)
-        self.nonfinite.append((layer, selected, flags))
         lengths = [self.rows.shape[1] - pad - sum(_at(m.count, i) - _at(m.keep, i) for m in mods)
                    for i, pad in enumerate(self.pads)]
-        self.pending, self.pending_pads = keep, [keep.shape[1] - n for n in lengths]
+        self.deferred = _BatchedStage(layer, mods, rows, query, key, scale, eps, selected, lengths)
         return True
+
+    def _current_tables(self, coverage: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The current rows' labels (``PAD_LABEL`` on the padding) and, for a coverage stage, chunk ids: as the
+        last batched stage gathered them, else from the prompt's tables by ``rows``."""
+        labels, chunks = self._tables if self._tables is not None else (None, None)
+        safe = None
+        if labels is None:
+            safe = self.rows.clamp(min=0)
+            labels = torch.where(self.rows >= 0, self.labels.gather(1, safe), PAD_LABEL)
+        if coverage and chunks is None:
+            safe = self.rows.clamp(min=0) if safe is None else safe
+            # A sample without the coverage selection keeps all its tokens of that label, so their chunk ids do
+            # not matter, but they must be valid ids (the plan has -1 where a sample's own stages read none).
+            chunks = self.chunks.gather(1, safe).clamp_(min=0)
+        self._tables = labels, chunks
+        return labels, chunks
+
+    def _run_deferred(self, tensors: list[torch.Tensor], dims: list[int]) -> tuple[torch.Tensor, list[int],
+                                                                                   list[torch.Tensor]]:
+        """The deferred batched stage: one prepared call scores, selects and gathers the row tables and ``tensors``
+        (per-token layer inputs, batch dim before sequence dim ``dims[i]``) into the re-packed layout. Returns the
+        ``[B, W]`` keep, the new left padding and the compacted tensors."""
+        stage, self.deferred = self.deferred, None
+        assert stage is not None
+        coverage = any(m.coverage_weight is not None for m in stage.mods)
+        labels, chunks = self._current_tables(coverage)
+        tables = [self.rows, labels] + ([chunks] if chunks is not None and coverage else [])
+        gather = [*tables, *tensors]
+        gather_dims = [1] * len(tables) + dims
+        query, key = stage.query, stage.key
+        key_ = ("batch", tuple((m.label, tuple(m.count), tuple(m.keep), m.coverage_weight, m.num_chunks)
+                               for m in stage.mods),
+                tuple((r.start, r.stop) for r in stage.rows), tuple(self.pads), tuple(labels.shape),
+                query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device, stage.scale, stage.eps,
+                tuple(gather_dims), *((t.shape, t.stride(), t.dtype) for t in gather))
+        prepared = cached_prepared(key_, lambda: prepare_stage(
+            query, key, labels, stage.mods, chunk_ids=chunks if coverage else None, query_rows=stage.rows,
+            scale=stage.scale, eps=stage.eps, padding=self.pads, gather=gather, gather_dims=gather_dims))
+        keep, flags, *out = prepared.run(query, key, labels, chunks if coverage else None, gather)
+        self.nonfinite.append((stage.layer, stage.selected, flags))
+        # The -1 slots of the keep gather zeros: the new padding's rows are -1 and its labels PAD_LABEL again (its
+        # chunk ids may stay 0: padding is never a coverage candidate).
+        real = keep >= 0
+        self.rows = torch.where(real, out[0], -1)
+        self._tables = (torch.where(real, out[1], PAD_LABEL), out[2] if len(tables) > 2 else None)
+        return keep, [keep.shape[1] - n for n in stage.lengths], out[len(tables):]
 
     def enter(self, index: int) -> None:
         """``layers[index]`` runs on the current layout: remember it (its cache rows)."""
@@ -294,23 +359,28 @@ class BatchPrefill:
         return keep, pads
 
     def compact(self, adapter: Any, index: int, args: tuple, kwargs: dict[str, Any]):
-        """Before ``layers[index]``: re-pack every sample's kept rows, left-padded to the longest (one
-        ``compact_many`` for every per-token tensor), and rebuild the mask for the new layout."""
-        if self.pending is not None:
-            keep, pads, self.pending = self.pending, self.pending_pads, None
-        else:
-            keep, pads = self._per_sample_keep()
-        width = keep.shape[1]
-        real = keep >= 0
-        self.rows = torch.where(real, self.rows.gather(1, keep.clamp(min=0)), -1)
-        current = self.rows - self.offsets  # each sample's rows as positions of its own prompt (padding < 0)
-        for b, sample in enumerate(self.samples):
-            sample.current = current[b, pads[b]:]
+        """Before ``layers[index]``: re-pack every sample's kept rows, left-padded to the longest (a deferred batched
+        stage's one prepared call, or one ``compact_many`` for every per-token tensor), and rebuild the mask for
+        the new layout."""
         names, tensors, dims = token_tensors(adapter, args, kwargs, self.inputs or kwargs)
-        b = keep.shape[0]
+        b = len(self.samples)
+        dims = [d % t.dim() for t, d in zip(tensors, dims, strict=True)]
         tensors = [t if t.shape[d - 1] == b else t.expand(*t.shape[:d - 1], b, *t.shape[d:])
                    for t, d in zip(tensors, dims, strict=True)]
-        hidden, inputs = layer_inputs(adapter, names, compact_many(tensors, keep, dims))
+        if self.deferred is not None:
+            keep, pads, compacted = self._run_deferred(tensors, dims)
+            real = keep >= 0
+        else:
+            keep, pads = self._per_sample_keep()
+            real = keep >= 0
+            self.rows = torch.where(real, self.rows.gather(1, keep.clamp(min=0)), -1)
+            self._tables = None
+            compacted = compact_many(tensors, keep, dims)
+        width = keep.shape[1]
+        current = self.rows - self.offsets  # each sample's rows as positions of its own prompt (padding < 0)
+        for i, sample in enumerate(self.samples):
+            sample.current = current[i, pads[i]:]
+        hidden, inputs = layer_inputs(adapter, names, compacted)
         inputs["attention_mask"] = real if self.padding_mask else layout_mask(real, width, hidden.dtype, self.boolean)
         adapter.on_stage(kwargs, keep, index)
         self.inputs, self.valid, self.pads, self.repacked = inputs, real, pads, True
@@ -359,6 +429,23 @@ class BatchPrefill:
                 layer.values = gather_tokens(layer.values.transpose(1, 2), index, 1).transpose(1, 2)
                 valid[i] = self.valid
         return BatchLayout(valid, self.original_valid.shape[1])
+
+
+@dataclass
+class _BatchedStage:
+    """A batched MACER stage between its readout and the next layer's entry: the stage (one ``StageModality`` per
+    label, per-sample counts and budgets), each sample's question rows in the current layout, the readout's query
+    and key, the samples whose flags count, and each sample's length after the stage."""
+
+    layer: int
+    mods: list[StageModality]
+    rows: list[range]
+    query: torch.Tensor
+    key: torch.Tensor
+    scale: float | None
+    eps: float
+    selected: list[int | None]
+    lengths: list[int]
 
 
 def decode_step(layout: BatchLayout, cache: Any, args: tuple, kwargs: dict[str, Any], dtype: torch.dtype,
