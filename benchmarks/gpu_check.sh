@@ -78,7 +78,7 @@ CUDA_TESTS=(tests/kernels/test_cuda_kernels.py)
 CUDA_OPS_TESTS=(tests/kernels/test_select.py tests/kernels/test_cuda_scores_emulation.py tests/kernels/test_modality_scores.py
     tests/kernels/test_stage.py tests/kernels/test_batched_stage.py tests/core/test_prepared_stage.py tests/kernels/test_compact.py
     tests/kernels/test_nonfinite_scores.py tests/kernels/test_nonfinite_select.py tests/kernels/test_nosync.py tests/hf/test_macer_patch.py
-    tests/hf/test_prefill_packing.py)
+    tests/hf/test_prefill_packing.py tests/hf/test_batched_prepared.py)
 read -r -a TESTS <<<"${GPU_CHECK_TESTS:-}"
 if ((${#TESTS[@]})); then
     CUDA_TESTS=("${TESTS[@]}")

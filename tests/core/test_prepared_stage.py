@@ -54,7 +54,21 @@ CASES = {
                                    mods=[Mod(2, 30, 7, coverage_weight=0.0, num_chunks=4)]),
     "per-sample budgets": dict(b=3, n=50, counts={1: 12, 2: 20}, rows=range(45, 49),
                                mods=[Mod(1, 12, [3, 0, 12]), Mod(2, 20, [5, 20, 1], coverage_weight=1.5)]),
+    "per-sample question rows": dict(b=3, n=50, counts={1: 12, 2: 20},
+                                     rows=[range(40, 43), range(46, 49), range(21, 24)],
+                                     mods=[Mod(1, 12, [3, 0, 12]), Mod(2, 20, 6, coverage_weight=0.4)]),
+    "per-sample ranges all equal": dict(b=2, n=40, counts={1: 10}, rows=[range(30, 34)] * 2, mods=[Mod(1, 10, 4)]),
 }
+
+
+def _question(query, rows, b):
+    """The question rows of ``query`` and their positions as ``select_stage`` takes them, for ``query_rows``."""
+    if rows is None:
+        return query, None
+    per = [rows] * b if isinstance(rows, range) else rows
+    positions = torch.tensor([list(r) for r in per], device=query.device)
+    index = positions[:, None, :, None].expand(b, query.shape[1], positions.shape[1], query.shape[3])
+    return query.gather(2, index), positions
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -80,8 +94,7 @@ def test_prepared_stage_equals_select_stage_then_compact_many(backend, case):
         got = prepared(query, k, labels, chunks, tables, out=out if call else None)
         if call:
             assert all(g is o for g, o in zip(got, out, strict=True))  # written in place
-        q_rows = query if rows is None else query[:, :, rows.start:rows.stop]
-        positions = None if rows is None else torch.arange(rows.start, rows.stop, device=device).expand(b, len(rows))
+        q_rows, positions = _question(query, rows, b)
         keep, scores, flags = select_stage(q_rows, k, labels, mods, chunk_ids=chunks, query_positions=positions,
                                            return_scores=True, return_flags=True)
         assert torch.equal(got[0], keep), f"seed={seed} call={call} ({name})"
@@ -103,6 +116,17 @@ def test_prepare_checks_once_and_a_call_names_what_differs():
         prepare_stage(query, k, labels, mods, chunk_ids=chunks, query_rows=range(38, 41))
     with pytest.raises(ValueError, match=r"query_rows must lie in .* query must hold N=40 rows"):
         prepare_stage(q, k, labels, mods, chunk_ids=chunks, query_rows=range(0, 3))
+    with pytest.raises(ValueError, match=r"query_rows must be one range or B=1 ranges \(one per sample\), got 2"):
+        prepare_stage(query, k, labels, mods, chunk_ids=chunks, query_rows=[range(30, 33)] * 2)
+    with pytest.raises(ValueError, match=r"query_rows\[0\] must be a non-empty range with step 1, got \[30, 31\]"):
+        prepare_stage(query, k, labels, mods, chunk_ids=chunks, query_rows=[[30, 31]])
+    q2, k2, labels2, chunks2 = stage_inputs(0, 2, 40, {1: 10, 2: 12})
+    query2 = torch.randn(2, 4, 40, 32)
+    with pytest.raises(ValueError, match=r"query_rows must all have one length .* 3 rows in query_rows\[0\] and 2 "
+                                         r"in query_rows\[1\]"):
+        prepare_stage(query2, k2, labels2, mods, chunk_ids=chunks2, query_rows=[range(30, 33), range(30, 32)])
+    with pytest.raises(ValueError, match=r"query_rows\[1\] must lie in \[0, N=40\)"):
+        prepare_stage(query2, k2, labels2, mods, chunk_ids=chunks2, query_rows=[range(30, 33), range(38, 41)])
     with pytest.raises(ValueError, match=r"chunk_ids is required exactly when a modality uses coverage_weight"):
         prepare_stage(q, k, labels, mods)
     with pytest.raises(ValueError, match=r"modalities\[0\].keep must be in \[0, 10\]"):
@@ -137,7 +161,7 @@ def test_prepare_checks_once_and_a_call_names_what_differs():
 
 class _Plan:
     def __init__(self, calls: list, args: tuple):
-        self.calls, self.args, self.chain = calls, args, args[-2]
+        self.calls, self.args, self.chain = calls, args, args[-3]
         calls.append(("StagePlan", args))
 
     def launch(self, *args, **kwargs):
@@ -212,7 +236,7 @@ def test_prepared_cuda_stage_is_one_launch_and_nothing_else(recording_stage):
     prepared = prepare_stage(query, k, labels, mods, chunk_ids=chunks, query_rows=range(84, 88), gather=tables,
                              gather_dims=dims)
     ((plan_args),) = fake.plans()
-    sizes, row0, chain = plan_args[2], plan_args[-3], plan_args[-2]
+    sizes, row0, chain = plan_args[2], plan_args[-4], plan_args[-3]
     assert sizes == (2, 4, 4, 32, 2, 90) and row0 == 84 and chain is True
     handle = prepared.cuda
     assert plan_args[4] == handle.positions.data_ptr() and handle.positions.tolist() == [[84, 85, 86, 87]] * 2
@@ -246,6 +270,40 @@ def test_without_out_the_call_allocates_only_its_outputs(recording_stage):
         keep, flags, table = prepared(q, k, labels, None, [labels])
     assert ops.ops == ["aten.empty.memory_format"] * 3
     assert keep.shape == (1, 24) and flags.shape == (1,) and table.shape == (1, 24)
+
+
+def test_per_sample_question_rows_are_one_gather_and_one_launch(recording_stage):
+    """Per-sample question rows on the (recorded) CUDA path: the plan reads a ``[B, Lq]`` positions table uploaded
+    at prepare (``positions_stride`` = Lq, query row 0), and a call is one ``torch.gather`` of each sample's rows
+    into the stream's persistent query buffer (no allocation) and one ``StagePlan.launch`` reading that buffer.
+    Ranges equal in every sample are the shared path (no table, no gather)."""
+    fake = recording_stage
+    _, k, labels, chunks = stage_inputs(6, 3, 60, {1: 20, 2: 15})
+    query = torch.randn(3, 4, 60, 32)
+    mods = [Mod(1, 20, [5, 9, 2]), Mod(2, 15, 4, coverage_weight=0.3, num_chunks=4)]
+    rows = [range(50, 53), range(56, 59), range(41, 44)]
+    prepared = prepare_stage(query, k, labels, mods, chunk_ids=chunks, query_rows=rows, gather=[labels],
+                             gather_dims=[1])
+    ((plan_args),) = fake.plans()
+    handle = prepared.cuda
+    assert plan_args[2] == (3, 4, 3, 32, 2, 60) and plan_args[-4] == 0  # Lq = 3 rows, read from row 0
+    assert plan_args[-1] == 3  # positions_stride: one row of the table per sample
+    assert plan_args[4] == handle.positions.data_ptr() and handle.positions.tolist() == [list(r) for r in rows]
+    buffer = handle.streams[7][4]
+    assert tuple(buffer.shape) == (3, 4, 3, 32) and buffer.dtype == query.dtype
+    out = prepared.allocate()
+    for seed in (7, 8):
+        query = torch.randn(3, 4, 60, 32, generator=torch.Generator().manual_seed(seed))
+        with no_host_reads(), NoAtenOps() as ops:
+            prepared(query, k, labels, chunks, [labels], out=out)
+        assert ops.ops == ["aten.gather.out"], ops.ops
+        launch = fake.launches()[-1]
+        assert launch[:2] == (buffer.data_ptr(), buffer.stride())  # the plan reads the gathered rows
+        want, _ = _question(query, rows, 3)
+        assert torch.equal(buffer, want)
+    assert len(fake.plans()) == 1
+    shared = prepare_stage(query, k, labels, mods, chunk_ids=chunks, query_rows=[range(50, 53)] * 3)
+    assert fake.plans()[-1][-1] == 0 and fake.plans()[-1][-4] == 50 and shared.cuda.streams[7][4] is None
 
 
 def _core_prefill(keep_ratio=0.3):
@@ -291,7 +349,7 @@ def test_the_core_runs_one_prepared_launch_per_fused_stage_on_the_tables_the_las
             assert len(fake.launches()) == 2 * prefill + i + 1  # one launch per stage
             assert len(fake.plans()) == (2 if prefill else i + 1)  # each stage prepared once
             plan_args = fake.plans()[i]
-            assert plan_args[2][5] == n and plan_args[-3] == stage.query.tolist()[0] - (length - n)
+            assert plan_args[2][5] == n and plan_args[-4] == stage.query.tolist()[0] - (length - n)
             buffers = state._outs[i][0]
             assert launch[6:8] == (buffers[0].data_ptr(), buffers[1].data_ptr())
             assert launch[9] == [t.data_ptr() for t in buffers[2:]]

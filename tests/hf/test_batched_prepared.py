@@ -137,3 +137,35 @@ def test_qwen2_labelled_batch_prepared_equals_per_sample_compiled(shifts, monkey
         _assert_same(prepared, per_sample, f"seed={seed} compile={compile_}")
         assert calls == {"run": 4, "compact_many": 0}, (seed, compile_, calls)
     assert rows_given and all((len(set(r)) > 1) == (len(set(shifts)) > 1) for r in rows_given), rows_given
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_batch_is_one_stage_call_per_stage_and_equals_per_sample(dtype, monkeypatch):
+    """On a GPU: each batched stage is one ``StageHandle.launch`` (the prepared stage's one ``_C`` call), and the
+    batch keeps the rows, and gives the tokens, of the per-sample path (float32: bit-equal logits; bf16: the same
+    kept rows and lengths, logits within bf16 rounding of the per-sample run's)."""
+    from macer.testing import build_thinker, clip_inputs, macer_config_for
+
+    from macer_kernels.cuda import stage as cuda_stage
+
+    launches = []
+    launch = cuda_stage.StageHandle.launch
+    monkeypatch.setattr(cuda_stage.StageHandle, "launch",
+                        lambda self, *a, **k: launches.append(self) or launch(self, *a, **k))
+    model = build_thinker(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, attn_implementation="sdpa",
+                          seed=24, device="cuda", dtype=dtype)
+    config = macer_config_for(model, keep_ratio=0.3, audio_layer=1, video_layer=2)
+    seed = _fresh()
+    prompts = [clip_inputs(model, frames=4, grid_hw=(8, 8), audio_tokens=100, seed=seed, device="cuda", dtype=dtype,
+                           **SMALL_PROMPT),
+               clip_inputs(model, frames=6, grid_hw=(4, 8), audio_tokens=150, seed=seed + 1, device="cuda",
+                           dtype=dtype, **SMALL_PROMPT)]
+    prepared, per_sample, calls = _both(monkeypatch, model, config, batch_inputs(prompts))
+    assert prepared[2] == per_sample[2], f"seed={seed}"
+    if dtype == torch.float32:
+        assert torch.equal(prepared[0], per_sample[0]) and torch.equal(prepared[1], per_sample[1]), f"seed={seed}"
+    else:
+        torch.testing.assert_close(prepared[0], per_sample[0], rtol=2e-2, atol=2e-2, msg=f"seed={seed}")
+    batched = [h for h in launches if h.score_shape[0] == 2]  # the per-sample path's stages have B = 1
+    assert calls == {"run": 4, "compact_many": 0} and len(batched) == 4, (seed, calls, len(batched))
