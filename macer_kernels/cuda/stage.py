@@ -290,7 +290,7 @@ class StageHandle:
         *gathered)``. Returns the stream's scores buffer."""
         stream = _raw_stream(self.index)
         plan, scores, _, _, rows = self._for_stream(stream)
-        if rows is not None:  # each sample's question rows into the stream's buffer, read from its row 0
+        if rows is not None and self.row_index is not None:  # the samples' question rows, read from row 0
             query = torch.gather(query, 2, self.row_index, out=rows)
         plan.launch(query=query.data_ptr(), q_stride=query.stride(), key=key.data_ptr(), k_stride=key.stride()[:3],
                     labels=labels.data_ptr(), chunk_ids=0 if chunk_ids is None else chunk_ids.data_ptr(),

@@ -120,7 +120,7 @@ def test_prepare_checks_once_and_a_call_names_what_differs():
         prepare_stage(query, k, labels, mods, chunk_ids=chunks, query_rows=[range(30, 33)] * 2)
     with pytest.raises(ValueError, match=r"query_rows\[0\] must be a non-empty range with step 1, got \[30, 31\]"):
         prepare_stage(query, k, labels, mods, chunk_ids=chunks, query_rows=[[30, 31]])
-    q2, k2, labels2, chunks2 = stage_inputs(0, 2, 40, {1: 10, 2: 12})
+    _, k2, labels2, chunks2 = stage_inputs(0, 2, 40, {1: 10, 2: 12})
     query2 = torch.randn(2, 4, 40, 32)
     with pytest.raises(ValueError, match=r"query_rows must all have one length .* 3 rows in query_rows\[0\] and 2 "
                                          r"in query_rows\[1\]"):

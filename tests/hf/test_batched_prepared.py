@@ -3,7 +3,7 @@ stage for the whole batch scores, selects and gathers the batch's row tables and
 layout (``macer.hf.batch``), with each sample's question rows found on the host.
 
 Against the per-sample path of the same engine (each sample's stage on its own unpadded rows, then one
-``compact_many``: what a batch with a non-fused stage runs; forced here by making ``_batch_stage`` decline) on fresh
+``compact_many``: what a batch with a non-fused stage runs; forced here by making ``batch_stage`` decline) on fresh
 random batches of tiny random Qwen2.5-Omni (sdpa and eager), Qwen3-Omni thinkers and a Qwen2 decoder on the labelled
 path, eager and compiled (``compile=...``, aot_eager): the same kept rows, layer and cache lengths per sample,
 bit-equal prefill logits (the layers run on the same re-packed rows), the same greedy tokens; and the batch really
@@ -57,7 +57,7 @@ def _both(monkeypatch, model, config, inputs, **kwargs):
         m.setattr(batch_module, "compact_many", compact_many)
         prepared = _run(model, config, inputs, **kwargs)
     with monkeypatch.context() as m:
-        m.setattr(batch_module.BatchPrefill, "_batch_stage", lambda self, layer: None)
+        m.setattr(batch_module, "batch_stage", lambda *args: None)
         per_sample = _run(model, config, inputs, **kwargs)
     return prepared, per_sample, calls
 

@@ -247,6 +247,7 @@ def test_a_macer_stage_is_one_call_for_the_whole_batch(monkeypatch, policy):
     result is still each prompt alone (checked above on the same prompts). FastV's raw scores run per sample and
     re-pack with one ``compact_many``."""
     import macer.hf.batch as batch_module
+
     from macer_kernels.prepared import PreparedStage
 
     calls = {"prepare_stage": 0, "compact_many": 0, "run": 0}

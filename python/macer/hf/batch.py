@@ -206,71 +206,9 @@ class BatchPrefill:
             k = None if key is None else key[b: b + 1, :, pad:]
             sample.run(q, k, scale, eps)
 
-    def _batch_stage(self, layer: int) -> tuple[list[StageModality], list[list[int]]] | None:
-        """The batched form of the stages at ``layer``: one ``StageModality`` per selected label with
-        per-sample counts and budgets (a sample without a stage there keeps all its tokens of the label), and each
-        sample's question rows as original padded rows. None where the stages cannot run as one ``select_stage``
-        (not fused, different selectors or question lengths, or a count the host does not know)."""
-        stages = [s.stage_at(layer) for s in self.samples]
-        present = [st for st in stages if st is not None]
-        if not all(fused(st) for st in present):
-            return None
-        rules = {(sel.modalities[0], sel.rule, sel.coverage_weight, sel.num_chunks)
-                 for st in present for sel in st.spec.selections}
-        labels = sorted({rule[0] for rule in rules})
-        if len(rules) != len(labels) or len({st.query.numel() for st in present}) != 1:
-            return None
-        counts: dict[int, list[int]] = {m: [] for m in labels}
-        keeps: dict[int, list[int]] = {m: [] for m in labels}
-        for sample, st in zip(self.samples, stages, strict=True):
-            for m in labels:
-                sel = None if st is None else next((x for x in st.spec.selections if x.modalities[0] == m), None)
-                count = sample.label_count(m) if sel is None else st.members[st.spec.selections.index(sel)]
-                if count is None:
-                    return None
-                counts[m].append(count)
-                keeps[m].append(count if sel is None or st.tokens_after == st.tokens_before else sel.k)
-        mods = []
-        for m in labels:
-            _, rule, weight, chunks = next(r for r in rules if r[0] == m)
-            coverage = rule == "coverage"
-            mods.append(StageModality(m, counts[m], keeps[m], weight if coverage else None,
-                                      chunks if coverage else None))
-        rows = self._question_rows(stages)
-        if rows is None:
-            return None
-        return mods, rows
-
-    def _question_rows(self, stages: list[Any]) -> list[range] | None:
-        """Each sample's question rows as a range of the current (right-aligned) rows: prompt position p of sample
-        b at ``W - (prompt_length_b - p)``, since every drop lies before the question. A sample without a stage here
-        reads the rows of the first that has one (its scores are unused: it keeps all its tokens of the stage's
-        labels), or its own last rows where those fall in its padding. None where a sample's rows are not a range
-        of its real rows (the per-sample path then runs: it checks and reports)."""
-        width = self.rows.shape[1]
-        rows: list[range | None] = []
-        for sample, st, pad in zip(self.samples, stages, self.pads, strict=True):
-            if st is None:
-                rows.append(None)
-                continue
-            question = sample.question_rows[sample.next]
-            start = width - (sample.plan.facts.length - question[0])
-            if question != list(range(question[0], question[0] + len(question))) or start < pad:
-                return None
-            rows.append(range(start, start + len(question)))
-        shared = next(r for r in rows if r is not None)
-        out = []
-        for r, pad in zip(rows, self.pads, strict=True):
-            if r is None:
-                r = shared if shared.start >= pad else range(width - len(shared), width)
-                if r.start < pad:
-                    return None
-            out.append(r)
-        return out
-
     def _run_batched(self, query: torch.Tensor, key: torch.Tensor, scale: float | None, eps: float,
                      layer: int) -> bool:
-        planned = self._batch_stage(layer)
+        planned = batch_stage(self.samples, layer, self.pads, self.rows.shape[1])
         if planned is None:
             return False
         mods, rows = planned
@@ -317,7 +255,7 @@ class BatchPrefill:
         gather = [*tables, *tensors]
         gather_dims = [1] * len(tables) + dims
         query, key = stage.query, stage.key
-        key_ = ("batch", tuple((m.label, tuple(m.count), tuple(m.keep), m.coverage_weight, m.num_chunks)
+        key_ = ("batch", tuple((m.label, _hashable(m.count), _hashable(m.keep), m.coverage_weight, m.num_chunks)
                                for m in stage.mods),
                 tuple((r.start, r.stop) for r in stage.rows), tuple(self.pads), tuple(labels.shape),
                 query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device, stage.scale, stage.eps,
@@ -431,6 +369,73 @@ class BatchPrefill:
         return BatchLayout(valid, self.original_valid.shape[1])
 
 
+def batch_stage(samples: list[PromptPrefill], layer: int, pads: list[int],
+                width: int) -> tuple[list[StageModality], list[range]] | None:
+    """The batched form of the stages at ``layer``: one ``StageModality`` per selected label with
+    per-sample counts and budgets (a sample without a stage there keeps all its tokens of the label), and each
+    sample's question rows as a range of the current rows (``question_rows``; ``pads`` and ``width``: the batch's
+    current left padding and width). None where the stages cannot run as one prepared stage (not fused, different
+    selectors or question lengths, a count the host does not know, or question rows that are not a range of a
+    sample's real rows)."""
+    stages = [s.stage_at(layer) for s in samples]
+    present = [st for st in stages if st is not None]
+    if not all(fused(st) for st in present):
+        return None
+    rules = {(sel.modalities[0], sel.rule, sel.coverage_weight, sel.num_chunks)
+             for st in present for sel in st.spec.selections}
+    labels = sorted({rule[0] for rule in rules})
+    if len(rules) != len(labels) or len({st.query.numel() for st in present}) != 1:
+        return None
+    counts: dict[int, list[int]] = {m: [] for m in labels}
+    keeps: dict[int, list[int]] = {m: [] for m in labels}
+    for sample, st in zip(samples, stages, strict=True):
+        for m in labels:
+            sel = None if st is None else next((x for x in st.spec.selections if x.modalities[0] == m), None)
+            count = sample.label_count(m) if sel is None else st.members[st.spec.selections.index(sel)]
+            if count is None:
+                return None
+            counts[m].append(count)
+            keeps[m].append(count if sel is None or st.tokens_after == st.tokens_before else sel.k)
+    mods = []
+    for m in labels:
+        _, rule, weight, chunks = next(r for r in rules if r[0] == m)
+        coverage = rule == "coverage"
+        mods.append(StageModality(m, counts[m], keeps[m], weight if coverage else None,
+                                  chunks if coverage else None))
+    rows = question_rows(samples, stages, pads, width)
+    if rows is None:
+        return None
+    return mods, rows
+
+
+def question_rows(samples: list[PromptPrefill], stages: list[Any], pads: list[int],
+                  width: int) -> list[range] | None:
+    """Each sample's question rows as a range of the current (right-aligned) rows: prompt position p of sample
+    b at ``W - (prompt_length_b - p)``, since every drop lies before the question. A sample without a stage here
+    reads the rows of the first that has one (its scores are unused: it keeps all its tokens of the stage's
+    labels), or its own last rows where those fall in its padding. None where a sample's rows are not a range
+    of its real rows (the per-sample path then runs: it checks and reports)."""
+    rows: list[range | None] = []
+    for sample, st, pad in zip(samples, stages, pads, strict=True):
+        if st is None:
+            rows.append(None)
+            continue
+        question = sample.question_rows[sample.next]
+        start = width - (sample.plan.facts.length - question[0])
+        if question != list(range(question[0], question[0] + len(question))) or start < pad:
+            return None
+        rows.append(range(start, start + len(question)))
+    shared = next(r for r in rows if r is not None)
+    out = []
+    for r, pad in zip(rows, pads, strict=True):
+        if r is None:
+            r = shared if shared.start >= pad else range(width - len(shared), width)
+            if r.start < pad:
+                return None
+        out.append(r)
+    return out
+
+
 @dataclass
 class _BatchedStage:
     """A batched MACER stage between its readout and the next layer's entry: the stage (one ``StageModality`` per
@@ -489,3 +494,8 @@ def decode_step(layout: BatchLayout, cache: Any, args: tuple, kwargs: dict[str, 
 def _at(counts: Counts, i: int) -> int:
     """Sample ``i``'s entry of a ``StageModality`` count or budget (one integer: every sample's)."""
     return counts if isinstance(counts, int) else counts[i]
+
+
+def _hashable(counts: Counts) -> int | tuple[int, ...]:
+    """A ``StageModality`` count or budget as a cache key's part."""
+    return counts if isinstance(counts, int) else tuple(counts)

@@ -1,6 +1,7 @@
 """The per-token inputs of a transformers decoder-layer call that a stage shortens: the hidden states, the RoPE
 ``(cos, sin)`` tables and the adapter's per-token layer kwargs (``Adapter.layer_token_kwargs``). One prompt
-(``macer.hf.prefill``) and a re-packed batch (``macer.hf.batch``) compact the same list in one ``compact_many``.
+(``macer.hf.prefill``) and a re-packed batch (``macer.hf.batch``) compact the same list: in a MACER stage's own
+prepared call, or after other stages in one ``compact_many``.
 """
 
 from __future__ import annotations
