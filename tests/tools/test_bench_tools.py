@@ -183,3 +183,29 @@ def test_own_work_bench_adds_up_one_launch_per_stage_on_cpu(tmp_path, monkeypatc
         assert total["target_us"] == 300.0 and total["own_work_us"] == pytest.approx(
             total["host_us"] + total["device_us"], abs=0.2)
     assert rows["stage 3"]["device_source"].startswith("estimate")
+
+
+def test_batched_stage_bench_counts_one_module_call_for_the_prepared_stage(tmp_path):
+    """``bench_batched_stage`` on CPU (recording ``_C``): per batch size the composed path (182449c's op sequence)
+    makes three module calls (scoring, selection, compaction) and the prepared stage one, with fewer torch ops (the
+    per-sample question rows one ``gather.out`` more); every stand-in is removed afterwards."""
+    import json
+
+    from benchmarks import bench_batched_stage
+    from macer_kernels import backend
+    from macer_kernels.cuda import _ext, compact, modality_scores
+
+    before = (_ext._ext_module, dict(backend._status_cache), compact.launch_args, modality_scores.check_cuda_tensor)
+    assert bench_batched_stage.main(["--batch", "2", "3", "--calls", "2", "--warmup", "0", "--out",
+                                     str(tmp_path)]) == 0
+    assert (_ext._ext_module, dict(backend._status_cache), compact.launch_args,
+            modality_scores.check_cuda_tensor) == before
+    rows = json.loads((tmp_path / "bench_batched_stage_cpu.json").read_text())["rows"]
+    assert [(r["batch"], r["path"]) for r in rows] == [
+        (b, p) for b in (2, 3) for p in ("composed (before)", "prepared (now)", "prepared, per-sample rows (now)")]
+    for b in (2, 3):
+        composed, prepared, per_sample = (r for r in rows if r["batch"] == b)
+        assert (composed["ext_calls"], prepared["ext_calls"], per_sample["ext_calls"]) == (3, 1, 1)
+        assert "searchsorted.Tensor" in composed["torch_op_names"]
+        assert prepared["torch_ops"] < composed["torch_ops"] and "gather" not in prepared["torch_op_names"]
+        assert per_sample["torch_ops"] == prepared["torch_ops"] + 1 and "gather.out" in per_sample["torch_op_names"]

@@ -161,9 +161,10 @@ class BatchPrefill:
         self.original_valid, self.original_pads = valid, self.pads
         # A batched stage read at a readout, run by compact at the next layer's entry (_BatchedStage).
         self.deferred: _BatchedStage | None = None
-        # The current rows' labels (PAD_LABEL on the padding) and chunk ids (>= 0; None: not made yet), as the last
-        # batched stage gathered them; None: made from `rows` when a stage needs them.
-        self._tables: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # The current rows' labels (PAD_LABEL on the padding) and chunk ids (>= 0; None: not made yet): the prompt's
+        # tables at first, then as the last batched stage gathered them; None: made from `rows` when a stage needs
+        # them (after a re-pack by per-sample stages).
+        self._tables: tuple[torch.Tensor, torch.Tensor | None] | None = (self.labels, self.chunks)
         self.nonfinite: list[tuple[int, list[int | None], torch.Tensor]] = []  # the batched stages' flags
 
     def nonfinite_flags(self) -> list[tuple[int, list[int | None], torch.Tensor]]:
@@ -236,9 +237,7 @@ class BatchPrefill:
             labels = torch.where(self.rows >= 0, self.labels.gather(1, safe), PAD_LABEL)
         if coverage and chunks is None:
             safe = self.rows.clamp(min=0) if safe is None else safe
-            # A sample without the coverage selection keeps all its tokens of that label, so their chunk ids do
-            # not matter, but they must be valid ids (the plan has -1 where a sample's own stages read none).
-            chunks = self.chunks.gather(1, safe).clamp_(min=0)
+            chunks = self.chunks.gather(1, safe)  # ids >= 0 (macer.hf.plan.plan_batch)
         self._tables = labels, chunks
         return labels, chunks
 

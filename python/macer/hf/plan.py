@@ -87,7 +87,7 @@ def plan_batch(session: PlanContext, input_ids: torch.Tensor | None, root_kwargs
     samples = []
     # The batch's tables by padded row for the stages that run once for the whole batch (macer.hf.batch).
     batch_labels = labels.clone()
-    batch_chunks = torch.full((batch, length), -1, dtype=torch.long)
+    batch_chunks = torch.zeros(batch, length, dtype=torch.long)
     for b, pad in enumerate(pads):
         row_end = ends[b]
         end = None if row_end is None else row_end - pad
@@ -96,7 +96,9 @@ def plan_batch(session: PlanContext, input_ids: torch.Tensor | None, root_kwargs
         samples.append(PromptPrefill(plan, device, record, defer=False))  # per-sample stages read `pending`
         batch_labels[b, :pad] = PAD_LABEL
         if plan.chunks is not None:
-            batch_chunks[b, pad:] = plan.chunks
+            # -1 where the sample's own stages read no chunk id: any valid id there (such a token is never a
+            # coverage candidate of a batched stage: the sample keeps all its tokens of that label)
+            batch_chunks[b, pad:] = plan.chunks.clamp(min=0)
     if isinstance(mask, torch.Tensor):
         valid = mask.bool()
     else:
