@@ -347,6 +347,8 @@ step bench_e2e_long 150/90 bench_e2e_clip long
 # ---- 5: the rest, when budget is left (a first run seldom reaches them) or when selected.
 # Host time of one readout (the prepared stage, the fused stage and per-op), per stage and by host operator.
 step host_profile 60 "$PY" -m benchmarks.host_profile
+# MACER's own work per 7B prefill (plan, setup, each stage's host call alone and its kernels between CUDA events).
+step bench_own_work 60 "$PY" -m benchmarks.bench_own_work --device cuda --calls 50 --warmup 5 --out "$FILES"
 step pytest_triton 200 "$PY" -m pytest -m "triton and not cuda" -q -rfEs -p no:cacheprovider \
     --deselect tests/kernels/test_triton_kernels.py::test_kernels_compile_for_sm90_and_sm89 \
     --junitxml="$FILES/pytest_triton.xml" "${TESTS[@]}"
