@@ -32,8 +32,8 @@ STEPS = [
     "sanitize_prepared_memcheck",
     "bench_modality_scores", "bench_select", "bench_readout", "ncu_scores", "ncu_l2_setaside", "ncu_hot_path",
     "bench_e2e_paper", "bench_e2e_long",
-    "host_profile", "bench_own_work", "pytest_triton", "sanitize_triton_racecheck", "flash_attention_2", "bench_e2e_decode_eager",
-    "bench_batch", "vllm_admission", "vllm_graphs",
+    "host_profile", "bench_own_work", "pytest_triton", "sanitize_triton_racecheck", "flash_attention_2",
+    "bench_e2e_decode_eager", "bench_batch", "vllm_admission", "vllm_graphs",
 ]
 
 
