@@ -246,10 +246,14 @@ def test_a_macer_stage_is_one_call_for_the_whole_batch(monkeypatch, policy):
     B, and one host call on CUDA) and no ``compact_many``; a repeated batch layout prepares nothing again; and the
     result is still each prompt alone (checked above on the same prompts). FastV's raw scores run per sample and
     re-pack with one ``compact_many``."""
+    from collections import OrderedDict
+
     import macer.hf.batch as batch_module
+    from macer.core import stage as core_stage
 
     from macer_kernels.prepared import PreparedStage
 
+    monkeypatch.setattr(core_stage, "_PREPARED", OrderedDict())  # no stage prepared by an earlier test
     calls = {"prepare_stage": 0, "compact_many": 0, "run": 0}
 
     def counting(name, original):
