@@ -127,6 +127,11 @@ def test_qwen2_labelled_batch_prepared_equals_per_sample_compiled(shifts, monkey
         torch.stack([left(p[1], pad) for p, pad in zip(prompts, pads, strict=True)]),
         torch.stack([left(p[2], pad) for p, pad in zip(prompts, pads, strict=True)]),
         [p[3] - shift + pad for p, pad, shift in zip(prompts, pads, shifts, strict=True)])
+    from collections import OrderedDict
+
+    from macer.core import stage as core_stage
+
+    monkeypatch.setattr(core_stage, "_PREPARED", OrderedDict())  # this test's stages prepared here, not before
     rows_given = []
     prepare = batch_module.prepare_stage
     monkeypatch.setattr(batch_module, "prepare_stage",

@@ -179,9 +179,13 @@ def test_labelled_batch_matches_each_prompt_alone(monkeypatch, family, attn, pol
     each prompt's question ends that many rows earlier (more text after it), so the samples' question rows lie at
     different distances from the batch's last row and the batched stage reads each sample's own rows (the prepared
     stage's per-sample ``query_rows``, checked to be taken); with no shift they are one shared range."""
+    from collections import OrderedDict
+
     import macer.hf.batch as batch_module
+    from macer.core import stage as core_stage
     from test_macer_labelled import build_decoder, media_prompt
 
+    monkeypatch.setattr(core_stage, "_PREPARED", OrderedDict())  # this test's stages prepared here, not before
     rows_given = []
     prepare = batch_module.prepare_stage
     monkeypatch.setattr(batch_module, "prepare_stage",
