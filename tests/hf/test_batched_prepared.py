@@ -106,7 +106,7 @@ def test_qwen3_omni_batch_prepared_equals_per_sample_eager_and_compiled(monkeypa
 def test_qwen2_labelled_batch_prepared_equals_per_sample_compiled(shifts, monkeypatch):
     """``shifts``: each prompt's question ends that many rows earlier (more text after it): unequal shifts give each
     sample its own question rows (the prepared stage's per-sample ``query_rows``, a gather of the query's rows)."""
-    from test_macer_labelled import build_decoder, media_prompt
+    from test_macer_labelled import build_decoder, left_padded, media_prompt
 
     model = build_decoder("qwen2", attn="sdpa", seed=23)
     config = macer.MacerConfig(keep_ratio=0.3, audio_layer=1, video_layer=2, coverage_weight=0.05)
@@ -114,19 +114,7 @@ def test_qwen2_labelled_batch_prepared_equals_per_sample_compiled(shifts, monkey
     prompts = [media_prompt(model, seed=seed, frames=3, question=6),
                media_prompt(model, seed=seed + 1, frames=5, question=9),
                media_prompt(model, seed=seed + 2, frames=2, audio_per_segment=0, question=7)]
-    width = max(p[0].shape[1] for p in prompts)
-    pads = [width - p[0].shape[1] for p in prompts]
-
-    def left(t, pad):
-        return torch.nn.functional.pad(t, (0, 0, pad, 0) if t.dim() == 3 else (pad, 0))
-
-    embeds = torch.cat([left(p[0], pad) for p, pad in zip(prompts, pads, strict=True)])
-    mask = torch.stack([torch.cat([torch.zeros(pad), torch.ones(p[0].shape[1])]).long()
-                        for p, pad in zip(prompts, pads, strict=True)])
-    adapter = macer.BatchLabelledAdapter(
-        torch.stack([left(p[1], pad) for p, pad in zip(prompts, pads, strict=True)]),
-        torch.stack([left(p[2], pad) for p, pad in zip(prompts, pads, strict=True)]),
-        [p[3] - shift + pad for p, pad, shift in zip(prompts, pads, shifts, strict=True)])
+    embeds, mask, adapter, _ = left_padded([(*p[:3], p[3] - shift) for p, shift in zip(prompts, shifts, strict=True)])
     from collections import OrderedDict
 
     from macer.core import stage as core_stage

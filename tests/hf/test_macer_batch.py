@@ -183,7 +183,7 @@ def test_labelled_batch_matches_each_prompt_alone(monkeypatch, family, attn, pol
 
     import macer.hf.batch as batch_module
     from macer.core import stage as core_stage
-    from test_macer_labelled import build_decoder, media_prompt
+    from test_macer_labelled import build_decoder, left_padded, media_prompt
 
     monkeypatch.setattr(core_stage, "_PREPARED", OrderedDict())  # this test's stages prepared here, not before
     rows_given = []
@@ -195,14 +195,7 @@ def test_labelled_batch_matches_each_prompt_alone(monkeypatch, family, attn, pol
     prompts = [media_prompt(model, seed=1, frames=3, question=6), media_prompt(model, seed=2, frames=5, question=9),
                media_prompt(model, seed=3, frames=2, audio_per_segment=0, question=7)]
     prompts = [(*p[:3], p[3] - shift) for p, shift in zip(prompts, shifts, strict=True)]
-    width = max(p[0].shape[1] for p in prompts)
-    pads = [width - p[0].shape[1] for p in prompts]
-    embeds = torch.cat([torch.nn.functional.pad(p[0], (0, 0, pad, 0)) for p, pad in zip(prompts, pads, strict=True)])
-    mask = torch.stack([torch.cat([torch.zeros(pad), torch.ones(p[0].shape[1])]).long()
-                        for p, pad in zip(prompts, pads, strict=True)])
-    labels = torch.stack([torch.nn.functional.pad(p[1], (pad, 0)) for p, pad in zip(prompts, pads, strict=True)])
-    temporal = torch.stack([torch.nn.functional.pad(p[2], (pad, 0)) for p, pad in zip(prompts, pads, strict=True)])
-    adapter = macer.BatchLabelledAdapter(labels, temporal, [p[3] + pad for p, pad in zip(prompts, pads, strict=True)])
+    embeds, mask, adapter, pads = left_padded(prompts)
     new_tokens = 3
     with torch.no_grad(), macer.compress(model, config, adapter=adapter) as trace:
         logits = model(inputs_embeds=embeds, attention_mask=mask).logits

@@ -66,6 +66,24 @@ def media_prompt(model, *, seed: int = 0, frames: int = 6, per_frame: int = 10, 
     return embeds, labels, torch.cat(times), question_end
 
 
+def left_padded(prompts):
+    """``media_prompt`` outputs as one left-padded batch: ``(embeds, mask, adapter, pads)``, the adapter a
+    ``BatchLabelledAdapter`` with each prompt's labels, temporal positions and question end in the padded rows."""
+    width = max(p[0].shape[1] for p in prompts)
+    pads = [width - p[0].shape[1] for p in prompts]
+
+    def left(t, pad):
+        return torch.nn.functional.pad(t, (0, 0, pad, 0) if t.dim() == 3 else (pad, 0))
+
+    embeds = torch.cat([left(p[0], pad) for p, pad in zip(prompts, pads, strict=True)])
+    mask = torch.stack([torch.cat([torch.zeros(pad), torch.ones(p[0].shape[1])]).long()
+                        for p, pad in zip(prompts, pads, strict=True)])
+    adapter = macer.BatchLabelledAdapter(torch.stack([left(p[1], pad) for p, pad in zip(prompts, pads, strict=True)]),
+                                         torch.stack([left(p[2], pad) for p, pad in zip(prompts, pads, strict=True)]),
+                                         [p[3] + pad for p, pad in zip(prompts, pads, strict=True)])
+    return embeds, mask, adapter, pads
+
+
 def reference(model, embeds, labels, temporal, question_end, config):
     decoder = model.model
     n = labels.numel()

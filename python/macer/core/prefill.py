@@ -89,8 +89,6 @@ class PrefillState:
         self.chunks = next(tables) if plan.chunks is not None else None
         self.full = torch.arange(n, device=device)
         self.current = self.full
-        # Host numbers a batched stage needs, read from the host plan now (nothing is read in the layers).
-        self.question_rows = [stage.query.tolist() for stage in plan.stages]
         labels = {AUDIO, VISUAL} | {m for stage in plan.stages for sel in stage.spec.selections for m in sel.modalities}
         self.counts = {m: plan.facts.count(m) for m in labels}
         self.next = 0  # index of the next stage to run
@@ -98,13 +96,14 @@ class PrefillState:
         self.layer_rows: dict[int, torch.Tensor] = {}  # rows present at each hooked layer (= its cache rows)
         self.nonfinite: list[tuple[int, list[int | None], torch.Tensor]] = []  # raise_if_nonfinite's entries
         # The tables of the rows entering the next stage (valid for stage `_rows_for`; a batch that runs a stage
-        # itself, macer.hf.batch, skips run(), and the tables are then rebuilt from `current`), the question rows
-        # of each stage as a range of the rows entering it, and the fused stages' output buffers.
+        # itself, macer.hf.batch, skips run(), and the tables are then rebuilt from `current`) and the fused
+        # stages' output buffers.
         self._rows = StageRows(self.full[None], self.labels[None], None if self.chunks is None else self.chunks[None])
         self._rows_for = 0
         self._next_current: torch.Tensor | None = None
-        self._questions = [question_range(rows, n, stage.tokens_before) for rows, stage in
-                           zip(self.question_rows, plan.stages, strict=True)]
+        # Each stage's question rows as a range of the rows entering it, from the host plan now (nothing is read in
+        # the layers; a batch places them in its own layout, macer.hf.batch).
+        self.questions = [question_range(stage.query.tolist(), n, stage.tokens_before) for stage in plan.stages]
         self._outs = stage_buffers(plan, device)
 
     @property
@@ -160,7 +159,7 @@ class PrefillState:
         stage = self.plan.stages[i]
         out = self._outs[i] if reduce is None else None  # with a reduce the stage is composed: new tensors
         keep, flag, self._rows, compacted = run_stage(
-            stage, query, key, rows, self._questions[i], self.picks[i], prompt_length=self.plan.facts.length,
+            stage, query, key, rows, self.questions[i], self.picks[i], prompt_length=self.plan.facts.length,
             scale=scale, eps=eps, out=None if out is None else out[0], extra=extra or (), extra_dims=extra_dims or (),
             reduce=reduce)
         self._rows_for = i + 1

@@ -228,8 +228,8 @@ class BatchPrefill:
         return True
 
     def _current_tables(self, coverage: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The current rows' labels (``PAD_LABEL`` on the padding) and, for a coverage stage, chunk ids: as the
-        last batched stage gathered them, else from the prompt's tables by ``rows``."""
+        """The current rows' labels (``PAD_LABEL`` on the padding) and, for a coverage stage, chunk ids (None
+        otherwise): as the last batched stage gathered them, else from the prompt's tables by ``rows``."""
         labels, chunks = self._tables if self._tables is not None else (None, None)
         safe = None
         if labels is None:
@@ -239,18 +239,17 @@ class BatchPrefill:
             safe = self.rows.clamp(min=0) if safe is None else safe
             chunks = self.chunks.gather(1, safe)  # ids >= 0 (macer.hf.plan.plan_batch)
         self._tables = labels, chunks
-        return labels, chunks
+        return labels, chunks if coverage else None
 
-    def _run_deferred(self, tensors: list[torch.Tensor], dims: list[int]) -> tuple[torch.Tensor, list[int],
-                                                                                   list[torch.Tensor]]:
+    def _run_deferred(self, tensors: list[torch.Tensor], dims: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[torch.Tensor]]:
         """The deferred batched stage: one prepared call scores, selects and gathers the row tables and ``tensors``
         (per-token layer inputs, batch dim before sequence dim ``dims[i]``) into the re-packed layout. Returns the
-        ``[B, W]`` keep, the new left padding and the compacted tensors."""
+        ``[B, W]`` keep, its real rows (``keep >= 0``), the new left padding and the compacted tensors."""
         stage, self.deferred = self.deferred, None
         assert stage is not None
-        coverage = any(m.coverage_weight is not None for m in stage.mods)
-        labels, chunks = self._current_tables(coverage)
-        tables = [self.rows, labels] + ([chunks] if chunks is not None and coverage else [])
+        labels, chunks = self._current_tables(any(m.coverage_weight is not None for m in stage.mods))
+        tables = [self.rows, labels] + ([] if chunks is None else [chunks])
         gather = [*tables, *tensors]
         gather_dims = [1] * len(tables) + dims
         query, key = stage.query, stage.key
@@ -260,16 +259,16 @@ class BatchPrefill:
                 query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device, stage.scale, stage.eps,
                 tuple(gather_dims), *((t.shape, t.stride(), t.dtype) for t in gather))
         prepared = cached_prepared(key_, lambda: prepare_stage(
-            query, key, labels, stage.mods, chunk_ids=chunks if coverage else None, query_rows=stage.rows,
-            scale=stage.scale, eps=stage.eps, padding=self.pads, gather=gather, gather_dims=gather_dims))
-        keep, flags, *out = prepared.run(query, key, labels, chunks if coverage else None, gather)
+            query, key, labels, stage.mods, chunk_ids=chunks, query_rows=stage.rows, scale=stage.scale,
+            eps=stage.eps, padding=self.pads, gather=gather, gather_dims=gather_dims))
+        keep, flags, *out = prepared.run(query, key, labels, chunks, gather)
         self.nonfinite.append((stage.layer, stage.selected, flags))
         # The -1 slots of the keep gather zeros: the new padding's rows are -1 and its labels PAD_LABEL again (its
         # chunk ids may stay 0: padding is never a coverage candidate).
         real = keep >= 0
         self.rows = torch.where(real, out[0], -1)
         self._tables = (torch.where(real, out[1], PAD_LABEL), out[2] if len(tables) > 2 else None)
-        return keep, [keep.shape[1] - n for n in stage.lengths], out[len(tables):]
+        return keep, real, [keep.shape[1] - n for n in stage.lengths], out[len(tables):]
 
     def enter(self, index: int) -> None:
         """``layers[index]`` runs on the current layout: remember it (its cache rows)."""
@@ -305,8 +304,7 @@ class BatchPrefill:
         tensors = [t if t.shape[d - 1] == b else t.expand(*t.shape[:d - 1], b, *t.shape[d:])
                    for t, d in zip(tensors, dims, strict=True)]
         if self.deferred is not None:
-            keep, pads, compacted = self._run_deferred(tensors, dims)
-            real = keep >= 0
+            keep, real, pads, compacted = self._run_deferred(tensors, dims)
         else:
             keep, pads = self._per_sample_keep()
             real = keep >= 0
@@ -409,21 +407,15 @@ def batch_stage(samples: list[PromptPrefill], layer: int, pads: list[int],
 
 def question_rows(samples: list[PromptPrefill], stages: list[Any], pads: list[int],
                   width: int) -> list[range] | None:
-    """Each sample's question rows as a range of the current (right-aligned) rows: prompt position p of sample
-    b at ``W - (prompt_length_b - p)``, since every drop lies before the question. A sample without a stage here
-    reads the rows of the first that has one (its scores are unused: it keeps all its tokens of the stage's
-    labels), or its own last rows where those fall in its padding. None where a sample's rows are not a range
-    of its real rows (the per-sample path then runs: it checks and reports)."""
-    rows: list[range | None] = []
-    for sample, st, pad in zip(samples, stages, pads, strict=True):
-        if st is None:
-            rows.append(None)
-            continue
-        question = sample.question_rows[sample.next]
-        start = width - (sample.plan.facts.length - question[0])
-        if question != list(range(question[0], question[0] + len(question))) or start < pad:
-            return None
-        rows.append(range(start, start + len(question)))
+    """Each sample's question rows as a range of the current (right-aligned) rows: its stage's rows among the rows
+    entering it (``PrefillState.questions``: prompt position p at ``p - (prompt_length - tokens_before)``, since
+    every drop lies before the question) after its left padding, i.e. ``W - (prompt_length_b - p)``. A sample
+    without a stage here reads the rows of the first that has one (its scores are unused: it keeps all its tokens
+    of the stage's labels), or its own last rows where those fall in its padding. None where even those do (a
+    sample shorter than the question: the per-sample path then runs)."""
+    rows = [None if st is None else range(pad + sample.questions[sample.next].start,
+                                          pad + sample.questions[sample.next].stop)
+            for sample, st, pad in zip(samples, stages, pads, strict=True)]
     shared = next(r for r in rows if r is not None)
     out = []
     for r, pad in zip(rows, pads, strict=True):
