@@ -238,9 +238,6 @@ class StageHandle:
         self.keeps = keeps
         self.row_index = row_index
         self.query_shape, self.query_dtype = (b, hq, lq, d), query.dtype
-        if row_index is not None and not (self.positions.is_contiguous() and query_row0 == 0):
-            raise ValueError(f"{_OP} (cuda): per-sample question rows need a contiguous [B, Lq] positions table "
-                             "and query_row0 = 0")
         self.workspace_bytes = int(ext().modality_scores_workspace_bytes(b, hq, lq, hkv, n))
         self.counter_count = int(ext().modality_scores_counter_count(b, hq, lq, hkv))
         self.score_shape = (b, n)

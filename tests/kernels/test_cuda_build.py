@@ -893,6 +893,25 @@ def test_the_built_module_declares_the_argument_names_of_the_sources():
         assert got == [p for p, _ in params], name
 
 
+@needs_module
+def test_the_stage_plan_takes_shared_or_per_sample_question_positions_only():
+    """``_C.StagePlan`` (host code only: no device needed) accepts ``positions_stride`` 0 (rows shared by every
+    sample) or Lq (a ``[B, Lq]`` table, read from query row 0) and refuses anything else by name."""
+    module = _ext.ext()
+    args = dict(q_dtype=2, labels_dtype=8, sizes=(2, 4, 3, 32, 2, 60), labels_stride=(60, 1), positions=0,
+                scores=0, workspace=0, scale=0.1, eps=1e-6, out_len=30, modalities=[(1, 5, 0.0, False)],
+                chunk_dtype=0, chunk_stride=(0, 0), keeps=0, gather=[], query_row0=0, chain=False, device=0)
+    module.StagePlan(**args)
+    module.StagePlan(**args, positions_stride=3)
+    module.StagePlan(**{**args, "query_row0": 5})
+    with pytest.raises(ValueError, match=r"positions_stride must be 0 \(rows shared by every sample\) or Lq=3 "
+                                         r"\(a \[B, Lq\] table\), got 2"):
+        module.StagePlan(**args, positions_stride=2)
+    with pytest.raises(ValueError, match=r"per-sample question rows \(positions_stride = Lq\) are read from query "
+                                         r"row 0, got query_row0 = 5"):
+        module.StagePlan(**{**args, "query_row0": 5}, positions_stride=3)
+
+
 def test_the_launching_call_sites_pass_named_arguments_only():
     """The wrappers in macer_kernels/cuda/ call the launching bindings (10 to 21 arguments each) by name: no
     positional argument, every name declared by the binding. Planted: a call site with one argument renamed or
